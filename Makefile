@@ -1,0 +1,50 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+# Each creates .venv and installs what it needs when it is missing or pyproject.toml changed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RUN_DIR := .run
+
+.PHONY: run test test-fast lint format gpu-test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and exactly: the CPU build on the machine. nixl-cu12 asks for any torch,
+	# which would otherwise pull several GB of CUDA packages.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+## run: the whole system on this machine with its embedded defaults.
+run: $(STAMP)
+	$(BIN)/pdserve up --work-dir $(RUN_DIR)
+
+## test: linters, type checker and the full test suite (what CI runs).
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
+
+## test-fast: unit tests only.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q
+
+## gpu-test: the tests that need a GPU (see README).
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -m gpu
+
+lint: $(STAMP)
+	$(BIN)/ruff check services tests
+	$(BIN)/ruff format --check services tests
+	$(BIN)/mypy services
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix services tests
+	$(BIN)/ruff format services tests
+
+bench: $(STAMP)
+	$(BIN)/pdserve bench control-plane --json
+
+clean:
+	rm -rf $(VENV) $(RUN_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints JSON figures, compared in the same run against a named reference."""

@@ -1,0 +1,1 @@
+"""The ``pdserve`` console script."""

@@ -1,0 +1,26 @@
+"""``pdserve bench <name>``: run one benchmark and print its JSON figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from services.bench import control_plane as control_plane_bench
+from services.cli.settings import ToolSettings, add_control_plane_flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    cp = benches.add_parser("control-plane", help="READY latency and Redis round trips per worker")
+    add_control_plane_flags(cp)
+    cp.add_argument("--json", action="store_true", help="JSON only (the default output too)")
+    control_plane_bench.add_arguments(cp)
+
+
+def run(args: argparse.Namespace, settings: ToolSettings) -> int:
+    if args.bench == "control-plane":
+        result = control_plane_bench.run(args, settings.control_plane)
+    else:  # pragma: no cover - argparse restricts choices
+        raise SystemExit(f"unknown benchmark {args.bench}")
+    print(json.dumps(result, indent=2))
+    return 0

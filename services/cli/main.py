@@ -1,0 +1,69 @@
+"""``pdserve``: one console script for every service, tool and benchmark.
+
+Subcommands: ``up`` (the system on one machine), ``status`` (engines and readiness grids),
+``bench`` (benchmarks printing JSON), ``redis`` (a local Redis for development).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from services.cli import bench, status, up
+from services.cli.settings import add_control_plane_flags, resolve
+from services.control_plane import ControlPlaneError
+
+logger = logging.getLogger("pdserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving."
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)...")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    status_parser = commands.add_parser(
+        "status", help="engines, generations, leases and the (pp, tp) readiness grid"
+    )
+    add_control_plane_flags(status_parser)
+    status.add_arguments(status_parser)
+
+    up_parser = commands.add_parser("up", help="the whole system on this machine")
+    add_control_plane_flags(up_parser)
+    up.add_arguments(up_parser)
+
+    bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
+    bench.add_arguments(bench_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = resolve(args)
+    except ValueError as exc:
+        print(f"pdserve: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=(args.log_level or settings.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "status":
+            return status.run(args, settings.control_plane)
+        if args.command == "up":
+            return up.run(args, settings)
+        return bench.run(args, settings)
+    except ControlPlaneError as exc:
+        print(f"pdserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Settings of the Redis connection and of the control plane's leases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+
+
+class RedisSettings(BaseModel):
+    """How to reach the control plane's Redis."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://`` or ``rediss://`` (TLS) URL. A password in the URL is accepted but
+    ``password`` is preferred, since URLs end up in logs."""
+    username: str | None = None
+    """ACL user name (Redis 6+), with ``password``."""
+    password: SecretStr | None = None
+    """AUTH password; never logged."""
+    tls: bool = False
+    """Use TLS even when the URL says ``redis://``."""
+    tls_ca_file: Path | None = None
+    """CA bundle that signs the server certificate."""
+    tls_cert_file: Path | None = None
+    """Client certificate, for mutual TLS."""
+    tls_key_file: Path | None = None
+    """Client key, for mutual TLS."""
+    socket_timeout_s: float = Field(default=5.0, gt=0)
+    """Timeout of one command."""
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    """Timeout of establishing a connection."""
+    retry_attempts: int = Field(default=5, ge=0)
+    """Retries of a failed command (connection lost, timeout, Redis loading) before giving up
+    with ``ControlPlaneUnavailable``."""
+    retry_backoff_s: float = Field(default=0.05, gt=0)
+    """First backoff; doubles per attempt up to ``retry_backoff_max_s``."""
+    retry_backoff_max_s: float = Field(default=2.0, gt=0)
+    """Largest backoff between two retries."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RedisSettings:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"redis url must start with redis://, rediss:// or unix://: {self.url}"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ValueError("retry_backoff_max_s must be >= retry_backoff_s")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.url.startswith("rediss://")
+
+
+class ControlPlaneSettings(BaseModel):
+    """Leases, namespaces and watching."""
+
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    """Key prefix ``pdserve:<namespace>:``: several deployments can share one Redis."""
+    lease_ttl_s: float = Field(default=10.0, gt=0)
+    """An engine that has not heartbeated for this long is gone (its records expire)."""
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    """How often an engine renews its lease; well under ``lease_ttl_s``."""
+    resync_interval_s: float = Field(default=2.0, gt=0)
+    """Watchers re-read everything this often (pub/sub is lossy; leases expire silently)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ControlPlaneSettings:
+        if self.heartbeat_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most half of "
+                f"lease_ttl_s ({self.lease_ttl_s}) so one lost heartbeat does not expire the lease"
+            )
+        return self

@@ -1,0 +1,182 @@
+"""The control-plane seam: what engines, routers and tools may ask of the registry.
+
+Protocol, grouped by caller:
+
+*Engine host* (prefill or decode service, once per engine start):
+  1. :meth:`ControlPlane.register` -> a new :class:`EngineRecord` with a new generation;
+  2. :meth:`ControlPlane.heartbeat` every ``heartbeat_interval_s`` (renews the lease, refreshes
+     load); a :class:`StaleGenerationError` or :class:`EngineNotFound` means the host lost its
+     registration and must stop serving under it;
+  3. :meth:`ControlPlane.deregister` on clean shutdown.
+
+*Engine workers* (one per ``(pp_rank, tp_rank)``, or the engine's scheduler on behalf of all):
+  :meth:`ControlPlane.publish_handshakes` with their :class:`HandshakeRecord`; the call that
+  completes the grid aggregates it and announces READY (or INVALID) atomically;
+  :meth:`ControlPlane.withdraw_handshake` when a worker goes away.
+
+*Readers* (router, decode engines pre-warming NIXL, ``pdserve status``):
+  :meth:`ControlPlane.list_engines`, :meth:`ControlPlane.get_engine`,
+  :meth:`ControlPlane.inspect`, :meth:`ControlPlane.get_topology`, and :meth:`ControlPlane.watch`
+  for changes. Readers re-validate what they read: a hostile or stale value is reported as a
+  problem and counted, never raised as a crash.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.control_plane.aggregation import Aggregation, EngineTopology
+from services.control_plane.wire import (
+    EngineId,
+    EngineLoad,
+    EngineRecord,
+    EngineRole,
+    EngineState,
+    EngineStatus,
+    Generation,
+    HandshakeRecord,
+)
+
+if TYPE_CHECKING:
+    from services.control_plane.watch import EngineWatcher
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine host declares when it registers (the control plane adds the rest)."""
+
+    engine_id: EngineId
+    role: EngineRole
+    model: str
+    compat_hash: str
+    pp_size: int
+    tp_size: int
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    endpoint: str
+    pp_aware: bool = True
+    engine_kind: str = "reference"
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What a reader sees of one engine: each part ``None`` when absent or unreadable."""
+
+    engine_id: EngineId
+    record: EngineRecord | None
+    status: EngineStatus | None
+    load: EngineLoad | None
+    problems: tuple[str, ...] = ()
+    """Values that failed to decode (and so are ``None`` above)."""
+
+    @property
+    def generation(self) -> Generation | None:
+        return self.record.generation if self.record else None
+
+    @property
+    def state(self) -> EngineState | None:
+        if self.status is None or self.record is None:
+            return None
+        if self.status.generation != self.record.generation:
+            return None
+        return self.status.state
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+
+@dataclass(frozen=True)
+class EngineInspection:
+    """An engine's view plus the verdict on its current handshake grid (for ``pdserve status``)."""
+
+    view: EngineView
+    aggregation: Aggregation | None
+
+
+class ControlPlane(abc.ABC):
+    """The engine registry and handshake aggregation. All methods are coroutines.
+
+    Every method raises :class:`ControlPlaneUnavailable` when the backing store stays
+    unreachable after the configured retries with backoff.
+    """
+
+    @abc.abstractmethod
+    async def register(self, spec: EngineSpec) -> EngineRecord:
+        """Register ``spec`` under a new generation and return the stored record.
+
+        Called by an engine host at every start (also a restart under the same engine id).
+        Every earlier generation of the engine is fenced off from then on: its heartbeats,
+        handshakes and deregistration fail with :class:`StaleGenerationError`, and its records
+        are never served as current. The engine starts PENDING with an empty grid.
+        """
+
+    @abc.abstractmethod
+    async def heartbeat(
+        self, engine_id: EngineId, generation: Generation, load: EngineLoad | None = None
+    ) -> None:
+        """Renew the lease of ``engine_id`` at ``generation`` and store ``load`` if given.
+
+        Raises :class:`EngineNotFound` when the lease already expired (the host must register
+        again) and :class:`StaleGenerationError` when a newer generation replaced it.
+        """
+
+    @abc.abstractmethod
+    async def deregister(self, engine_id: EngineId, generation: Generation) -> None:
+        """Remove the engine and its records now (clean shutdown); raises as heartbeat does."""
+
+    @abc.abstractmethod
+    async def publish_handshakes(
+        self, engine: EngineRecord, records: Sequence[HandshakeRecord]
+    ) -> EngineStatus | None:
+        """Publish workers' handshake records for ``engine`` (one call may carry the whole grid).
+
+        Records are checked first: :class:`PipelineParallelUnsupported` for ``pp_rank > 0`` from
+        an engine that is not PP-aware, :class:`HandshakeRejected` for any other invalid record,
+        :class:`DuplicateRankError` when another worker holds the rank. A worker may re-publish
+        its own rank (the record is replaced). Returns the new :class:`EngineStatus` when this
+        call completed the grid and announced READY or INVALID, else ``None``.
+        """
+
+    @abc.abstractmethod
+    async def withdraw_handshake(
+        self, engine: EngineRecord, pp_rank: int, tp_rank: int, worker_id: str
+    ) -> None:
+        """Remove one worker's record (the worker died or stopped); the engine turns PENDING."""
+
+    @abc.abstractmethod
+    async def list_engines(self) -> list[EngineView]:
+        """Every engine with a live lease, sorted by id. Expired ones are pruned and counted."""
+
+    @abc.abstractmethod
+    async def get_engine(self, engine_id: EngineId) -> EngineView | None:
+        """One engine's view, or ``None`` when it has no live lease."""
+
+    @abc.abstractmethod
+    async def get_engines(
+        self, engine_ids: Sequence[EngineId]
+    ) -> dict[EngineId, EngineView | None]:
+        """Several engines' views in one round trip (``None`` for those without a lease)."""
+
+    @abc.abstractmethod
+    async def inspect(self, engine_id: EngineId) -> EngineInspection | None:
+        """One engine's view and a fresh aggregation of its current grid (why not READY)."""
+
+    @abc.abstractmethod
+    async def get_topology(self, engine_id: EngineId) -> EngineTopology:
+        """The READY engine's records and layout, re-validated on read.
+
+        Raises :class:`EngineNotFound` or :class:`EngineNotReady` (with the problems) otherwise.
+        """
+
+    @abc.abstractmethod
+    def watch(self) -> EngineWatcher:
+        """A watcher of engine changes (an async context manager); see :mod:`watch`."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections. Idempotent."""

@@ -1,0 +1,220 @@
+"""Watching engine changes: pub/sub events plus full re-reads, since pub/sub is lossy.
+
+:class:`EngineWatcher` keeps a snapshot of every live engine and yields an
+:class:`EngineChange` whenever an engine appears, changes (generation, state, record, load) or
+disappears. It re-reads everything when it starts, after every reconnect (messages sent while it
+was away are lost) and every ``resync_interval_s`` (leases expire without any message).
+
+Use::
+
+    async with control_plane.watch() as watcher:
+        async for change in watcher:
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from redis.asyncio.client import PubSub
+
+from services.control_plane.errors import ControlPlaneError, RecordDecodeError
+from services.control_plane.wire import EngineId, EngineState, Event, decode
+
+if TYPE_CHECKING:
+    from services.control_plane.base import EngineView
+    from services.control_plane.redis_store import RedisControlPlane
+
+logger = logging.getLogger(__name__)
+
+_MAX_BATCH = 512
+"""Most engines re-read in one round trip after a burst of events."""
+
+
+@dataclass(frozen=True)
+class EngineChange:
+    """One engine's transition: ``before`` is ``None`` when it appeared, ``after`` when gone."""
+
+    engine_id: EngineId
+    before: EngineView | None
+    after: EngineView | None
+
+    @property
+    def became_ready(self) -> bool:
+        """True when the engine is READY now and was not (or was another generation) before."""
+        if self.after is None or not self.after.ready:
+            return False
+        return not (
+            self.before is not None
+            and self.before.ready
+            and self.before.generation == self.after.generation
+        )
+
+
+def _same(a: EngineView | None, b: EngineView | None) -> bool:
+    return a == b
+
+
+class EngineWatcher:
+    """An async context manager and iterator of :class:`EngineChange`; see the module doc."""
+
+    def __init__(self, control_plane: RedisControlPlane) -> None:
+        self._cp = control_plane
+        self._interval = control_plane.settings.resync_interval_s
+        self._snapshot: dict[EngineId, EngineView] = {}
+        self._changes: asyncio.Queue[EngineChange] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+
+    @property
+    def snapshot(self) -> dict[EngineId, EngineView]:
+        """The latest view of every live engine."""
+        return dict(self._snapshot)
+
+    async def __aenter__(self) -> EngineWatcher:
+        self._task = asyncio.create_task(self._run(), name="pdserve-engine-watcher")
+        await self._synced.wait()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def __aiter__(self) -> AsyncIterator[EngineChange]:
+        return self
+
+    async def __anext__(self) -> EngineChange:
+        if self._task is not None and self._task.done():
+            raise StopAsyncIteration
+        return await self._changes.get()
+
+    async def next_change(self, within_s: float) -> EngineChange:
+        """The next change, or :class:`TimeoutError` after ``within_s`` seconds."""
+        return await asyncio.wait_for(self._changes.get(), within_s)
+
+    async def wait_for(
+        self,
+        engine_id: EngineId,
+        state: EngineState,
+        within_s: float,
+        generation: int | None = None,
+    ) -> EngineView:
+        """Wait until ``engine_id`` (at ``generation``, if given) is in ``state``.
+
+        The snapshot is checked first, so a state reached before the call counts.
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            view = self._snapshot.get(engine_id)
+            if (
+                view is not None
+                and view.state is state
+                and (generation is None or view.generation == generation)
+            ):
+                return view
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"engine {engine_id} not {state.value} within {within_s}s")
+            with contextlib.suppress(TimeoutError):
+                await self.next_change(remaining)
+
+    async def _run(self) -> None:
+        cause = "start"
+        backoff = self._cp.settings.redis.retry_backoff_s
+        while True:
+            pubsub = self._cp.connection.client.pubsub()
+            try:
+                await pubsub.subscribe(self._cp.keys.events)
+                await self._resync(cause)
+                self._synced.set()
+                backoff = self._cp.settings.redis.retry_backoff_s
+                await self._listen(pubsub)
+            except asyncio.CancelledError:
+                raise
+            except (ControlPlaneError, OSError, ConnectionError) as exc:
+                logger.warning(
+                    "engine watcher lost Redis (%s); reconnecting in %.2fs", exc, backoff
+                )
+            except Exception as exc:  # redis-py raises its own ConnectionError subclasses here
+                if "redis" not in type(exc).__module__:
+                    raise
+                logger.warning(
+                    "engine watcher lost Redis (%s); reconnecting in %.2fs", exc, backoff
+                )
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            cause = "reconnect"
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._cp.settings.redis.retry_backoff_max_s)
+
+    async def _listen(self, pubsub: PubSub) -> None:
+        last_resync = time.monotonic()
+        while True:
+            message = await pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=self._interval
+            )
+            changed: set[EngineId] = set()
+            # Drain what is already queued and re-read each engine once, in one round trip:
+            # a 16-rank engine coming up sends 17 events, and readers only need the outcome.
+            while message is not None and len(changed) < _MAX_BATCH:
+                if message.get("type") == "message":
+                    engine_id = self._engine_of(message["data"])
+                    if engine_id is not None:
+                        changed.add(engine_id)
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+            if changed:
+                views = await self._cp.get_engines(sorted(changed))
+                for engine_id, view in views.items():
+                    self._update(engine_id, view)
+            if time.monotonic() - last_resync >= self._interval:
+                await self._resync("periodic")
+                last_resync = time.monotonic()
+
+    def _engine_of(self, data: bytes) -> EngineId | None:
+        try:
+            return decode(data, Event).engine_id
+        except RecordDecodeError as exc:
+            self._cp.metrics.records_rejected.labels(reason=exc.reason).inc()
+            logger.warning("ignored malformed control-plane event: %s", exc)
+            return None
+
+    async def _resync(self, cause: str) -> None:
+        self._cp.metrics.watch_resyncs.labels(cause=cause).inc()
+        views = {view.engine_id: view for view in await self._cp.list_engines()}
+        for engine_id in set(self._snapshot) - set(views):
+            self._update(engine_id, None)
+        for engine_id, view in views.items():
+            self._update(engine_id, view)
+
+    def _update(self, engine_id: EngineId, view: EngineView | None) -> None:
+        before = self._snapshot.get(engine_id)
+        if _same(before, view):
+            return
+        if view is None:
+            self._snapshot.pop(engine_id, None)
+        else:
+            self._snapshot[engine_id] = view
+        gauge = self._cp.metrics.engine_state
+        for state in EngineState:
+            current = view is not None and view.state is state
+            if view is None:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(engine_id, state.value)
+            else:
+                gauge.labels(engine=engine_id, state=state.value).set(1 if current else 0)
+        self._changes.put_nowait(EngineChange(engine_id, before, view))

@@ -1,0 +1,374 @@
+"""Wire format of every value pdserve keeps in Redis: versioned, size-bounded msgpack.
+
+Redis is a trust boundary: anything read back may be truncated, oversized, of another protocol
+version, or written by someone hostile. :func:`decode` therefore bounds sizes before and while
+unpacking, checks the envelope (protocol version and record kind), and builds the frozen
+dataclass field by field with strict type checks. It raises :class:`RecordDecodeError` with a
+``reason`` (``oversized``, ``malformed``, ``wrong_version``, ``wrong_kind``, ``schema``) and never
+anything else. Nothing is ever pickled.
+
+Envelope: ``{"v": PROTOCOL_VERSION, "k": <record kind>, "d": {<field>: <value>}}``. Ranges travel
+as ``[start, stop]``, enums as their string value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import msgpack
+
+from services.control_plane.errors import RecordDecodeError
+from services.topology import Range
+
+# Protocol history:
+#   1: first version (engine record, handshake record, status, load, event).
+PROTOCOL_VERSION = 1
+
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+"""Upper bound of one encoded value (NIXL agent metadata dominates; a few KiB to ~1 MiB)."""
+MAX_REGIONS = 8192
+"""Upper bound of registered KV regions per worker (2 per layer: K and V)."""
+MAX_ID_LENGTH = 128
+
+EngineId = str
+Generation = int
+
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_identifier(value: str, what: str = "engine id") -> str:
+    """Return ``value`` if it is a safe identifier (it becomes part of Redis keys), else raise."""
+    if not _ID_PATTERN.match(value):
+        raise ValueError(
+            f"invalid {what} {value!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+class EngineRole(enum.StrEnum):
+    """What an engine serves: prefill (KV producer), decode (KV consumer) or both."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class EngineState(enum.StrEnum):
+    """Readiness of an engine's current generation."""
+
+    PENDING = "pending"
+    """Registered; its handshake grid is not complete yet."""
+    READY = "ready"
+    """Every (pp, tp) record present and consistent: peers may connect and pull."""
+    INVALID = "invalid"
+    """The grid is complete but inconsistent (hash mismatch, layer gap...): see problems."""
+
+
+class EventKind(enum.StrEnum):
+    """Change events sent on the control plane's pub/sub channel."""
+
+    REGISTERED = "registered"
+    HANDSHAKE = "handshake"
+    STATE = "state"
+    DEREGISTERED = "deregistered"
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """One registration of an engine: what it is, its layout and where it is served.
+
+    ``generation`` is assigned by the control plane and changes on every registration.
+    """
+
+    engine_id: EngineId
+    generation: Generation
+    role: EngineRole
+    model: str
+    compat_hash: str
+    pp_size: int
+    tp_size: int
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    endpoint: str
+    pp_aware: bool
+    lease_ttl_ms: int
+    registered_at_ms: int
+    engine_kind: str = "reference"
+    """The engine backend (``reference`` or ``vllm``), for operators."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.tp_size
+
+
+@dataclass(frozen=True)
+class HandshakeRecord:
+    """The KV-transfer metadata of one ``(pp_rank, tp_rank)`` worker of one engine generation.
+
+    The worker's KV lives in ``2 * len(layers)`` registered regions, ordered
+    ``(layer0 K, layer0 V, layer1 K, ...)`` with ``region_base_addrs`` giving each base. Every
+    region holds ``num_blocks`` blocks of ``block_len`` bytes, ``block_stride`` bytes apart. In
+    the ``HND`` layout a block is ``[kv_heads, block_size, head_size]``, so a head slice of one
+    block of one layer is one contiguous range: head ``h`` (local) starts at
+    ``h * block_len // len(kv_heads)``.
+    """
+
+    engine_id: EngineId
+    generation: Generation
+    pp_rank: int
+    tp_rank: int
+    worker_id: str
+    """Unique per worker process incarnation: tells a re-publish from a duplicate rank."""
+    agent_name: str
+    agent_metadata: bytes
+    """The NIXL agent's metadata blob (``get_agent_metadata()``), passed to ``add_remote_agent``."""
+    memory_type: str
+    """NIXL memory type of the regions: ``DRAM`` or ``VRAM``."""
+    device_id: int
+    region_base_addrs: tuple[int, ...]
+    num_blocks: int
+    block_len: int
+    block_stride: int
+    block_size: int
+    dtype: str
+    head_size: int
+    kv_layout: str
+    layers: Range
+    kv_heads: Range
+    compat_hash: str
+    extra: bytes = b""
+    """Engine-specific opaque data (the vLLM backend keeps its own handshake payload here)."""
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Readiness of one engine generation, written atomically by the aggregator."""
+
+    engine_id: EngineId
+    generation: Generation
+    state: EngineState
+    problems: tuple[str, ...]
+    handshake_version: int
+    """The handshake hash version this status was computed from (compare-and-set guard)."""
+    updated_at_ms: int
+    ready_latency_ms: int = -1
+    """Registration to READY, when READY."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Load figures an engine refreshes on each heartbeat (the router's scheduling input)."""
+
+    queue_depth: int = 0
+    running_requests: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change notification on pub/sub: readers re-read the engine (pub/sub is lossy)."""
+
+    engine_id: EngineId
+    generation: Generation
+    kind: EventKind
+    state: str = ""
+
+
+_KINDS: dict[type[Any], str] = {
+    EngineRecord: "engine",
+    HandshakeRecord: "handshake",
+    EngineStatus: "status",
+    EngineLoad: "load",
+    Event: "event",
+}
+
+T = TypeVar("T")
+
+
+def compute_compat_hash(
+    *,
+    model: str,
+    dtype: str,
+    head_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    kv_layout: str,
+    engine_kind: str = "reference",
+) -> str:
+    """The compatibility hash: equal on two engines iff their KV can be moved between them.
+
+    Covers exactly the fields that must match across a transfer (model, KV dtype, head size,
+    layer and KV-head counts, layout, protocol version, engine kind). Block size is checked
+    separately so a mismatch gets its own message.
+    """
+    fields = (
+        f"pdserve-kv/{PROTOCOL_VERSION}",
+        engine_kind,
+        model,
+        dtype,
+        str(head_size),
+        str(num_layers),
+        str(num_kv_heads),
+        kv_layout,
+    )
+    return hashlib.sha256("\x1f".join(fields).encode()).hexdigest()[:32]
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Range):
+        return [value.start, value.stop]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_to_wire(item) for item in value]
+    return value
+
+
+def encode(record: Any) -> bytes:
+    """Encode a record dataclass into its versioned envelope."""
+    kind = _KINDS[type(record)]
+    payload = {f.name: _to_wire(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    data: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "k": kind, "d": payload}, use_bin_type=True)
+    if len(data) > MAX_RECORD_BYTES:
+        raise ValueError(f"{kind} record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    return data
+
+
+def decode(data: bytes, cls: type[T]) -> T:
+    """Decode and strictly validate one value of type ``cls``; see the module docstring."""
+    kind = _KINDS[cls]
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordDecodeError(
+            f"{kind} record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}", reason="oversized"
+        )
+    try:
+        envelope = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_RECORD_BYTES,
+            max_bin_len=MAX_RECORD_BYTES,
+            max_array_len=MAX_REGIONS + 16,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
+        # UnicodeDecodeError is a ValueError; so are msgpack's size-limit errors.
+        raise RecordDecodeError(f"{kind} record is not valid msgpack: {exc}") from exc
+    if not isinstance(envelope, dict) or set(envelope) != {"v", "k", "d"}:
+        raise RecordDecodeError(f"{kind} record has no pdserve envelope", reason="malformed")
+    if envelope["v"] != PROTOCOL_VERSION:
+        raise RecordDecodeError(
+            f"{kind} record has protocol version {envelope['v']!r}, expected {PROTOCOL_VERSION}",
+            reason="wrong_version",
+        )
+    if envelope["k"] != kind:
+        raise RecordDecodeError(
+            f"expected a {kind} record, found {envelope['k']!r}", reason="wrong_kind"
+        )
+    payload = envelope["d"]
+    if not isinstance(payload, dict):
+        raise RecordDecodeError(f"{kind} record body is not a map", reason="schema")
+    try:
+        return _build(cls, payload)
+    except (TypeError, ValueError) as exc:
+        raise RecordDecodeError(f"invalid {kind} record: {exc}", reason="schema") from exc
+
+
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _build(cls: type[T], payload: dict[str, Any]) -> T:
+    hints = _hints(cast(type[Any], cls))
+    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(payload) - set(known)
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}")
+    values: dict[str, Any] = {}
+    for name, spec in known.items():
+        if name not in payload:
+            if spec.default is dataclasses.MISSING:
+                raise ValueError(f"missing field {name!r}")
+            continue
+        values[name] = _convert(hints[name], payload[name], name)
+    return cls(**values)
+
+
+def _convert(expected: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(expected)
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected bool")
+        return value
+    if expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected int")
+        return value
+    if expected is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{name}: expected str")
+        return value
+    if expected is bytes:
+        if not isinstance(value, bytes):
+            raise TypeError(f"{name}: expected bytes")
+        return value
+    if expected is Range:
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise TypeError(f"{name}: expected [start, stop]")
+        return Range(value[0], value[1])
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        return expected(value)
+    if origin is tuple:
+        (item_type, _ellipsis) = typing.get_args(expected)
+        if not isinstance(value, list):
+            raise TypeError(f"{name}: expected a list")
+        return tuple(_convert(item_type, item, name) for item in value)
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"{name}: unions are not part of the wire format")
+    raise TypeError(f"{name}: unsupported wire type {expected!r}")
+
+
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "PROTOCOL_VERSION",
+    "EngineId",
+    "EngineLoad",
+    "EngineRecord",
+    "EngineRole",
+    "EngineState",
+    "EngineStatus",
+    "Event",
+    "EventKind",
+    "Generation",
+    "HandshakeRecord",
+    "compute_compat_hash",
+    "decode",
+    "encode",
+    "validate_identifier",
+]

@@ -1,0 +1,1 @@
+"""The decode service. Not built yet: see docs/architecture.md, "Status"."""

@@ -1,0 +1,1 @@
+"""The prefill service. Not built yet: see docs/architecture.md, "Status"."""

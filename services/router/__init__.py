@@ -1,0 +1,1 @@
+"""The router service. Not built yet: see docs/architecture.md, "Status"."""

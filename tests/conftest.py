@@ -1,0 +1,68 @@
+"""Shared fixtures: a real redis-server per test session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.config import ControlPlaneSettings, RedisSettings
+from services.control_plane import ControlPlaneMetrics, RedisControlPlane
+from services.control_plane.local_redis import LocalRedisServer
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests run only with PDSERVE_GPU_TESTS=1 (``make gpu-test`` on a GPU machine)."""
+    if os.environ.get("PDSERVE_GPU_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU: run `make gpu-test` with PDSERVE_GPU_TESTS=1")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedisServer]:
+    """A real redis-server on a free port for the whole session."""
+    with LocalRedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def cp_settings(redis_server: LocalRedisServer, namespace: str) -> ControlPlaneSettings:
+    """Short leases so expiry tests stay fast; a namespace of its own per test."""
+    return ControlPlaneSettings(
+        redis=RedisSettings(url=redis_server.url, retry_attempts=3, retry_backoff_s=0.02),
+        namespace=namespace,
+        lease_ttl_s=5.0,
+        heartbeat_interval_s=1.0,
+        resync_interval_s=0.3,
+    )
+
+
+@pytest.fixture
+def metrics() -> ControlPlaneMetrics:
+    return ControlPlaneMetrics(CollectorRegistry())
+
+
+@pytest.fixture
+async def control_plane(
+    cp_settings: ControlPlaneSettings, metrics: ControlPlaneMetrics
+) -> AsyncIterator[RedisControlPlane]:
+    cp = RedisControlPlane(cp_settings, metrics)
+    yield cp
+    await cp.close()
+
+
+def counter_value(metrics: ControlPlaneMetrics, name: str, **labels: str) -> float:
+    """The current value of one labelled sample (0 when it was never set)."""
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
