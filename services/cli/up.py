@@ -69,7 +69,7 @@ async def _display(settings: ControlPlaneSettings, exit_after: float | None) -> 
         loop.call_later(exit_after, stop.set)
     control_plane = RedisControlPlane(settings)
     try:
-        async with control_plane.watch() as watcher:
+        async with control_plane.watch(handshake_progress=True) as watcher:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     change = await watcher.next_change(0.5)

@@ -174,8 +174,11 @@ class ControlPlane(abc.ABC):
         """
 
     @abc.abstractmethod
-    def watch(self) -> EngineWatcher:
-        """A watcher of engine changes (an async context manager); see :mod:`watch`."""
+    def watch(self, *, handshake_progress: bool = False) -> EngineWatcher:
+        """A watcher of engine changes (an async context manager); see :mod:`watch`.
+
+        ``handshake_progress`` also reports every rank's publication (grid displays).
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -378,8 +378,8 @@ class RedisControlPlane(ControlPlane):
             )
         return verdict.topology
 
-    def watch(self) -> EngineWatcher:
-        return EngineWatcher(self)
+    def watch(self, *, handshake_progress: bool = False) -> EngineWatcher:
+        return EngineWatcher(self, handshake_progress=handshake_progress)
 
     async def close(self) -> None:
         await self.connection.close()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from redis.asyncio.client import PubSub
 
 from services.control_plane.errors import ControlPlaneError, RecordDecodeError
-from services.control_plane.wire import EngineId, EngineState, Event, decode
+from services.control_plane.wire import EngineId, EngineState, Event, EventKind, decode
 
 if TYPE_CHECKING:
     from services.control_plane.base import EngineView
@@ -58,15 +58,18 @@ class EngineChange:
         )
 
 
-def _same(a: EngineView | None, b: EngineView | None) -> bool:
-    return a == b
-
-
 class EngineWatcher:
     """An async context manager and iterator of :class:`EngineChange`; see the module doc."""
 
-    def __init__(self, control_plane: RedisControlPlane) -> None:
+    def __init__(
+        self, control_plane: RedisControlPlane, *, handshake_progress: bool = False
+    ) -> None:
+        """``handshake_progress``: also report ranks' publications (an :class:`EngineChange`
+        whose views may be equal; a burst is reported once), for displays of a grid filling up. Off by default: a
+        handshake alone never changes an :class:`EngineView`, so readers that only need the
+        verdict skip those events (16 per 16-rank engine)."""
         self._cp = control_plane
+        self._handshake_progress = handshake_progress
         self._interval = control_plane.settings.resync_interval_s
         self._snapshot: dict[EngineId, EngineView] = {}
         self._changes: asyncio.Queue[EngineChange] = asyncio.Queue()
@@ -169,25 +172,29 @@ class EngineWatcher:
                 ignore_subscribe_messages=True, timeout=self._interval
             )
             changed: set[EngineId] = set()
-            # Drain what is already queued and re-read each engine once, in one round trip:
-            # a 16-rank engine coming up sends 17 events, and readers only need the outcome.
+            progressed: set[EngineId] = set()
+            # Drain what is already queued and re-read each engine once, in one round trip.
             while message is not None and len(changed) < _MAX_BATCH:
                 if message.get("type") == "message":
-                    engine_id = self._engine_of(message["data"])
-                    if engine_id is not None:
-                        changed.add(engine_id)
+                    event = self._event_of(message["data"])
+                    if event is None:
+                        pass
+                    elif event.kind is not EventKind.HANDSHAKE:
+                        changed.add(event.engine_id)
+                    elif self._handshake_progress:
+                        progressed.add(event.engine_id)
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
-            if changed:
-                views = await self._cp.get_engines(sorted(changed))
+            if changed or progressed:
+                views = await self._cp.get_engines(sorted(changed | progressed))
                 for engine_id, view in views.items():
-                    self._update(engine_id, view)
+                    self._update(engine_id, view, force=engine_id in progressed)
             if time.monotonic() - last_resync >= self._interval:
                 await self._resync("periodic")
                 last_resync = time.monotonic()
 
-    def _engine_of(self, data: bytes) -> EngineId | None:
+    def _event_of(self, data: bytes) -> Event | None:
         try:
-            return decode(data, Event).engine_id
+            return decode(data, Event)
         except RecordDecodeError as exc:
             self._cp.metrics.records_rejected.labels(reason=exc.reason).inc()
             logger.warning("ignored malformed control-plane event: %s", exc)
@@ -201,9 +208,9 @@ class EngineWatcher:
         for engine_id, view in views.items():
             self._update(engine_id, view)
 
-    def _update(self, engine_id: EngineId, view: EngineView | None) -> None:
+    def _update(self, engine_id: EngineId, view: EngineView | None, *, force: bool = False) -> None:
         before = self._snapshot.get(engine_id)
-        if _same(before, view):
+        if before == view and not force:
             return
         if view is None:
             self._snapshot.pop(engine_id, None)

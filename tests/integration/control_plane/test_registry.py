@@ -313,3 +313,27 @@ async def test_namespaces_do_not_see_each_other(cp_settings: ControlPlaneSetting
     finally:
         await other.close()
         await mine.close()
+
+
+async def test_handshake_progress_is_reported_only_to_watchers_that_ask(
+    control_plane: RedisControlPlane,
+) -> None:
+    engine = await control_plane.register(synthetic_spec("grid", pp_size=1, tp_size=4))
+    records = list(synthetic_records(engine).values())
+    async with (
+        control_plane.watch() as verdicts,
+        control_plane.watch(handshake_progress=True) as progress,
+    ):
+        initial = await progress.next_change(2.0)
+        assert initial.before is None  # the initial sync
+        for record in records[:3]:  # one at a time: a burst is reported once
+            await control_plane.publish_handshakes(engine, [record])
+            change = await progress.next_change(2.0)
+            assert change.after is not None and change.after.state is EngineState.PENDING
+        with pytest.raises(TimeoutError):  # nothing changed in any view: nothing to report
+            while True:
+                change = await verdicts.next_change(0.5)
+                assert change.before is None, "only the initial sync may report"
+        await control_plane.publish_handshakes(engine, [records[3]])
+        view = await verdicts.wait_for("grid", EngineState.READY, within_s=5)
+        assert view.generation == engine.generation
