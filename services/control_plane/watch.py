@@ -65,9 +65,9 @@ class EngineWatcher:
         self, control_plane: RedisControlPlane, *, handshake_progress: bool = False
     ) -> None:
         """``handshake_progress``: also report ranks' publications (an :class:`EngineChange`
-        whose views may be equal; a burst is reported once), for displays of a grid filling up. Off by default: a
-        handshake alone never changes an :class:`EngineView`, so readers that only need the
-        verdict skip those events (16 per 16-rank engine)."""
+        whose views may be equal; a burst is reported once), for displays of a grid filling
+        up. Off by default: a handshake alone never changes an :class:`EngineView`, so readers
+        that only need the verdict skip those events (16 per 16-rank engine)."""
         self._cp = control_plane
         self._handshake_progress = handshake_progress
         self._interval = control_plane.settings.resync_interval_s
