@@ -1,7 +1,7 @@
 """``pdserve``: one console script for every service, tool and benchmark.
 
 Subcommands: ``up`` (the system on one machine), ``status`` (engines and readiness grids),
-``bench`` (benchmarks printing JSON), ``redis`` (a local Redis for development).
+``bench`` (benchmarks printing JSON), ``make-tiny-model`` (a local test checkpoint).
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_plane_flags(up_parser)
     up.add_arguments(up_parser)
 
+    tiny = commands.add_parser(
+        "make-tiny-model",
+        help="write a small deterministic Llama checkpoint with its tokenizer (no downloads)",
+        add_help=False,
+    )
+    tiny.add_argument("rest", nargs=argparse.REMAINDER)
+
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
     return parser
@@ -43,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "make-tiny-model":
+        from services.engines.reference.tiny_model import main_make_tiny_model  # noqa: PLC0415 - torch
+
+        return main_make_tiny_model(args.rest)
     try:
         settings = resolve(args)
     except ValueError as exc:

@@ -1,0 +1,53 @@
+"""Errors of the engines package.
+
+::
+
+    EngineError                     every error raised by services.engines
+    ├── ModelConfigError (ValueError)   config.json missing, unreadable or inconsistent
+    │   └── UnsupportedModelError       a valid config this engine does not implement
+    │                                   (architecture, rope type, activation, sliding window)
+    ├── CheckpointError             weight or tokenizer files missing, a tensor missing or of the
+    │                               wrong shape, an index naming a file that is not there
+    ├── ShardingError (ValueError)  a PP x TP shard the model cannot be cut into (heads or MLP
+    │                               width that do not divide, a layer range outside the model,
+    │                               a TP > 1 shard without an all-reduce)
+    ├── BatchError (ValueError)     a forward step inconsistent with the shard or its KV cache
+    │                               (block table too short, block id out of range, inputs of the
+    │                               wrong stage)
+    └── TokenizerError (ValueError) token ids a tokenizer cannot decode (outside its vocabulary)
+
+``ModelConfigError``, ``CheckpointError`` and ``ShardingError`` are start-up errors: the worker
+cannot serve this model and should exit. ``BatchError`` is raised before anything is written to
+the KV cache, so the step can be failed and the engine keeps running; it still means the scheduler
+built an impossible step, so it is a bug to report, not a request to retry. ``TokenizerError`` is
+request-scoped: fail that request only. A tokenizer that cannot be loaded is a
+``CheckpointError``.
+"""
+
+
+class EngineError(Exception):
+    """Base of every error raised by ``services.engines``."""
+
+
+class ModelConfigError(EngineError, ValueError):
+    """``config.json`` is missing, unreadable, or holds values that cannot describe a model."""
+
+
+class UnsupportedModelError(ModelConfigError):
+    """A well-formed config of a model this engine does not implement."""
+
+
+class CheckpointError(EngineError):
+    """Weights or tokenizer files are missing or do not match the config."""
+
+
+class ShardingError(EngineError, ValueError):
+    """The model cannot be cut into the requested PP x TP shard."""
+
+
+class BatchError(EngineError, ValueError):
+    """A forward step that does not fit the shard or its KV cache; nothing was written."""
+
+
+class TokenizerError(EngineError, ValueError):
+    """Token ids a tokenizer cannot decode; request-scoped."""
