@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
-        from services.engines.reference.tiny_model import main_make_tiny_model  # noqa: PLC0415 - torch
+        # Imported here: it pulls torch, which the other commands do not need.
+        from services.engines.reference.tiny_model import main_make_tiny_model  # noqa: PLC0415
 
         return main_make_tiny_model(args.rest)
     try:
