@@ -152,8 +152,9 @@ class RedisControlPlane(ControlPlane):
     async def heartbeat(
         self, engine_id: EngineId, generation: Generation, load: EngineLoad | None = None
     ) -> None:
-        keys = self.keys.lease_keys(engine_id, generation)
-        args: list[Any] = [generation, self.lease_ttl_ms, encode(load) if load is not None else b""]
+        keys = [*self.keys.lease_keys(engine_id, generation), self.keys.engines]
+        load_bytes = encode(load) if load is not None else b""
+        args: list[Any] = [generation, self.lease_ttl_ms, load_bytes, engine_id, _now_ms()]
         code = await self.connection.call("heartbeat", lambda: self._heartbeat(keys, args))
         self._check_fence(code, engine_id, generation)
 

@@ -34,8 +34,10 @@ redis.call('PUBLISH', KEYS[10], ARGV[7])
 return 1
 """
 
-# KEYS: cur, engine, status, load, hs, owners, hsver
-# ARGV: generation, ttl_ms, load_bytes (may be empty: keep the previous load)
+# KEYS: cur, engine, status, load, hs, owners, hsver, engines_zset
+# ARGV: generation, ttl_ms, load_bytes (may be empty: keep the previous load), engine_id, score
+# The ZADD NX heals the index when a reader pruned the id as expired just as the engine
+# registered again (list_engines reads, then prunes, in two round trips).
 HEARTBEAT = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return -1 end
@@ -43,6 +45,7 @@ if cur ~= ARGV[1] then return -2 end
 local ttl = tonumber(ARGV[2])
 if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3], 'PX', ttl) end
 for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ttl) end
+redis.call('ZADD', KEYS[8], 'NX', ARGV[5], ARGV[4])
 return 1
 """
 

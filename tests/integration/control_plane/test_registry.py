@@ -337,3 +337,14 @@ async def test_handshake_progress_is_reported_only_to_watchers_that_ask(
         await control_plane.publish_handshakes(engine, [records[3]])
         view = await verdicts.wait_for("grid", EngineState.READY, within_s=5)
         assert view.generation == engine.generation
+
+
+async def test_heartbeat_restores_an_engine_pruned_from_the_index_by_a_racing_reader(
+    control_plane: RedisControlPlane,
+) -> None:
+    engine = await _ready_engine(control_plane, "raced")
+    # A reader saw an older, expired registration and pruned the id just as this one started.
+    await control_plane.connection.client.zrem(control_plane.keys.engines, "raced")
+    assert await control_plane.list_engines() == []
+    await control_plane.heartbeat("raced", engine.generation)
+    assert [v.engine_id for v in await control_plane.list_engines()] == ["raced"]
