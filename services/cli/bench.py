@@ -6,6 +6,7 @@ import argparse
 import json
 
 from services.bench import control_plane as control_plane_bench
+from services.bench import kv as kv_bench
 from services.cli.settings import ToolSettings, add_control_plane_flags
 
 
@@ -15,11 +16,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_control_plane_flags(cp)
     cp.add_argument("--json", action="store_true", help="JSON only (the default output too)")
     control_plane_bench.add_arguments(cp)
+    kv = benches.add_parser(
+        "kv", help="NIXL KV pulls across processes: GB/s next to memcpy, descriptor cost"
+    )
+    kv.add_argument("--json", action="store_true", help="JSON only (the default output too)")
+    kv_bench.add_arguments(kv)
 
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     if args.bench == "control-plane":
         result = control_plane_bench.run(args, settings.control_plane)
+    elif args.bench == "kv":
+        result = kv_bench.run(args)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench}")
     print(json.dumps(result, indent=2))

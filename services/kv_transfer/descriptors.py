@@ -1,0 +1,131 @@
+"""Descriptor lists and index arithmetic for NIXL reads (pure numpy; no NIXL, no torch).
+
+A *slice* is a set of regions (a layer range, K and V) cut to one head range. Its descriptor
+list has one ``(address, length, device)`` row per (layer, K/V, block), in that order, covering
+*every* block of the regions: it is prepared once per peer, and a request then selects its blocks
+by index (:func:`slice_indices`), which costs a few numpy operations instead of building and
+validating descriptors per request. Consecutive blocks of a full-head slice are adjacent in
+memory, so NIXL merges them into larger transfers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from services.control_plane.wire import HandshakeRecord
+from services.topology import Range
+
+if TYPE_CHECKING:
+    from services.kv_transfer.block_pool import RegionLayout
+
+_INDEX_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class RegionGeometry:
+    """One worker's regions as descriptor building needs them (local pool or remote record)."""
+
+    base_addrs: tuple[int, ...]
+    layers: Range
+    kv_heads: Range
+    num_blocks: int
+    block_len: int
+    block_stride: int
+    device_id: int
+    memory_type: str
+
+    @classmethod
+    def of_record(cls, record: HandshakeRecord) -> RegionGeometry:
+        return cls(
+            record.region_base_addrs,
+            record.layers,
+            record.kv_heads,
+            record.num_blocks,
+            record.block_len,
+            record.block_stride,
+            record.device_id,
+            record.memory_type,
+        )
+
+    @classmethod
+    def of_layout(cls, layout: RegionLayout) -> RegionGeometry:
+        return cls(
+            layout.region_base_addrs,
+            layout.layers,
+            layout.kv_heads,
+            layout.num_blocks,
+            layout.block_len,
+            layout.block_stride,
+            layout.device_id,
+            layout.memory_type,
+        )
+
+    @property
+    def head_bytes(self) -> int:
+        return self.block_len // len(self.kv_heads)
+
+    def slice_bytes(self, heads: Range) -> int:
+        """Bytes of one block of one region cut to ``heads``."""
+        return len(heads) * self.head_bytes
+
+
+def slice_descriptors(
+    geometry: RegionGeometry, layers: Range, heads: Range
+) -> npt.NDArray[np.uint64]:
+    """Rows ``(address, length, device_id)`` for every (layer, K/V, block) of the slice.
+
+    ``layers`` and ``heads`` are global and must lie inside the geometry's shard. Row of
+    (layer ``l``, ``kv``, block ``b``): ``((l - layers.start) * 2 + kv) * num_blocks + b``.
+    """
+    if layers.intersect(geometry.layers) != layers or heads.intersect(geometry.kv_heads) != heads:
+        raise ValueError(
+            f"slice layers {layers} heads {heads} outside the shard "
+            f"{geometry.layers} x {geometry.kv_heads}"
+        )
+    first = (layers.start - geometry.layers.start) * 2
+    bases = np.array(
+        geometry.base_addrs[first : first + 2 * len(layers)], dtype=np.uint64
+    )  # regions in (layer, K/V) order
+    head_offset = (heads.start - geometry.kv_heads.start) * geometry.head_bytes
+    offsets = np.arange(geometry.num_blocks, dtype=np.uint64) * np.uint64(geometry.block_stride)
+    addresses = (bases[:, None] + offsets[None, :] + np.uint64(head_offset)).reshape(-1)
+    rows = np.empty((addresses.size, 3), dtype=np.uint64)
+    rows[:, 0] = addresses
+    rows[:, 1] = geometry.slice_bytes(heads)
+    rows[:, 2] = geometry.device_id
+    return rows
+
+
+def slice_indices(
+    slice_layers: Range,
+    read_layers: Range,
+    num_blocks: int,
+    block_ids: Sequence[int] | npt.NDArray[np.int64],
+) -> npt.NDArray[np.int32]:
+    """Indices into a slice's descriptor list for ``read_layers`` x K/V x ``block_ids``.
+
+    The order is layer-major, then K/V, then the order of ``block_ids``; the same call on the
+    local and the remote side (with each side's block ids) gives index lists that pair up.
+    """
+    offset = read_layers.start - slice_layers.start
+    if offset < 0 or read_layers.stop > slice_layers.stop:
+        raise ValueError(f"read layers {read_layers} outside the prepared {slice_layers}")
+    if 2 * len(slice_layers) * num_blocks > _INDEX_LIMIT:
+        raise ValueError("descriptor list too large for int32 indices")
+    blocks = np.asarray(block_ids)
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        raise ValueError(f"block ids outside [0, {num_blocks})")
+    # Row of (layer, K/V) = 2 * layer + kv; the outer sum is computed in int32 directly.
+    rows = np.arange(2 * offset, 2 * (offset + len(read_layers)), dtype=np.int32)
+    indices: npt.NDArray[np.int32] = np.add.outer(
+        rows * np.int32(num_blocks), blocks.astype(np.int32)
+    ).reshape(-1)
+    return indices
+
+
+__all__ = ["RegionGeometry", "slice_descriptors", "slice_indices"]
