@@ -1,0 +1,110 @@
+"""Pre-warming from the control plane: a consumer connects to a producer's NIXL agents when the
+producer turns READY in a real Redis, before any request, and lets go when it is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.config import ControlPlaneSettings
+from services.control_plane import (
+    ControlPlaneMetrics,
+    EngineRole,
+    EngineSpec,
+    EngineState,
+    RedisControlPlane,
+)
+from services.control_plane.wire import HandshakeRecord, decode
+from services.kv_transfer.block_pool import KVBlockPool, KVPoolSpec
+from services.kv_transfer.consumer import KVConsumer
+from services.kv_transfer.nixl_transport import NixlTransport
+from services.kv_transfer.peer_sync import PeerSync
+from services.kv_transfer.protocol import WorkerIdentity
+from tests.integration.kv_transfer.harness import DTYPE, WorkerProcess, compat_hash
+from tests.integration.kv_transfer.harness import EngineSpec as HarnessSpec
+
+pytestmark = pytest.mark.integration
+
+LAYERS, HEADS = 4, 2
+
+
+def _spec(engine_id: str, role: EngineRole, model_hash: str) -> EngineSpec:
+    return EngineSpec(
+        engine_id=engine_id,
+        role=role,
+        model="test-model",
+        compat_hash=model_hash,
+        pp_size=1,
+        tp_size=1,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        block_size=HarnessSpec("x", 0, LAYERS, HEADS, 1, 1).block_size,
+        endpoint="127.0.0.1:0",
+    )
+
+
+async def _until(condition: Callable[[], bool], within_s: float = 10.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not condition():  # noqa: ASYNC110 - polls plain (non-async) state
+            await asyncio.sleep(0.02)
+
+
+async def test_consumer_prewarms_on_ready_and_lets_go_on_a_new_generation(
+    cp_settings: ControlPlaneSettings, workers: list[WorkerProcess]
+) -> None:
+    # A long lease: this test is about pre-warming, and NIXL's first import here takes seconds.
+    control_plane = RedisControlPlane(
+        cp_settings.model_copy(update={"lease_ttl_s": 60.0}), ControlPlaneMetrics()
+    )
+    model_hash = compat_hash(HarnessSpec("x", 0, LAYERS, HEADS, 1, 1))
+    producer = await control_plane.register(_spec("prefill-a", EngineRole.PREFILL, model_hash))
+    harness_spec = HarnessSpec("prefill-a", producer.generation, LAYERS, HEADS, 1, 1)
+    record = decode(workers[0].call("setup", engine=harness_spec, rank=(0, 0)), HandshakeRecord)
+
+    shard = harness_spec.layout().shards[(0, 0)]
+    pool = KVBlockPool(
+        KVPoolSpec(shard.layers, shard.kv_heads, 16, harness_spec.block_size,
+                   harness_spec.head_size, DTYPE)
+    )  # fmt: skip
+    transport = NixlTransport(pool, WorkerIdentity("decode-a", 1, 0, 0))
+    consumer = KVConsumer(transport, harness_spec.layout())
+    registry = CollectorRegistry()
+    sync = PeerSync(consumer, control_plane, compat_hash=model_hash, registry=registry)
+    try:
+        async with control_plane.watch() as watcher:
+            following = asyncio.create_task(sync.follow(watcher))
+            # An incompatible producer is never connected.
+            other = await control_plane.register(_spec("prefill-b", EngineRole.PREFILL, "0" * 32))
+            assert other.generation > 0
+            await asyncio.sleep(0.3)
+            assert consumer.connected("prefill-a") is None  # registered, not READY: no handshake
+
+            status = await control_plane.publish_handshakes(producer, [record])
+            assert status is not None and status.state is EngineState.READY
+            await _until(lambda: consumer.connected("prefill-a") == producer.generation)
+            assert transport.peer_generation("prefill-a", (0, 0)) == producer.generation
+            assert consumer.connected("prefill-b") is None
+
+            # The producer restarts under the same id: the old generation is let go at once.
+            restarted = await control_plane.register(
+                _spec("prefill-a", EngineRole.PREFILL, model_hash)
+            )
+            await watcher.wait_for("prefill-a", EngineState.PENDING, 5, restarted.generation)
+            await _until(lambda: consumer.connected("prefill-a") is None)
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
+        assert (
+            registry.get_sample_value(
+                "pdserve_kv_transfer_prewarm_failures_total",
+                {"producer_engine": "prefill-a", "reason": "not_ready"},
+            )
+            is None
+        )
+    finally:
+        transport.close()
+        await control_plane.close()
