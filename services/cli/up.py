@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import signal
 from pathlib import Path
 
@@ -21,9 +20,6 @@ from services.cli.status import describe, render_table
 from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
-
-logger = logging.getLogger(__name__)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

@@ -40,29 +40,17 @@ class RegionGeometry:
     memory_type: str
 
     @classmethod
-    def of_record(cls, record: HandshakeRecord) -> RegionGeometry:
+    def of(cls, source: HandshakeRecord | RegionLayout) -> RegionGeometry:
+        """From a remote worker's handshake record or the local pool's layout (same fields)."""
         return cls(
-            record.region_base_addrs,
-            record.layers,
-            record.kv_heads,
-            record.num_blocks,
-            record.block_len,
-            record.block_stride,
-            record.device_id,
-            record.memory_type,
-        )
-
-    @classmethod
-    def of_layout(cls, layout: RegionLayout) -> RegionGeometry:
-        return cls(
-            layout.region_base_addrs,
-            layout.layers,
-            layout.kv_heads,
-            layout.num_blocks,
-            layout.block_len,
-            layout.block_stride,
-            layout.device_id,
-            layout.memory_type,
+            source.region_base_addrs,
+            source.layers,
+            source.kv_heads,
+            source.num_blocks,
+            source.block_len,
+            source.block_stride,
+            source.device_id,
+            source.memory_type,
         )
 
     @property

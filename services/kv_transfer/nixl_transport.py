@@ -85,7 +85,7 @@ class NixlTransport(KVTransport):
         self._name = agent_name or (
             f"{identity.engine_id}-g{identity.generation}-{identity.label}-{uuid.uuid4().hex[:8]}"
         )
-        self._local = RegionGeometry.of_layout(pool.describe())
+        self._local = RegionGeometry.of(pool.describe())
         self._agent = NixlAgent(self._name, self._config, pool.buffer)
         self._peers: dict[PeerKey, _Peer] = {}
         self._local_dlists: dict[Range, Handle] = {}
@@ -140,7 +140,7 @@ class NixlTransport(KVTransport):
         )
         try:
             if peer.layers is not None and peer.heads is not None:
-                rows = slice_descriptors(RegionGeometry.of_record(record), peer.layers, peer.heads)
+                rows = slice_descriptors(RegionGeometry.of(record), peer.layers, peer.heads)
                 peer.remote_dlist = self._agent.prep_dlist(agent, rows, record.memory_type)
                 peer.local_dlist = self._local_dlist(peer.heads)
         except Exception:
