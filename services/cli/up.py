@@ -21,6 +21,7 @@ from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--work-dir", type=Path, default=Path(".run"), help="where run-time files go"
