@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR := .run
 
-.PHONY: run test test-fast lint format gpu-test bench clean
+.PHONY: run test test-fast lint format gpu-test bench proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff check --fix services tests
 	$(BIN)/ruff format services tests
+
+## proto: regenerate services/proto_gen from proto/pdserve/v1 (a test fails when they drift).
+proto: $(STAMP)
+	$(BIN)/python -m services.devtools.protogen
 
 bench: $(STAMP)
 	$(BIN)/pdserve bench control-plane --json

@@ -14,7 +14,18 @@
     ├── BatchError (ValueError)     a forward step inconsistent with the shard or its KV cache
     │                               (block table too short, block id out of range, inputs of the
     │                               wrong stage)
-    └── TokenizerError (ValueError) token ids a tokenizer cannot decode (outside its vocabulary)
+    ├── TokenizerError (ValueError) token ids a tokenizer cannot decode (outside its vocabulary)
+    ├── RequestError                request-scoped serving errors (the backend seam's contract)
+    │   ├── InvalidRequest (ValueError)  bad parameters or token ids      -> INVALID_ARGUMENT
+    │   ├── DuplicateRequest        a request id already running here     -> ALREADY_EXISTS
+    │   ├── UnknownKVHandle         no held KV under that handle here     -> NOT_FOUND
+    │   ├── KVLeaseExpired          the handle's lease ran out            -> FAILED_PRECONDITION
+    │   ├── ProducerUnavailable     the producer is gone, not READY, or of
+    │   │                           another generation than the handle    -> UNAVAILABLE
+    │   ├── KVTransferFailed        the pull failed (reason attached)     -> UNAVAILABLE
+    │   ├── EngineOverloaded        admission refused (queue or KV full)  -> RESOURCE_EXHAUSTED
+    │   └── EngineDraining          the engine stopped admitting          -> UNAVAILABLE
+    └── EngineFailed                a rank died or the engine cannot run  -> INTERNAL
 
 ``ModelConfigError``, ``CheckpointError`` and ``ShardingError`` are start-up errors: the worker
 cannot serve this model and should exit. ``BatchError`` is raised before anything is written to
@@ -51,3 +62,47 @@ class BatchError(EngineError, ValueError):
 
 class TokenizerError(EngineError, ValueError):
     """Token ids a tokenizer cannot decode; request-scoped."""
+
+
+class RequestError(EngineError):
+    """A request-scoped serving error: that request fails, the engine keeps serving."""
+
+
+class InvalidRequest(RequestError, ValueError):
+    """Bad sampling parameters or token ids; the message names the field."""
+
+
+class DuplicateRequest(RequestError):
+    """A request id that is already running on this engine."""
+
+
+class UnknownKVHandle(RequestError):
+    """The producer holds no KV under this handle (never prefilled, already pulled or freed)."""
+
+
+class KVLeaseExpired(RequestError):
+    """The handle's lease ran out before the pull started; the producer freed the blocks."""
+
+
+class ProducerUnavailable(RequestError):
+    """The handle's producer engine is gone, not READY, or at another generation."""
+
+
+class KVTransferFailed(RequestError):
+    """A KV pull failed; ``reason`` is the data plane's label (``remote_disconnected``...)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineOverloaded(RequestError):
+    """Admission refused: the queue or the KV pool is full."""
+
+
+class EngineDraining(RequestError):
+    """The engine is draining (shutting down) and admits no new request."""
+
+
+class EngineFailed(EngineError):
+    """A rank process died or the engine cannot run; the host must stop serving."""

@@ -1,0 +1,259 @@
+"""The engine-backend seam: what a prefill or decode service asks of the engine it hosts.
+
+A service (``pdserve prefill`` / ``pdserve decode``) owns one :class:`EngineBackend`. The
+reference CPU engine (``services.engines.reference``) and the vLLM engine
+(``services.engines.vllm``) implement it; the gRPC layer translates its types to and from
+``proto/pdserve/v1`` and its errors (:mod:`services.engines.errors`) to status codes.
+
+Lifecycle, as the host drives it:
+
+1. ``backend = SomeBackend(options)``; :meth:`EngineBackend.describe` gives the
+   :class:`~services.control_plane.base.EngineSpec` fields that depend on the model and layout
+   (the host fills in engine id, role and endpoint) without starting anything heavy.
+2. The host registers the spec with the control plane and gets a generation.
+3. ``await backend.start(registration)`` starts the engine's rank processes; every
+   ``(pp_rank, tp_rank)`` publishes its handshake record for ``registration.generation``
+   (or the engine's scheduler publishes the whole grid). ``start`` returns once every rank is
+   up and has published; the host then waits for READY through the control plane.
+4. Requests: :meth:`prefill`, :meth:`decode`, :meth:`abort`; :meth:`load` on every heartbeat.
+5. Shutdown: :meth:`drain` (stop admitting, finish or abort in-flight work within a bound),
+   then :meth:`stop`.
+
+Every method is safe to call from the host's asyncio loop; a backend never blocks it.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from services.config.control_plane import ControlPlaneSettings
+from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
+from services.engines.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy (``top_p``/``top_k`` then ignored).
+
+    ``seed`` makes a sampled request reproducible on any layout: the engine draws from a
+    generator seeded per request, never from a shared one. ``stop`` strings end generation
+    when the detokenized output contains one (the stop string is not returned);
+    ``stop_token_ids`` end it on those ids (the id is not returned); EOS ends it unless
+    ``ignore_eos``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, *, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidRequest` naming the first bad field."""
+        if self.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("temperature must be a finite number >= 0")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0 (0 disables it)")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequest("seed must be in [0, 2**63)")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequest(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class FinishReason(StrEnum):
+    """Why a request ended (the OpenAI ``finish_reason`` for the first two)."""
+
+    STOP = "stop"  # EOS, a stop id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the engine's context limit
+    ABORT = "abort"  # aborted by the caller or by a drain
+    ERROR = "error"  # the engine failed the request (the message says why)
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where a prefilled request's KV lives until a decode engine pulls it.
+
+    ``request_id`` is the producer's key for the held blocks (the lease). ``block_ids`` are the
+    same on every rank of the producer (as in vLLM). The producer frees the blocks when every
+    consumer rank has notified it, when the request is aborted, or at ``lease_expires_at_s``
+    (unix seconds), whichever comes first. ``extra`` is backend-specific and opaque to the
+    services (vLLM's ``kv_transfer_params`` as JSON).
+    """
+
+    producer_engine_id: EngineId
+    generation: Generation
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    lease_expires_at_s: float
+    extra: bytes = b""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose KV was found in the engine's prefix cache (not recomputed)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token of a prefilled request and the handle of its KV.
+
+    ``kv_handle`` is ``None`` exactly when ``finish_reason`` is set: the first token already
+    ended the request (``max_tokens == 1``, EOS, a stop id or string) and nothing was held.
+    """
+
+    request_id: str
+    first_token_id: int
+    text: str
+    kv_handle: KVHandle | None
+    finish_reason: FinishReason | None
+    usage: Usage
+    prefill_s: float = 0.0
+    """Engine time from admission to the first token (queue time excluded)."""
+    queue_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One step of a decode stream: new token ids and the text they complete.
+
+    The last delta of a stream has ``finish_reason`` and ``usage`` set; ``text`` may lag the
+    ids while a multi-byte character or a possible stop string is incomplete.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    """Set with ``FinishReason.ERROR``: what went wrong, for the client."""
+    kv_transfer_s: float | None = None
+    """On the first delta of a disaggregated request: time spent pulling the KV."""
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A request for a decode engine.
+
+    With ``kv_handle`` the engine pulls the prompt's KV from the producer (disaggregated);
+    ``first_token_id`` is then the producer's first token, which the stream does not repeat.
+    Without it the engine prefills the prompt itself (local / colocated execution) and the
+    stream starts with the first token.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    kv_handle: KVHandle | None = None
+    first_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineRegistration:
+    """What :meth:`EngineBackend.start` needs to publish handshakes for this engine."""
+
+    engine_id: EngineId
+    generation: Generation
+    role: EngineRole
+    control_plane: ControlPlaneSettings = field(default_factory=ControlPlaneSettings)
+
+
+@dataclass(frozen=True)
+class BackendDescription:
+    """The model- and layout-dependent parts of an engine's control-plane spec."""
+
+    model: str
+    compat_hash: str
+    pp_size: int
+    tp_size: int
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    pp_aware: bool = True
+    engine_kind: str = "reference"
+
+
+class EngineBackend(abc.ABC):
+    """An engine a service hosts. See the module docstring for the lifecycle.
+
+    Errors: :class:`~services.engines.errors.InvalidRequest` for bad input (never a crash),
+    :class:`~services.engines.errors.UnknownKVHandle` / ``KVLeaseExpired`` /
+    ``ProducerUnavailable`` for a handle that cannot be pulled, ``EngineOverloaded`` when
+    admission is refused, ``EngineDraining`` once :meth:`drain` began, ``EngineFailed`` when a
+    rank died (the engine is then unusable and the host must exit non-zero).
+    """
+
+    @abc.abstractmethod
+    def describe(self) -> BackendDescription:
+        """The spec fields the host registers; cheap (reads the model config only)."""
+
+    @abc.abstractmethod
+    async def start(self, registration: EngineRegistration) -> None:
+        """Start every rank and have each publish its handshake record for the generation.
+
+        Returns when all ranks are up and published; raises ``EngineFailed`` if one fails to
+        start (every started rank is stopped first).
+        """
+
+    @abc.abstractmethod
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        """Compute the prompt's KV and first token; hold the KV for a consumer (prefill role)."""
+
+    @abc.abstractmethod
+    def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        """Stream a request's tokens until it finishes; the last delta carries the reason.
+
+        Pull errors (unknown handle, expired lease, producer gone) are raised before the first
+        delta. Closing the iterator early aborts the request and frees its blocks.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running or held request and free its blocks; ``False`` when unknown."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad:
+        """Queue depth, running requests and KV blocks (free, total) right now."""
+
+    @abc.abstractmethod
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests; wait up to ``timeout_s`` for in-flight ones (held KV included)
+        and abort what remains. Returns the number of requests aborted."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop every rank and withdraw its handshake. Idempotent."""
+
+    @abc.abstractmethod
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (the prefill's first token, for the router)."""
