@@ -1,0 +1,211 @@
+"""The router's way to call engines: :class:`EngineClient` (one engine) and
+:class:`EngineClientPool` (one channel per target, reused).
+
+Every call raises the engine's error as the same :mod:`services.engines.errors` class the backend
+raised (``InvalidRequest``, ``UnknownKVHandle``, ``ProducerUnavailable``, ``EngineOverloaded``,
+``EngineDraining``, ``EngineFailed``...), :class:`~services.serving.errors.RequestCancelled` for
+CANCELLED, and :class:`~services.serving.errors.EngineUnreachable` when the engine cannot be
+reached (connection refused, deadline exceeded, channel broken). Messages name the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.control_plane.wire import EngineLoad
+from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+from services.proto_gen.pdserve.v1 import (
+    decode_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    prefill_pb2_grpc,
+)
+from services.serving import convert
+from services.serving.errors import EngineUnreachable
+from services.serving.status import error_from_status
+from services.serving.tls import ClientTLS
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Bound of one gRPC message either way (a prompt of 128k tokens is ~0.6 MiB)."""
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Find a dead engine within seconds on an idle channel, not at the next request.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class EngineClient:
+    """A client of one engine service (prefill or decode) at ``target`` (``host:port``).
+
+    One HTTP/2 channel, created lazily on first use within the running event loop; safe for
+    concurrent calls from that loop. ``close`` when done (or let the pool do it).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: ClientTLS | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.target = target
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
+        self._channel: grpc.aio.Channel | None = None
+        self._prefill: prefill_pb2_grpc.PrefillServiceAsyncStub | None = None
+        self._decode: decode_pb2_grpc.DecodeServiceAsyncStub | None = None
+        self._engine: engine_pb2_grpc.EngineServiceAsyncStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    def _connect(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            options = channel_options(self._max_message_bytes)
+            if self._tls is None:
+                self._channel = grpc.aio.insecure_channel(self.target, options=options)
+            else:
+                if self._tls.server_name:
+                    options.append(("grpc.ssl_target_name_override", self._tls.server_name))
+                self._channel = grpc.aio.secure_channel(
+                    self.target, self._tls.credentials(), options=options
+                )
+            self._prefill = prefill_pb2_grpc.PrefillServiceStub(self._channel)
+            self._decode = decode_pb2_grpc.DecodeServiceStub(self._channel)
+            self._engine = engine_pb2_grpc.EngineServiceStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        return self._channel
+
+    def _error(self, exc: grpc.aio.AioRpcError, rpc: str) -> Exception:
+        # grpc.aio.Metadata iterates as (key, value) pairs (grpc-stubs describes the sync type).
+        raw: Any = exc.trailing_metadata() or ()
+        metadata = tuple((str(key), value) for key, value in raw)
+        return error_from_status(
+            exc.code(), exc.details() or "", metadata, target=self.target, rpc=rpc
+        )
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+    ) -> PrefillResult:
+        """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is."""
+        self._connect()
+        assert self._prefill is not None
+        message = convert.prefill_request_to_proto(request_id, prompt_token_ids, sampling)
+        try:
+            response = await self._prefill.Prefill(message, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, "Prefill") from None
+        return convert.prefill_result_from_proto(response)
+
+    async def decode(
+        self, request: DecodeRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream the request's tokens. Errors before the first delta raise; closing the
+        iterator early (``aclose``, ``break`` in ``async for`` then garbage collection, or the
+        consuming task being cancelled) cancels the call and the engine aborts the request."""
+        self._connect()
+        assert self._decode is not None
+        call = self._decode.Decode(convert.decode_request_to_proto(request), timeout=timeout_s)
+        try:
+            async for chunk in call:
+                yield convert.delta_from_proto(chunk)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, "Decode") from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = 5.0) -> bool:
+        """Abort a running request or release held KV; ``False`` when the engine does not
+        know the id."""
+        self._connect()
+        assert self._engine is not None
+        try:
+            response = await self._engine.Abort(
+                engine_pb2.AbortRequest(request_id=request_id), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, "Abort") from None
+        return response.found
+
+    async def get_load(self, *, timeout_s: float | None = 5.0) -> EngineLoad:
+        self._connect()
+        assert self._engine is not None
+        try:
+            response = await self._engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, "GetLoad") from None
+        return convert.load_from_proto(response)
+
+    async def health(self, *, timeout_s: float | None = 5.0) -> bool:
+        """Whether the engine's ``grpc.health.v1`` status is SERVING (READY and not draining).
+
+        Raises :class:`EngineUnreachable` when the engine cannot be reached.
+        """
+        self._connect()
+        assert self._health is not None
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            error = self._error(exc, "Health.Check")
+            if isinstance(error, EngineUnreachable):
+                raise error from None
+            return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        """Close the channel (in-flight calls are cancelled). Idempotent."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close(grace=None)
+
+
+class EngineClientPool:
+    """One :class:`EngineClient` (one channel) per target, created on first use and reused."""
+
+    def __init__(
+        self, *, tls: ClientTLS | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> None:
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
+        self._clients: dict[str, EngineClient] = {}
+
+    def get(self, target: str) -> EngineClient:
+        client = self._clients.get(target)
+        if client is None:
+            client = EngineClient(target, tls=self._tls, max_message_bytes=self._max_message_bytes)
+            self._clients[target] = client
+        return client
+
+    def __contains__(self, target: object) -> bool:
+        return target in self._clients
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    async def discard(self, target: str) -> None:
+        """Close and forget the client of ``target`` (the engine went away)."""
+        client = self._clients.pop(target, None)
+        if client is not None:
+            await client.close()
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(client.close() for client in clients))

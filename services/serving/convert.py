@@ -1,0 +1,383 @@
+"""Proto (``pdserve.v1``) <-> backend dataclasses (:mod:`services.engines.backend`).
+
+``*_from_proto`` functions run on the server before the backend sees anything: they bound every
+field and raise :class:`InvalidRequest` naming the first bad one, so malformed input is an
+INVALID_ARGUMENT and never reaches the engine. Checks that need the engine (vocabulary, context
+length) take its :class:`RequestLimits`. ``*_to_proto`` functions are their inverses; the client
+uses both directions' counterparts (a round trip is the identity on valid values).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.control_plane.wire import EngineLoad, validate_identifier
+from services.engines.backend import (
+    BackendDescription,
+    DecodeRequest,
+    FinishReason,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from services.engines.errors import InvalidRequest
+from services.proto_gen.pdserve.v1 import (
+    decode_pb2,
+    engine_pb2,
+    prefill_pb2,
+    types_pb2,
+)
+
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_STOP_TOKEN_IDS = 256
+MAX_HANDLE_EXTRA_BYTES = 64 * 1024
+MAX_GENERATION = 2**63 - 1
+
+_FINISH_TO_PROTO = {
+    None: types_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine accepts: token ids in ``[0, vocab_size)``, prompts that leave room for
+    at least one generated token within ``max_model_len``."""
+
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, description: BackendDescription) -> RequestLimits:
+        return cls(vocab_size=description.vocab_size, max_model_len=description.max_model_len)
+
+
+def validate_request_id(request_id: str, what: str = "request_id") -> str:
+    if not _REQUEST_ID.match(request_id):
+        raise InvalidRequest(
+            f"{what} must be 1-{MAX_REQUEST_ID_CHARS} letters, digits, '.', '_', ':' or '-' "
+            f"starting with a letter or digit (got {request_id[:40]!r})"
+        )
+    return request_id
+
+
+def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
+    if not token_ids:
+        raise InvalidRequest("token_ids must not be empty")
+    if len(token_ids) >= limits.max_model_len:
+        raise InvalidRequest(
+            f"prompt of {len(token_ids)} tokens leaves no room to generate within the "
+            f"engine's context of {limits.max_model_len} tokens"
+        )
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
+    return tuple(token_ids)
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+
+def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
+    message = types_pb2.SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+    if sampling.seed is not None:
+        message.seed = sampling.seed
+    return message
+
+
+def sampling_from_proto(
+    message: types_pb2.SamplingParams, limits: RequestLimits | None = None
+) -> SamplingParams:
+    """Validated :class:`SamplingParams`; ``top_p == 0`` is read as 1 (the proto's default)."""
+    if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    # float32 on the wire: round to the nearest short decimal so 0.7 stays 0.7.
+    sampling = SamplingParams(
+        max_tokens=message.max_tokens,
+        temperature=_float32(message.temperature),
+        top_p=_float32(message.top_p) if message.top_p != 0 else 1.0,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+    )
+    sampling.validate(vocab_size=limits.vocab_size if limits else None)
+    return sampling
+
+
+def _float32(value: float) -> float:
+    if not math.isfinite(value):
+        return value
+    return float(f"{value:.7g}")
+
+
+# -- KV handle -----------------------------------------------------------------------------
+
+
+def handle_to_proto(handle: KVHandle) -> types_pb2.KVHandle:
+    return types_pb2.KVHandle(
+        producer_engine_id=handle.producer_engine_id,
+        generation=handle.generation,
+        request_id=handle.request_id,
+        block_ids=list(handle.block_ids),
+        num_tokens=handle.num_tokens,
+        lease_expires_at_s=handle.lease_expires_at_s,
+        extra=handle.extra,
+    )
+
+
+def handle_from_proto(message: types_pb2.KVHandle, limits: RequestLimits | None = None) -> KVHandle:
+    try:
+        validate_identifier(message.producer_engine_id, "kv_handle.producer_engine_id")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if not 0 < message.generation <= MAX_GENERATION:
+        raise InvalidRequest("kv_handle.generation must be > 0")
+    validate_request_id(message.request_id, "kv_handle.request_id")
+    if message.num_tokens < 1:
+        raise InvalidRequest("kv_handle.num_tokens must be >= 1")
+    if not message.block_ids:
+        raise InvalidRequest("kv_handle.block_ids must not be empty")
+    if limits is not None and len(message.block_ids) > limits.max_model_len:
+        raise InvalidRequest("kv_handle.block_ids: more blocks than the context can use")
+    if not math.isfinite(message.lease_expires_at_s) or message.lease_expires_at_s <= 0:
+        raise InvalidRequest("kv_handle.lease_expires_at_s must be a positive unix time")
+    if len(message.extra) > MAX_HANDLE_EXTRA_BYTES:
+        raise InvalidRequest(f"kv_handle.extra is larger than {MAX_HANDLE_EXTRA_BYTES} bytes")
+    return KVHandle(
+        producer_engine_id=message.producer_engine_id,
+        generation=message.generation,
+        request_id=message.request_id,
+        block_ids=tuple(message.block_ids),
+        num_tokens=message.num_tokens,
+        lease_expires_at_s=message.lease_expires_at_s,
+        extra=message.extra,
+    )
+
+
+# -- usage and finish reasons --------------------------------------------------------------
+
+
+def usage_to_proto(usage: Usage) -> types_pb2.Usage:
+    return types_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+    )
+
+
+def usage_from_proto(message: types_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=message.prompt_tokens,
+        completion_tokens=message.completion_tokens,
+        cached_tokens=message.cached_tokens,
+    )
+
+
+def finish_to_proto(reason: FinishReason | None) -> types_pb2.FinishReason.ValueType:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_from_proto(value: types_pb2.FinishReason.ValueType) -> FinishReason | None:
+    # An enum value this version does not know (a newer server) reads as an error finish.
+    return _FINISH_FROM_PROTO.get(value, FinishReason.ERROR)
+
+
+# -- prefill -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """A validated Prefill request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+def prefill_request_to_proto(
+    request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id=request_id,
+        token_ids=list(prompt_token_ids),
+        sampling=sampling_to_proto(sampling),
+    )
+
+
+def prefill_request_from_proto(
+    message: prefill_pb2.PrefillRequest, limits: RequestLimits
+) -> PrefillCall:
+    request_id = validate_request_id(message.request_id)
+    prompt = validate_prompt(message.token_ids, limits)
+    sampling = (
+        sampling_from_proto(message.sampling, limits)
+        if message.HasField("sampling")
+        else SamplingParams()
+    )
+    return PrefillCall(request_id, prompt, sampling)
+
+
+def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:
+    response = prefill_pb2.PrefillResponse(
+        request_id=result.request_id,
+        first_token_id=result.first_token_id,
+        text=result.text,
+        finish_reason=finish_to_proto(result.finish_reason),
+        usage=usage_to_proto(result.usage),
+        prefill_s=result.prefill_s,
+        queue_s=result.queue_s,
+    )
+    if result.kv_handle is not None:
+        response.kv_handle.CopyFrom(handle_to_proto(result.kv_handle))
+    return response
+
+
+def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillResult:
+    return PrefillResult(
+        request_id=message.request_id,
+        first_token_id=message.first_token_id,
+        text=message.text,
+        kv_handle=(_handle_as_sent(message.kv_handle) if message.HasField("kv_handle") else None),
+        finish_reason=finish_from_proto(message.finish_reason),
+        usage=usage_from_proto(message.usage),
+        prefill_s=message.prefill_s,
+        queue_s=message.queue_s,
+    )
+
+
+def _handle_as_sent(message: types_pb2.KVHandle) -> KVHandle:
+    """The handle exactly as the engine sent it (the client passes it on unchanged)."""
+    return KVHandle(
+        producer_engine_id=message.producer_engine_id,
+        generation=message.generation,
+        request_id=message.request_id,
+        block_ids=tuple(message.block_ids),
+        num_tokens=message.num_tokens,
+        lease_expires_at_s=message.lease_expires_at_s,
+        extra=message.extra,
+    )
+
+
+# -- decode --------------------------------------------------------------------------------
+
+
+def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeRequest:
+    message = decode_pb2.DecodeRequest(
+        request_id=request.request_id,
+        token_ids=list(request.prompt_token_ids),
+        sampling=sampling_to_proto(request.sampling),
+    )
+    if request.kv_handle is not None:
+        message.kv_handle.CopyFrom(handle_to_proto(request.kv_handle))
+    if request.first_token_id is not None:
+        message.first_token_id = request.first_token_id
+    return message
+
+
+def decode_request_from_proto(
+    message: decode_pb2.DecodeRequest, limits: RequestLimits
+) -> DecodeRequest:
+    request_id = validate_request_id(message.request_id)
+    prompt = validate_prompt(message.token_ids, limits)
+    sampling = (
+        sampling_from_proto(message.sampling, limits)
+        if message.HasField("sampling")
+        else SamplingParams()
+    )
+    handle: KVHandle | None = None
+    first_token_id: int | None = None
+    if message.HasField("kv_handle"):
+        handle = handle_from_proto(message.kv_handle, limits)
+        if handle.num_tokens != len(prompt):
+            raise InvalidRequest(
+                f"kv_handle.num_tokens ({handle.num_tokens}) must equal the prompt length "
+                f"({len(prompt)})"
+            )
+        if not message.HasField("first_token_id"):
+            raise InvalidRequest("first_token_id is required with kv_handle")
+    if message.HasField("first_token_id"):
+        if handle is None:
+            raise InvalidRequest("first_token_id is only valid with kv_handle")
+        first_token_id = message.first_token_id
+        if not 0 <= first_token_id < limits.vocab_size:
+            raise InvalidRequest(
+                f"first_token_id {first_token_id} outside the vocabulary [0, {limits.vocab_size})"
+            )
+    return DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        kv_handle=handle,
+        first_token_id=first_token_id,
+    )
+
+
+def delta_to_proto(delta: TokenDelta) -> decode_pb2.DecodeChunk:
+    chunk = decode_pb2.DecodeChunk(
+        token_ids=list(delta.token_ids),
+        text=delta.text,
+        finish_reason=finish_to_proto(delta.finish_reason),
+        error=delta.error or "",
+    )
+    if delta.usage is not None:
+        chunk.usage.CopyFrom(usage_to_proto(delta.usage))
+    if delta.kv_transfer_s is not None:
+        chunk.kv_transfer_s = delta.kv_transfer_s
+    return chunk
+
+
+def delta_from_proto(chunk: decode_pb2.DecodeChunk) -> TokenDelta:
+    return TokenDelta(
+        token_ids=tuple(chunk.token_ids),
+        text=chunk.text,
+        finish_reason=finish_from_proto(chunk.finish_reason),
+        usage=usage_from_proto(chunk.usage) if chunk.HasField("usage") else None,
+        error=chunk.error or None,
+        kv_transfer_s=chunk.kv_transfer_s if chunk.HasField("kv_transfer_s") else None,
+    )
+
+
+# -- engine --------------------------------------------------------------------------------
+
+
+def load_to_proto(
+    load: EngineLoad, *, engine_id: str, generation: int, draining: bool
+) -> engine_pb2.LoadStats:
+    return engine_pb2.LoadStats(
+        queue_depth=load.queue_depth,
+        running_requests=load.running_requests,
+        kv_blocks_free=load.kv_blocks_free,
+        kv_blocks_total=load.kv_blocks_total,
+        engine_id=engine_id,
+        generation=generation,
+        draining=draining,
+    )
+
+
+def load_from_proto(message: engine_pb2.LoadStats) -> EngineLoad:
+    return EngineLoad(
+        queue_depth=message.queue_depth,
+        running_requests=message.running_requests,
+        kv_blocks_free=message.kv_blocks_free,
+        kv_blocks_total=message.kv_blocks_total,
+    )
