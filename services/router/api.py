@@ -1,0 +1,449 @@
+"""The OpenAI-compatible HTTP API: routes, authentication and the one error envelope.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (Bearer
+key when configured), ``GET /health`` and ``GET /metrics`` (open: probes and Prometheus).
+Every error, including FastAPI's validation errors and Starlette's 404/405, is answered with
+``{"error": {"message", "type", "param", "code"}}`` by the handlers in
+:func:`install_error_handlers`.
+
+Response headers of a generation: ``x-pdserve-prefill-engine`` (absent when the request ran
+locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-request-id``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.engines.backend import FinishReason, SamplingParams
+from services.engines.errors import InvalidRequest, TokenizerError
+from services.router.errors import (
+    AuthenticationError,
+    EngineRequestFailed,
+    InvalidRequestError,
+    RouterError,
+)
+from services.router.execution import Chunk, GenerationRequest, RunInfo
+from services.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    now_s,
+    usage_body,
+)
+from services.router.runtime import RouterRuntime
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+
+def get_runtime(request: Request) -> RouterRuntime:
+    runtime: RouterRuntime = request.app.state.runtime
+    return runtime
+
+
+Runtime = Annotated[RouterRuntime, Depends(get_runtime)]
+
+
+def require_api_key(request: Request, runtime: Runtime) -> None:
+    """Check ``Authorization: Bearer <key>`` against the configured keys in constant time
+    (every key is compared, whatever matches); no keys configured = open."""
+    keys = runtime.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise AuthenticationError(
+            "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+        )
+    provided = token.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(provided, key)
+    if not matched:
+        raise AuthenticationError("invalid API key")
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+ops = APIRouter()
+
+
+@dataclass
+class _Output:
+    """Shape of one endpoint's response bodies."""
+
+    endpoint: str
+    object_name: str
+    chunk_object_name: str
+    render_choice: Callable[[str, str | None], dict[str, Any]]
+    render_delta: Callable[[str, str | None, bool], dict[str, Any]]
+
+
+def _completion_choice(text: str, finish: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _completion_delta(text: str, finish: str | None, first: bool) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _chat_choice(text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish,
+    }
+
+
+def _chat_delta(text: str, finish: str | None, first: bool) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": text}
+    if first:
+        delta["role"] = "assistant"
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+COMPLETIONS = _Output(
+    "/v1/completions", "text_completion", "text_completion", _completion_choice, _completion_delta
+)
+CHAT = _Output(
+    "/v1/chat/completions",
+    "chat.completion",
+    "chat.completion.chunk",
+    _chat_choice,
+    _chat_delta,
+)
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, runtime: Runtime) -> Response:
+    arrival = time.perf_counter()
+    _reject_unsupported(body.unsupported())
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        token_ids = runtime.tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+        token_ids = prompt
+        vocab = runtime.tokenizer.vocab_size
+        if any(token >= vocab for token in token_ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be below the vocabulary size {vocab}", param="prompt"
+            )
+    max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    request = _generation_request("cmpl", body.model, token_ids, _sampling(body, max_tokens))
+    return await _serve(runtime, COMPLETIONS, request, body.stream, _include_usage(body), arrival)
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, runtime: Runtime) -> Response:
+    arrival = time.perf_counter()
+    _reject_unsupported(body.unsupported())
+    token_ids = runtime.chat.tokenize(
+        body.messages, add_generation_prompt=body.add_generation_prompt
+    )
+    max_tokens = (
+        body.max_completion_tokens or body.max_tokens or runtime.settings.default_max_tokens
+    )
+    request = _generation_request("chatcmpl", body.model, token_ids, _sampling(body, max_tokens))
+    return await _serve(runtime, CHAT, request, body.stream, _include_usage(body), arrival)
+
+
+@v1.get("/models")
+async def models(runtime: Runtime) -> dict[str, Any]:
+    created = now_s()
+    return {
+        "object": "list",
+        "data": [
+            {"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
+            for model in runtime.pool.ready_models()
+        ],
+    }
+
+
+@ops.get("/health")
+async def health(runtime: Runtime) -> Response:
+    """200 when the router can serve (see ``Scheduler.ready``), else 503 with the reason."""
+    if runtime.pool.synced and runtime.scheduler.ready():
+        return _json(200, {"status": "ok", "models": runtime.pool.ready_models()})
+    reason = (
+        "not synced with the control plane yet"
+        if not runtime.pool.synced
+        else "no READY compatible prefill/decode engine pair and no READY colocated engine"
+    )
+    error = RouterError(reason, code="not_ready")
+    error.error_type = "service_unavailable"
+    return _json(503, error.envelope())
+
+
+@ops.get("/metrics")
+async def metrics(runtime: Runtime) -> Response:
+    return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _reject_unsupported(problem: tuple[str, str] | None) -> None:
+    if problem is not None:
+        param, message = problem
+        raise InvalidRequestError(message, param=param, code="unsupported_parameter")
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),
+        seed=body.seed,
+        stop=body.stop_strings(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+    return sampling
+
+
+def _generation_request(
+    prefix: str, model: str, token_ids: list[int], sampling: SamplingParams
+) -> GenerationRequest:
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    return GenerationRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        model=model,
+        prompt_token_ids=tuple(token_ids),
+        sampling=sampling,
+        arrival_s=time.perf_counter(),
+    )
+
+
+async def _serve(
+    runtime: RouterRuntime,
+    output: _Output,
+    request: GenerationRequest,
+    stream: bool,
+    include_usage: bool,
+    arrival: float,
+) -> Response:
+    """Run the request; errors up to the first token are raised (an HTTP error), later ones
+    end the stream with an error event."""
+    try:
+        request.sampling.validate(vocab_size=runtime.tokenizer.vocab_size)
+    except InvalidRequest as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    info = RunInfo()
+    run = runtime.executor.generate(request, info)
+    try:
+        first = await anext(run)
+    except StopAsyncIteration:  # pragma: no cover - generate always yields or raises
+        raise EngineRequestFailed("the request produced no output") from None
+    except BaseException:
+        await run.aclose()
+        raise
+    headers = _headers(request, info)
+    if stream:
+        events = _sse(runtime, output, request, info, run, first, include_usage, arrival)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    texts = [first.text]
+    finish = first.finish_reason
+    try:
+        while finish is None:
+            chunk = await anext(run)
+            texts.append(chunk.text)
+            finish = chunk.finish_reason
+    except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
+        finish = FinishReason.STOP
+    except RouterError as exc:
+        runtime.executor.observe_end(arrival, output.endpoint, exc.code, info)
+        raise
+    finally:
+        await run.aclose()
+    body = {
+        "id": request.request_id,
+        "object": output.object_name,
+        "created": now_s(),
+        "model": request.model,
+        "choices": [output.render_choice("".join(texts), _finish_text(finish))],
+        "usage": usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens),
+    }
+    runtime.executor.observe_end(arrival, output.endpoint, "ok", info)
+    return _json(200, body, headers)
+
+
+async def _sse(
+    runtime: RouterRuntime,
+    output: _Output,
+    request: GenerationRequest,
+    info: RunInfo,
+    run: AsyncGenerator[Chunk, None],
+    first: Chunk,
+    include_usage: bool,
+    arrival: float,
+) -> AsyncIterator[bytes]:
+    created = now_s()
+    outcome = "client_disconnected"
+
+    def event(text: str, finish: FinishReason | None, is_first: bool) -> bytes:
+        body: dict[str, Any] = {
+            "id": request.request_id,
+            "object": output.chunk_object_name,
+            "created": created,
+            "model": request.model,
+            "choices": [output.render_delta(text, _finish_text(finish), is_first)],
+        }
+        if include_usage:
+            body["usage"] = None
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    try:
+        yield event(first.text, first.finish_reason, True)
+        finish = first.finish_reason
+        while finish is None:
+            chunk = await anext(run)
+            finish = chunk.finish_reason
+            if chunk.text or finish is not None:
+                yield event(chunk.text, finish, False)
+        if include_usage:
+            usage = {
+                "id": request.request_id,
+                "object": output.chunk_object_name,
+                "created": created,
+                "model": request.model,
+                "choices": [],
+                "usage": usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens),
+            }
+            yield b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+        outcome = "ok"
+    except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
+        outcome = "decode_truncated"
+        yield _error_event(EngineRequestFailed("stream ended early", code=outcome))
+    except RouterError as exc:
+        outcome = exc.code
+        logger.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
+        yield _error_event(exc)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await run.aclose()
+        runtime.executor.observe_end(arrival, output.endpoint, outcome, info)
+
+
+def _error_event(error: RouterError) -> bytes:
+    return b"data: " + json.dumps(error.envelope(), separators=(",", ":")).encode() + b"\n\n"
+
+
+def _finish_text(finish: FinishReason | None) -> str | None:
+    if finish is None:
+        return None
+    if finish in (FinishReason.STOP, FinishReason.LENGTH):
+        return finish.value
+    return "abort" if finish is FinishReason.ABORT else "error"
+
+
+def _headers(request: GenerationRequest, info: RunInfo) -> dict[str, str]:
+    headers = {"x-request-id": request.request_id}
+    if info.prefill_engine is not None:
+        headers["x-pdserve-prefill-engine"] = info.prefill_engine
+    if info.decode_engine is not None:
+        headers["x-pdserve-decode-engine"] = info.decode_engine
+    if info.path is not None:
+        headers["x-pdserve-execution-path"] = info.path
+    return headers
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        json.dumps(body, separators=(",", ":")),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as the OpenAI envelope; request errors counted per endpoint and code."""
+
+    def count(request: Request, code: str) -> None:
+        path = request.url.path
+        if path.startswith("/v1/"):
+            runtime: RouterRuntime | None = getattr(request.app.state, "runtime", None)
+            if runtime is not None:
+                runtime.metrics.requests.labels(endpoint=path, outcome=code).inc()
+
+    async def on_router_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError)
+        count(request, exc.code)
+        headers = {"www-authenticate": "Bearer"} if exc.status_code == 401 else None
+        return _json(exc.status_code, exc.envelope(), headers)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        error = validation_error(exc)
+        count(request, error.code)
+        return _json(error.status_code, error.envelope())
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        error = RouterError(str(exc.detail), code=codes.get(exc.status_code, "http_error"))
+        error.error_type = "invalid_request_error" if exc.status_code < 500 else "api_error"
+        count(request, error.code)
+        return _json(exc.status_code, error.envelope(), dict(exc.headers or {}))
+
+    async def on_tokenizer_error(request: Request, exc: Exception) -> Response:
+        error = InvalidRequestError(str(exc), param="prompt")
+        count(request, error.code)
+        return _json(400, error.envelope())
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
+        count(request, "internal_error")
+        return _json(500, RouterError("internal error").envelope())
+
+    app.add_exception_handler(RouterError, on_router_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(TokenizerError, on_tokenizer_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def validation_error(exc: RequestValidationError) -> InvalidRequestError:
+    """FastAPI's 422 as OpenAI's 400: the first problem, its field as ``param``."""
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequestError("invalid request body")
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return InvalidRequestError(
+            f"unsupported parameter {param!r}", param=param, code="unsupported_parameter"
+        )
+    if kind in ("json_invalid", "model_attributes_type", "dict_type"):
+        return InvalidRequestError(
+            f"the body must be a JSON object: {first.get('msg', '')}", code="invalid_json"
+        )
+    if kind == "missing":
+        return InvalidRequestError(f"missing required parameter {param!r}", param=param)
+    return InvalidRequestError(
+        f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param
+    )

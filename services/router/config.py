@@ -1,0 +1,69 @@
+"""Settings of ``pdserve router`` (environment ``PDSERVE_ROUTER_...``, flags on top)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.config import ControlPlaneSettings
+
+PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
+
+
+class RouterSettings(BaseSettings):
+    """Everything the router reads. ``control_plane`` comes from the shared tool settings
+    (``PDSERVE_CONTROL_PLANE__...`` and ``--redis``), the rest from ``PDSERVE_ROUTER_...``;
+    API keys as a JSON list: ``PDSERVE_ROUTER_API_KEYS='["key-1", "key-2"]'``."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_ROUTER_", env_nested_delimiter="__")
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """HTTP port; 0 picks a free one (printed in the ``PDSERVE_READY`` line)."""
+    control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings)
+    """Where the engines are registered."""
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    """Accepted Bearer keys; empty = no authentication. Compared in constant time, never
+    logged."""
+    tokenizer: Path | None = None
+    """Checkpoint folder whose tokenizer (and chat template) the router uses for every model;
+    ``None`` = the byte-level fallback tokenizer with the default chat template."""
+    policy: PolicyName = "prefix_aware"
+    """How engines are chosen: ``round_robin``; ``least_loaded`` (the router's in-flight
+    reservations plus each engine's reported queue); ``prefix_aware`` (least-loaded decode,
+    prefill by longest cached prompt prefix unless that engine is overloaded)."""
+    local_max_prompt_tokens: int = Field(default=0, ge=0)
+    """Prompts of at most this many tokens run entirely on the decode engine (no KV transfer);
+    0 disaggregates every prompt."""
+    local_cached_fraction: float = Field(default=0.9, gt=0)
+    """Prompts of which at least this fraction of full blocks was already sent to the chosen
+    decode engine run there locally; above 1 disables the rule."""
+    max_prefill_attempts: int = Field(default=3, ge=1)
+    """Prefill attempts per request, each on a different engine."""
+    local_fallback: bool = True
+    """When no prefill engine is READY or every attempt failed, run the request on the decode
+    engine (counted in ``pdserve_router_fallbacks_total``) instead of failing it."""
+    prefill_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one Prefill call."""
+    decode_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of one whole Decode stream."""
+    default_max_tokens: int = Field(default=256, ge=1)
+    """``max_tokens`` of a chat request that sets none (completions default to 16, as
+    OpenAI's)."""
+    prefix_cache_blocks: int = Field(default=65536, ge=1)
+    """Block hashes remembered per engine by the prefix-aware policy (LRU)."""
+    prefix_load_slack: int = Field(default=4, ge=0)
+    """``prefix_aware`` prefers the best-cached prefill engine only while its load is within
+    this many requests of the least-loaded one (no herding on a hot prefix)."""
+    log_level: str = "WARNING"
+    """Python logging level."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSettings:
+        if any(not key.get_secret_value() for key in self.api_keys):
+            raise ValueError("api_keys must not contain an empty key")
+        return self

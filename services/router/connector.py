@@ -1,0 +1,125 @@
+"""The router's seam to engines: one :class:`EngineConnector` per engine generation.
+
+The router calls engines only through this seam, and only engines it found READY in the control
+plane: a connector is built from an :class:`~services.control_plane.wire.EngineRecord`, never
+from anything in a request. :class:`GrpcConnectorFactory` wraps the services' gRPC client
+(``services.serving.client.EngineClient``); unit tests use a fake.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol, cast
+
+from services.control_plane.wire import EngineRecord
+from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+
+
+class EngineConnector(abc.ABC):
+    """Calls on one engine. Safe to share between concurrent requests.
+
+    Errors: the classes of :mod:`services.engines.errors` (``InvalidRequest``,
+    ``EngineOverloaded``, ``EngineDraining``, ``UnknownKVHandle``, ``KVLeaseExpired``,
+    ``ProducerUnavailable``, ``KVTransferFailed``, ``EngineFailed``...) as the engine raised
+    them, ``services.serving.errors.EngineUnreachable`` when the engine cannot be reached, and
+    ``TimeoutError`` past ``timeout_s``. The router translates them (see
+    :func:`services.router.execution.engine_error`).
+    """
+
+    @abc.abstractmethod
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+    ) -> PrefillResult:
+        """Prefill on this engine; the KV is held for a consumer until the handle's lease."""
+
+    @abc.abstractmethod
+    def decode(
+        self, request: DecodeRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream the request's tokens; closing the iterator early aborts the request."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request or release its held KV; ``False`` when the engine does not know it."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the connection. Idempotent."""
+
+
+class ConnectorFactory(abc.ABC):
+    """Builds the connector of a READY engine generation (called by the engine pool)."""
+
+    @abc.abstractmethod
+    def connect(self, record: EngineRecord) -> EngineConnector:
+        """A connector to ``record.endpoint``; cheap (connections are made lazily)."""
+
+
+class EngineClientAPI(Protocol):
+    """What the router uses of ``services.serving.client.EngineClient`` (the services'
+    package owns the client; this names the part the router depends on)."""
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+    ) -> PrefillResult: ...
+
+    def decode(
+        self, request: DecodeRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[TokenDelta]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcConnector(EngineConnector):
+    """:class:`EngineConnector` over ``services.serving.client.EngineClient``."""
+
+    def __init__(self, client: EngineClientAPI) -> None:
+        self._client = client
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+    ) -> PrefillResult:
+        return await self._client.prefill(
+            request_id, prompt_token_ids, sampling, timeout_s=timeout_s
+        )
+
+    def decode(
+        self, request: DecodeRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        return self._client.decode(request, timeout_s=timeout_s)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._client.abort(request_id)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+class GrpcConnectorFactory(ConnectorFactory):
+    """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``)."""
+
+    def connect(self, record: EngineRecord) -> EngineConnector:
+        # Imported here: the gRPC client belongs to the services' package (grpc channels),
+        # which unit tests of the router do not need.
+        client_module = importlib.import_module("services.serving.client")
+        client = cast(EngineClientAPI, client_module.EngineClient(record.endpoint))
+        return GrpcConnector(client)

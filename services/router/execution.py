@@ -1,0 +1,345 @@
+"""Running one request on the engines a :class:`~services.router.scheduler.Plan` names.
+
+:meth:`Executor.generate` is an async generator of :class:`Chunk`. The HTTP layer awaits the
+first chunk before it answers, so every failure up to the first token (no engine, every
+prefill attempt failed, a decode engine refusing the request) is an ordinary OpenAI error;
+a failure after it raises :class:`~services.router.errors.EngineRequestFailed` from the
+generator, which the streaming layer turns into an error event (never a silent truncation).
+
+Disaggregated: Prefill on the prefill engine (retried on another compatible engine when the
+failure is the engine's, at most ``max_prefill_attempts`` in all, each retry counted), the first
+token goes out, then Decode with the KV handle on the decode engine. Local: Decode without a
+handle. A decode stream that ends without a finish reason is an error (``decode_truncated``).
+
+Time accounting (``RunInfo``): ``engine_wait_s`` sums the time spent awaiting engine calls, so
+router overhead = end-to-end minus it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from services.engines import errors as engine_errors
+from services.engines.backend import (
+    DecodeRequest,
+    FinishReason,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
+from services.router.config import RouterSettings
+from services.router.errors import EngineRequestFailed, InvalidRequestError, RouterError
+from services.router.metrics import RouterMetrics
+from services.router.policies import PromptInfo
+from services.router.pool import EnginePool, EngineSlot
+from services.router.scheduler import Plan, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_s: float
+    """``time.perf_counter()`` when the HTTP request arrived."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output text and how many tokens produced it; the last one has ``finish_reason``."""
+
+    text: str
+    num_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class RunInfo:
+    """What a run decided and measured, filled as it goes (headers, usage, metrics)."""
+
+    path: str | None = None
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    engine_wait_s: float = 0.0
+
+
+def engine_error(exc: Exception, *, stage: str) -> RouterError:
+    """Translate an engine call's exception into the router's error (the one table).
+
+    ``retryable`` marks the failures another engine may not have (overloaded, draining,
+    unreachable, failed, timed out); bad input is the client's (400) and never retried.
+    """
+    if isinstance(exc, RouterError):
+        return exc
+    message = f"{stage} failed: {exc}" if str(exc) else f"{stage} failed: {type(exc).__name__}"
+    if isinstance(exc, engine_errors.InvalidRequest):
+        return InvalidRequestError(str(exc))
+    if isinstance(exc, engine_errors.EngineOverloaded):
+        return EngineRequestFailed(
+            message, code="engine_overloaded", status_code=503, retryable=True
+        )
+    if isinstance(exc, engine_errors.EngineDraining):
+        return EngineRequestFailed(message, code="engine_draining", status_code=503, retryable=True)
+    if isinstance(exc, engine_errors.EngineFailed):
+        return EngineRequestFailed(message, code="engine_failed", retryable=True)
+    if isinstance(exc, TimeoutError):
+        return EngineRequestFailed(message, code="engine_timeout", status_code=504, retryable=True)
+    if isinstance(exc, engine_errors.UnknownKVHandle):
+        return EngineRequestFailed(message, code="kv_handle_unknown")
+    if isinstance(exc, engine_errors.KVLeaseExpired):
+        return EngineRequestFailed(message, code="kv_lease_expired")
+    if isinstance(exc, engine_errors.ProducerUnavailable):
+        return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
+    if isinstance(exc, engine_errors.KVTransferFailed):
+        return EngineRequestFailed(message, code="kv_transfer_failed")
+    if isinstance(exc, engine_errors.RequestError):
+        return EngineRequestFailed(message, code="engine_error")
+    # Anything else comes from the transport (the services' EngineUnreachable, a broken
+    # channel): the engine could not be reached, which another engine may not share.
+    return EngineRequestFailed(message, code="engine_unreachable", status_code=503, retryable=True)
+
+
+class Executor:
+    """Plans and runs requests; one per router process."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        scheduler: Scheduler,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._pool = pool
+        self._scheduler = scheduler
+        self._settings = settings
+        self._metrics = metrics
+        self._background: set[asyncio.Task[bool]] = set()
+
+    async def generate(
+        self, request: GenerationRequest, info: RunInfo
+    ) -> AsyncGenerator[Chunk, None]:
+        """Run ``request``; see the module docstring. ``info`` is filled as it goes."""
+        info.prompt_tokens = len(request.prompt_token_ids)
+        prompt = PromptInfo(request.prompt_token_ids)
+        plan = self._scheduler.plan(request.model, prompt)
+        info.decode_engine = plan.decode.engine_id
+        with self._pool.reserve(plan.decode):
+            if plan.prefill is None:
+                info.path = "local"
+                self._metrics.execution_path.labels(path="local").inc()
+                async for chunk in self._decode(request, plan.decode, None, info):
+                    yield chunk
+                return
+            result, prefill_slot = await self._prefill(request, plan, prompt, info)
+            if result is None:
+                info.path = "local"
+                info.prefill_engine = None
+                self._metrics.execution_path.labels(path="local").inc()
+                async for chunk in self._decode(request, plan.decode, None, info):
+                    yield chunk
+                return
+            self._metrics.execution_path.labels(path=info.path or "disaggregated").inc()
+            info.cached_tokens = result.usage.cached_tokens
+            info.completion_tokens = 1
+            self._observe_ttft(request, info)
+            if result.finish_reason is not None or result.kv_handle is None:
+                yield Chunk(result.text, 1, result.finish_reason or FinishReason.STOP)
+                return
+            handed_off = False
+            try:
+                yield Chunk(result.text, 1)
+                async for chunk in self._decode(request, plan.decode, result, info):
+                    handed_off = True
+                    yield chunk
+            finally:
+                if not handed_off:
+                    # The decode engine never started: release the KV the producer holds.
+                    self._abort_later(prefill_slot, request.request_id)
+
+    async def _prefill(
+        self, request: GenerationRequest, plan: Plan, prompt: PromptInfo, info: RunInfo
+    ) -> tuple[PrefillResult | None, EngineSlot]:
+        """The first successful prefill and its engine, or ``(None, last engine)`` for a local
+        fallback after every attempt failed (counted). Raises when retrying cannot help."""
+        assert plan.prefill is not None
+        slot = plan.prefill
+        tried = {slot.engine_id}
+        attempt = 1
+        self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
+        while True:
+            info.prefill_engine = slot.engine_id
+            started = time.perf_counter()
+            try:
+                with self._pool.reserve(slot):
+                    result = await slot.connector.prefill(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.sampling,
+                        timeout_s=self._settings.prefill_timeout_s,
+                    )
+            except Exception as exc:
+                info.engine_wait_s += time.perf_counter() - started
+                error = engine_error(exc, stage="prefill")
+                if not (isinstance(error, EngineRequestFailed) and error.retryable):
+                    raise error from exc
+                if error.code in {"engine_timeout", "engine_unreachable"}:
+                    self._abort_later(slot, request.request_id)
+                following = (
+                    self._scheduler.next_prefill(plan.decode, prompt, tried)
+                    if attempt < self._settings.max_prefill_attempts
+                    else None
+                )
+                if following is None:
+                    if not self._settings.local_fallback:
+                        raise error from exc
+                    logger.warning(
+                        "request %s: prefill failed on %s (%s) with no engine left to retry; "
+                        "running it locally on %s",
+                        request.request_id,
+                        slot.engine_id,
+                        error.code,
+                        plan.decode.engine_id,
+                    )
+                    self._metrics.fallbacks.labels(reason="prefill_failed").inc()
+                    return None, slot
+                logger.warning(
+                    "request %s: prefill failed on %s (%s); retrying on %s",
+                    request.request_id,
+                    slot.engine_id,
+                    error.code,
+                    following.engine_id,
+                )
+                self._metrics.prefill_retries.labels(reason=error.code).inc()
+                slot = following
+                tried.add(slot.engine_id)
+                attempt += 1
+                continue
+            elapsed = time.perf_counter() - started
+            info.engine_wait_s += elapsed
+            info.path = "retried" if attempt > 1 else "disaggregated"
+            self._metrics.ttft_phase.labels(phase="prefill").observe(elapsed)
+            return result, slot
+
+    async def _decode(
+        self,
+        request: GenerationRequest,
+        slot: EngineSlot,
+        prefilled: PrefillResult | None,
+        info: RunInfo,
+    ) -> AsyncIterator[Chunk]:
+        """Stream from the decode engine; the first chunk of a local run is its first token."""
+        if prefilled is None:
+            self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
+        decode_request = DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            kv_handle=prefilled.kv_handle if prefilled else None,
+            first_token_id=prefilled.first_token_id if prefilled else None,
+        )
+        started = time.perf_counter()
+        stream = slot.connector.decode(decode_request, timeout_s=self._settings.decode_timeout_s)
+        first = True
+        previous = started
+        try:
+            while True:
+                waited = time.perf_counter()
+                try:
+                    delta = await anext(stream)
+                except StopAsyncIteration:
+                    info.engine_wait_s += time.perf_counter() - waited
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} ended the stream without a finish reason",
+                        code="decode_truncated",
+                    ) from None
+                except Exception as exc:
+                    info.engine_wait_s += time.perf_counter() - waited
+                    raise engine_error(exc, stage="decode") from exc
+                now = time.perf_counter()
+                info.engine_wait_s += now - waited
+                if first:
+                    self._observe_first_delta(request, prefilled, delta, now - started, info)
+                    first = False
+                else:
+                    self._metrics.itl.observe(now - previous)
+                previous = now
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} failed the request: "
+                        f"{delta.error or 'no reason given'}",
+                        code="decode_failed",
+                    )
+                info.completion_tokens += len(delta.token_ids)
+                if prefilled is None and delta.usage is not None:
+                    info.cached_tokens = delta.usage.cached_tokens
+                yield Chunk(delta.text, len(delta.token_ids), delta.finish_reason)
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _observe_first_delta(
+        self,
+        request: GenerationRequest,
+        prefilled: PrefillResult | None,
+        delta: TokenDelta,
+        waited_s: float,
+        info: RunInfo,
+    ) -> None:
+        if prefilled is None:
+            self._observe_ttft(request, info)
+            return
+        handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
+        self._metrics.ttft_phase.labels(phase="handoff").observe(handoff)
+        self._metrics.ttft_phase.labels(phase="first_decode_token").observe(
+            max(waited_s - handoff, 0.0)
+        )
+        # The prefill's token went out first; the gap to the decode's first is an ITL.
+        self._metrics.itl.observe(waited_s)
+
+    def _observe_ttft(self, request: GenerationRequest, info: RunInfo) -> None:
+        self._metrics.ttft.labels(path=info.path or "local").observe(
+            time.perf_counter() - request.arrival_s
+        )
+
+    def observe_end(
+        self, request_arrival_s: float, endpoint: str, outcome: str, info: RunInfo | None
+    ) -> None:
+        """Count the answered request and its end-to-end latency and router overhead."""
+        elapsed = time.perf_counter() - request_arrival_s
+        self._metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self._metrics.e2e.labels(endpoint=endpoint).observe(elapsed)
+        if info is not None and info.path is not None:
+            self._metrics.overhead.observe(max(elapsed - info.engine_wait_s, 0.0))
+
+    def _abort_later(self, slot: EngineSlot, request_id: str) -> None:
+        """Best-effort abort (a timed-out or orphaned request), without delaying the caller."""
+
+        async def abort() -> bool:
+            try:
+                return await slot.connector.abort(request_id)
+            except Exception as exc:
+                logger.info("abort of %s on %s failed: %s", request_id, slot.engine_id, exc)
+                return False
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,122 @@
+"""Prometheus metrics of the router (docs/metrics.md, "Router", is the contract).
+
+Created per instance with an injectable ``CollectorRegistry``: tests pass a fresh one.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class RouterMetrics:
+    """``pdserve_router_*``; see docs/metrics.md for names and labels."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_router_requests_total",
+            "Requests answered, by endpoint and outcome (ok or the error code).",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.execution_path = Counter(
+            "pdserve_router_execution_path_total",
+            "Requests by how they ran: disaggregated (prefill then decode engine), local "
+            "(the decode engine prefilled itself) or retried (disaggregated after a failed "
+            "prefill attempt).",
+            ["path"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "pdserve_router_fallbacks_total",
+            "Requests that ran differently from the plan, by reason (no_prefill_engine, "
+            "prefill_failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "pdserve_router_prefill_retries_total",
+            "Prefill attempts that failed and were retried on another engine, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds",
+            "Request arrival to its first token, by execution path.",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_phase = Histogram(
+            "pdserve_router_ttft_phase_seconds",
+            "Parts of a disaggregated request's first tokens: prefill (the Prefill call), "
+            "handoff (KV transfer reported by the decode engine), first_decode_token (the "
+            "rest of the wait for the decode engine's first token).",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_router_itl_seconds",
+            "Time between two streamed token deltas of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_latency_seconds",
+            "Request arrival to its last byte, by endpoint.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pdserve_router_queue_time_seconds",
+            "Request arrival to its first engine call (parsing, tokenizing, scheduling).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "pdserve_router_overhead_seconds",
+            "Router time of a request excluding the time spent waiting on engine calls.",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.engine_inflight = Gauge(
+            "pdserve_router_engine_inflight",
+            "Requests this router has in flight on each engine (its reservations).",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.engine_load = Gauge(
+            "pdserve_router_engine_load",
+            "Load each engine last reported through the control plane.",
+            ["engine", "role", "kind"],
+            registry=r,
+        )
+        self.ready_engines = Gauge(
+            "pdserve_router_ready_engines",
+            "READY engines the router can use, by role.",
+            ["role"],
+            registry=r,
+        )

@@ -1,0 +1,61 @@
+"""The router's long-lived parts, built once per process (in the app's lifespan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engines.reference.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from services.router.chat import ChatRenderer
+from services.router.config import RouterSettings
+from services.router.connector import ConnectorFactory
+from services.router.execution import Executor
+from services.router.metrics import RouterMetrics
+from services.router.policies import make_policy
+from services.router.pool import EnginePool
+from services.router.scheduler import Scheduler
+
+
+@dataclass
+class RouterRuntime:
+    """What request handlers reach through the ``Runtime`` dependency."""
+
+    settings: RouterSettings
+    metrics: RouterMetrics
+    tokenizer: Tokenizer
+    chat: ChatRenderer
+    pool: EnginePool
+    scheduler: Scheduler
+    executor: Executor
+    api_keys: tuple[bytes, ...]
+
+    @classmethod
+    def build(
+        cls,
+        settings: RouterSettings,
+        connectors: ConnectorFactory,
+        metrics: RouterMetrics,
+        tokenizer: Tokenizer | None = None,
+    ) -> RouterRuntime:
+        if tokenizer is None:
+            tokenizer = (
+                load_tokenizer(settings.tokenizer)
+                if settings.tokenizer is not None
+                else ByteTokenizer()
+            )
+        pool = EnginePool(connectors, metrics)
+        policy = make_policy(
+            settings.policy,
+            prefix_cache_blocks=settings.prefix_cache_blocks,
+            prefix_load_slack=settings.prefix_load_slack,
+        )
+        scheduler = Scheduler(pool, policy, settings, metrics)
+        return cls(
+            settings=settings,
+            metrics=metrics,
+            tokenizer=tokenizer,
+            chat=ChatRenderer(tokenizer),
+            pool=pool,
+            scheduler=scheduler,
+            executor=Executor(pool, scheduler, settings, metrics),
+            api_keys=tuple(key.get_secret_value().encode() for key in settings.api_keys),
+        )

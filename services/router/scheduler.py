@@ -1,0 +1,137 @@
+"""Planning a request: local or disaggregated, and on which engines.
+
+Pools (from :class:`~services.router.pool.EnginePool`, READY engines of the request's model):
+
+- prefill engines: role ``prefill``;
+- decode engines: roles ``decode`` and ``both`` (a ``both`` engine is a colocated engine: it
+  serves requests locally and can also consume KV from a compatible prefill engine).
+
+A disaggregated pair is a prefill and a decode engine with the same model, compatibility hash
+and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
+
+1. no decode engine -> :class:`NoEngineAvailable` (or :class:`ModelNotFound` when no engine,
+   READY or not, serves the model);
+2. no prefill engine compatible with any decode engine -> local on a ``both`` engine
+   (colocated deployment, not a fallback); with only ``decode`` engines it is a fallback
+   (``no_prefill_engine``, counted) when ``local_fallback`` allows it, else 503;
+3. a prompt of at most ``local_max_prompt_tokens`` -> local on a decode engine (conditional
+   disaggregation: moving its KV costs more than computing it);
+4. otherwise the policy picks a prefill engine among those with a compatible decode engine,
+   then a compatible decode engine; if that decode engine likely holds at least
+   ``local_cached_fraction`` of the prompt's blocks, the request runs there locally.
+
+Fallback counting happens here and in the executor (:mod:`services.router.execution`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from services.control_plane.wire import EngineId, EngineRole
+from services.router.config import RouterSettings
+from services.router.errors import ModelNotFound, NoEngineAvailable
+from services.router.metrics import RouterMetrics
+from services.router.policies import PromptInfo, RoutingPolicy, Stage
+from services.router.pool import EnginePool, EngineSlot
+
+PREFILL_ROLES = (EngineRole.PREFILL,)
+DECODE_ROLES = (EngineRole.DECODE, EngineRole.BOTH)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a request runs: ``prefill`` is ``None`` for local execution on ``decode``."""
+
+    decode: EngineSlot
+    prefill: EngineSlot | None
+    local_reason: str | None = None
+    """Why it runs locally: ``colocated``, ``short_prompt``, ``cached_prompt`` or a fallback
+    reason (``no_prefill_engine``)."""
+
+
+class Scheduler:
+    """Builds a :class:`Plan` per request from the live pool; see the module docstring."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        policy: RoutingPolicy,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._settings = settings
+        self._metrics = metrics
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
+    def plan(self, model: str, prompt: PromptInfo) -> Plan:
+        """Choose engines for a request of ``model``; raises ``ModelNotFound`` or
+        ``NoEngineAvailable``. Fallbacks decided here are counted here."""
+        decodes = [s for s in self._pool.slots(DECODE_ROLES) if s.record.model == model]
+        if not decodes:
+            if model not in self._pool.registered_models():
+                raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+            raise NoEngineAvailable(f"no READY decode engine serves {model!r}")
+        prefills = [s for s in self._pool.slots(PREFILL_ROLES) if s.record.model == model]
+        paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
+        if not paired:
+            colocated = [s for s in decodes if s.role is EngineRole.BOTH]
+            if colocated:
+                return self._local(colocated, prompt, "colocated")
+            if not self._settings.local_fallback:
+                raise NoEngineAvailable(
+                    f"no READY prefill engine compatible with a decode engine of {model!r}"
+                )
+            self._metrics.fallbacks.labels(reason="no_prefill_engine").inc()
+            return self._local(decodes, prompt, "no_prefill_engine")
+        if len(prompt.token_ids) <= self._settings.local_max_prompt_tokens:
+            return self._local(decodes, prompt, "short_prompt")
+        prefill = self._policy.choose(paired, prompt, Stage.PREFILL)
+        partners = [d for d in decodes if d.compatible_with(prefill)]
+        decode = self._policy.choose(partners, prompt, Stage.DECODE)
+        full_blocks = len(prompt.block_hashes(decode.record.block_size))
+        if full_blocks and (
+            self._policy.cached_blocks(decode, prompt)
+            >= self._settings.local_cached_fraction * full_blocks
+        ):
+            self._policy.routed(decode, prompt)
+            return Plan(decode=decode, prefill=None, local_reason="cached_prompt")
+        self._policy.routed(prefill, prompt)
+        self._policy.routed(decode, prompt)
+        return Plan(decode=decode, prefill=prefill)
+
+    def next_prefill(
+        self, decode: EngineSlot, prompt: PromptInfo, tried: Collection[EngineId]
+    ) -> EngineSlot | None:
+        """Another prefill engine compatible with ``decode`` for a retry, or ``None``."""
+        candidates = [
+            s
+            for s in self._pool.slots(PREFILL_ROLES)
+            if s.engine_id not in tried and s.compatible_with(decode)
+        ]
+        if not candidates:
+            return None
+        chosen = self._policy.choose(candidates, prompt, Stage.PREFILL)
+        self._policy.routed(chosen, prompt)
+        return chosen
+
+    def ready(self) -> bool:
+        """Whether the router can serve: a READY compatible prefill/decode pair, or a READY
+        ``both`` engine (colocated). A lone ``decode`` engine is not enough: serving through
+        it would be the ``no_prefill_engine`` fallback, and readiness must not hide a missing
+        side of the pair."""
+        decodes = self._pool.slots(DECODE_ROLES)
+        if any(s.role is EngineRole.BOTH for s in decodes):
+            return True
+        prefills = self._pool.slots(PREFILL_ROLES)
+        return any(p.compatible_with(d) for p in prefills for d in decodes)
+
+    def _local(self, candidates: list[EngineSlot], prompt: PromptInfo, reason: str) -> Plan:
+        decode = self._policy.choose(candidates, prompt, Stage.LOCAL)
+        self._policy.routed(decode, prompt)
+        return Plan(decode=decode, prefill=None, local_reason=reason)

@@ -1,0 +1,172 @@
+"""A fake engine connector for unit tests of the router's scheduling and HTTP layer.
+
+Real engines are exercised by the integration and e2e tests; this one is a scripted stand-in:
+instant, deterministic tokens, and failures on demand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from services.control_plane.base import EngineView
+from services.control_plane.wire import (
+    EngineLoad,
+    EngineRecord,
+    EngineRole,
+    EngineState,
+    EngineStatus,
+)
+from services.engines.backend import (
+    DecodeRequest,
+    FinishReason,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from services.router.config import RouterSettings
+from services.router.connector import ConnectorFactory, EngineConnector
+from services.router.metrics import RouterMetrics
+from services.router.runtime import RouterRuntime
+
+
+def word(token_index: int) -> str:
+    return f" w{token_index}"
+
+
+@dataclass
+class FakeEngine(EngineConnector):
+    """Token ``i`` of every output is ``" w<i>"``; stop strings are honoured on whole words."""
+
+    engine_id: str
+    prefill_error: Exception | None = None
+    decode_error: Exception | None = None
+    fail_decode_after: int | None = None
+    """Yield this many deltas, then one with FinishReason.ERROR."""
+    truncate_after: int | None = None
+    """Yield this many deltas, then end the stream without a finish reason."""
+    cached_tokens: int = 0
+    prefills: list[str] = field(default_factory=list)
+    decodes: list[DecodeRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+    ) -> PrefillResult:
+        self.prefills.append(request_id)
+        if self.prefill_error is not None:
+            raise self.prefill_error
+        usage = Usage(len(prompt_token_ids), 1, self.cached_tokens)
+        finished = sampling.max_tokens == 1
+        handle = (
+            None
+            if finished
+            else KVHandle(self.engine_id, 1, request_id, (0, 1), len(prompt_token_ids), time.time() + 30)
+        )
+        return PrefillResult(
+            request_id=request_id,
+            first_token_id=7,
+            text=word(0),
+            kv_handle=handle,
+            finish_reason=FinishReason.LENGTH if finished else None,
+            usage=usage,
+        )
+
+    async def decode(
+        self, request: DecodeRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        self.decodes.append(request)
+        if self.decode_error is not None:
+            raise self.decode_error
+        start = 1 if request.kv_handle is not None else 0
+        text = "".join(word(i) for i in range(start))
+        total = request.sampling.max_tokens
+        for index in range(start, total):
+            produced = index - start
+            if self.fail_decode_after is not None and produced == self.fail_decode_after:
+                yield TokenDelta((), "", FinishReason.ERROR, error="rank 0 died")
+                return
+            if self.truncate_after is not None and produced == self.truncate_after:
+                return
+            piece = word(index)
+            text += piece
+            stop = next((s for s in request.sampling.stop if s in text), None)
+            last = index == total - 1 or stop is not None
+            if stop is not None:
+                piece = piece[: len(piece) - (len(text) - text.index(stop))]
+            usage = Usage(len(request.prompt_token_ids), index + 1, self.cached_tokens) if last else None
+            finish = (FinishReason.STOP if stop else FinishReason.LENGTH) if last else None
+            yield TokenDelta((100 + index,), piece, finish, usage=usage, kv_transfer_s=0.001 if produced == 0 and start else None)
+            if last:
+                return
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeFactory(ConnectorFactory):
+    """Hands out the :class:`FakeEngine` registered for each engine id."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, FakeEngine] = {}
+
+    def connect(self, record: EngineRecord) -> EngineConnector:
+        return self.engines.setdefault(record.engine_id, FakeEngine(record.engine_id))
+
+
+def view(
+    engine_id: str,
+    role: EngineRole,
+    *,
+    model: str = "tiny",
+    compat_hash: str = "h1",
+    block_size: int = 4,
+    generation: int = 1,
+    state: EngineState = EngineState.READY,
+    load: EngineLoad | None = None,
+) -> EngineView:
+    record = EngineRecord(
+        engine_id=engine_id,
+        generation=generation,
+        role=role,
+        model=model,
+        compat_hash=compat_hash,
+        pp_size=1,
+        tp_size=1,
+        num_layers=2,
+        num_kv_heads=2,
+        block_size=block_size,
+        endpoint=f"127.0.0.1:{9000 + len(engine_id)}",
+        pp_aware=True,
+        lease_ttl_ms=5000,
+        registered_at_ms=0,
+    )
+    status = EngineStatus(engine_id, generation, state, (), 1, 0)
+    return EngineView(engine_id, record, status, load or EngineLoad())
+
+
+def runtime(factory: FakeFactory | None = None, **overrides: object) -> RouterRuntime:
+    settings = RouterSettings.model_validate({"policy": "least_loaded", **overrides})
+    return RouterRuntime.build(
+        settings, factory or FakeFactory(), RouterMetrics(CollectorRegistry())
+    )
+
+
+def sample(rt: RouterRuntime, name: str, **labels: str) -> float:
+    value = rt.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
