@@ -1,6 +1,7 @@
 """``pdserve``: one console script for every service, tool and benchmark.
 
-Subcommands: ``up`` (the system on one machine), ``status`` (engines and readiness grids),
+Subcommands: ``up`` (the system on one machine), ``router`` (the OpenAI-compatible router),
+``status`` (engines and readiness grids),
 ``bench`` (benchmarks printing JSON), ``make-tiny-model`` (a local test checkpoint).
 """
 
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from services.cli import bench, status, up
+from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
 
@@ -42,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("rest", nargs=argparse.REMAINDER)
 
+    router_parser = commands.add_parser(
+        "router", help="the OpenAI-compatible router in front of the control plane's engines"
+    )
+    add_control_plane_flags(router_parser)
+    router_cli.add_arguments(router_parser)
+
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
     return parser
@@ -69,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status.run(args, settings.control_plane)
         if args.command == "up":
             return up.run(args, settings)
+        if args.command == "router":
+            return router_cli.run(args, settings)
         return bench.run(args, settings)
     except ControlPlaneError as exc:
         print(f"pdserve {args.command}: {exc}", file=sys.stderr)

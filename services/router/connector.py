@@ -9,12 +9,11 @@ from anything in a request. :class:`GrpcConnectorFactory` wraps the services' gR
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol, cast
 
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+from services.serving.client import EngineClient
 
 
 class EngineConnector(abc.ABC):
@@ -62,32 +61,10 @@ class ConnectorFactory(abc.ABC):
         """A connector to ``record.endpoint``; cheap (connections are made lazily)."""
 
 
-class EngineClientAPI(Protocol):
-    """What the router uses of ``services.serving.client.EngineClient`` (the services'
-    package owns the client; this names the part the router depends on)."""
-
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        timeout_s: float | None = None,
-    ) -> PrefillResult: ...
-
-    def decode(
-        self, request: DecodeRequest, *, timeout_s: float | None = None
-    ) -> AsyncIterator[TokenDelta]: ...
-
-    async def abort(self, request_id: str) -> bool: ...
-
-    async def close(self) -> None: ...
-
-
 class GrpcConnector(EngineConnector):
     """:class:`EngineConnector` over ``services.serving.client.EngineClient``."""
 
-    def __init__(self, client: EngineClientAPI) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self._client = client
 
     async def prefill(
@@ -118,8 +95,4 @@ class GrpcConnectorFactory(ConnectorFactory):
     """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``)."""
 
     def connect(self, record: EngineRecord) -> EngineConnector:
-        # Imported here: the gRPC client belongs to the services' package (grpc channels),
-        # which unit tests of the router do not need.
-        client_module = importlib.import_module("services.serving.client")
-        client = cast(EngineClientAPI, client_module.EngineClient(record.endpoint))
-        return GrpcConnector(client)
+        return GrpcConnector(EngineClient(record.endpoint))

@@ -37,6 +37,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import PromptInfo
 from services.router.pool import EnginePool, EngineSlot
 from services.router.scheduler import Plan, Scheduler
+from services.serving.errors import EngineUnreachable, ProtocolMismatch, RequestCancelled
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +105,20 @@ def engine_error(exc: Exception, *, stage: str) -> RouterError:
         return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
     if isinstance(exc, engine_errors.KVTransferFailed):
         return EngineRequestFailed(message, code="kv_transfer_failed")
+    if isinstance(exc, RequestCancelled):
+        return EngineRequestFailed(message, code="request_cancelled", status_code=503)
     if isinstance(exc, engine_errors.RequestError):
         return EngineRequestFailed(message, code="engine_error")
-    # Anything else comes from the transport (the services' EngineUnreachable, a broken
-    # channel): the engine could not be reached, which another engine may not share.
-    return EngineRequestFailed(message, code="engine_unreachable", status_code=503, retryable=True)
+    if isinstance(exc, EngineUnreachable):
+        return EngineRequestFailed(
+            message, code="engine_unreachable", status_code=503, retryable=True
+        )
+    if isinstance(exc, ProtocolMismatch):
+        return EngineRequestFailed(message, code="protocol_mismatch", retryable=True)
+    # Anything else is a bug on our side of the connection; another engine may still work,
+    # but the message is kept for the operator.
+    logger.error("unexpected %s from an engine call: %s", type(exc).__name__, exc)
+    return EngineRequestFailed(message, code="engine_error", retryable=True)
 
 
 class Executor:

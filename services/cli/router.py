@@ -1,0 +1,58 @@
+"""``pdserve router``: the OpenAI-compatible router in front of the engines of a control plane.
+
+Settings come from ``PDSERVE_ROUTER_...`` (see :class:`services.router.config.RouterSettings`;
+API keys only from the environment, never from flags, so they stay out of ``ps``), the control
+plane from ``PDSERVE_CONTROL_PLANE__...`` / ``--redis``; flags override the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import get_args
+
+from pydantic import ValidationError
+
+from services.cli.settings import ToolSettings
+from services.router.config import PolicyName, RouterSettings
+from services.router.main import serve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="checkpoint folder with the tokenizer and chat template (default: byte-level)",
+    )
+    parser.add_argument("--policy", choices=get_args(PolicyName), help="routing policy")
+    parser.add_argument(
+        "--local-max-prompt-tokens",
+        type=int,
+        help="prompts up to this many tokens run on the decode engine alone (0: never)",
+    )
+
+
+def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSettings:
+    """Environment settings with the flags on top."""
+    overrides: dict[str, object] = {"control_plane": tools.control_plane}
+    for name in ("host", "port", "tokenizer", "policy", "local_max_prompt_tokens"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    if getattr(args, "log_level", None):
+        overrides["log_level"] = args.log_level
+    base = RouterSettings()
+    return RouterSettings.model_validate({**base.model_dump(), **overrides})
+
+
+def run(args: argparse.Namespace, tools: ToolSettings) -> int:
+    try:
+        settings = build_settings(args, tools)
+    except ValidationError as exc:
+        print(f"pdserve router: invalid settings: {exc}")
+        return 2
+    asyncio.run(serve(settings))
+    return 0
