@@ -1,0 +1,70 @@
+{{/*
+pdserve.validate: the cross-field rules values.schema.json cannot express. Collects every problem
+and fails rendering once, listing them all (bitnami's validateValues pattern). Rendered by
+templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all run it.
+*/}}
+{{- define "pdserve.validate" -}}
+{{- $errors := list }}
+{{- $v := .Values }}
+
+{{- if not $v.decode.enabled }}
+{{- $errors = append $errors "decode.enabled=false: the router needs decode engines (prefill alone cannot serve)" }}
+{{- end }}
+
+{{- range $role := list "prefill" "decode" }}
+{{- $r := index $v $role }}
+{{- if $r.enabled }}
+{{- $world := mul (int $r.pp) (int $r.tp) }}
+{{- if $r.multiNode.enabled }}
+{{- if not $v.leaderWorkerSet.enabled }}
+{{- $errors = append $errors (printf "%s.multiNode.enabled=true needs leaderWorkerSet.enabled=true: one engine spanning nodes is a LeaderWorkerSet group (install the LWS controller, https://lws.sigs.k8s.io); a StatefulSet pod cannot span nodes" $role) }}
+{{- end }}
+{{- if ne $r.engine "vllm" }}
+{{- $errors = append $errors (printf "%s.multiNode.enabled=true needs %s.engine=vllm: the %s engine runs on one node" $role $role $r.engine) }}
+{{- end }}
+{{- if ne (mod $world (int $r.multiNode.nodes)) 0 }}
+{{- $errors = append $errors (printf "%s: pp * tp = %d GPUs cannot be split evenly over multiNode.nodes=%d" $role $world (int $r.multiNode.nodes)) }}
+{{- end }}
+{{- end }}
+{{- $floor := add (int $r.drain.timeoutSeconds) (int $r.kvLeaseSeconds) }}
+{{- if and (not (kindIs "invalid" $r.terminationGracePeriodSeconds)) (le (int $r.terminationGracePeriodSeconds) $floor) }}
+{{- $errors = append $errors (printf "%s.terminationGracePeriodSeconds=%d must exceed drain.timeoutSeconds + kvLeaseSeconds = %d, or the kubelet kills the drain before KV leases run out" $role (int $r.terminationGracePeriodSeconds) $floor) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- if eq $v.redis.mode "external" }}
+{{- if not $v.redis.external.url }}
+{{- $errors = append $errors "redis.mode=external needs redis.external.url (redis://host:6379/0 or rediss://...)" }}
+{{- else if not (regexMatch "^(redis|rediss|unix)://" $v.redis.external.url) }}
+{{- $errors = append $errors (printf "redis.external.url=%q must start with redis://, rediss:// or unix://" $v.redis.external.url) }}
+{{- end }}
+{{- if not $v.redis.external.existingSecret }}
+{{- $errors = append $errors "redis.mode=external needs redis.external.existingSecret: the Secret holding the Redis password (the control plane is a trust boundary; no password-less Redis)" }}
+{{- end }}
+{{- end }}
+
+{{- if gt (mul 2 (int $v.controlPlane.heartbeatIntervalSeconds)) (int $v.controlPlane.leaseTtlSeconds) }}
+{{- $errors = append $errors (printf "controlPlane.heartbeatIntervalSeconds=%v must be at most half of controlPlane.leaseTtlSeconds=%v, so one lost heartbeat does not expire an engine" $v.controlPlane.heartbeatIntervalSeconds $v.controlPlane.leaseTtlSeconds) }}
+{{- end }}
+
+{{- if and $v.metrics.podMonitor.enabled $v.metrics.serviceMonitor.enabled }}
+{{- $errors = append $errors "metrics.podMonitor.enabled and metrics.serviceMonitor.enabled are both true: every target would be scraped twice and dashboards would double-count; enable one" }}
+{{- end }}
+
+{{- if $v.router.autoscaling.enabled }}
+{{- if gt (int $v.router.autoscaling.minReplicas) (int $v.router.autoscaling.maxReplicas) }}
+{{- $errors = append $errors (printf "router.autoscaling.minReplicas=%d is above maxReplicas=%d" (int $v.router.autoscaling.minReplicas) (int $v.router.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if $v.router.podDisruptionBudget.enabled }}
+{{- $floorReplicas := ternary (int $v.router.autoscaling.minReplicas) (int $v.router.replicas) $v.router.autoscaling.enabled }}
+{{- if ge (int $v.router.podDisruptionBudget.minAvailable) $floorReplicas }}
+{{- $errors = append $errors (printf "router.podDisruptionBudget.minAvailable=%d must be below the router's replicas (%d), or no node can ever be drained" (int $v.router.podDisruptionBudget.minAvailable) $floorReplicas) }}
+{{- end }}
+{{- end }}
+
+{{- if $errors }}
+{{- fail (printf "\n\npdserve: invalid values:\n  - %s\n" (join "\n  - " $errors)) }}
+{{- end }}
+{{- end }}
