@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from services.cli import bench, status, up
+from services.cli import decode as decode_cli
+from services.cli import prefill as prefill_cli
 from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
@@ -50,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_plane_flags(router_parser)
     router_cli.add_arguments(router_parser)
 
+    for role, role_cli in (("prefill", prefill_cli), ("decode", decode_cli)):
+        role_parser = commands.add_parser(
+            role, help=f"host a {role} engine: register it, serve gRPC, drain on SIGTERM"
+        )
+        add_control_plane_flags(role_parser)
+        role_cli.add_arguments(role_parser)
+
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
     return parser
@@ -79,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return up.run(args, settings)
         if args.command == "router":
             return router_cli.run(args, settings)
+        if args.command == "prefill":
+            return prefill_cli.run(args, settings)
+        if args.command == "decode":
+            return decode_cli.run(args, settings)
         return bench.run(args, settings)
     except ControlPlaneError as exc:
         print(f"pdserve {args.command}: {exc}", file=sys.stderr)

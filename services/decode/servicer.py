@@ -1,0 +1,124 @@
+"""The Decode RPC: validate, check the producer is READY at the handle's generation, stream.
+
+A disaggregated request names its producer in the KV handle. Before the backend may start a
+pull, :class:`ProducerGate` reads the producer's registration from the control plane: unknown,
+not READY, or at another generation than the handle is UNAVAILABLE and nothing is pulled (a
+restarted producer's old blocks are gone; its new NIXL agent must never be read with old
+addresses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc.aio
+
+from services.control_plane import ControlPlane, ControlPlaneError
+from services.control_plane.wire import EngineRole
+from services.engines.backend import FinishReason, KVHandle, TokenDelta, Usage
+from services.engines.errors import (
+    EngineFailed,
+    InvalidRequest,
+    ProducerUnavailable,
+    RequestError,
+)
+from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
+from services.serving import convert
+from services.serving.servicer import ServingState
+
+logger = logging.getLogger(__name__)
+
+
+class ProducerGate:
+    """Refuses handles whose producer is not READY at the handle's generation (see module)."""
+
+    def __init__(self, control_plane: ControlPlane, compat_hash: str) -> None:
+        self.control_plane = control_plane
+        self.compat_hash = compat_hash
+
+    async def check(self, handle: KVHandle) -> None:
+        producer = handle.producer_engine_id
+        try:
+            view = await self.control_plane.get_engine(producer)
+        except ControlPlaneError as exc:
+            raise ProducerUnavailable(
+                f"cannot confirm producer {producer} is READY: control plane error: {exc}"
+            ) from exc
+        if view is None or view.record is None:
+            raise ProducerUnavailable(f"producer engine {producer} is not registered")
+        if view.generation != handle.generation:
+            raise ProducerUnavailable(
+                f"producer engine {producer} is at generation {view.generation}, the handle "
+                f"names generation {handle.generation} (it restarted; that KV is gone)"
+            )
+        if not view.ready:
+            state = view.state.value if view.state else "unknown"
+            raise ProducerUnavailable(f"producer engine {producer} is not READY (state {state})")
+        if view.record.role is EngineRole.DECODE:
+            raise InvalidRequest(f"engine {producer} is a decode engine, not a KV producer")
+        if view.record.compat_hash != self.compat_hash:
+            raise InvalidRequest(
+                f"producer engine {producer} serves an incompatible model or KV layout "
+                f"(compat hash {view.record.compat_hash} != {self.compat_hash})"
+            )
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    """``pdserve.v1.DecodeService`` over an engine backend (status codes in decode.proto).
+
+    Errors before the first chunk are status codes; a failure after it ends the stream with a
+    FINISH_REASON_ERROR chunk, as the proto says. Cancelling the call aborts the request.
+    """
+
+    def __init__(self, state: ServingState, gate: ProducerGate) -> None:
+        self.state = state
+        self.gate = gate
+
+    async def Decode(  # noqa: N802 (gRPC method name)
+        self,
+        request: decode_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext[decode_pb2.DecodeRequest, decode_pb2.DecodeChunk],
+    ) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        state = self.state
+        async with state.rpc("Decode", context) as outcome:
+            parsed = convert.decode_request_from_proto(request, state.limits)
+            if parsed.kv_handle is not None:
+                await self.gate.check(parsed.kv_handle)
+            outcome.request_id = parsed.request_id
+            stream = state.backend.decode(parsed)
+            try:
+                # Pull errors come before the first delta: they become the call's status.
+                first = await anext(stream)
+                if first.kv_transfer_s is not None:
+                    state.metrics.kv_pull_seconds.labels(state.engine_id).observe(
+                        first.kv_transfer_s
+                    )
+                last = first
+                yield convert.delta_to_proto(first)
+                while last.finish_reason is None:
+                    try:
+                        last = await anext(stream)
+                    except StopAsyncIteration:
+                        break
+                    except (RequestError, EngineFailed) as exc:
+                        last = self._failed(parsed.prompt_token_ids, exc)
+                    yield convert.delta_to_proto(last)
+                if last.finish_reason is FinishReason.ABORT:
+                    outcome.label = "aborted"
+                elif last.finish_reason is FinishReason.ERROR:
+                    outcome.label = "error"
+            finally:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+
+    def _failed(self, prompt: tuple[int, ...], exc: Exception) -> TokenDelta:
+        if isinstance(exc, EngineFailed):
+            self.state.engine_failed(exc)
+        logger.warning("decode stream on %s failed mid-way: %s", self.state.engine_id, exc)
+        return TokenDelta(
+            (), "", FinishReason.ERROR, Usage(len(prompt), 0), error=str(exc) or type(exc).__name__
+        )

@@ -1,0 +1,111 @@
+"""Engine backends by name: ``reference`` (CPU), ``vllm`` (GPU), ``stub`` (no model, benchmarks).
+
+The host builds its backend with :func:`create_backend` from the service's
+:class:`EngineOptions`. Backends are imported only when selected, so a machine without vLLM (or
+torch) can run the others; a backend that cannot be imported raises :class:`UnknownEngine` with
+the import error in the message (never a silent fallback to another engine).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from services.control_plane.wire import EngineRole
+from services.engines.backend import EngineBackend
+from services.engines.errors import EngineError
+
+
+class UnknownEngine(EngineError, ValueError):
+    """No backend of that name, or its module could not be imported."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What ``pdserve prefill|decode`` knows about the engine it hosts (flags and environment).
+
+    ``None`` means the backend's own default.
+    """
+
+    role: EngineRole
+    model_dir: Path | None = None
+    pp_size: int = 1
+    tp_size: int = 1
+    layer_partition: tuple[int, ...] | None = None
+    num_kv_blocks: int | None = None
+    block_size: int | None = None
+    kv_lease_s: float | None = None
+    stub_token_delay_s: float = 0.0
+    """Stub engine only: pause per generated token (tests catch requests mid-stream)."""
+
+    def overrides(self) -> dict[str, object]:
+        """The KV options that were set, by the field names backends share."""
+        values = {
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "kv_lease_s": self.kv_lease_s,
+        }
+        return {key: value for key, value in values.items() if value is not None}
+
+
+BackendFactory = Callable[[EngineOptions], EngineBackend]
+
+
+def _need_model(options: EngineOptions, engine: str) -> Path:
+    if options.model_dir is None:
+        raise UnknownEngine(f"the {engine} engine needs --model DIR")
+    return options.model_dir
+
+
+def _reference(options: EngineOptions) -> EngineBackend:
+    backend_module = _import("services.engines.reference.backend", "reference")
+    options_module = _import("services.engines.reference.options", "reference")
+    engine_options = options_module.ReferenceEngineOptions(
+        model_dir=_need_model(options, "reference"),
+        pp_size=options.pp_size,
+        tp_size=options.tp_size,
+        layer_partition=options.layer_partition,
+        **options.overrides(),
+    )
+    backend: EngineBackend = backend_module.ReferenceBackend(engine_options)
+    return backend
+
+
+def _vllm(options: EngineOptions) -> EngineBackend:
+    module = _import("services.engines.vllm.backend", "vllm")
+    backend: EngineBackend = module.VllmBackend.from_engine_options(options)
+    return backend
+
+
+def _stub(options: EngineOptions) -> EngineBackend:
+    from services.serving.stub_backend import StubBackend, StubOptions  # noqa: PLC0415
+
+    stub_options = StubOptions(
+        pp_size=options.pp_size,
+        tp_size=options.tp_size,
+        layer_partition=options.layer_partition,
+        token_delay_s=options.stub_token_delay_s,
+        **options.overrides(),  # type: ignore[arg-type]
+    )
+    return StubBackend(stub_options)
+
+
+def _import(module: str, engine: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise UnknownEngine(f"the {engine} engine cannot be loaded: {exc}") from exc
+
+
+ENGINES: dict[str, BackendFactory] = {"reference": _reference, "vllm": _vllm, "stub": _stub}
+
+
+def create_backend(name: str, options: EngineOptions) -> EngineBackend:
+    """The backend ``name`` built from ``options``; :class:`UnknownEngine` if there is none."""
+    factory = ENGINES.get(name)
+    if factory is None:
+        raise UnknownEngine(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+    return factory(options)

@@ -1,0 +1,37 @@
+"""The Prefill RPC: validate, prefill on the backend, return the first token and the KV handle."""
+
+from __future__ import annotations
+
+import grpc.aio
+
+from services.engines.backend import FinishReason
+from services.proto_gen.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from services.serving import convert
+from services.serving.errors import RequestCancelled
+from services.serving.servicer import ServingState
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """``pdserve.v1.PrefillService`` over an engine backend (status codes in prefill.proto)."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    async def Prefill(  # noqa: N802 (gRPC method name)
+        self,
+        request: prefill_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext[prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse],
+    ) -> prefill_pb2.PrefillResponse:
+        async with self.state.rpc("Prefill", context) as outcome:
+            call = convert.prefill_request_from_proto(request, self.state.limits)
+            outcome.request_id = call.request_id
+            result = await self.state.backend.prefill(
+                call.request_id, call.prompt_token_ids, call.sampling
+            )
+            if result.finish_reason is FinishReason.ABORT:
+                raise RequestCancelled(f"prefill of {call.request_id} was aborted")
+            self.state.metrics.prefill_seconds.labels(self.state.engine_id).observe(
+                result.prefill_s
+            )
+            return convert.prefill_result_to_proto(result)
+        raise AssertionError("unreachable: rpc() aborts the call on error")

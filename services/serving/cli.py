@@ -1,0 +1,152 @@
+"""``pdserve prefill`` and ``pdserve decode``: one implementation, the role is the only difference.
+
+Flags override the environment (:class:`~services.serving.config.EngineServiceSettings`,
+``PDSERVE_...``; the control plane's ``--redis``/``--namespace`` come from
+:mod:`services.cli.settings`). Exit codes: 0 after a clean drain, 1 when the engine failed,
+never got READY or lost its registration, 2 for invalid settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from services.cli.settings import ToolSettings
+from services.control_plane.wire import EngineRole, validate_identifier
+from services.engines.errors import EngineError
+from services.engines.registry import ENGINES, EngineOptions, create_backend
+from services.serving.config import EngineServiceSettings, GrpcServerSettings
+from services.serving.host import EngineHost
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pdserve prefill`` and ``pdserve decode`` (``--redis``/``--namespace`` are
+    added by the caller, as for every command)."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", type=Path, help="local model folder (HF config + weights)")
+    engine.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="reference",
+        help="engine backend (default: reference, the CPU engine)",
+    )
+    engine.add_argument("--engine-id", help="engine id (default: the role and a random suffix)")
+    engine.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    engine.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    engine.add_argument(
+        "--layer-partition",
+        type=_partition,
+        default=None,
+        metavar="N,N,...",
+        help="layers per PP stage (default: even split)",
+    )
+    engine.add_argument("--num-kv-blocks", type=int, help="KV blocks per rank")
+    engine.add_argument("--block-size", type=int, help="tokens per KV block")
+    engine.add_argument(
+        "--kv-lease-s", type=float, help="how long a prefill engine holds KV for its consumer"
+    )
+    engine.add_argument(
+        "--stub-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS
+    )  # stub engine only (tests)
+    service = parser.add_argument_group("service")
+    service.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="gRPC address to bind (port 0 picks one; default 0.0.0.0:50051)",
+    )
+    service.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="endpoint registered for routers (default: the bound address)",
+    )
+    service.add_argument("--metrics-port", type=int, help="serve /metrics here (0 picks one)")
+    service.add_argument(
+        "--drain-timeout-s", type=float, help="bound of the drain on SIGTERM (default 60)"
+    )
+    service.add_argument(
+        "--ready-timeout-s", type=float, help="bound of start-up until READY (default 300)"
+    )
+    service.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
+    service.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    service.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+
+
+def _partition(text: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N,N,... got {text!r}") from None
+    if not parts or any(p < 1 for p in parts):
+        raise argparse.ArgumentTypeError("layer counts must be >= 1")
+    return parts
+
+
+def build_settings(args: argparse.Namespace, tool: ToolSettings) -> EngineServiceSettings:
+    """Environment settings with the command's flags on top (raises ``ValueError``)."""
+    settings = EngineServiceSettings()
+    grpc_update: dict[str, object] = {}
+    for flag, field in (
+        ("listen", "listen"),
+        ("advertise", "advertise"),
+        ("tls_cert", "tls_cert_file"),
+        ("tls_key", "tls_key_file"),
+        ("tls_client_ca", "tls_client_ca_file"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            grpc_update[field] = value
+    update: dict[str, object] = {
+        "control_plane": tool.control_plane,
+        "grpc": GrpcServerSettings.model_validate({**settings.grpc.model_dump(), **grpc_update}),
+    }
+    for flag in ("metrics_port", "drain_timeout_s", "ready_timeout_s"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            update[flag] = value
+    return EngineServiceSettings.model_validate({**settings.model_dump(), **update})
+
+
+def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
+    try:
+        settings = build_settings(args, tool)
+        engine_id = validate_identifier(
+            args.engine_id or f"{role.value}-{uuid.uuid4().hex[:8]}", "engine id"
+        )
+        options = EngineOptions(
+            role=role,
+            model_dir=args.model,
+            pp_size=args.pp,
+            tp_size=args.tp,
+            layer_partition=args.layer_partition,
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            kv_lease_s=args.kv_lease_s,
+            stub_token_delay_s=args.stub_token_delay_s,
+        )
+        backend = create_backend(args.engine, options)
+    except (ValueError, ValidationError, EngineError) as exc:
+        print(f"pdserve {role.value}: {exc}", file=sys.stderr)
+        return 2
+    host = EngineHost(settings, backend, engine_id=engine_id, role=role)
+    return asyncio.run(_serve(host))
+
+
+async def _serve(host: EngineHost) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return await host.run(stop)

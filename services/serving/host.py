@@ -1,0 +1,450 @@
+"""The engine host: what ``pdserve prefill`` and ``pdserve decode`` run.
+
+Sequence (:meth:`EngineHost.run`):
+
+1. ``backend.describe()``; bind the gRPC server (Prefill or Decode, Engine, and the standard
+   ``grpc.health.v1`` Health, NOT_SERVING) and ``/metrics``; nothing is admitted yet.
+2. Register the :class:`EngineSpec` (endpoint = advertised gRPC address) -> generation; start
+   heartbeating at once (model loading can outlast a lease) with ``backend.load()``.
+3. ``backend.start(registration)``: ranks start and publish their handshakes.
+4. Wait, bounded by ``ready_timeout_s``, until the control plane says READY: INVALID or the
+   timeout is :class:`ReadinessFailed` (exit 1, the problems in the message).
+5. Serve: admit requests, Health SERVING, print ``PDSERVE_READY {json}`` on stdout.
+6. Until a stop request (SIGTERM/SIGINT in the CLI), a lost registration (heartbeat got
+   ``StaleGenerationError``/``EngineNotFound``: exit 1, loudly) or a failed engine (exit 1).
+7. Clean stop: Health NOT_SERVING, new RPCs get UNAVAILABLE, ``backend.drain(drain_timeout_s)``
+   (in-flight streams finish; a prefill engine waits out held KV), deregister, stop the server
+   and the backend, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO, TypeVar, runtime_checkable
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.registry import Collector
+
+from services.control_plane import (
+    ControlPlane,
+    ControlPlaneError,
+    ControlPlaneMetrics,
+    EngineNotFound,
+    EngineSpec,
+    RedisControlPlane,
+    StaleGenerationError,
+)
+from services.control_plane.wire import EngineLoad, EngineRole, EngineState
+from services.decode.servicer import DecodeServicer, ProducerGate
+from services.engines.backend import EngineBackend, EngineRegistration
+from services.engines.errors import EngineFailed
+from services.prefill.servicer import PrefillServicer
+from services.proto_gen.pdserve.v1 import decode_pb2_grpc, engine_pb2_grpc, prefill_pb2_grpc
+from services.serving.client import channel_options
+from services.serving.config import EngineServiceSettings, split_host_port
+from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
+from services.serving.metrics import EngineServiceMetrics
+from services.serving.servicer import EngineServicer, ServingState
+
+logger = logging.getLogger(__name__)
+
+READY_LINE_PREFIX = "PDSERVE_READY"
+READY_POLL_S = 0.1
+SERVER_STOP_GRACE_S = 5.0
+T = TypeVar("T")
+
+
+@runtime_checkable
+class ExportsMetrics(Protocol):
+    """A backend whose ranks' metrics the service serves on its ``/metrics``."""
+
+    def metrics_collector(self) -> Collector: ...
+
+
+@dataclass(frozen=True)
+class ServingEndpoints:
+    """What the ready line announces."""
+
+    engine_id: str
+    generation: int
+    grpc: str
+    metrics: str | None
+
+    def ready_line(self) -> str:
+        payload = {
+            "engine_id": self.engine_id,
+            "generation": self.generation,
+            "grpc": self.grpc,
+            "metrics": self.metrics,
+        }
+        return f"{READY_LINE_PREFIX} {json.dumps(payload, sort_keys=True)}"
+
+
+def parse_ready_line(line: str) -> ServingEndpoints | None:
+    """The endpoints of a ``PDSERVE_READY`` line (``pdserve up`` and tests wait for it)."""
+    if not line.startswith(READY_LINE_PREFIX + " "):
+        return None
+    data = json.loads(line[len(READY_LINE_PREFIX) + 1 :])
+    return ServingEndpoints(
+        engine_id=str(data["engine_id"]),
+        generation=int(data["generation"]),
+        grpc=str(data["grpc"]),
+        metrics=None if data.get("metrics") is None else str(data["metrics"]),
+    )
+
+
+class EngineHost:
+    """Hosts one engine backend as a gRPC service (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: EngineServiceSettings,
+        backend: EngineBackend,
+        *,
+        engine_id: str,
+        role: EngineRole,
+        registry: CollectorRegistry | None = None,
+        ready_output: TextIO | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.engine_id = engine_id
+        self.role = role
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = EngineServiceMetrics(self.registry, engine_id, role.value)
+        self.control_plane: ControlPlane = RedisControlPlane(
+            settings.control_plane, ControlPlaneMetrics(self.registry)
+        )
+        self._ready_output = ready_output if ready_output is not None else sys.stdout
+        self._fatal: asyncio.Future[HostError | EngineFailed] | None = None
+        self._server: grpc.aio.Server | None = None
+        # grpc_health ships no stubs for its asyncio servicer (``health.aio``).
+        self._health: Any = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self._metrics_server: object | None = None
+        self.endpoints: ServingEndpoints | None = None
+        self.drain_aborted = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set (exit code 0 after a clean drain) or a fatal error (1)."""
+        self._fatal = asyncio.get_running_loop().create_future()
+        description = self.backend.describe()
+        state = ServingState(
+            self.backend,
+            description,
+            self.metrics,
+            engine_id=self.engine_id,
+            role=self.role,
+            on_engine_failed=self._engine_failed,
+        )
+        if isinstance(self.backend, ExportsMetrics):
+            self.registry.register(self.backend.metrics_collector())
+        heartbeat: asyncio.Task[None] | None = None
+        registered = False
+        started = False
+        try:
+            port = await self._start_server(state, description.compat_hash)
+            metrics_url = self._start_metrics()
+            endpoint = self._advertised(port)
+            record = await self.control_plane.register(
+                EngineSpec(
+                    engine_id=self.engine_id,
+                    role=self.role,
+                    model=description.model,
+                    compat_hash=description.compat_hash,
+                    pp_size=description.pp_size,
+                    tp_size=description.tp_size,
+                    num_layers=description.num_layers,
+                    num_kv_heads=description.num_kv_heads,
+                    block_size=description.block_size,
+                    endpoint=endpoint,
+                    pp_aware=description.pp_aware,
+                    engine_kind=description.engine_kind,
+                )
+            )
+            registered = True
+            state.generation = record.generation
+            logger.info(
+                "registered %s generation %s at %s", self.engine_id, record.generation, endpoint
+            )
+            heartbeat = asyncio.create_task(self._heartbeat(record.generation))
+            registration = EngineRegistration(
+                engine_id=self.engine_id,
+                generation=record.generation,
+                role=self.role,
+                control_plane=self.settings.control_plane,
+            )
+            started = True
+            if not (
+                await self._until(stop, self.backend.start(registration))
+                and await self._until(stop, self._wait_ready(record.generation))
+            ):
+                logger.info("engine %s stopped before it was READY", self.engine_id)
+                await self._abandon(
+                    state,
+                    heartbeat,
+                    deregister=True,
+                    generation=record.generation,
+                    stop_backend=True,
+                )
+                return 0
+            state.admitting = True
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self.endpoints = ServingEndpoints(
+                self.engine_id, record.generation, endpoint, metrics_url
+            )
+            print(self.endpoints.ready_line(), file=self._ready_output, flush=True)
+            stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+            try:
+                serving: set[asyncio.Future[Any]] = {stop_wait, self._fatal}
+                await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop_wait.cancel()
+            if self._fatal.done():
+                raise self._fatal.result()
+            return await self._shutdown(state, record.generation, heartbeat)
+        except (HostError, EngineFailed) as exc:
+            logger.error("engine %s stops serving: %s", self.engine_id, exc)
+            print(f"pdserve {self.role.value}: {exc}", file=sys.stderr, flush=True)
+            lost = isinstance(exc, RegistrationLost)
+            await self._abandon(
+                state,
+                heartbeat,
+                deregister=registered and not lost,
+                generation=state.generation,
+                stop_backend=started,
+            )
+            return 1
+        finally:
+            await self._close()
+
+    def _engine_failed(self, exc: EngineFailed) -> None:
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_result(exc)
+
+    async def _until(self, stop: asyncio.Event, work: Awaitable[T]) -> bool:
+        """Run ``work`` unless ``stop`` or a fatal error comes first; ``True`` when it finished.
+
+        A fatal error is raised; a stop cancels ``work`` and returns ``False``.
+        """
+        assert self._fatal is not None
+        task = asyncio.ensure_future(work)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({task, stop_wait, self._fatal}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if task.done():
+            task.result()
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        if self._fatal.done():
+            raise self._fatal.result()
+        return False
+
+    async def _shutdown(
+        self,
+        state: ServingState,
+        generation: int,
+        heartbeat: asyncio.Task[None] | None,
+    ) -> int:
+        """The clean stop: drain while still registered (consumers may still pull held KV),
+        then deregister and stop."""
+        logger.info(
+            "engine %s draining (bound %.1fs)", self.engine_id, self.settings.drain_timeout_s
+        )
+        state.admitting = False
+        state.draining = True
+        await self._health.enter_graceful_shutdown()
+        self.drain_aborted = await self.backend.drain(self.settings.drain_timeout_s)
+        if self.drain_aborted:
+            logger.warning(
+                "drain aborted %d requests that did not finish in %.1fs",
+                self.drain_aborted,
+                self.settings.drain_timeout_s,
+            )
+            self.metrics.count_drain_aborted(self.drain_aborted)
+        await self._abandon(
+            state, heartbeat, deregister=True, generation=generation, stop_backend=True
+        )
+        assert self._fatal is not None
+        if self._fatal.done():
+            exc = self._fatal.result()
+            logger.error("engine %s failed while draining: %s", self.engine_id, exc)
+            print(f"pdserve {self.role.value}: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    async def _abandon(
+        self,
+        state: ServingState,
+        heartbeat: asyncio.Task[None] | None,
+        *,
+        deregister: bool,
+        generation: int,
+        stop_backend: bool,
+    ) -> None:
+        state.admitting = False
+        await self._health.enter_graceful_shutdown()
+        if heartbeat is not None:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+        if deregister:
+            try:
+                await self.control_plane.deregister(self.engine_id, generation)
+            except ControlPlaneError as exc:
+                logger.warning("deregistering %s failed: %s", self.engine_id, exc)
+        if self._server is not None:
+            await self._server.stop(SERVER_STOP_GRACE_S)
+        if stop_backend:
+            try:
+                await self.backend.stop()
+            except Exception:
+                logger.exception("stopping the backend of %s failed", self.engine_id)
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+            self._server = None
+        server = self._metrics_server
+        if server is not None:
+            self._metrics_server = None
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+        await self.control_plane.close()
+
+    # -- pieces --------------------------------------------------------------------------
+
+    async def _start_server(self, state: ServingState, compat_hash: str) -> int:
+        grpc_settings = self.settings.grpc
+        server = grpc.aio.server(options=channel_options(grpc_settings.max_message_bytes))
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if self.role is EngineRole.DECODE:
+            gate = ProducerGate(self.control_plane, compat_hash)
+            decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(state, gate), server)
+        else:
+            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(state), server)
+        tls = grpc_settings.tls()
+        try:
+            if tls is None:
+                port = server.add_insecure_port(grpc_settings.listen)
+            else:
+                port = server.add_secure_port(grpc_settings.listen, tls.credentials())
+        except (RuntimeError, ValueError) as exc:
+            raise HostError(f"cannot listen on {grpc_settings.listen}: {exc}") from exc
+        if port == 0:
+            raise HostError(f"cannot listen on {grpc_settings.listen} (address in use?)")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._server = server
+        return port
+
+    def _start_metrics(self) -> str | None:
+        port = self.settings.metrics_port
+        if port is None:
+            return None
+        try:
+            server, _thread = start_http_server(
+                port, addr=self.settings.metrics_host, registry=self.registry
+            )
+        except OSError as exc:
+            raise HostError(f"cannot serve metrics on port {port}: {exc}") from exc
+        self._metrics_server = server
+        host = self.settings.metrics_host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{server.server_port}/metrics"
+
+    def _advertised(self, port: int) -> str:
+        if self.settings.grpc.advertise is not None:
+            return self.settings.grpc.advertise
+        host, _ = split_host_port(self.settings.grpc.listen)
+        if host in ("0.0.0.0", "[::]", "::", ""):
+            host = socket.gethostname()
+        return f"{host}:{port}"
+
+    async def _set_health(
+        self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
+    ) -> None:
+        service_names = ["", "pdserve.v1.EngineService"]
+        service_names.append(
+            "pdserve.v1.DecodeService"
+            if self.role is EngineRole.DECODE
+            else "pdserve.v1.PrefillService"
+        )
+        for name in service_names:
+            await self._health.set(name, status)
+
+    def _load(self) -> EngineLoad | None:
+        try:
+            load = self.backend.load()
+        except Exception:
+            logger.exception("load() of %s failed; heartbeat without load", self.engine_id)
+            return None
+        self.metrics.observe_load(load)
+        return load
+
+    async def _heartbeat(self, generation: int) -> None:
+        """Renew the lease every ``heartbeat_interval_s``; a lost registration is fatal."""
+        interval = self.settings.control_plane.heartbeat_interval_s
+        while True:
+            try:
+                await self.control_plane.heartbeat(self.engine_id, generation, self._load())
+            except (StaleGenerationError, EngineNotFound) as exc:
+                lost = RegistrationLost(
+                    f"engine {self.engine_id} generation {generation} lost its registration "
+                    f"({type(exc).__name__}: {exc}); it stops serving under it"
+                )
+                if self._fatal is not None and not self._fatal.done():
+                    self._fatal.set_result(lost)
+                return
+            except ControlPlaneError as exc:
+                # Retries already happened inside the control plane (and were counted); the
+                # lease outlives a few misses, and a lost one shows up as EngineNotFound.
+                logger.warning("heartbeat of %s failed: %s", self.engine_id, exc)
+            await asyncio.sleep(interval)
+
+    async def _wait_ready(self, generation: int) -> None:
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        while True:
+            inspection = await self.control_plane.inspect(self.engine_id)
+            view = inspection.view if inspection else None
+            if view is None or view.generation != generation:
+                raise RegistrationLost(
+                    f"engine {self.engine_id} generation {generation} vanished from the control "
+                    "plane while starting"
+                )
+            aggregation = inspection.aggregation if inspection else None
+            if aggregation is not None:
+                for pp_rank, tp_rank in aggregation.records:
+                    self.metrics.rank_published(pp_rank, tp_rank)
+            if view.state is EngineState.READY:
+                return
+            if view.state is EngineState.INVALID:
+                problems = "; ".join(view.status.problems if view.status else ()) or "unknown"
+                raise ReadinessFailed(
+                    f"engine {self.engine_id} handshake grid is INVALID: {problems}"
+                )
+            if time.monotonic() > deadline:
+                missing = aggregation.missing if aggregation else ()
+                raise ReadinessFailed(
+                    f"engine {self.engine_id} not READY after {self.settings.ready_timeout_s}s"
+                    + (f"; missing ranks {sorted(missing)}" if missing else "")
+                )
+            await asyncio.sleep(READY_POLL_S)

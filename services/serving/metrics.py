@@ -1,0 +1,89 @@
+"""``pdserve_engine_*``: the engine service's own metrics (see docs/metrics.md).
+
+Created once by the host with an injectable registry (tests pass a fresh one). Load gauges are
+refreshed from ``backend.load()`` on every heartbeat and every GetLoad.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.control_plane.wire import EngineLoad
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineServiceMetrics:
+    """The engine service's series, labelled with its engine id and role."""
+
+    def __init__(self, registry: CollectorRegistry, engine_id: str, role: str) -> None:
+        self.registry = registry
+        self.engine_id = engine_id
+        self.role = role
+        labels = ("engine", "role")
+        self.queue_depth = Gauge(
+            "pdserve_engine_queue_depth",
+            "Requests waiting for admission.",
+            labels,
+            registry=registry,
+        )
+        self.running_requests = Gauge(
+            "pdserve_engine_running_requests",
+            "Requests admitted and not finished.",
+            labels,
+            registry=registry,
+        )
+        self.kv_blocks_free = Gauge(
+            "pdserve_engine_kv_blocks_free", "KV blocks free.", labels, registry=registry
+        )
+        self.kv_blocks_total = Gauge(
+            "pdserve_engine_kv_blocks_total", "KV blocks in the pool.", labels, registry=registry
+        )
+        self.requests = Counter(
+            "pdserve_engine_requests",
+            "RPCs served, by outcome (ok, aborted, or the gRPC status code name).",
+            ("engine", "role", "rpc", "outcome"),
+            registry=registry,
+        )
+        self.prefill_seconds = Histogram(
+            "pdserve_engine_prefill_seconds",
+            "Engine time from admission to the first token.",
+            ("engine",),
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.kv_pull_seconds = Histogram(
+            "pdserve_engine_kv_pull_seconds",
+            "Time a disaggregated decode request spent pulling its KV (whole request).",
+            ("engine",),
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.handshake_ranks_published = Gauge(
+            "pdserve_engine_handshake_ranks_published",
+            "1 once the (pp, tp) rank published its handshake record.",
+            ("engine", "rank"),
+            registry=registry,
+        )
+        self.drain_aborted = Counter(
+            "pdserve_engine_drain_aborted",
+            "Requests a drain had to abort because they did not finish within the bound.",
+            labels,
+            registry=registry,
+        )
+
+    def observe_load(self, load: EngineLoad) -> None:
+        labels = (self.engine_id, self.role)
+        self.queue_depth.labels(*labels).set(load.queue_depth)
+        self.running_requests.labels(*labels).set(load.running_requests)
+        self.kv_blocks_free.labels(*labels).set(load.kv_blocks_free)
+        self.kv_blocks_total.labels(*labels).set(load.kv_blocks_total)
+
+    def count_request(self, rpc: str, outcome: str) -> None:
+        self.requests.labels(self.engine_id, self.role, rpc, outcome).inc()
+
+    def count_drain_aborted(self, count: int) -> None:
+        self.drain_aborted.labels(self.engine_id, self.role).inc(count)
+
+    def rank_published(self, pp_rank: int, tp_rank: int) -> None:
+        self.handshake_ranks_published.labels(self.engine_id, f"{pp_rank}:{tp_rank}").set(1)

@@ -1,0 +1,288 @@
+"""``StubBackend``: an instant engine with deterministic tokens and no model (engine name "stub").
+
+For the router's benchmark (``pdserve bench router`` puts the router in front of stub engines so
+the figure is the router's own cost) and for tests of the host and servicers. It honours the
+whole :class:`~services.engines.backend.EngineBackend` contract a caller can observe: it
+registers and publishes a synthetic but consistent handshake grid (so it turns READY), validates
+its inputs, admits up to ``num_kv_blocks`` worth of requests, streams, aborts, drains.
+
+What it does not do: compute anything or move KV. A prefill returns a handle with real-looking
+block ids but holds nothing (nobody could pull it); a decode with a handle trusts it. Tokens are
+a pure function of the prompt: ``first = (sum(prompt) + len(prompt)) % vocab``, then each next
+token is the previous one plus one (mod vocab), rendered as text ``" t<id>"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from services.control_plane import ControlPlaneMetrics, RedisControlPlane
+from services.control_plane.synthetic import synthetic_records, synthetic_spec
+from services.control_plane.wire import EngineLoad
+from services.engines.backend import (
+    BackendDescription,
+    DecodeRequest,
+    EngineBackend,
+    EngineRegistration,
+    FinishReason,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from services.engines.errors import (
+    DuplicateRequest,
+    EngineDraining,
+    EngineFailed,
+    EngineOverloaded,
+    InvalidRequest,
+)
+
+STUB_MODEL = "stub"
+
+
+@dataclass(frozen=True)
+class StubOptions:
+    """The stub engine's shape and pace."""
+
+    pp_size: int = 1
+    tp_size: int = 1
+    layer_partition: tuple[int, ...] | None = None
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    vocab_size: int = 32_000
+    max_model_len: int = 4096
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    kv_lease_s: float = 30.0
+    token_delay_s: float = 0.0
+    """Pause per generated token (and once per prefill): lets tests catch a request mid-way."""
+
+
+@dataclass
+class _Running:
+    blocks: int
+    aborted: asyncio.Event
+
+
+class StubBackend(EngineBackend):
+    """See the module docstring."""
+
+    def __init__(self, options: StubOptions | None = None) -> None:
+        self.options = options or StubOptions()
+        self._spec = synthetic_spec(
+            "stub",
+            pp_size=self.options.pp_size,
+            tp_size=self.options.tp_size,
+            num_layers=self.options.num_layers,
+            num_kv_heads=self.options.num_kv_heads,
+            block_size=self.options.block_size,
+        )
+        self._registration: EngineRegistration | None = None
+        self._running: dict[str, _Running] = {}
+        self._held: dict[str, float] = {}
+        self._free_blocks = self.options.num_kv_blocks
+        self._draining = False
+        self._block_ids = itertools.count()
+        self._control_plane: RedisControlPlane | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def describe(self) -> BackendDescription:
+        return BackendDescription(
+            model=STUB_MODEL,
+            compat_hash=self._spec.compat_hash,
+            pp_size=self.options.pp_size,
+            tp_size=self.options.tp_size,
+            num_layers=self.options.num_layers,
+            num_kv_heads=self.options.num_kv_heads,
+            block_size=self.options.block_size,
+            vocab_size=self.options.vocab_size,
+            max_model_len=self.options.max_model_len,
+            eos_token_ids=(),
+            engine_kind="stub",
+        )
+
+    async def start(self, registration: EngineRegistration) -> None:
+        """Publish a synthetic grid (one call for every rank, as a vLLM scheduler would)."""
+        self._registration = registration
+        self._control_plane = RedisControlPlane(
+            registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
+        )
+        view = await self._control_plane.get_engine(registration.engine_id)
+        if view is None or view.record is None or view.generation != registration.generation:
+            raise EngineFailed(
+                f"stub engine {registration.engine_id} generation {registration.generation} "
+                "is not registered"
+            )
+        records = synthetic_records(
+            view.record,
+            num_blocks=self.options.num_kv_blocks,
+            layer_partition=(
+                list(self.options.layer_partition) if self.options.layer_partition else None
+            ),
+        )
+        await self._control_plane.publish_handshakes(view.record, list(records.values()))
+
+    def _admit(self, request_id: str, num_tokens: int) -> _Running:
+        if self._draining:
+            raise EngineDraining("the engine is draining and admits no new request")
+        if request_id in self._running:
+            raise DuplicateRequest(f"request {request_id} is already running")
+        blocks = math.ceil(num_tokens / self.options.block_size)
+        if blocks > self._free_blocks:
+            raise EngineOverloaded(
+                f"KV pool full: {blocks} blocks needed, {self._free_blocks} free"
+            )
+        self._free_blocks -= blocks
+        running = _Running(blocks, asyncio.Event())
+        self._running[request_id] = running
+        self._idle.clear()
+        return running
+
+    def _release(self, request_id: str) -> None:
+        running = self._running.pop(request_id, None)
+        if running is not None:
+            self._free_blocks += running.blocks
+        if not self._running:
+            self._idle.set()
+
+    def _first_token(self, prompt: Sequence[int]) -> int:
+        return (sum(prompt) + len(prompt)) % self.options.vocab_size
+
+    def _check_prompt(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        sampling.validate(vocab_size=self.options.vocab_size)
+        if not prompt or any(not 0 <= t < self.options.vocab_size for t in prompt):
+            raise InvalidRequest("prompt must be non-empty token ids within the vocabulary")
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        self._check_prompt(prompt_token_ids, sampling)
+        start = time.monotonic()
+        running = self._admit(request_id, len(prompt_token_ids))
+        try:
+            await asyncio.sleep(self.options.token_delay_s)
+            token = self._first_token(prompt_token_ids)
+            usage = Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=1)
+            if running.aborted.is_set():
+                return PrefillResult(request_id, token, "", None, FinishReason.ABORT, usage)
+            finish = FinishReason.LENGTH if sampling.max_tokens == 1 else None
+            if token in sampling.stop_token_ids:
+                finish = FinishReason.STOP
+            handle = None
+            if finish is None:
+                registration = self._require_registration()
+                handle = KVHandle(
+                    producer_engine_id=registration.engine_id,
+                    generation=registration.generation,
+                    request_id=request_id,
+                    block_ids=tuple(
+                        next(self._block_ids) % self.options.num_kv_blocks
+                        for _ in range(running.blocks)
+                    ),
+                    num_tokens=len(prompt_token_ids),
+                    lease_expires_at_s=time.time() + self.options.kv_lease_s,
+                )
+                self._held[request_id] = handle.lease_expires_at_s
+            return PrefillResult(
+                request_id=request_id,
+                first_token_id=token,
+                text=self.detokenize([token]),
+                kv_handle=handle,
+                finish_reason=finish,
+                usage=usage,
+                prefill_s=time.monotonic() - start,
+            )
+        finally:
+            self._release(request_id)
+
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        sampling = request.sampling
+        self._check_prompt(request.prompt_token_ids, sampling)
+        prompt_len = len(request.prompt_token_ids)
+        running = self._admit(request.request_id, prompt_len + sampling.max_tokens)
+        try:
+            if request.kv_handle is not None and request.first_token_id is not None:
+                token = request.first_token_id
+                generated = 1  # the producer's first token counts toward max_tokens
+                first_delta_transfer_s: float | None = 0.0
+            else:
+                token = self._first_token(request.prompt_token_ids) - 1
+                generated = 0
+                first_delta_transfer_s = None
+            while generated < sampling.max_tokens:
+                await asyncio.sleep(self.options.token_delay_s)
+                if running.aborted.is_set():
+                    yield self._last(request, generated, FinishReason.ABORT)
+                    return
+                token = (token + 1) % self.options.vocab_size
+                if token in sampling.stop_token_ids:
+                    yield self._last(request, generated, FinishReason.STOP)
+                    return
+                generated += 1
+                yield TokenDelta(
+                    (token,), self.detokenize([token]), kv_transfer_s=first_delta_transfer_s
+                )
+                first_delta_transfer_s = None
+            yield self._last(request, generated, FinishReason.LENGTH)
+        finally:
+            self._release(request.request_id)
+
+    def _last(self, request: DecodeRequest, generated: int, reason: FinishReason) -> TokenDelta:
+        usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=generated)
+        return TokenDelta((), "", reason, usage)
+
+    async def abort(self, request_id: str) -> bool:
+        running = self._running.get(request_id)
+        if running is not None:
+            running.aborted.set()
+            return True
+        return self._held.pop(request_id, None) is not None
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queue_depth=0,
+            running_requests=len(self._running),
+            kv_blocks_free=self._free_blocks,
+            kv_blocks_total=self.options.num_kv_blocks,
+        )
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting, wait for running requests; held handles are dropped (nothing real
+        is held, see the module docstring)."""
+        self._draining = True
+        self._held.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        aborted = len(self._running)
+        for running in self._running.values():
+            running.aborted.set()
+        # Aborted streams end at their next step; a consumer that stopped reading may never
+        # take that step, and the host's server stop cancels it then.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+        return aborted
+
+    async def stop(self) -> None:
+        control_plane, self._control_plane = self._control_plane, None
+        if control_plane is not None:
+            with contextlib.suppress(Exception):
+                await control_plane.close()
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return "".join(f" t{t}" for t in token_ids)
+
+    def _require_registration(self) -> EngineRegistration:
+        if self._registration is None:
+            raise EngineFailed("stub engine used before start()")
+        return self._registration
