@@ -1,4 +1,17 @@
-"""The CPU reference engine's model half: a Llama-family decoder in plain torch.
+"""The CPU reference engine: a Llama-family decoder in plain torch, served by rank processes.
+
+Runtime (start at ``backend``):
+
+- ``backend``: ``ReferenceBackend``, the :class:`~services.engines.backend.EngineBackend`;
+- ``options``: ``ReferenceEngineOptions``;
+- ``engine``: the host thread driving the scheduler and the ranks;
+- ``scheduler``: admission, continuous batching, sampling, KV hand-off (pure bookkeeping);
+- ``sampling``: seeded sampling and incremental detokenization with stop strings;
+- ``executor``: the rank processes (spawn, broadcast, events, death detection);
+- ``rank``: one ``(pp_rank, tp_rank)`` process (gloo, shard, KV pool, NIXL, handshake);
+- ``messages``: what host and ranks tell each other; ``metrics``: host counters, rank relay.
+
+Model:
 
 - ``config``: ``ModelConfig`` from an HF ``config.json``;
 - ``sharding``: the PP x TP cut (``ShardSpec`` -> ``ShardGeometry``);

@@ -1,0 +1,457 @@
+"""``ReferenceBackend``: the CPU reference engine behind the :class:`EngineBackend` seam.
+
+Process shape (like vLLM's multiprocess executor): the host process (the service that owns the
+backend) runs the scheduler on one thread (:mod:`~services.engines.reference.engine`) and one
+process per ``(pp_rank, tp_rank)`` (:mod:`~services.engines.reference.rank`) runs the model
+shard, owns its KV pool and NIXL agent, and publishes its handshake record. The backend's
+coroutines only validate, hand work to the engine thread and await results, so the host's event
+loop is never blocked.
+
+Roles: every engine can run a request start to finish (``decode`` without a KV handle);
+``prefill`` needs the role ``prefill`` or ``both`` (the KV is held for a consumer), ``decode``
+with a KV handle needs ``decode`` or ``both`` (the ranks pull it from the producer, pre-warmed
+by PeerSync when the producer turned READY).
+
+Before a pull the backend checks the handle against the control plane: the producer must be
+READY at the handle's generation, compatible and of the same block size, else
+:class:`ProducerUnavailable`; a lease already past is :class:`KVLeaseExpired`. A producer that
+simply no longer holds the handle cannot be told from one that does without asking it (there is
+no side channel besides NIXL); :class:`UnknownKVHandle` is therefore raised only for handles
+that cannot be right (naming this very engine, or with a block count that does not match their
+tokens). Every refusal and failure is counted in
+``pdserve_reference_engine_kv_errors_total{error, reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
+
+from services.control_plane import ControlPlaneError, ControlPlaneMetrics, RedisControlPlane
+from services.control_plane.wire import EngineLoad, EngineRole, compute_compat_hash
+from services.engines.backend import (
+    BackendDescription,
+    DecodeRequest,
+    EngineBackend,
+    EngineRegistration,
+    FinishReason,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
+from services.engines.errors import (
+    EngineFailed,
+    InvalidRequest,
+    KVLeaseExpired,
+    ProducerUnavailable,
+    UnknownKVHandle,
+)
+from services.engines.reference.config import ModelConfig
+from services.engines.reference.engine import EngineLoop
+from services.engines.reference.executor import RankGroup
+from services.engines.reference.metrics import RankMetricsRelay, ReferenceEngineMetrics
+from services.engines.reference.options import ReferenceEngineOptions
+from services.engines.reference.scheduler import (
+    RequestKind,
+    Scheduler,
+    SchedulerLimits,
+    SinkItem,
+)
+from services.engines.reference.sharding import ShardGeometry, ShardSpec
+from services.engines.reference.tokenizer import Tokenizer, load_tokenizer
+from services.kv_transfer.block_pool import KV_LAYOUT
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_PRODUCER_ROLES = (EngineRole.PREFILL, EngineRole.BOTH)
+_CONSUMER_ROLES = (EngineRole.DECODE, EngineRole.BOTH)
+
+
+class _AsyncSink:
+    """A request's results, carried from the engine thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.items: asyncio.Queue[SinkItem] = asyncio.Queue()
+
+    def put(self, item: SinkItem) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
+            self._loop.call_soon_threadsafe(self.items.put_nowait, item)
+
+
+class ReferenceBackend(EngineBackend):
+    """The reference engine; see the module docstring. One instance serves one generation:
+    after :meth:`stop`, build a new one to start again."""
+
+    def __init__(
+        self, options: ReferenceEngineOptions, *, registry: CollectorRegistry | None = None
+    ) -> None:
+        """Reads the config and tokenizer and checks the layout (``ModelConfigError``,
+        ``ShardingError``, ``CheckpointError``); starts nothing."""
+        self.options = options
+        self.config = ModelConfig.from_directory(options.model_dir)
+        self.layout = options.validate(self.config)
+        for rank in self.layout.shards:
+            ShardGeometry.resolve(self.config, ShardSpec.from_layout(self.layout, *rank))
+        self.tokenizer: Tokenizer = load_tokenizer(options.model_dir)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.config.eos_token_ids
+        )
+        self.compat_hash = compute_compat_hash(
+            model=options.served_model_name(),
+            dtype=options.dtype,
+            head_size=self.config.head_dim,
+            num_layers=self.config.num_hidden_layers,
+            num_kv_heads=self.config.num_key_value_heads,
+            kv_layout=KV_LAYOUT,
+        )
+        self.relay = RankMetricsRelay()
+        self._registry = registry
+        self.metrics: ReferenceEngineMetrics | None = None
+        self.registration: EngineRegistration | None = None
+        self._engine: EngineLoop | None = None
+        self._control_plane: RedisControlPlane | None = None
+        self._stopped = False
+
+    # -- the seam ------------------------------------------------------------------------------
+
+    def describe(self) -> BackendDescription:
+        config = self.config
+        return BackendDescription(
+            model=self.options.served_model_name(),
+            compat_hash=self.compat_hash,
+            pp_size=self.options.pp_size,
+            tp_size=self.options.tp_size,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            block_size=self.options.block_size,
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_position_embeddings,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)),
+        )
+
+    async def start(self, registration: EngineRegistration) -> None:
+        if self._engine is not None or self._stopped:
+            raise EngineFailed("a ReferenceBackend starts once; build a new one to restart")
+        self.registration = registration
+        self.metrics = ReferenceEngineMetrics(registration.engine_id, self._registry)
+        group = RankGroup(self.options, registration, self.compat_hash)
+        try:
+            await asyncio.to_thread(self._start_ranks, group)
+        except BaseException:
+            await asyncio.to_thread(group.kill)
+            raise
+        options = self.options
+        scheduler = Scheduler(
+            engine_id=registration.engine_id,
+            generation=registration.generation,
+            world_ranks=group.ranks,
+            limits=SchedulerLimits(
+                num_blocks=options.num_kv_blocks,
+                block_size=options.block_size,
+                max_model_len=self.config.max_position_embeddings,
+                max_batch_tokens=options.max_batch_tokens,
+                max_running=options.max_running,
+                max_queue=options.max_queue,
+                kv_lease_s=options.kv_lease_s,
+                kv_pull_timeout_s=options.kv_pull_timeout_s,
+                producer_connect_wait_s=options.producer_connect_wait_s,
+            ),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            metrics=self.metrics,
+        )
+        if registration.role in _CONSUMER_ROLES:
+            self._control_plane = RedisControlPlane(
+                registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
+            )
+        self._engine = EngineLoop(
+            group, scheduler, self.relay, stop_timeout_s=options.stop_timeout_s
+        )
+        self._engine.start()
+        logger.info(
+            "reference engine %s@%d up: PP=%d TP=%d, %d KV blocks of %d tokens",
+            registration.engine_id,
+            registration.generation,
+            options.pp_size,
+            options.tp_size,
+            options.num_kv_blocks,
+            options.block_size,
+        )
+
+    def _start_ranks(self, group: RankGroup) -> None:
+        group.spawn()
+        group.wait_ready(self.options.start_timeout_s)
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        registration = self._running_registration()
+        if registration.role not in _PRODUCER_ROLES:
+            raise InvalidRequest(
+                f"engine {registration.engine_id} has role {registration.role}: it does not "
+                "prefill for other engines (decode without a kv_handle runs locally)"
+            )
+        self._validate(request_id, prompt_token_ids, sampling)
+        sink = _AsyncSink(asyncio.get_running_loop())
+        await self._submit(request_id, "prefill", prompt_token_ids, sampling, sink)
+        try:
+            item = await sink.items.get()
+        except asyncio.CancelledError:
+            await self._abort_quietly(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        if not isinstance(item, PrefillResult):  # pragma: no cover - scheduler contract
+            raise EngineFailed(f"prefill of {request_id} got {type(item).__name__}")
+        return item
+
+    def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        return self._decode(request)
+
+    async def _decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        registration = self._running_registration()
+        self._validate(request.request_id, request.prompt_token_ids, request.sampling)
+        kind: RequestKind = "generate"
+        if request.kv_handle is not None:
+            if registration.role not in _CONSUMER_ROLES:
+                raise InvalidRequest(
+                    f"engine {registration.engine_id} has role {registration.role}: it does "
+                    "not decode from remote KV"
+                )
+            await self._check_handle(request, request.kv_handle)
+            kind = "remote"
+        sink = _AsyncSink(asyncio.get_running_loop())
+        await self._submit(
+            request.request_id,
+            kind,
+            request.prompt_token_ids,
+            request.sampling,
+            sink,
+            handle=request.kv_handle,
+            first_token_id=request.first_token_id,
+        )
+        finished = False
+        try:
+            while True:
+                item = await sink.items.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if not isinstance(item, TokenDelta):  # pragma: no cover - scheduler contract
+                    raise EngineFailed(f"decode of {request.request_id} got a prefill result")
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self._abort_quietly(request.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        engine = self._running_engine()
+        scheduler = engine.scheduler
+        return await asyncio.wrap_future(engine.call(lambda: scheduler.abort(request_id)))
+
+    def load(self) -> EngineLoad:
+        if self._engine is None:
+            return EngineLoad(0, 0, self.options.num_kv_blocks, self.options.num_kv_blocks)
+        snap = self._engine.snapshot
+        return EngineLoad(
+            queue_depth=snap.queue_depth,
+            running_requests=snap.running,
+            kv_blocks_free=snap.free_blocks,
+            kv_blocks_total=snap.total_blocks,
+        )
+
+    async def drain(self, timeout_s: float) -> int:
+        engine = self._running_engine()
+        scheduler = engine.scheduler
+
+        def start_draining() -> None:
+            scheduler.draining = True
+
+        await asyncio.wrap_future(engine.call(start_draining))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            in_flight = await asyncio.wrap_future(engine.call(lambda: scheduler.in_flight))
+            if in_flight == 0:
+                return 0
+            await asyncio.sleep(0.02)
+        return await asyncio.wrap_future(engine.call(scheduler.abort_all))
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._engine is not None:
+            self._engine.stop()
+            await asyncio.to_thread(self._engine.join)
+        if self._control_plane is not None:
+            await self._control_plane.close()
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    # -- for the service -----------------------------------------------------------------------
+
+    def metrics_collector(self) -> Collector:
+        """The ranks' ``pdserve_kv_transfer_*`` families, relayed (register it in the registry
+        the service serves on ``/metrics``)."""
+        return self.relay
+
+    @property
+    def failure(self) -> EngineFailed | None:
+        """Why the engine failed (a rank died), once it has; the host must then exit."""
+        return None if self._engine is None else self._engine.failure
+
+    def rank_pids(self) -> dict[tuple[int, int], int]:
+        """``(pp_rank, tp_rank) -> pid`` of the rank processes (tests, diagnostics)."""
+        return {} if self._engine is None else self._engine.group.pids()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _running_engine(self) -> EngineLoop:
+        if self._engine is None:
+            raise EngineFailed("the engine is not started")
+        if self._engine.failure is not None:
+            raise self._engine.failure
+        if self._stopped:
+            raise EngineFailed("the engine is stopped")
+        return self._engine
+
+    def _running_registration(self) -> EngineRegistration:
+        self._running_engine()
+        assert self.registration is not None
+        return self.registration
+
+    def _validate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> None:
+        if not request_id or len(request_id) > 256:
+            raise InvalidRequest("request_id must be 1 to 256 characters")
+        vocab = self.config.vocab_size
+        sampling.validate(vocab_size=vocab)
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        if any(not 0 <= token < vocab for token in prompt_token_ids):
+            raise InvalidRequest(f"prompt_token_ids must be in [0, {vocab})")
+
+    async def _submit(
+        self,
+        request_id: str,
+        kind: RequestKind,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        sink: _AsyncSink,
+        *,
+        handle: KVHandle | None = None,
+        first_token_id: int | None = None,
+    ) -> None:
+        engine = self._running_engine()
+        scheduler = engine.scheduler
+        prompt_ids = tuple(int(t) for t in prompt)
+
+        def submit() -> None:
+            scheduler.submit(
+                request_id,
+                kind,
+                prompt_ids,
+                sampling,
+                sink,
+                handle=handle,
+                first_token_id=first_token_id,
+            )
+
+        await asyncio.wrap_future(engine.call(submit))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(EngineFailed):
+            await self.abort(request_id)
+
+    async def _check_handle(self, request: DecodeRequest, handle: KVHandle) -> None:
+        """Refuse a handle that cannot be pulled (see the module docstring)."""
+        assert self.metrics is not None and self.registration is not None
+        metrics = self.metrics
+
+        def refuse(error: Callable[[str], Exception], reason: str, message: str) -> Exception:
+            metrics.kv_error(getattr(error, "__name__", "error"), reason)
+            return error(message)
+
+        if request.first_token_id is None:
+            raise InvalidRequest("a decode with a kv_handle needs first_token_id")
+        if not 0 <= request.first_token_id < self.config.vocab_size:
+            raise InvalidRequest("first_token_id is outside the vocabulary")
+        if handle.num_tokens != len(request.prompt_token_ids):
+            raise InvalidRequest(
+                f"the kv_handle holds {handle.num_tokens} tokens, the prompt has "
+                f"{len(request.prompt_token_ids)}"
+            )
+        expected_blocks = -(-handle.num_tokens // self.options.block_size)
+        if len(handle.block_ids) != expected_blocks:
+            raise refuse(
+                UnknownKVHandle,
+                "block_count",
+                f"the kv_handle has {len(handle.block_ids)} blocks for {handle.num_tokens} "
+                f"tokens; {expected_blocks} blocks of {self.options.block_size} expected",
+            )
+        if handle.producer_engine_id == self.registration.engine_id:
+            raise refuse(
+                UnknownKVHandle,
+                "own_handle",
+                "the kv_handle names this engine; decode without a handle to run locally",
+            )
+        if time.time() >= handle.lease_expires_at_s:
+            raise refuse(
+                KVLeaseExpired,
+                "lease_expired",
+                f"the lease of {handle.request_id} on {handle.producer_engine_id} ran out",
+            )
+        assert self._control_plane is not None  # consumer roles have one
+        producer = handle.producer_engine_id
+        try:
+            view = await self._control_plane.get_engine(producer)
+        except ControlPlaneError as exc:
+            raise refuse(
+                ProducerUnavailable,
+                "control_plane",
+                f"cannot check producer {producer}: {exc}",
+            ) from exc
+        if view is None or view.record is None:
+            raise refuse(ProducerUnavailable, "gone", f"producer {producer} is not registered")
+        if view.generation != handle.generation:
+            raise refuse(
+                ProducerUnavailable,
+                "stale_generation",
+                f"producer {producer} is at generation {view.generation}, the handle was made "
+                f"by {handle.generation}",
+            )
+        if not view.ready:
+            raise refuse(ProducerUnavailable, "not_ready", f"producer {producer} is not READY")
+        if view.record.compat_hash != self.compat_hash:
+            raise refuse(
+                ProducerUnavailable,
+                "incompatible",
+                f"producer {producer} serves an incompatible model or KV format",
+            )
+        if view.record.block_size != self.options.block_size:
+            raise refuse(
+                ProducerUnavailable,
+                "block_size",
+                f"producer {producer} uses blocks of {view.record.block_size} tokens, this "
+                f"engine {self.options.block_size}",
+            )
+
+
+__all__ = ["FinishReason", "ReferenceBackend", "ReferenceEngineOptions"]

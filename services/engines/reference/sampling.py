@@ -1,0 +1,106 @@
+"""Token selection and output text: per-request seeded sampling, stop strings, detokenization.
+
+Both run in the engine's host process on the last stage's logits, one request at a time, so a
+request's tokens depend only on its own logits and its own generator: with a ``seed`` the same
+tokens come out whatever the layout or the other requests batched with it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+
+import torch
+
+from services.engines.backend import SamplingParams
+from services.engines.reference.tokenizer import Tokenizer
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """The request's own generator: seeded when asked, else from the OS entropy pool."""
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick one token from ``[vocab]`` logits: greedy, or temperature -> top-k -> top-p.
+
+    Exactly one draw from ``generator`` per sampled token (none when greedy), so a seeded
+    request is reproducible token by token.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.to(torch.float32) / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class OutputText:
+    """Incremental detokenization of one request's output with stop-string handling.
+
+    :meth:`add` takes the output tokens so far and returns the text that may be released now.
+    Text is held back while it ends in an incomplete UTF-8 character (``U+FFFD``) or in a
+    prefix of a stop string; once a stop string appears, the text before it is released and
+    :attr:`stopped` turns true (the stop string itself is never released).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Iterable[str], *, already_released: Iterable[int] = ()
+    ) -> None:
+        """``already_released``: tokens whose text the client already has (a producer's first
+        token); their text counts for stop strings but is not released again."""
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = list(already_released)
+        self._released = len(self._text()) if self._ids else 0
+        self.stopped = False
+        self.text = ""
+        """Everything released so far (excluding ``already_released`` text)."""
+
+    def _text(self) -> str:
+        return self._tokenizer.decode(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; the newly releasable text."""
+        self._ids.append(token_id)
+        full = self._text()
+        for stop in self._stop:
+            at = full.find(stop, max(self._released - len(stop) + 1, 0))
+            if at != -1:
+                self.stopped = True
+                return self._release(full, at)
+        end = len(full)
+        while end > self._released and full[end - 1] == "\ufffd":
+            end -= 1
+        hold = 0
+        for stop in self._stop:
+            for length in range(min(len(stop) - 1, end - self._released), 0, -1):
+                if full[end - length : end] == stop[:length]:
+                    hold = max(hold, length)
+                    break
+        return self._release(full, end - hold)
+
+    def flush(self) -> str:
+        """At the end of the request: release whatever was held back (no stop string came)."""
+        if self.stopped:
+            return ""
+        return self._release(self._text(), None)
+
+    def _release(self, full: str, end: int | None) -> str:
+        stop_at = len(full) if end is None else end
+        if stop_at <= self._released:
+            return ""
+        piece = full[self._released : stop_at]
+        self._released = stop_at
+        self.text += piece
+        return piece

@@ -1,0 +1,557 @@
+"""The reference engine's scheduler: admission, continuous batching, sampling, KV hand-off.
+
+Pure bookkeeping with no processes: the engine loop (:mod:`~services.engines.reference.engine`)
+feeds it requests and rank events and runs the steps it plans. It owns the engine-wide block
+allocator, so block ids are the same on every rank (as in vLLM); the commands for the ranks
+(hold, release, pull, cancel) go to :attr:`Scheduler.outbox`, which the loop sends to every rank.
+
+Per step (:meth:`Scheduler.schedule`): waiting requests are admitted in arrival order while
+``max_running`` allows and their worst-case blocks are free (no preemption: a request, once
+admitted, always has the blocks it may need; one that does not fit waits, head of line); then
+every running request gets its next tokens, decode tokens first, then prefill chunks up to
+``max_batch_tokens`` (chunked prefill). New requests therefore join the running batch at the
+next step. :meth:`Scheduler.complete_step` samples a token for each sequence whose chunk reached
+its last token and decides whether it finished.
+
+Request kinds:
+
+- ``generate``: colocated; prefill here, then decode (``decode`` without a KV handle);
+- ``prefill``: prefill only; the first token is returned with a :class:`KVHandle` and the prompt
+  blocks are held by every rank's producer until its consumers notify or the lease expires;
+- ``remote``: decode from a producer's KV: blocks are allocated, every rank pulls its share, and
+  decoding continues after the producer's first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal, Protocol
+
+import torch
+
+from services.engines.backend import (
+    FinishReason,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from services.engines.errors import (
+    DuplicateRequest,
+    EngineDraining,
+    EngineError,
+    EngineOverloaded,
+    InvalidRequest,
+    KVTransferFailed,
+    ProducerUnavailable,
+    RequestError,
+)
+from services.engines.reference.batch import SequenceChunk
+from services.engines.reference.messages import (
+    CancelPull,
+    HoldKV,
+    HostCommand,
+    LeaseEnded,
+    PullDone,
+    PullKV,
+    ReleaseKV,
+)
+from services.engines.reference.metrics import ReferenceEngineMetrics
+from services.engines.reference.sampling import OutputText, make_generator, sample_token
+from services.engines.reference.tokenizer import Tokenizer
+from services.kv_transfer.allocator import BlockAllocator
+from services.topology.ranges import RankKey
+
+logger = logging.getLogger(__name__)
+
+RequestKind = Literal["generate", "prefill", "remote"]
+SinkItem = PrefillResult | TokenDelta | BaseException
+
+# Pull failures that mean "the producer is not there (at that generation)"; anything else is a
+# failed transfer.
+_UNAVAILABLE_REASONS = frozenset(
+    {"producer_unavailable", "stale_generation", "unknown_peer", "peer_removed", "peer_replaced"}
+)
+
+
+class RequestSink(Protocol):
+    """Where a request's results go (the backend bridges it to the caller's event loop)."""
+
+    def put(self, item: SinkItem) -> None: ...
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PULLING = "pulling"
+    RUNNING = "running"
+    HELD = "held"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_batch_tokens: int
+    max_running: int
+    max_queue: int
+    kv_lease_s: float
+    kv_pull_timeout_s: float
+    producer_connect_wait_s: float
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request's state in the scheduler."""
+
+    request_id: str
+    kind: RequestKind
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    sink: RequestSink
+    text: OutputText
+    generator: torch.Generator
+    handle: KVHandle | None = None
+    first_token_id: int | None = None
+    phase: Phase = Phase.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    output: list[int] = field(default_factory=list)
+    arrived_at: float = 0.0
+    admitted_at: float = 0.0
+    pull_started_at: float = 0.0
+    kv_transfer_s: float | None = None
+    pull_reports: dict[RankKey, PullDone] = field(default_factory=dict)
+    lease_reports: dict[RankKey, str] = field(default_factory=dict)
+    cancelled: bool = False
+    """Aborted while ranks still work on its blocks (pull or lease): freed when they report."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.output]
+
+    @property
+    def pending_tokens(self) -> int:
+        return len(self.prompt) + len(self.output) - self.num_computed
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    request: EngineRequest
+    chunk: SequenceChunk
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    entries: tuple[StepEntry, ...]
+
+    @property
+    def chunks(self) -> tuple[SequenceChunk, ...]:
+        return tuple(entry.chunk for entry in self.entries)
+
+
+class Scheduler:
+    """See the module docstring. Not thread-safe: the engine loop's thread owns it."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        generation: int,
+        world_ranks: Sequence[RankKey],
+        limits: SchedulerLimits,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        metrics: ReferenceEngineMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine_id = engine_id
+        self.generation = generation
+        self.limits = limits
+        self.allocator = BlockAllocator(limits.num_blocks)
+        self.outbox: list[HostCommand] = []
+        self.draining = False
+        self._ranks = tuple(world_ranks)
+        self._tokenizer = tokenizer
+        self._eos = eos_token_ids
+        self._metrics = metrics
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._requests: dict[str, EngineRequest] = {}
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+
+    # -- counts ------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running_count(self) -> int:
+        """Requests admitted and computing or pulling (held prefills excluded)."""
+        return sum(1 for r in self._requests.values() if r.phase in (Phase.RUNNING, Phase.PULLING))
+
+    @property
+    def in_flight(self) -> int:
+        """Every request not finished, held KV included."""
+        return len(self._requests)
+
+    def has_work(self) -> bool:
+        """Whether :meth:`schedule` could plan a step now."""
+        return bool(self._waiting) or any(r.pending_tokens > 0 for r in self._running)
+
+    # -- intake ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        kind: RequestKind,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        sink: RequestSink,
+        *,
+        handle: KVHandle | None = None,
+        first_token_id: int | None = None,
+    ) -> None:
+        """Queue a request. Raises :class:`InvalidRequest`, :class:`DuplicateRequest`,
+        :class:`EngineDraining` or :class:`EngineOverloaded` (nothing is queued then)."""
+        if self.draining:
+            raise EngineDraining(f"engine {self.engine_id} is draining")
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request {request_id!r} is already in flight")
+        limits = self.limits
+        if not prompt:
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        if len(prompt) >= limits.max_model_len:
+            raise InvalidRequest(
+                f"prompt of {len(prompt)} tokens leaves no room in the context of "
+                f"{limits.max_model_len}"
+            )
+        if kind == "remote" and (handle is None or first_token_id is None):
+            raise InvalidRequest("a remote decode needs a kv_handle and a first_token_id")
+        if self._blocks_needed(kind, len(prompt), sampling) > limits.num_blocks:
+            raise InvalidRequest(
+                f"request needs more KV blocks than the engine has ({limits.num_blocks}); "
+                "lower max_tokens"
+            )
+        if len(self._waiting) >= limits.max_queue:
+            raise EngineOverloaded(f"queue full ({limits.max_queue} waiting)")
+        released = (first_token_id,) if first_token_id is not None else ()
+        request = EngineRequest(
+            request_id=request_id,
+            kind=kind,
+            prompt=tuple(prompt),
+            sampling=sampling,
+            sink=sink,
+            text=OutputText(self._tokenizer, sampling.stop, already_released=released),
+            generator=make_generator(sampling.seed),
+            handle=handle,
+            first_token_id=first_token_id,
+            arrived_at=self._clock(),
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def _blocks_needed(self, kind: RequestKind, prompt_len: int, sampling: SamplingParams) -> int:
+        """Worst-case blocks: the prompt, plus every generated token but the last (whose KV is
+        never computed), capped by the context."""
+        if kind == "prefill":
+            tokens = prompt_len
+        else:
+            tokens = min(prompt_len + sampling.max_tokens - 1, self.limits.max_model_len)
+        return -(-max(tokens, 1) // self.limits.block_size)
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def schedule(self) -> PlannedStep | None:
+        """Admit what fits and plan the next forward step (``None`` when nothing to compute)."""
+        self._admit()
+        budget = self.limits.max_batch_tokens
+        entries: list[StepEntry] = []
+        # Decode tokens first (one each), then prefill chunks, both in admission order.
+        for request in sorted(self._running, key=lambda r: r.pending_tokens > 1):
+            if budget == 0:
+                break
+            pending = request.pending_tokens
+            if pending <= 0:
+                continue
+            take = min(pending, budget)
+            start = request.num_computed
+            chunk = SequenceChunk(
+                tuple(request.tokens[start : start + take]), start, tuple(request.block_ids)
+            )
+            entries.append(StepEntry(request, chunk))
+            budget -= take
+        return PlannedStep(tuple(entries)) if entries else None
+
+    def _admit(self) -> None:
+        while self._waiting and self.running_count < self.limits.max_running:
+            request = self._waiting[0]
+            needed = self._blocks_needed(request.kind, len(request.prompt), request.sampling)
+            if needed > self.allocator.free_count:
+                return  # head of line waits for blocks
+            self._waiting.popleft()
+            request.block_ids = list(self.allocator.allocate(needed))
+            request.admitted_at = self._clock()
+            if request.kind == "remote":
+                self._start_pull(request)
+            else:
+                request.phase = Phase.RUNNING
+                self._running.append(request)
+
+    def complete_step(self, step: PlannedStep, logits: torch.Tensor) -> None:
+        """Apply a step's ``[S, vocab]`` logits: advance each sequence, sample where due."""
+        for index, entry in enumerate(step.entries):
+            request = entry.request
+            if request.phase is not Phase.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed += len(entry.chunk.token_ids)
+            if request.pending_tokens == 0:
+                token = sample_token(logits[index], request.sampling, request.generator)
+                self._on_token(request, token)
+
+    # -- tokens and finishing ----------------------------------------------------------------
+
+    def _on_token(self, request: EngineRequest, token: int) -> None:
+        request.output.append(token)
+        sampling = request.sampling
+        finish: FinishReason | None = None
+        returned: tuple[int, ...] = (token,)
+        text = ""
+        if token in sampling.stop_token_ids or (token in self._eos and not sampling.ignore_eos):
+            finish, returned = FinishReason.STOP, ()
+            text = request.text.flush()
+        else:
+            text = request.text.add(token)
+            if request.text.stopped:
+                finish = FinishReason.STOP
+            elif (
+                len(request.output) >= sampling.max_tokens
+                or len(request.prompt) + len(request.output) >= self.limits.max_model_len
+            ):
+                finish = FinishReason.LENGTH
+                text += request.text.flush()
+        if request.kind == "prefill":
+            self._finish_prefill(request, token, text, finish)
+            return
+        self._emit(request, returned, text, finish)
+
+    def _usage(self, request: EngineRequest) -> Usage:
+        return Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output))
+
+    def _emit(
+        self,
+        request: EngineRequest,
+        token_ids: tuple[int, ...],
+        text: str,
+        finish: FinishReason | None,
+    ) -> None:
+        kv_s, request.kv_transfer_s = request.kv_transfer_s, None
+        if finish is None:
+            request.sink.put(TokenDelta(token_ids, text, kv_transfer_s=kv_s))
+            return
+        request.sink.put(
+            TokenDelta(token_ids, text, finish, self._usage(request), kv_transfer_s=kv_s)
+        )
+        self._retire(request, finish)
+
+    def _finish_prefill(
+        self, request: EngineRequest, token: int, text: str, finish: FinishReason | None
+    ) -> None:
+        now = self._clock()
+        handle = None
+        if finish is None:
+            lease_s = self.limits.kv_lease_s
+            handle = KVHandle(
+                producer_engine_id=self.engine_id,
+                generation=self.generation,
+                request_id=request.request_id,
+                block_ids=tuple(request.block_ids),
+                num_tokens=len(request.prompt),
+                lease_expires_at_s=self._wall_clock() + lease_s,
+            )
+            request.phase = Phase.HELD
+            self._running.remove(request)
+            self.outbox.append(HoldKV(request.request_id, tuple(request.block_ids), lease_s))
+        request.sink.put(
+            PrefillResult(
+                request_id=request.request_id,
+                first_token_id=token,
+                text=text if finish is not None else text + request.text.flush(),
+                kv_handle=handle,
+                finish_reason=finish,
+                usage=self._usage(request),
+                prefill_s=now - request.admitted_at,
+                queue_s=request.admitted_at - request.arrived_at,
+            )
+        )
+        if finish is not None:
+            self._retire(request, finish)
+
+    def _retire(self, request: EngineRequest, finish: FinishReason) -> None:
+        """Finish a request whose blocks no rank is using any more."""
+        self._metrics.finished(request.kind, finish.value)
+        if request.phase is Phase.RUNNING:
+            self._running.remove(request)
+        elif request.phase is Phase.WAITING:
+            self._waiting.remove(request)
+        request.phase = Phase.DONE
+        self._release_blocks(request)
+
+    def _release_blocks(self, request: EngineRequest) -> None:
+        if request.block_ids:
+            self.allocator.free(request.block_ids)
+            request.block_ids = []
+        self._requests.pop(request.request_id, None)
+
+    # -- remote KV -----------------------------------------------------------------------------
+
+    def _start_pull(self, request: EngineRequest) -> None:
+        handle = request.handle
+        assert handle is not None  # submit checks
+        request.phase = Phase.PULLING
+        request.pull_started_at = self._clock()
+        local = tuple(request.block_ids[: len(handle.block_ids)])
+        self.outbox.append(
+            PullKV(
+                request_id=request.request_id,
+                producer_engine=handle.producer_engine_id,
+                producer_generation=handle.generation,
+                remote_block_ids=handle.block_ids,
+                local_block_ids=local,
+                timeout_s=self.limits.kv_pull_timeout_s,
+                connect_wait_s=self.limits.producer_connect_wait_s,
+            )
+        )
+
+    def on_pull_done(self, event: PullDone) -> None:
+        """One rank's pull ended; once every rank has reported, decode or fail the request."""
+        request = self._requests.get(event.request_id)
+        if request is None or request.phase is not Phase.PULLING:
+            logger.warning("pull report for unknown request %s", event.request_id)
+            return
+        request.pull_reports[event.rank] = event
+        if not event.ok and not request.cancelled and len(request.pull_reports) == 1:
+            # The others cannot succeed as a whole any more: stop them early.
+            assert request.handle is not None
+            request.cancelled = True
+            self.outbox.append(CancelPull(request.request_id, request.handle.producer_engine_id))
+        if len(request.pull_reports) < len(self._ranks):
+            return
+        failures = [r for r in request.pull_reports.values() if not r.ok]
+        aborted = request.phase is Phase.PULLING and request.sink is _ABORTED
+        if failures or aborted:
+            self._requests.pop(request.request_id, None)
+            request.phase = Phase.DONE
+            self.allocator.free(request.block_ids)
+            request.block_ids = []
+            if aborted:
+                return
+            first = next((f for f in failures if f.reason != "cancelled"), failures[0])
+            error: EngineError
+            if first.reason in _UNAVAILABLE_REASONS:
+                error = ProducerUnavailable(
+                    f"producer {request.handle.producer_engine_id if request.handle else '?'} "
+                    f"unavailable for {request.request_id}: {first.reason} {first.message}"
+                )
+                self._metrics.kv_error("ProducerUnavailable", first.reason)
+            else:
+                error = KVTransferFailed(
+                    f"KV pull of {request.request_id} failed on rank {first.rank}: "
+                    f"{first.reason} {first.message}",
+                    first.reason,
+                )
+                self._metrics.kv_error("KVTransferFailed", first.reason)
+            self._metrics.finished("remote", FinishReason.ERROR.value)
+            request.sink.put(error)
+            return
+        assert request.first_token_id is not None
+        request.kv_transfer_s = self._clock() - request.pull_started_at
+        request.num_computed = len(request.prompt)
+        request.output = [request.first_token_id]
+        request.phase = Phase.RUNNING
+        self._running.append(request)
+        if len(request.output) >= request.sampling.max_tokens:
+            self._emit(request, (), request.text.flush(), FinishReason.LENGTH)
+
+    def on_lease_ended(self, event: LeaseEnded) -> None:
+        """One producer rank let a held request go; free its blocks once every rank has."""
+        request = self._requests.get(event.request_id)
+        if request is None or request.phase is not Phase.HELD:
+            logger.warning("lease report for unknown request %s", event.request_id)
+            return
+        request.lease_reports[event.rank] = event.outcome
+        if len(request.lease_reports) < len(self._ranks):
+            return
+        outcomes = set(request.lease_reports.values())
+        outcome = next(o for o in ("aborted", "expired", "released") if o in outcomes)
+        self._metrics.held_ended(outcome)
+        self._requests.pop(request.request_id, None)
+        request.phase = Phase.DONE
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+
+    # -- abort and failure ---------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any phase; ``False`` when unknown (or already finishing)."""
+        request = self._requests.get(request_id)
+        if request is None or request.phase is Phase.DONE or request.cancelled:
+            return False
+        if request.phase is Phase.HELD:
+            request.cancelled = True
+            self.outbox.append(ReleaseKV(request_id))
+            return True
+        if request.phase is Phase.PULLING:
+            assert request.handle is not None
+            request.cancelled = True
+            request.sink.put(self._abort_delta(request))
+            self._metrics.finished(request.kind, FinishReason.ABORT.value)
+            request.sink = _ABORTED
+            self.outbox.append(CancelPull(request_id, request.handle.producer_engine_id))
+            return True
+        if request.kind == "prefill":
+            request.sink.put(RequestAborted(f"request {request_id} aborted before its first token"))
+        else:
+            request.sink.put(self._abort_delta(request))
+        self._retire(request, FinishReason.ABORT)
+        return True
+
+    def _abort_delta(self, request: EngineRequest) -> TokenDelta:
+        return TokenDelta((), "", FinishReason.ABORT, self._usage(request))
+
+    def abort_all(self) -> int:
+        """Abort every request (drain's end); returns how many there were."""
+        ids = [r.request_id for r in self._requests.values() if not r.cancelled]
+        return sum(1 for request_id in ids if self.abort(request_id))
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine died: every request gets ``error``; nothing is freed (no rank is left)."""
+        for request in self._requests.values():
+            if request.phase is not Phase.HELD and request.sink is not _ABORTED:
+                request.sink.put(error)
+        self._requests.clear()
+        self._waiting.clear()
+        self._running.clear()
+
+
+class RequestAborted(RequestError):
+    """A prefill aborted before its first token: ``prefill()`` raises it (a decode stream ends
+    with ``FinishReason.ABORT`` instead)."""
+
+
+class _DiscardSink:
+    def put(self, item: SinkItem) -> None:
+        pass
+
+
+_ABORTED = _DiscardSink()
