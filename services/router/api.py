@@ -135,6 +135,8 @@ async def completions(body: CompletionRequest, runtime: Runtime) -> Response:
     _reject_unsupported(body.unsupported())
     prompt = body.single_prompt()
     if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         token_ids = runtime.tokenizer.encode(prompt, add_special_tokens=True)
     else:
         token_ids = prompt

@@ -72,7 +72,9 @@ class FakeEngine(EngineConnector):
         handle = (
             None
             if finished
-            else KVHandle(self.engine_id, 1, request_id, (0, 1), len(prompt_token_ids), time.time() + 30)
+            else KVHandle(
+                self.engine_id, 1, request_id, (0, 1), len(prompt_token_ids), time.time() + 30
+            )
         )
         return PrefillResult(
             request_id=request_id,
@@ -105,9 +107,19 @@ class FakeEngine(EngineConnector):
             last = index == total - 1 or stop is not None
             if stop is not None:
                 piece = piece[: len(piece) - (len(text) - text.index(stop))]
-            usage = Usage(len(request.prompt_token_ids), index + 1, self.cached_tokens) if last else None
+            usage = (
+                Usage(len(request.prompt_token_ids), index + 1, self.cached_tokens)
+                if last
+                else None
+            )
             finish = (FinishReason.STOP if stop else FinishReason.LENGTH) if last else None
-            yield TokenDelta((100 + index,), piece, finish, usage=usage, kv_transfer_s=0.001 if produced == 0 and start else None)
+            yield TokenDelta(
+                (100 + index,),
+                piece,
+                finish,
+                usage=usage,
+                kv_transfer_s=0.001 if produced == 0 and start else None,
+            )
             if last:
                 return
 

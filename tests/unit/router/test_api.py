@@ -1,0 +1,295 @@
+"""The router's HTTP layer with the official ``openai`` client, over fake engine connectors.
+
+In-process (httpx's ASGI transport) so each case costs milliseconds; the same client against
+real processes is in tests/e2e/test_router*.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from services.control_plane.wire import EngineRole
+from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
+from services.router.main import create_app
+from services.router.runtime import RouterRuntime
+from tests.unit.router.fakes import FakeFactory, runtime, sample, view
+
+MODEL = "tiny"
+
+
+def prepared(factory: FakeFactory, *engines: tuple[str, EngineRole], **settings: object):
+    rt = runtime(factory, **settings)
+    for engine_id, role in engines:
+        rt.pool.update(engine_id, view(engine_id, role))
+    rt.pool._synced.set()
+    return rt
+
+
+@pytest.fixture
+def factory() -> FakeFactory:
+    return FakeFactory()
+
+
+@pytest.fixture
+def rt(factory: FakeFactory) -> RouterRuntime:
+    return prepared(
+        factory, ("p1", EngineRole.PREFILL), ("p2", EngineRole.PREFILL), ("d1", EngineRole.DECODE)
+    )
+
+
+def http(rt: RouterRuntime) -> httpx.AsyncClient:
+    app = create_app(rt.settings, runtime=rt)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+@pytest.fixture
+async def client(rt: RouterRuntime) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with http(rt) as transport:
+        yield openai.AsyncOpenAI(
+            base_url="http://router/v1", api_key="unused", http_client=transport, max_retries=0
+        )
+
+
+async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, factory, rt):
+    raw = await client.completions.with_raw_response.create(
+        model=MODEL, prompt="hello there", max_tokens=4, temperature=0
+    )
+    completion = raw.parse()
+    assert completion.choices[0].text == " w0 w1 w2 w3"
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 4
+    assert raw.headers["x-pdserve-prefill-engine"] in {"p1", "p2"}
+    assert raw.headers["x-pdserve-decode-engine"] == "d1"
+    assert raw.headers["x-pdserve-execution-path"] == "disaggregated"
+    decode = factory.engines["d1"].decodes[-1]
+    assert decode.kv_handle is not None and decode.first_token_id == 7
+    assert sample(rt, "pdserve_router_execution_path_total", path="disaggregated") == 1
+    assert (
+        sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
+    )
+
+
+async def test_chat_stream_with_usage_ends_with_done(rt):
+    async with http(rt) as transport:
+        response = await transport.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    assert response.status_code == 200
+    events = [line for line in response.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    assert '"role":"assistant"' in events[0]
+    assert '"choices":[]' in events[-2] and '"completion_tokens":3' in events[-2]
+    assert '"cached_tokens":0' in events[-2]
+
+
+async def test_openai_client_streams_chat(client):
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text == " w0 w1 w2"
+    assert usage is not None and usage.completion_tokens == 3
+
+
+async def test_stop_string_is_passed_to_the_engine_and_not_returned(client):
+    completion = await client.completions.create(
+        model=MODEL, prompt="count", max_tokens=10, stop=[" w3"]
+    )
+    assert completion.choices[0].text == " w0 w1 w2"
+    assert completion.choices[0].finish_reason == "stop"
+
+
+async def test_a_failed_prefill_is_retried_on_another_engine_and_counted(client, factory, rt):
+    factory.engines["p1"].prefill_error = EngineOverloaded("queue full")
+    factory.engines["p2"].prefill_error = None
+    for _ in range(2):  # whichever engine comes first, p1 is tried at least once
+        raw = await client.completions.with_raw_response.create(
+            model=MODEL, prompt="hello there", max_tokens=2
+        )
+        assert raw.parse().choices[0].text == " w0 w1"
+        assert raw.headers["x-pdserve-prefill-engine"] == "p2"
+    assert factory.engines["p1"].prefills
+    assert sample(rt, "pdserve_router_prefill_retries_total", reason="engine_overloaded") >= 1
+    assert sample(rt, "pdserve_router_execution_path_total", path="retried") >= 1
+
+
+async def test_when_every_prefill_fails_the_request_falls_back_to_local_and_is_counted(
+    client, factory, rt
+):
+    for engine_id in ("p1", "p2"):
+        factory.engines[engine_id].prefill_error = EngineOverloaded("queue full")
+    raw = await client.completions.with_raw_response.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert raw.parse().choices[0].text == " w0 w1"
+    assert raw.headers["x-pdserve-execution-path"] == "local"
+    assert "x-pdserve-prefill-engine" not in raw.headers
+    assert factory.engines["d1"].decodes[-1].kv_handle is None
+    assert sample(rt, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
+
+
+async def test_bad_input_reported_by_the_prefill_engine_is_a_400_and_not_retried(client, factory):
+    factory.engines["p1"].prefill_error = InvalidRequest("prompt longer than 512 tokens")
+    factory.engines["p2"].prefill_error = InvalidRequest("prompt longer than 512 tokens")
+    with pytest.raises(openai.BadRequestError, match="longer than 512"):
+        await client.completions.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert len(factory.engines["p1"].prefills) + len(factory.engines["p2"].prefills) == 1
+
+
+async def test_decode_failure_after_streaming_started_ends_with_an_error_event(client, factory, rt):
+    factory.engines["d1"].fail_decode_after = 2
+    stream = await client.completions.create(model=MODEL, prompt="abc", max_tokens=8, stream=True)
+    received = []
+    with pytest.raises(openai.APIError, match="rank 0 died"):
+        async for chunk in stream:
+            received.append(chunk.choices[0].text)
+    assert received == [" w0", " w1", " w2"]
+    outcome = sample(
+        rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="decode_failed"
+    )
+    assert outcome == 1
+
+
+async def test_a_truncated_decode_stream_is_an_error_not_a_short_answer(client, factory):
+    factory.engines["d1"].truncate_after = 1
+    with pytest.raises(openai.APIStatusError, match="without a finish reason") as caught:
+        await client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
+    assert caught.value.status_code == 502
+
+
+async def test_decode_refusing_the_handle_is_an_error_and_the_held_kv_is_released(client, factory):
+    factory.engines["d1"].decode_error = UnknownKVHandle("no such handle")
+    with pytest.raises(openai.APIStatusError) as caught:
+        await client.completions.create(model=MODEL, prompt="abc", max_tokens=4)
+    assert caught.value.status_code == 502
+    assert caught.value.body["code"] == "kv_handle_unknown"  # type: ignore[index]
+    prefill = factory.engines["p1"] if factory.engines["p1"].prefills else factory.engines["p2"]
+    await rt_background_settled()
+    assert prefill.aborted == prefill.prefills
+
+
+async def rt_background_settled() -> None:
+    """Let the router's best-effort abort tasks run."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        ({"model": "nope", "prompt": "a"}, 404, "model_not_found", "model"),
+        (
+            {"model": MODEL, "prompt": "a", "frobnicate": 1},
+            400,
+            "unsupported_parameter",
+            "frobnicate",
+        ),
+        ({"model": MODEL, "prompt": "a", "n": 2}, 400, "unsupported_parameter", "n"),
+        ({"model": MODEL, "prompt": "a", "echo": True}, 400, "unsupported_parameter", "echo"),
+        ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "invalid_request", "temperature"),
+        ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "invalid_request", "max_tokens"),
+        ({"model": MODEL, "prompt": ""}, 400, "invalid_request", "prompt"),
+        ({"model": MODEL, "prompt": [1, 99999]}, 400, "invalid_request", "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+        ({"prompt": "a"}, 400, "invalid_request", "model"),
+        ({"model": MODEL, "prompt": "a", "stop": ["x"] * 17}, 400, "invalid_request", None),
+    ],
+)
+async def test_bad_requests_get_the_openai_error_envelope(rt, body, status, code, param):
+    async with http(rt) as transport:
+        response = await transport.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["param"] == param
+    assert error["message"]
+
+
+async def test_routing_and_parsing_errors_use_the_envelope_too(rt):
+    async with http(rt) as transport:
+        missing = await transport.get("/v1/nothing")
+        wrong_method = await transport.get("/v1/completions")
+        not_json = await transport.post(
+            "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+        )
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+
+
+async def test_api_keys_are_required_when_configured(factory):
+    rt = prepared(factory, ("both", EngineRole.BOTH), api_keys=["secret-1", "secret-2"])
+    async with http(rt) as transport:
+        good = openai.AsyncOpenAI(
+            base_url="http://router/v1", api_key="secret-2", http_client=transport, max_retries=0
+        )
+        bad = openai.AsyncOpenAI(
+            base_url="http://router/v1", api_key="wrong", http_client=transport, max_retries=0
+        )
+        completion = await good.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        assert completion.choices[0].text
+        with pytest.raises(openai.AuthenticationError):
+            await bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        missing = await transport.get("/v1/models")
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "missing_api_key"
+        assert (await transport.get("/health")).status_code == 200
+
+
+async def test_health_needs_a_ready_pair_and_models_lists_ready_models(factory):
+    rt = prepared(factory, ("d1", EngineRole.DECODE))
+    async with http(rt) as transport:
+        not_ready = await transport.get("/health")
+        assert not_ready.status_code == 503
+        assert not_ready.json()["error"]["code"] == "not_ready"
+        rt.pool.update("p1", view("p1", EngineRole.PREFILL))
+        assert (await transport.get("/health")).status_code == 200
+        listed = await transport.get("/v1/models")
+    assert [m["id"] for m in listed.json()["data"]] == [MODEL]
+
+
+async def test_max_tokens_one_finishes_at_the_prefill(client, factory):
+    completion = await client.completions.create(model=MODEL, prompt="abc", max_tokens=1)
+    assert completion.choices[0].text == " w0"
+    assert not factory.engines["d1"].decodes
+
+
+async def test_seed_and_sampling_parameters_reach_the_engine(client, factory):
+    await client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        seed=42,
+        extra_body={"top_k": 5},
+    )
+    sampling = factory.engines["d1"].decodes[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (
+        0.7,
+        0.9,
+        5,
+        42,
+    )
