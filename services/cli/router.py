@@ -33,12 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="prompts up to this many tokens run on the decode engine alone (0: never)",
     )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        default=None,
+        help="no disaggregation: every request runs on a decode engine alone",
+    )
 
 
 def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSettings:
     """Environment settings with the flags on top."""
     overrides: dict[str, object] = {"control_plane": tools.control_plane}
-    for name in ("host", "port", "tokenizer", "policy", "local_max_prompt_tokens"):
+    for name in ("host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value

@@ -36,6 +36,10 @@ class RouterSettings(BaseSettings):
     """How engines are chosen: ``round_robin``; ``least_loaded`` (the router's in-flight
     reservations plus each engine's reported queue); ``prefix_aware`` (least-loaded decode,
     prefill by longest cached prompt prefix unless that engine is overloaded)."""
+    colocated: bool = False
+    """Serve without disaggregation: every request runs on one decode (or ``both``) engine,
+    which prefills it itself; prefill engines are not used. For comparison runs
+    (``pdserve up --colocated``); then a READY decode engine is enough for ``/health``."""
     local_max_prompt_tokens: int = Field(default=0, ge=0)
     """Prompts of at most this many tokens run entirely on the decode engine (no KV transfer);
     0 disaggregates every prompt."""

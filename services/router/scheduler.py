@@ -10,7 +10,7 @@ A disaggregated pair is a prefill and a decode engine with the same model, compa
 and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
 
 1. no decode engine -> :class:`NoEngineAvailable` (or :class:`ModelNotFound` when no engine,
-   READY or not, serves the model);
+   READY or not, serves the model); with ``colocated`` set, local on a decode engine, always;
 2. no prefill engine compatible with any decode engine -> local on a ``both`` engine
    (colocated deployment, not a fallback); with only ``decode`` engines it is a fallback
    (``no_prefill_engine``, counted) when ``local_fallback`` allows it, else 503;
@@ -77,6 +77,8 @@ class Scheduler:
             if model not in self._pool.registered_models():
                 raise ModelNotFound(f"the model {model!r} does not exist", param="model")
             raise NoEngineAvailable(f"no READY decode engine serves {model!r}")
+        if self._settings.colocated:
+            return self._local(decodes, prompt, "colocated")
         prefills = [s for s in self._pool.slots(PREFILL_ROLES) if s.record.model == model]
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
         if not paired:
@@ -122,10 +124,13 @@ class Scheduler:
 
     def ready(self) -> bool:
         """Whether the router can serve: a READY compatible prefill/decode pair, or a READY
-        ``both`` engine (colocated). A lone ``decode`` engine is not enough: serving through
-        it would be the ``no_prefill_engine`` fallback, and readiness must not hide a missing
-        side of the pair."""
+        ``both`` engine, or (``colocated`` set) any READY decode engine. Otherwise a lone
+        ``decode`` engine is not enough: serving through it would be the
+        ``no_prefill_engine`` fallback, and readiness must not hide a missing side of the
+        pair."""
         decodes = self._pool.slots(DECODE_ROLES)
+        if decodes and self._settings.colocated:
+            return True
         if any(s.role is EngineRole.BOTH for s in decodes):
             return True
         prefills = self._pool.slots(PREFILL_ROLES)

@@ -198,3 +198,12 @@ def test_engines_leave_the_pool_as_soon_as_they_are_not_ready():
     assert [s.engine_id for s in rt.pool.slots()] == ["p"]
     assert sample(rt, "pdserve_router_ready_engines", role="decode") == 0
     assert sample(rt, "pdserve_router_ready_engines", role="prefill") == 1
+
+
+def test_colocated_router_runs_everything_on_decode_engines_and_is_ready_with_one():
+    rt = runtime(colocated=True)
+    pool_of(rt, view("p", PREFILL), view("d", DECODE))
+    assert rt.scheduler.ready()
+    plan = rt.scheduler.plan("tiny", PromptInfo(tuple(range(40))))
+    assert plan.prefill is None and plan.local_reason == "colocated"
+    assert sample(rt, "pdserve_router_fallbacks_total", reason="no_prefill_engine") == 0
