@@ -1,0 +1,78 @@
+"""In-process engine hosts (real gRPC server, real Redis control plane) over the stub engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from services.config import ControlPlaneSettings
+from services.control_plane.wire import EngineRole
+from services.engines.backend import EngineBackend
+from services.serving.config import EngineServiceSettings, GrpcServerSettings
+from services.serving.host import EngineHost, ServingEndpoints
+
+START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RunningHost:
+    host: EngineHost
+    stop: asyncio.Event
+    task: asyncio.Task[int]
+    endpoints: ServingEndpoints
+
+    async def exit_code(self, timeout_s: float = 30.0) -> int:
+        return await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+
+
+def service_settings(cp_settings: ControlPlaneSettings, **update: object) -> EngineServiceSettings:
+    values: dict[str, object] = {
+        "control_plane": cp_settings,
+        "grpc": GrpcServerSettings(listen="127.0.0.1:0"),
+        "metrics_port": 0,
+        "metrics_host": "127.0.0.1",
+        "drain_timeout_s": 10.0,
+        "ready_timeout_s": 10.0,
+    }
+    values.update(update)
+    return EngineServiceSettings.model_validate(values)
+
+
+@contextlib.asynccontextmanager
+async def hosted(
+    settings: EngineServiceSettings,
+    backend: EngineBackend,
+    *,
+    engine_id: str,
+    role: EngineRole,
+) -> AsyncIterator[RunningHost]:
+    """Run an :class:`EngineHost` until the block ends (then a clean stop, exit code 0 or
+    whatever a test already made it return)."""
+    host = EngineHost(
+        settings,
+        backend,
+        engine_id=engine_id,
+        role=role,
+        registry=CollectorRegistry(),
+        ready_output=io.StringIO(),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(host.run(stop))
+    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+    while host.endpoints is None:
+        if task.done():
+            raise AssertionError(f"host {engine_id} exited with {task.result()} before READY")
+        assert asyncio.get_running_loop().time() < deadline, f"{engine_id} not READY in time"
+        await asyncio.sleep(0.02)
+    running = RunningHost(host, stop, task, host.endpoints)
+    try:
+        yield running
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
