@@ -38,7 +38,8 @@ template receives (dict "root" $ "role" "prefill"|"decode" "member" "single"|"le
     "--listen" (printf "0.0.0.0:%d" (int $r.grpcPort))
     "--metrics-port" (toString $r.metricsPort)
     "--drain-timeout-s" (toString $r.drain.timeoutSeconds)
-    "--kv-lease-s" (toString $r.kvLeaseSeconds) }}
+    "--kv-lease-s" (toString $r.kvLeaseSeconds)
+    "--ready-timeout-s" (toString $r.readyTimeoutSeconds) }}
 {{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toYaml $args }}
 {{- end }}
@@ -84,7 +85,7 @@ template receives (dict "root" $ "role" "prefill"|"decode" "member" "single"|"le
 {{- if eq .member "single" }}
 command: ["pdserve"]
 args:
-  {{- toYaml (concat $args (list "--advertise" (printf "$(POD_IP)%s" $advertise))) | nindent 2 }}
+  {{- toYaml (concat $args (list "--engine-id" "$(POD_NAME)" "--advertise" (printf "$(POD_IP)%s" $advertise))) | nindent 2 }}
 {{- else if eq .member "leader" }}
 {{- $quoted := list }}
 {{- range $args }}{{ $quoted = append $quoted (squote .) }}{{ end }}
@@ -101,7 +102,7 @@ args:
       fi
       sleep 5
     done
-    exec pdserve {{ join " " $quoted }} --advertise "${POD_IP}{{ $advertise }}"
+    exec pdserve {{ join " " $quoted }} --engine-id "${POD_NAME}" --advertise "${POD_IP}{{ $advertise }}"
 {{- else }}
 command: ["/bin/sh", "-c"]
 args:

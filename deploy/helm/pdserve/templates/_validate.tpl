@@ -21,10 +21,13 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- end }}
 {{- if ne $r.engine "vllm" }}
 {{- $errors = append $errors (printf "%s.multiNode.enabled=true needs %s.engine=vllm: the %s engine runs on one node" $role $role $r.engine) }}
-{{- end }}
-{{- if ne (mod $world (int $r.multiNode.nodes)) 0 }}
+{{- else if ne (mod $world (int $r.multiNode.nodes)) 0 }}
 {{- $errors = append $errors (printf "%s: pp * tp = %d GPUs cannot be split evenly over multiNode.nodes=%d" $role $world (int $r.multiNode.nodes)) }}
 {{- end }}
+{{- end }}
+{{- $startupWindow := mul (int $r.probes.startupFailureThreshold) (int $r.probes.periodSeconds) }}
+{{- if gt (int $r.readyTimeoutSeconds) $startupWindow }}
+{{- $errors = append $errors (printf "%s.readyTimeoutSeconds=%d exceeds the startup probe's window probes.startupFailureThreshold x probes.periodSeconds = %ds: the kubelet would restart the pod before the engine gives up" $role (int $r.readyTimeoutSeconds) $startupWindow) }}
 {{- end }}
 {{- $floor := add (int $r.drain.timeoutSeconds) (int $r.kvLeaseSeconds) }}
 {{- if and (not (kindIs "invalid" $r.terminationGracePeriodSeconds)) (le (int $r.terminationGracePeriodSeconds) $floor) }}
