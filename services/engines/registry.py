@@ -1,9 +1,12 @@
 """Engine backends by name: ``reference`` (CPU), ``vllm`` (GPU), ``stub`` (no model, benchmarks).
 
 The host builds its backend with :func:`create_backend` from the service's
-:class:`EngineOptions`. Backends are imported only when selected, so a machine without vLLM (or
-torch) can run the others; a backend that cannot be imported raises :class:`UnknownEngine` with
-the import error in the message (never a silent fallback to another engine).
+:class:`EngineOptions`. Constructors: ``ReferenceBackend(ReferenceEngineOptions, registry=)``,
+``VllmBackend.from_engine_options(EngineOptions, registry=)``, ``StubBackend(StubOptions)``.
+
+Backends are imported only when selected, so a machine without vLLM (or torch) can run the
+others; a backend that cannot be imported raises :class:`UnknownEngine` with the import error
+in the message (never a silent fallback to another engine).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from prometheus_client import CollectorRegistry
 
 from services.control_plane.wire import EngineRole
 from services.engines.backend import EngineBackend
@@ -51,7 +56,8 @@ class EngineOptions:
         return {key: value for key, value in values.items() if value is not None}
 
 
-BackendFactory = Callable[[EngineOptions], EngineBackend]
+BackendFactory = Callable[[EngineOptions, CollectorRegistry], EngineBackend]
+"""Builds a backend; its own metrics go into the registry the service serves on /metrics."""
 
 
 def _need_model(options: EngineOptions, engine: str) -> Path:
@@ -60,7 +66,7 @@ def _need_model(options: EngineOptions, engine: str) -> Path:
     return options.model_dir
 
 
-def _reference(options: EngineOptions) -> EngineBackend:
+def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     backend_module = _import("services.engines.reference.backend", "reference")
     options_module = _import("services.engines.reference.options", "reference")
     engine_options = options_module.ReferenceEngineOptions(
@@ -70,17 +76,17 @@ def _reference(options: EngineOptions) -> EngineBackend:
         layer_partition=options.layer_partition,
         **options.overrides(),
     )
-    backend: EngineBackend = backend_module.ReferenceBackend(engine_options)
+    backend: EngineBackend = backend_module.ReferenceBackend(engine_options, registry=registry)
     return backend
 
 
-def _vllm(options: EngineOptions) -> EngineBackend:
+def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     module = _import("services.engines.vllm.backend", "vllm")
-    backend: EngineBackend = module.VllmBackend.from_engine_options(options)
+    backend: EngineBackend = module.VllmBackend.from_engine_options(options, registry=registry)
     return backend
 
 
-def _stub(options: EngineOptions) -> EngineBackend:
+def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     from services.serving.stub_backend import StubBackend, StubOptions  # noqa: PLC0415
 
     stub_options = StubOptions(
@@ -103,9 +109,14 @@ def _import(module: str, engine: str) -> ModuleType:
 ENGINES: dict[str, BackendFactory] = {"reference": _reference, "vllm": _vllm, "stub": _stub}
 
 
-def create_backend(name: str, options: EngineOptions) -> EngineBackend:
-    """The backend ``name`` built from ``options``; :class:`UnknownEngine` if there is none."""
+def create_backend(
+    name: str, options: EngineOptions, *, registry: CollectorRegistry | None = None
+) -> EngineBackend:
+    """The backend ``name`` built from ``options``; :class:`UnknownEngine` if there is none.
+
+    ``registry`` receives the backend's own metrics (the host serves it); a fresh one if unset.
+    """
     factory = ENGINES.get(name)
     if factory is None:
         raise UnknownEngine(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
-    return factory(options)
+    return factory(options, registry if registry is not None else CollectorRegistry())

@@ -16,6 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings
@@ -136,11 +137,12 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             kv_lease_s=args.kv_lease_s,
             stub_token_delay_s=args.stub_token_delay_s,
         )
-        backend = create_backend(args.engine, options)
+        registry = CollectorRegistry()
+        backend = create_backend(args.engine, options, registry=registry)
     except (ValueError, ValidationError, EngineError) as exc:
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)
         return 2
-    host = EngineHost(settings, backend, engine_id=engine_id, role=role)
+    host = EngineHost(settings, backend, engine_id=engine_id, role=role, registry=registry)
     return asyncio.run(_serve(host))
 
 

@@ -72,6 +72,15 @@ class ExportsMetrics(Protocol):
     def metrics_collector(self) -> Collector: ...
 
 
+@runtime_checkable
+class ReportsFailure(Protocol):
+    """A backend that can say it failed (a rank died) while nobody is calling it; the host
+    checks it on every heartbeat and stops serving."""
+
+    @property
+    def failure(self) -> EngineFailed | None: ...
+
+
 @dataclass(frozen=True)
 class ServingEndpoints:
     """What the ready line announces."""
@@ -404,6 +413,10 @@ class EngineHost:
         """Renew the lease every ``heartbeat_interval_s``; a lost registration is fatal."""
         interval = self.settings.control_plane.heartbeat_interval_s
         while True:
+            failure = self.backend.failure if isinstance(self.backend, ReportsFailure) else None
+            if failure is not None:
+                self._engine_failed(failure)
+                return
             try:
                 await self.control_plane.heartbeat(self.engine_id, generation, self._load())
             except (StaleGenerationError, EngineNotFound) as exc:
