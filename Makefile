@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml
 	# torch first and exactly: the CPU build on the machine. nixl-cu12 asks for any torch,
 	# which would otherwise pull several GB of CUDA packages.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The vllm extra pins vllm==0.32.0 (it requires torch==2.13.0 too); torchvision, torchaudio and
+	# torchcodec come with it but do not load against the CPU torch, so they are removed.
+	$(BIN)/python -m pip install -q -e '.[dev,vllm]' torch==2.13.0
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 ## run: the whole system on this machine with its embedded defaults.

@@ -1,0 +1,489 @@
+"""pdserve's vLLM KV connectors: vLLM 0.32.0's NIXL transfer path with the handshake replaced.
+
+Imports vLLM: loaded only through :mod:`services.engines.vllm.connector`'s lazy attributes.
+
+What changes against ``NixlPushConnector`` / ``NixlPullConnector`` (the facade builds a
+role-specific scheduler or worker, as vLLM's does):
+
+*Scheduler side* (EngineCore process). ``set_xfer_handshake_metadata_pp_aware`` receives
+``{(pp_rank, tp_rank): NixlHandshakePayload}`` for the whole grid, at start-up and again
+whenever vLLM re-publishes. Instead of serving it on a ZMQ side channel, the scheduler checks
+the grid is complete, maps every rank to a :class:`HandshakeRecord` (vLLM's payload in
+``extra``) and publishes the grid for the engine's generation in one control-plane call, which
+announces READY. No listener thread, no port.
+
+*Worker side* (every rank). ``_nixl_handshake`` resolves a remote engine's ``(pp, tp)``
+payloads from the control plane (re-validated READY topology of the generation named by the
+vLLM engine id) instead of ZMQ, then registers agents exactly as vLLM does. After the worker
+registered its KV caches it follows the control plane: every compatible peer that turns READY
+is handshaken in the background before any request needs it (pre-warm), and a peer generation
+that disappears is marked invalid, so no read goes to a dead agent.
+
+*Contracts.* Layouts are checked at construction (:mod:`layouts`); each worker reports each
+finished transfer once (:class:`~services.engines.vllm.contracts.FinishedOnce`); a worker with
+speculative decoding refuses the V2 model runner (see :mod:`contracts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlAgentMetadata,
+    NixlBaseConnector,
+    NixlHandshakePayload,
+    NixlPullConnectorScheduler,
+    NixlPullConnectorWorker,
+    NixlPushConnectorScheduler,
+    NixlPushConnectorWorker,
+)
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from services.control_plane.base import EngineView
+from services.control_plane.errors import ControlPlaneError
+from services.control_plane.wire import EngineId, EngineRole
+from services.engines.vllm.contracts import FinishedOnce
+from services.engines.vllm.handshake import (
+    ConnectorSettings,
+    ControlPlaneBridge,
+    HandshakeResolutionError,
+    ModelGeometry,
+    RankTransferInfo,
+    VllmHandshakeExtra,
+    build_records,
+    now_clocks,
+    parse_vllm_engine_id,
+    vllm_engine_id,
+)
+from services.engines.vllm.layouts import (
+    KVRole,
+    TransferMode,
+    UnsupportedVllmLayout,
+    VllmLayout,
+    check_local_layout,
+    check_pair,
+    parse_layer_partition,
+    vllm_layer_ranges,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+CONTROL_PLANE_HOST = "pdserve-control-plane"
+"""What ``remote_host`` says in kv_transfer_params: there is no side channel to dial."""
+
+
+def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> VllmLayout:
+    """The local layout as :mod:`layouts` checks it."""
+    parallel = vllm_config.parallel_config
+    transfer = vllm_config.kv_transfer_config
+    settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+    hybrid = kv_cache_config is not None and any(
+        not isinstance(group.kv_cache_spec, FullAttentionSpec)
+        for group in kv_cache_config.kv_cache_groups
+    )
+    return VllmLayout(
+        role=KVRole(transfer.kv_role),
+        mode=settings.transfer_mode,
+        pp_size=parallel.pipeline_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        dcp_size=parallel.decode_context_parallel_size,
+        pcp_size=parallel.prefill_context_parallel_size,
+        use_mla=bool(vllm_config.model_config.use_mla),
+        hybrid_kv_cache=hybrid,
+    )
+
+
+def model_geometry(vllm_config: VllmConfig) -> ModelGeometry:
+    """Layers, KV heads, head size, KV dtype and vLLM's own stage split."""
+    model = vllm_config.model_config
+    num_layers = model.get_total_num_hidden_layers()
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = str(model.dtype if cache_dtype == "auto" else cache_dtype).removeprefix("torch.")
+    return ModelGeometry(
+        num_layers=num_layers,
+        num_kv_heads=model.get_total_num_kv_heads(),
+        head_size=model.get_head_size(),
+        dtype=dtype,
+        layer_ranges=vllm_layer_ranges(
+            num_layers,
+            vllm_config.parallel_config.pipeline_parallel_size,
+            parse_layer_partition(envs.VLLM_PP_LAYER_PARTITION),
+        ),
+    )
+
+
+def rank_transfer_info(payload: NixlHandshakePayload) -> RankTransferInfo:
+    """Decode vLLM's payload and keep what the record describes."""
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    if len(set(meta.block_lens)) > 1:
+        raise UnsupportedVllmLayout(
+            f"regions of unequal block length {sorted(set(meta.block_lens))}"
+        )
+    if meta.physical_blocks_per_logical_kv_block != 1:
+        raise UnsupportedVllmLayout(
+            "the attention kernel splits each logical block "
+            f"({meta.physical_blocks_per_logical_kv_block} physical per logical); use a block "
+            "size the kernel supports natively"
+        )
+    return RankTransferInfo(
+        agent_metadata=meta.agent_metadata,
+        region_base_addrs=tuple(meta.kv_caches_base_addr),
+        num_blocks=meta.num_blocks,
+        block_len=meta.block_lens[0],
+        block_stride=meta.block_strides[0] if meta.block_strides else meta.block_lens[0],
+        block_size=meta.block_size,
+        memory_type=meta.region_mem_types[0] if meta.region_mem_types else "VRAM",
+        device_id=meta.device_id,
+        nixl_payload=msgspec.msgpack.encode(payload),
+    )
+
+
+class _SchedulerHandshake:
+    """Scheduler-side mixin: publish the grid to the control plane instead of a ZMQ listener."""
+
+    vllm_config: VllmConfig
+    pdserve: ConnectorSettings
+    _bridge: ControlPlaneBridge | None = None
+    publications = 0
+
+    def _pdserve_init(self, settings: ConnectorSettings) -> None:
+        self.pdserve = settings
+        self._bridge = None
+        self.side_channel_host = CONTROL_PLANE_HOST
+        self.side_channel_port = 0
+
+    def bridge(self) -> ControlPlaneBridge:
+        if self._bridge is None:
+            self._bridge = ControlPlaneBridge(
+                self.pdserve.control_plane, timeout_s=self.pdserve.resolve_timeout_s
+            )
+        return self._bridge
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Publish the aggregated PP x TP grid for this generation (again on every call)."""
+        parallel = self.vllm_config.parallel_config
+        expected = {
+            (pp, tp)
+            for pp in range(parallel.pipeline_parallel_size)
+            for tp in range(parallel.tensor_parallel_size)
+        }
+        if set(metadata) != expected:
+            raise UnsupportedVllmLayout(
+                f"vLLM handed over handshakes for ranks {sorted(metadata)}, expected the full "
+                f"PP x TP grid {sorted(expected)}"
+            )
+        ranks = {}
+        for rank, payload in metadata.items():
+            if not isinstance(payload, NixlHandshakePayload):
+                raise TypeError(f"rank {rank}: expected NixlHandshakePayload, got {payload!r}")
+            ranks[rank] = rank_transfer_info(payload)
+        bridge = self.bridge()
+        view = bridge.get_engine(self.pdserve.engine_id)
+        if view is None or view.record is None or view.generation != self.pdserve.generation:
+            raise ControlPlaneError(
+                f"engine {self.pdserve.engine_id} is not registered at generation "
+                f"{self.pdserve.generation} (found {view.generation if view else None}): the "
+                "host must register before starting vLLM"
+            )
+        perf_s, wall_s = now_clocks()
+        records = build_records(
+            view.record,
+            ranks,
+            model_geometry(self.vllm_config),
+            transfer_mode=self.pdserve.transfer_mode,
+            perf_s=perf_s,
+            wall_s=wall_s,
+        )
+        status = bridge.publish(view.record, records)
+        self.publications += 1
+        logger.info(
+            "published %d vLLM handshakes of %s (publication %d): %s",
+            len(records),
+            self.pdserve.vllm_engine_id,
+            self.publications,
+            status.state.value if status else "grid already complete",
+        )
+
+    def shutdown(self) -> None:
+        super().shutdown()  # type: ignore[misc]
+        if self._bridge is not None:
+            self._bridge.close()
+
+
+class _PushScheduler(_SchedulerHandshake, NixlPushConnectorScheduler):
+    pass
+
+
+class _PullScheduler(_SchedulerHandshake, NixlPullConnectorScheduler):
+    pass
+
+
+class _WorkerHandshake:
+    """Worker-side mixin: resolve remote handshakes from the control plane, pre-warmed."""
+
+    vllm_config: VllmConfig
+    pdserve: ConnectorSettings
+    pdserve_layout: VllmLayout
+
+    def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
+        self.pdserve = settings
+        self.pdserve_layout = layout
+        self._bridge: ControlPlaneBridge | None = None
+        self._peer_generations: dict[EngineId, str] = {}
+        self._peer_lock = threading.Lock()
+        self.prewarm_failures = 0
+        self.finished_once = FinishedOnce()
+
+    def bridge(self) -> ControlPlaneBridge:
+        if self._bridge is None:
+            self._bridge = ControlPlaneBridge(
+                self.pdserve.control_plane, timeout_s=self.pdserve.resolve_timeout_s
+            )
+        return self._bridge
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)  # type: ignore[misc]
+        # Local descriptors exist now: peers can be handshaken as they turn READY.
+        self.bridge().follow(self._on_peer_change)
+
+    # -- pre-warm ---------------------------------------------------------------------------
+    def _wanted_peer(self, view: EngineView) -> tuple[VllmLayout, bool] | None:
+        """The peer's layout and whether we only exchange notifications with it, or None."""
+        record = view.record
+        if (
+            record is None
+            or record.engine_kind != "vllm"
+            or record.engine_id == self.pdserve.engine_id
+        ):
+            return None
+        own = self.pdserve_layout
+        peer_is_producer = record.role in (EngineRole.PREFILL, EngineRole.BOTH)
+        peer_is_consumer = record.role in (EngineRole.DECODE, EngineRole.BOTH)
+        if own.role is not KVRole.PRODUCER and peer_is_producer:
+            peer_role, notif_only = KVRole.PRODUCER, own.mode is TransferMode.PUSH
+        elif own.role is not KVRole.CONSUMER and peer_is_consumer and own.mode is TransferMode.PUSH:
+            peer_role, notif_only = KVRole.CONSUMER, False
+        else:
+            return None
+        peer = VllmLayout(peer_role, own.mode, record.pp_size, record.tp_size)
+        return peer, notif_only
+
+    def _on_peer_change(self, view: EngineView | None, engine_id: EngineId) -> None:
+        with self._peer_lock:
+            previous = self._peer_generations.get(engine_id)
+            current = (
+                vllm_engine_id(engine_id, view.generation)
+                if view is not None and view.ready and view.generation is not None
+                else None
+            )
+            if previous is not None and previous != current:
+                del self._peer_generations[engine_id]
+                self._invalidate(previous)
+            if current is None or current == previous or view is None:
+                return
+            wanted = self._wanted_peer(view)
+            if wanted is None:
+                return
+            peer, notif_only = wanted
+            own = self.pdserve_layout
+            producer, consumer = (peer, own) if peer.role is KVRole.PRODUCER else (own, peer)
+            try:
+                check_pair(
+                    producer,
+                    consumer,
+                    num_kv_heads=self.vllm_config.model_config.get_total_num_kv_heads(),
+                )
+            except UnsupportedVllmLayout as exc:
+                self.prewarm_failures += 1
+                logger.error("not pre-warming %s: %s", current, exc)
+                return
+            self._peer_generations[engine_id] = current
+        logger.info(
+            "pre-warming NIXL handshake with %s (PP=%d TP=%d)", current, peer.pp_size, peer.tp_size
+        )
+        self._ensure_handshake(  # type: ignore[attr-defined]
+            current,
+            CONTROL_PLANE_HOST,
+            0,
+            peer.tp_size,
+            1,
+            peer.pp_size if peer.role is KVRole.PRODUCER else 1,
+            notif_only,
+        )
+
+    def _invalidate(self, stale_engine: str) -> None:
+        """A peer generation is gone: its reads fail fast and its agents are released."""
+        if stale_engine in self._remote_agents:  # type: ignore[attr-defined]
+            logger.warning("peer %s left the control plane; invalidating its agents", stale_engine)
+            self._mark_remote_engine_invalid(stale_engine, time.perf_counter())  # type: ignore[attr-defined]
+
+    # -- resolution (replaces the ZMQ side channel) ----------------------------------------
+    def _nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        remote_dcp_size: int = 1,
+        remote_pp_size: int = 1,
+        notif_agents_only: bool = False,
+    ) -> tuple[dict[tuple[int, int], str], float]:
+        """vLLM's handshake with the payloads read from the control plane."""
+        worker: Any = self
+        if worker._is_csa_linear:
+            worker._validate_csa_linear_tp_layout(remote_tp_size)
+        if not worker.use_host_buffer:
+            current_platform.set_device(worker.device_id)
+        engine_id, generation = parse_vllm_engine_id(expected_engine_id)
+        try:
+            topology = self.bridge().topology(engine_id)
+        except ControlPlaneError as exc:
+            raise HandshakeResolutionError(f"{expected_engine_id}: {exc}") from exc
+        engine = topology.engine
+        if engine.generation != generation:
+            raise HandshakeResolutionError(
+                f"{expected_engine_id} is gone: {engine_id} is at generation {engine.generation}"
+            )
+        if (engine.pp_size, engine.tp_size) != (remote_pp_size, remote_tp_size):
+            raise HandshakeResolutionError(
+                f"{expected_engine_id}: kv_transfer_params say PP={remote_pp_size} "
+                f"TP={remote_tp_size}, the control plane PP={engine.pp_size} TP={engine.tp_size}"
+            )
+        targets = worker.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)
+        names: dict[tuple[int, int], str] = {}
+        offset = 0.0
+        for pp_rank in range(remote_pp_size):
+            for tp_rank in targets:
+                extra = VllmHandshakeExtra.decode(topology.records[(pp_rank, tp_rank)].extra)
+                payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(extra.nixl_payload)
+                if worker.enforce_compat_hash and payload.compatibility_hash != worker.compat_hash:
+                    raise HandshakeResolutionError(
+                        f"NIXL compatibility hash mismatch with {expected_engine_id}: local "
+                        f"{worker.compat_hash}, remote {payload.compatibility_hash}"
+                    )
+                meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(
+                    payload.agent_metadata_bytes
+                )
+                worker._validate_remote_parallel_config(meta)
+                if meta.engine_id != expected_engine_id:
+                    raise HandshakeResolutionError(
+                        f"payload of {meta.engine_id} published under {expected_engine_id}"
+                    )
+                if notif_agents_only:
+                    name = worker._add_notif_only_remote_agent(meta, remote_tp_size, meta.dcp_size)
+                else:
+                    name = worker.add_remote_agent(meta, tp_rank, remote_tp_size, meta.dcp_size)
+                names[(pp_rank, tp_rank)] = name
+                perf, wall = now_clocks()
+                offset = extra.clock_offset(now_perf=perf, now_wall=wall)
+        return names, offset
+
+    def shutdown(self) -> None:
+        if self._bridge is not None:
+            self._bridge.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class _PushWorker(_WorkerHandshake, NixlPushConnectorWorker):
+    pass
+
+
+class _PullWorker(_WorkerHandshake, NixlPullConnectorWorker):
+    pass
+
+
+class _PdserveConnectorBase(NixlBaseConnector):
+    """Builds the role's scheduler or worker after checking the layout and runner rule."""
+
+    transfer_mode: TransferMode
+    _scheduler_cls: type[Any]
+    _worker_cls: type[Any]
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        transfer = vllm_config.kv_transfer_config
+        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        if settings.transfer_mode is not self.transfer_mode:
+            raise UnsupportedVllmLayout(
+                f"{type(self).__name__} is {self.transfer_mode.value} mode but the pdserve "
+                f"settings say {settings.transfer_mode.value}"
+            )
+        if transfer.engine_id != settings.vllm_engine_id:
+            raise ValueError(
+                f"kv_transfer_config.engine_id {transfer.engine_id!r} must be "
+                f"{settings.vllm_engine_id!r} (engine id and generation)"
+            )
+        layout = layout_of(vllm_config, kv_cache_config)
+        check_local_layout(layout)
+        if role == KVConnectorRole.WORKER and vllm_config.speculative_config is not None:
+            if vllm_config.use_v2_model_runner:
+                raise UnsupportedVllmLayout(
+                    "speculative decoding with a KV connector needs the V1 model runner (KV "
+                    "saves finalized after the drafter); set VLLM_USE_V2_MODEL_RUNNER=0"
+                )
+            logger.info("KV connector active with speculative decoding: V1 model runner")
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            scheduler = self._scheduler_cls(vllm_config, self.engine_id, kv_cache_config)
+            scheduler._pdserve_init(settings)
+            self.connector_scheduler = scheduler
+        elif role == KVConnectorRole.WORKER:
+            worker = self._worker_cls(vllm_config, self.engine_id, kv_cache_config)
+            worker._pdserve_init(settings, layout)
+            self.connector_worker = worker
+        else:
+            raise ValueError(f"unsupported KV connector role {role}")
+        logger.info("pdserve connector %s active: %s", self.engine_id, layout.describe())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's results with each id passed once per worker and direction (see contracts)."""
+        results = super().get_transfer_results(finished_req_ids)
+        once: FinishedOnce = self.connector_worker.finished_once
+        results.finished_sending = once.filter("send", results.finished_sending)
+        results.finished_recving = once.filter("recv", results.finished_recving)
+        return results
+
+
+class PdservePushConnector(_PdserveConnectorBase):
+    """Push (prefill WRITEs) NIXL transfer; the handshake goes through the control plane."""
+
+    transfer_mode = TransferMode.PUSH
+    _scheduler_cls = _PushScheduler
+    _worker_cls = _PushWorker
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.start_load_kv(self._connector_metadata)
+
+
+class PdservePullConnector(_PdserveConnectorBase):
+    """Pull (decode READs) NIXL transfer, PP=1 on both sides; handshake via the control plane."""
+
+    transfer_mode = TransferMode.PULL
+    _scheduler_cls = _PullScheduler
+    _worker_cls = _PullWorker
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.start_load_kv(self._connector_metadata)
+
+
+PdserveConnector = PdservePushConnector

@@ -1,0 +1,366 @@
+"""vLLM handshake payloads <-> control-plane records, and the bridge to Redis from vLLM's threads.
+
+Mapping (one :class:`HandshakeRecord` per ``(pp_rank, tp_rank)`` of the vLLM engine):
+
+- the record's geometry describes the rank's KV shard as pdserve's aggregation checks it: the
+  layer range vLLM gives the stage (:func:`~services.engines.vllm.layouts.vllm_layer_ranges`),
+  the KV-head range of the TP rank, block size, dtype, head size, and the NIXL regions vLLM
+  registered (two per layer, K and V; ``HND`` per block, which is vLLM's ``LBHNC`` page);
+- ``agent_metadata`` is the rank's NIXL agent blob; ``extra`` is :class:`VllmHandshakeExtra`:
+  vLLM's own encoded ``NixlHandshakePayload`` (its compatibility hash and full agent metadata,
+  decoded by the peer exactly as the ZMQ side channel would have delivered it), the transfer
+  mode and the scheduler's clocks at publication (for the block-expiry clock offset).
+
+vLLM engine ids are ``<engine_id>.g<generation>`` (:func:`vllm_engine_id`): a restarted prefill
+is a different NIXL engine to its peers, so nobody reads from a dead agent under a reused name.
+
+:class:`ControlPlaneBridge` runs a :class:`RedisControlPlane` on a private event loop thread, so
+vLLM's synchronous scheduler and its handshake threads can publish and resolve with a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+
+from services.config import ControlPlaneSettings
+from services.control_plane import RedisControlPlane
+from services.control_plane.aggregation import DTYPE_BYTES, EngineTopology
+from services.control_plane.base import EngineView
+from services.control_plane.wire import (
+    EngineId,
+    EngineRecord,
+    EngineStatus,
+    Generation,
+    HandshakeRecord,
+)
+from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
+from services.topology import Range, kv_head_range
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Protocol history of VllmHandshakeExtra:
+#   1: first version (payload, transfer mode, scheduler clocks).
+EXTRA_VERSION = 1
+MAX_EXTRA_BYTES = 2 * 1024 * 1024
+EXTRA_CONFIG_KEY = "pdserve"
+"""The key of pdserve's settings inside vLLM's ``kv_connector_extra_config``."""
+
+
+class HandshakeResolutionError(RuntimeError):
+    """A remote engine's handshake cannot be resolved from the control plane (not READY, another
+    generation, an undecodable payload); the request that needed it fails, counted by vLLM."""
+
+
+def vllm_engine_id(engine_id: EngineId, generation: Generation) -> str:
+    """The NIXL engine id vLLM uses for one pdserve engine generation."""
+    return f"{engine_id}.g{generation}"
+
+
+def parse_vllm_engine_id(value: str) -> tuple[EngineId, Generation]:
+    """Inverse of :func:`vllm_engine_id`; raises :class:`HandshakeResolutionError`."""
+    engine_id, sep, generation = value.rpartition(".g")
+    if not sep or not engine_id or not generation.isdigit():
+        raise HandshakeResolutionError(f"{value!r} is not a pdserve vLLM engine id")
+    return engine_id, int(generation)
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the connector in vLLM's processes needs, carried in ``kv_connector_extra_config``.
+
+    The Redis password never travels in the config (vLLM logs it): the backend puts it in the
+    environment variable named by ``redis_password_env``, which vLLM's processes inherit.
+    """
+
+    engine_id: EngineId
+    generation: Generation
+    control_plane: ControlPlaneSettings
+    transfer_mode: TransferMode = TransferMode.PUSH
+    resolve_timeout_s: float = 10.0
+    redis_password_env: str = "PDSERVE_VLLM_REDIS_PASSWORD"
+
+    @property
+    def vllm_engine_id(self) -> str:
+        return vllm_engine_id(self.engine_id, self.generation)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        control_plane = self.control_plane.model_dump(mode="json")
+        control_plane["redis"].pop("password", None)
+        return {
+            EXTRA_CONFIG_KEY: {
+                "engine_id": self.engine_id,
+                "generation": self.generation,
+                "control_plane": control_plane,
+                "transfer_mode": self.transfer_mode.value,
+                "resolve_timeout_s": self.resolve_timeout_s,
+                "redis_password_env": self.redis_password_env,
+            }
+        }
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        """Parse and validate; raises ``ValueError`` naming what is missing or wrong."""
+        raw = extra.get(EXTRA_CONFIG_KEY)
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"kv_connector_extra_config has no {EXTRA_CONFIG_KEY!r} section: pdserve's "
+                "connector is configured by the vllm backend (VllmBackend.start)"
+            )
+        try:
+            control_plane = dict(raw["control_plane"])
+            password_env = str(raw.get("redis_password_env", "PDSERVE_VLLM_REDIS_PASSWORD"))
+            password = os.environ.get(password_env)
+            if password:
+                control_plane["redis"] = {**control_plane["redis"], "password": password}
+            return cls(
+                engine_id=str(raw["engine_id"]),
+                generation=int(raw["generation"]),
+                control_plane=ControlPlaneSettings.model_validate(control_plane),
+                transfer_mode=TransferMode(raw.get("transfer_mode", "push")),
+                resolve_timeout_s=float(raw.get("resolve_timeout_s", 10.0)),
+                redis_password_env=password_env,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid pdserve connector settings: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class VllmHandshakeExtra:
+    """The ``extra`` of a vLLM engine's handshake record (see the module docstring)."""
+
+    nixl_payload: bytes
+    """vLLM's msgspec-encoded ``NixlHandshakePayload`` for this rank."""
+    transfer_mode: TransferMode
+    scheduler_perf_s: float
+    """The scheduler's ``time.perf_counter()`` at publication (vLLM stamps expiries with it)."""
+    scheduler_wall_s: float
+    """``time.time()`` at the same instant."""
+
+    def encode(self) -> bytes:
+        data: bytes = msgpack.packb(
+            {
+                "v": EXTRA_VERSION,
+                "payload": self.nixl_payload,
+                "mode": self.transfer_mode.value,
+                "perf": self.scheduler_perf_s,
+                "wall": self.scheduler_wall_s,
+            },
+            use_bin_type=True,
+        )
+        return data
+
+    @classmethod
+    def decode(cls, data: bytes) -> VllmHandshakeExtra:
+        """Strict decode; raises :class:`HandshakeResolutionError` (Redis is a trust boundary)."""
+        if len(data) > MAX_EXTRA_BYTES:
+            raise HandshakeResolutionError(f"vLLM handshake extra of {len(data)} bytes")
+        try:
+            raw = msgpack.unpackb(data, raw=False, max_map_len=8, max_array_len=0, max_ext_len=0)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise HandshakeResolutionError(f"vLLM handshake extra is not msgpack: {exc}") from exc
+        if not isinstance(raw, dict) or raw.get("v") != EXTRA_VERSION:
+            raise HandshakeResolutionError("vLLM handshake extra has another version or shape")
+        payload, mode, perf, wall = (
+            raw.get("payload"),
+            raw.get("mode"),
+            raw.get("perf"),
+            raw.get("wall"),
+        )
+        if (
+            not isinstance(payload, bytes)
+            or mode not in {m.value for m in TransferMode}
+            or not isinstance(perf, float)
+            or not isinstance(wall, float)
+        ):
+            raise HandshakeResolutionError("vLLM handshake extra has invalid fields")
+        return cls(payload, TransferMode(mode), perf, wall)
+
+    def clock_offset(self, *, now_perf: float, now_wall: float) -> float:
+        """The remote scheduler's ``perf_counter`` minus ours, as vLLM's ZMQ handshake
+        estimates it (remote - local midpoint); here from the wall clocks, so it is as good as
+        the hosts' clock sync (NTP: milliseconds against leases of tens of seconds)."""
+        local_perf_at_publication = now_perf - (now_wall - self.scheduler_wall_s)
+        return self.scheduler_perf_s - local_perf_at_publication
+
+
+@dataclass(frozen=True)
+class RankTransferInfo:
+    """What pdserve's record needs from one rank's vLLM ``NixlAgentMetadata``."""
+
+    agent_metadata: bytes
+    region_base_addrs: tuple[int, ...]
+    num_blocks: int
+    block_len: int
+    block_stride: int
+    block_size: int
+    memory_type: str
+    device_id: int
+    nixl_payload: bytes
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The model-wide facts a record needs (from vLLM's model and cache config)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    layer_ranges: tuple[Range, ...]
+
+
+def build_records(
+    engine: EngineRecord,
+    ranks: Mapping[tuple[int, int], RankTransferInfo],
+    geometry: ModelGeometry,
+    *,
+    transfer_mode: TransferMode,
+    perf_s: float,
+    wall_s: float,
+) -> list[HandshakeRecord]:
+    """One record per rank, or :class:`UnsupportedVllmLayout` when vLLM's registration does not
+    have the shape pdserve describes (an unexpected layout must fail at start-up, loudly)."""
+    element = DTYPE_BYTES.get(geometry.dtype)
+    if element is None:
+        raise UnsupportedVllmLayout(f"KV cache dtype {geometry.dtype!r} is not supported")
+    if len(geometry.layer_ranges) != engine.pp_size:
+        raise UnsupportedVllmLayout(
+            f"{len(geometry.layer_ranges)} layer ranges for PP={engine.pp_size}"
+        )
+    records = []
+    for (pp_rank, tp_rank), info in sorted(ranks.items()):
+        if not (0 <= pp_rank < engine.pp_size and 0 <= tp_rank < engine.tp_size):
+            raise UnsupportedVllmLayout(
+                f"vLLM reported rank ({pp_rank}, {tp_rank}) outside PP={engine.pp_size} x "
+                f"TP={engine.tp_size}"
+            )
+        layers = geometry.layer_ranges[pp_rank]
+        heads = kv_head_range(geometry.num_kv_heads, engine.tp_size, tp_rank)
+        expected_len = len(heads) * info.block_size * geometry.head_size * element
+        where = f"rank ({pp_rank}, {tp_rank})"
+        if len(info.region_base_addrs) != 2 * len(layers):
+            raise UnsupportedVllmLayout(
+                f"{where}: vLLM registered {len(info.region_base_addrs)} KV regions for "
+                f"{len(layers)} layers; pdserve's connector needs separate K and V per layer"
+            )
+        if info.block_len != expected_len:
+            raise UnsupportedVllmLayout(
+                f"{where}: vLLM block length {info.block_len} bytes != heads x block x "
+                f"head_size x dtype = {expected_len}: not a per-head (HND) page"
+            )
+        extra = VllmHandshakeExtra(info.nixl_payload, transfer_mode, perf_s, wall_s)
+        records.append(
+            HandshakeRecord(
+                engine_id=engine.engine_id,
+                generation=engine.generation,
+                pp_rank=pp_rank,
+                tp_rank=tp_rank,
+                worker_id=f"vllm-{engine.engine_id}-g{engine.generation}-pp{pp_rank}-tp{tp_rank}",
+                agent_name=f"{vllm_engine_id(engine.engine_id, engine.generation)}"
+                f"-pp{pp_rank}-tp{tp_rank}",
+                agent_metadata=info.agent_metadata,
+                memory_type=info.memory_type,
+                device_id=info.device_id,
+                region_base_addrs=info.region_base_addrs,
+                num_blocks=info.num_blocks,
+                block_len=info.block_len,
+                block_stride=info.block_stride,
+                block_size=info.block_size,
+                dtype=geometry.dtype,
+                head_size=geometry.head_size,
+                kv_layout="HND",
+                layers=layers,
+                kv_heads=heads,
+                compat_hash=engine.compat_hash,
+                extra=extra.encode(),
+            )
+        )
+    return records
+
+
+class ControlPlaneBridge:
+    """A :class:`RedisControlPlane` on its own event loop thread, for vLLM's synchronous code.
+
+    Every call is bounded by ``timeout_s``. :meth:`follow` runs a watcher on the same loop and
+    calls ``on_change(view)`` (from the loop thread) for every engine change, READY included.
+    """
+
+    def __init__(self, settings: ControlPlaneSettings, *, timeout_s: float = 10.0) -> None:
+        self._timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pdserve-control-plane", daemon=True
+        )
+        self._thread.start()
+        self.control_plane = self._call(self._make(settings))
+        self._watch_task: Future[None] | None = None
+
+    @staticmethod
+    async def _make(settings: ControlPlaneSettings) -> RedisControlPlane:
+        return RedisControlPlane(settings)
+
+    def _call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout_s if timeout_s is not None else self._timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def get_engine(self, engine_id: EngineId) -> EngineView | None:
+        return self._call(self.control_plane.get_engine(engine_id))
+
+    def publish(self, engine: EngineRecord, records: list[HandshakeRecord]) -> EngineStatus | None:
+        return self._call(self.control_plane.publish_handshakes(engine, records))
+
+    def topology(self, engine_id: EngineId) -> EngineTopology:
+        return self._call(self.control_plane.get_topology(engine_id))
+
+    def follow(self, on_change: Callable[[EngineView | None, EngineId], None]) -> None:
+        """Start watching (idempotent); returns once the first snapshot was delivered."""
+        if self._watch_task is not None:
+            return
+        synced = threading.Event()
+
+        async def run() -> None:
+            async with self.control_plane.watch() as watcher:
+                for engine_id, view in watcher.snapshot.items():
+                    on_change(view, engine_id)
+                synced.set()
+                async for change in watcher:
+                    on_change(change.after, change.engine_id)
+
+        self._watch_task = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        if not synced.wait(self._timeout_s):
+            raise TimeoutError(f"control-plane watcher not synced within {self._timeout_s}s")
+
+    def close(self) -> None:
+        """Stop the watcher, close Redis and the loop thread. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        with contextlib.suppress(Exception):
+            self._call(self.control_plane.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+def now_clocks() -> tuple[float, float]:
+    """``(perf_counter, time)`` read together."""
+    return time.perf_counter(), time.time()
