@@ -144,6 +144,7 @@ class EngineLoop:
                     while self._wake_reader.poll():
                         self._wake_reader.recv_bytes()
                 self._update_snapshot()
+                self.scheduler.deliver_all()
         except EngineFailed as exc:
             self._fail(exc)
         except Exception as exc:  # a bug in the loop: fail loudly rather than hang callers
@@ -212,11 +213,13 @@ class EngineLoop:
         self.failure = error
         logger.error("engine %s failed: %s", self.scheduler.engine_id, error)
         self.scheduler.fail_all(error)
+        self.scheduler.deliver_all()
         self.group.kill()
 
     def _shutdown(self) -> None:
         if self.failure is None:
             self.scheduler.fail_all(EngineFailed("the engine stopped"))
+            self.scheduler.deliver_all()
         self.group.stop(Shutdown(), self._stop_timeout_s)
         pending_error = self.failure or EngineFailed("the engine stopped")
         while True:

@@ -58,7 +58,11 @@ class RankMetricsRelay(Collector):
                         target.samples.append(sample)
                     else:
                         old = target.samples[at]
-                        target.samples[at] = old._replace(value=old.value + sample.value)
+                        if sample.name.endswith("_created"):  # a timestamp: keep the first
+                            value = min(old.value, sample.value)
+                        else:
+                            value = old.value + sample.value
+                        target.samples[at] = old._replace(value=value)
         yield from merged.values()
 
 

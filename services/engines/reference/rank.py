@@ -226,9 +226,11 @@ class RankWorker:
         registration = self.setup.registration
         view = await control_plane.get_engine(registration.engine_id)
         if view is None or view.record is None or view.generation != registration.generation:
+            found = None if view is None else view.generation
             raise EngineFailed(
                 f"engine {registration.engine_id} generation {registration.generation} is not "
-                "the registered one; cannot publish the handshake"
+                f"registered (found {found}: lease expired or replaced); cannot publish the "
+                "handshake"
             )
         record = self.transport.handshake_record(
             worker_id=self.worker_id, compat_hash=self.setup.compat_hash

@@ -178,6 +178,10 @@ class Scheduler:
         self.limits = limits
         self.allocator = BlockAllocator(limits.num_blocks)
         self.outbox: list[HostCommand] = []
+        """Commands for every rank, in order; the engine loop sends and clears them."""
+        self.deliveries: list[tuple[RequestSink, SinkItem]] = []
+        """Results for callers; the loop hands them over (:meth:`deliver_all`) once its load
+        snapshot reflects the state that produced them."""
         self.draining = False
         self._ranks = tuple(world_ranks)
         self._tokenizer = tokenizer
@@ -188,6 +192,15 @@ class Scheduler:
         self._requests: dict[str, EngineRequest] = {}
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
+
+    def _deliver(self, sink: RequestSink, item: SinkItem) -> None:
+        self.deliveries.append((sink, item))
+
+    def deliver_all(self) -> None:
+        """Hand every pending result to its sink."""
+        deliveries, self.deliveries = self.deliveries, []
+        for sink, item in deliveries:
+            sink.put(item)
 
     # -- counts ------------------------------------------------------------------------------
 
@@ -357,10 +370,11 @@ class Scheduler:
     ) -> None:
         kv_s, request.kv_transfer_s = request.kv_transfer_s, None
         if finish is None:
-            request.sink.put(TokenDelta(token_ids, text, kv_transfer_s=kv_s))
+            self._deliver(request.sink, TokenDelta(token_ids, text, kv_transfer_s=kv_s))
             return
-        request.sink.put(
-            TokenDelta(token_ids, text, finish, self._usage(request), kv_transfer_s=kv_s)
+        self._deliver(
+            request.sink,
+            TokenDelta(token_ids, text, finish, self._usage(request), kv_transfer_s=kv_s),
         )
         self._retire(request, finish)
 
@@ -382,7 +396,8 @@ class Scheduler:
             request.phase = Phase.HELD
             self._running.remove(request)
             self.outbox.append(HoldKV(request.request_id, tuple(request.block_ids), lease_s))
-        request.sink.put(
+        self._deliver(
+            request.sink,
             PrefillResult(
                 request_id=request.request_id,
                 first_token_id=token,
@@ -392,7 +407,7 @@ class Scheduler:
                 usage=self._usage(request),
                 prefill_s=now - request.admitted_at,
                 queue_s=request.admitted_at - request.arrived_at,
-            )
+            ),
         )
         if finish is not None:
             self._retire(request, finish)
@@ -472,7 +487,7 @@ class Scheduler:
                 )
                 self._metrics.kv_error("KVTransferFailed", first.reason)
             self._metrics.finished("remote", FinishReason.ERROR.value)
-            request.sink.put(error)
+            self._deliver(request.sink, error)
             return
         assert request.first_token_id is not None
         request.kv_transfer_s = self._clock() - request.pull_started_at
@@ -514,15 +529,17 @@ class Scheduler:
         if request.phase is Phase.PULLING:
             assert request.handle is not None
             request.cancelled = True
-            request.sink.put(self._abort_delta(request))
+            self._deliver(request.sink, self._abort_delta(request))
             self._metrics.finished(request.kind, FinishReason.ABORT.value)
             request.sink = _ABORTED
             self.outbox.append(CancelPull(request_id, request.handle.producer_engine_id))
             return True
         if request.kind == "prefill":
-            request.sink.put(RequestAborted(f"request {request_id} aborted before its first token"))
+            self._deliver(
+                request.sink, RequestAborted(f"request {request_id} aborted before its first token")
+            )
         else:
-            request.sink.put(self._abort_delta(request))
+            self._deliver(request.sink, self._abort_delta(request))
         self._retire(request, FinishReason.ABORT)
         return True
 
@@ -538,7 +555,7 @@ class Scheduler:
         """The engine died: every request gets ``error``; nothing is freed (no rank is left)."""
         for request in self._requests.values():
             if request.phase is not Phase.HELD and request.sink is not _ABORTED:
-                request.sink.put(error)
+                self._deliver(request.sink, error)
         self._requests.clear()
         self._waiting.clear()
         self._running.clear()
