@@ -1,0 +1,121 @@
+"""TLS and mutual TLS between EngineClient and an engine service (certificates made by openssl)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.config import ControlPlaneSettings
+from services.control_plane.wire import EngineRole
+from services.engines.backend import SamplingParams
+from services.serving.client import EngineClient
+from services.serving.config import GrpcServerSettings
+from services.serving.errors import EngineUnreachable
+from services.serving.stub_backend import StubBackend
+from services.serving.tls import ClientTLS
+from tests.integration.services.conftest import hosted, service_settings
+
+pytestmark = pytest.mark.integration
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it."""
+    root = tmp_path_factory.mktemp("pki")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=root,
+    )
+    (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=root,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=root,
+        )
+    return root
+
+
+async def test_mutual_tls_admits_only_clients_with_a_certificate(
+    cp_settings: ControlPlaneSettings, pki: Path
+) -> None:
+    grpc_settings = GrpcServerSettings(
+        listen="127.0.0.1:0",
+        tls_cert_file=pki / "server.pem",
+        tls_key_file=pki / "server.key",
+        tls_client_ca_file=pki / "ca.pem",
+    )
+    settings = service_settings(cp_settings, grpc=grpc_settings)
+    async with hosted(
+        settings, StubBackend(), engine_id="prefill-tls", role=EngineRole.PREFILL
+    ) as pre:
+        trusted = EngineClient(
+            pre.endpoints.grpc,
+            tls=ClientTLS(
+                ca_file=pki / "ca.pem", cert_file=pki / "client.pem", key_file=pki / "client.key"
+            ),
+        )
+        result = await trusted.prefill("tls-1", [1, 2], SamplingParams(max_tokens=2))
+        assert result.kv_handle is not None
+        assert await trusted.health()
+        anonymous = EngineClient(pre.endpoints.grpc, tls=ClientTLS(ca_file=pki / "ca.pem"))
+        with pytest.raises(EngineUnreachable):
+            await anonymous.prefill("tls-2", [1, 2], SamplingParams(), timeout_s=5)
+        plaintext = EngineClient(pre.endpoints.grpc)
+        with pytest.raises(EngineUnreachable):
+            await plaintext.prefill("tls-3", [1, 2], SamplingParams(), timeout_s=5)
+        for client in (trusted, anonymous, plaintext):
+            await client.close()
+
+
+def test_tls_settings_must_come_in_pairs() -> None:
+    with pytest.raises(ValueError, match="go together"):
+        GrpcServerSettings(tls_cert_file=Path("x.pem"))
+    with pytest.raises(ValueError, match="mutual TLS"):
+        GrpcServerSettings(tls_client_ca_file=Path("ca.pem"))
+    with pytest.raises(ValueError, match="go together"):
+        ClientTLS(cert_file=Path("c.pem"))

@@ -1,0 +1,79 @@
+"""``pdserve prefill|decode`` settings, the engine registry and the ready line."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli.main import build_parser, main
+from services.cli.settings import resolve
+from services.control_plane.wire import EngineRole
+from services.engines.registry import EngineOptions, UnknownEngine, create_backend
+from services.serving.cli import build_settings
+from services.serving.config import split_host_port
+from services.serving.host import ServingEndpoints, parse_ready_line
+from services.serving.stub_backend import StubBackend
+
+
+def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_DRAIN_TIMEOUT_S", "7")
+    monkeypatch.setenv("PDSERVE_GRPC__LISTEN", "0.0.0.0:6000")
+    args = build_parser().parse_args(
+        [
+            "decode",
+            "--engine",
+            "stub",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--layer-partition",
+            "3,2,2",
+            "--namespace",
+            "ns1",
+        ]
+    )
+    settings = build_settings(args, resolve(args))
+    assert settings.grpc.listen == "127.0.0.1:0"
+    assert settings.drain_timeout_s == 7
+    assert settings.metrics_port == 0
+    assert settings.control_plane.namespace == "ns1"
+    assert args.layer_partition == (3, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["prefill", "--engine", "reference"], "needs --model"),
+        (["prefill", "--engine", "stub", "--listen", "nowhere"], "HOST:PORT"),
+        (["decode", "--engine", "stub", "--engine-id", "bad id"], "engine id"),
+        (["decode", "--engine", "stub", "--tls-key", "k.pem"], "go together"),
+    ],
+)
+def test_bad_settings_exit_2_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_registry_builds_the_stub_and_names_unknown_engines() -> None:
+    backend = create_backend(
+        "stub", EngineOptions(role=EngineRole.PREFILL, pp_size=2, num_kv_blocks=10)
+    )
+    assert isinstance(backend, StubBackend)
+    assert backend.describe().pp_size == 2
+    assert backend.load().kv_blocks_total == 10
+    with pytest.raises(UnknownEngine, match="choose one of"):
+        create_backend("tensorrt", EngineOptions(role=EngineRole.DECODE))
+
+
+def test_ready_line_round_trips() -> None:
+    endpoints = ServingEndpoints("decode-1", 17, "127.0.0.1:5000", None)
+    assert parse_ready_line(endpoints.ready_line()) == endpoints
+    assert parse_ready_line("some other output") is None
+
+
+def test_split_host_port() -> None:
+    assert split_host_port("[::1]:80") == ("[::1]", 80)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        split_host_port("host:99999")
