@@ -1,10 +1,22 @@
 """``pdserve up``: the whole system on one machine, with a live readiness display.
 
-Starts the embedded Redis (unless ``--redis`` names one) and shows every engine's per-rank
-readiness as it changes, until Ctrl-C, which stops everything it started.
+Starts, as subprocesses of this command: the embedded Redis (unless ``--redis`` names one),
+``--prefill-replicas`` prefill engines and ``--decode-replicas`` decode engines (``pdserve
+prefill`` / ``pdserve decode`` with the chosen PP x TP), then the router (``pdserve router``).
+``--colocated`` starts decode engines only and a router that runs every request on one engine
+(no disaggregation), to compare against. Without ``--model`` the tiny test checkpoint is
+generated into ``<work-dir>/tiny-model`` (no downloads).
 
-Today it brings up the control plane; the reference engines, their services and the router join
-it as they land (see docs/architecture.md, "Status").
+While it runs: every engine's per-rank readiness grid is printed as it changes; each child's
+output goes to ``<work-dir>/logs/<name>.log``. Once the router's ``/health`` answers 200,
+``<work-dir>/endpoints.json`` names the router URL and every ``/metrics`` URL, and the URL and
+an example ``curl`` are printed.
+
+Ctrl-C (or SIGTERM): the router, then decode engines, then prefill engines get SIGTERM and are
+waited for (bounded by ``--stop-timeout-s``); whatever is left of a child's process group
+(rank processes included) is then killed, and the embedded Redis stopped. A child that exits
+on its own is reported with the tail of its log (the router routes around it); the router
+exiting stops everything with exit status 1.
 """
 
 from __future__ import annotations
@@ -12,14 +24,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import os
 import signal
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+
+READY_PREFIX = "PDSERVE_READY "
+TINY_MODEL_DIR = "tiny-model"
+_LOG_TAIL_LINES = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +56,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-after", type=float, default=None, help="stop after this many seconds (tests)"
     )
+    parser.add_argument(
+        "--no-engines",
+        action="store_true",
+        help="start the control plane and the readiness display only",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"model folder (default: the tiny checkpoint, made in WORK_DIR/{TINY_MODEL_DIR})",
+    )
+    parser.add_argument(
+        "--engine", default="reference", help="engine backend: reference (CPU), vllm or stub"
+    )
+    parser.add_argument("--prefill-pp", type=int, default=1, help="prefill engines' PP size")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill engines' TP size")
+    parser.add_argument("--decode-pp", type=int, default=1, help="decode engines' PP size")
+    parser.add_argument("--decode-tp", type=int, default=1, help="decode engines' TP size")
+    parser.add_argument("--prefill-replicas", type=int, default=1, help="prefill engines")
+    parser.add_argument("--decode-replicas", type=int, default=1, help="decode engines")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no disaggregation: decode engines serve whole requests (for comparison)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
+    parser.add_argument("--port", type=int, default=8000, help="router port (0: a free one)")
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for pdserve router (repeatable)",
+    )
+    parser.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=600.0,
+        help="bound of the start-up (model loading included)",
+    )
+    parser.add_argument(
+        "--stop-timeout-s", type=float, default=30.0, help="bound of each child's clean stop"
+    )
+
+
+@dataclass
+class Child:
+    """One subprocess of ``pdserve up`` and what its ``PDSERVE_READY`` line announced."""
+
+    name: str
+    kind: str
+    """``prefill``, ``decode`` or ``router``."""
+    argv: list[str]
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+    announced: dict[str, Any] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    reader: asyncio.Task[None] | None = None
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode if self.process else None
+        tail = ""
+        with contextlib.suppress(OSError):
+            lines = self.log_path.read_text(errors="replace").splitlines()
+            tail = "\n".join(f"    {line}" for line in lines[-_LOG_TAIL_LINES:])
+        return f"{self.name} exited with status {code}; the end of {self.log_path}:\n{tail}"
+
+
+class StartupFailed(Exception):
+    """A child died or did not become ready in time."""
 
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
@@ -49,21 +143,325 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     print(f"  inspect it with:  pdserve status --redis {url}")
     print("  Ctrl-C stops everything this command started.", flush=True)
     try:
-        asyncio.run(_display(control_plane, args.exit_after))
+        return asyncio.run(_up(args, control_plane))
     finally:
         if redis_server is not None:
             redis_server.stop()
-            print("pdserve up: stopped the embedded Redis")
-    return 0
+            print("pdserve up: stopped the embedded Redis", flush=True)
 
 
-async def _display(settings: ControlPlaneSettings, exit_after: float | None) -> None:
+async def _up(args: argparse.Namespace, control_plane: ControlPlaneSettings) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if exit_after is not None:
-        loop.call_later(exit_after, stop.set)
+    if args.exit_after is not None:
+        loop.call_later(args.exit_after, stop.set)
+    display = asyncio.create_task(_display(control_plane, stop))
+    children: list[Child] = []
+    status = 0
+    try:
+        if not args.no_engines:
+            status = await _run_system(args, control_plane, children, stop)
+        else:
+            await stop.wait()
+    finally:
+        await _stop_children(children, args.stop_timeout_s)
+        stop.set()
+        display.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await display
+    return status
+
+
+async def _run_system(
+    args: argparse.Namespace,
+    control_plane: ControlPlaneSettings,
+    children: list[Child],
+    stop: asyncio.Event,
+) -> int:
+    model = _model_dir(args)
+    common = ["--redis", control_plane.redis.url, "--namespace", control_plane.namespace]
+    logs = args.work_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    engines = _engine_children(args, model, common, logs)
+    children.extend(engines)
+    deadline = time.monotonic() + args.ready_timeout_s
+    try:
+        for child in engines:
+            await _spawn(child)
+        await _wait_ready(engines, stop, deadline)
+        if stop.is_set():
+            return 0
+        router = _router_child(args, model, common, logs)
+        children.insert(0, router)
+        await _spawn(router)
+        await _wait_ready([router], stop, deadline)
+        if stop.is_set():
+            return 0
+        router_url = str((router.announced or {})["url"])
+        await _wait_healthy(router_url, children, stop, deadline)
+        if stop.is_set():
+            return 0
+    except StartupFailed as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    endpoints = _write_endpoints(args.work_dir, control_plane, children, router_url)
+    _print_welcome(router_url, await _served_model(router_url), endpoints, args.work_dir)
+    return await _supervise(children, stop)
+
+
+async def _supervise(children: list[Child], stop: asyncio.Event) -> int:
+    """Until ``stop``: an engine that exits is reported loudly (the router routes around it
+    and its ``/health`` shows what is left); the router exiting ends the run with status 1."""
+    running = [child for child in children if child.process is not None]
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        while running:
+            exited = asyncio.ensure_future(_first_exit(running))
+            done, _ = await asyncio.wait({exited, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter in done:
+                exited.cancel()
+                return 0
+            child = exited.result()
+            running.remove(child)
+            print(f"pdserve up: {child.describe_exit()}", file=sys.stderr, flush=True)
+            if child.kind == "router":
+                return 1
+        await waiter
+        return 0
+    finally:
+        waiter.cancel()
+
+
+def _model_dir(args: argparse.Namespace) -> Path | None:
+    given: Path | None = args.model
+    if args.engine == "stub" or given is not None:
+        return given
+    model: Path = args.work_dir / TINY_MODEL_DIR
+    if not (model / "config.json").is_file():
+        # Imported here: torch, which only this path needs.
+        from services.engines.reference.tiny_model import make_tiny_model  # noqa: PLC0415
+
+        print(f"pdserve up: generating the tiny test model into {model}", flush=True)
+        make_tiny_model(model)
+    return model.resolve()
+
+
+def _pdserve(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli.main", *arguments]
+
+
+def _engine_children(
+    args: argparse.Namespace, model: Path | None, common: list[str], logs: Path
+) -> list[Child]:
+    layouts = [("decode", args.decode_replicas, args.decode_pp, args.decode_tp)]
+    if not args.colocated:
+        layouts.insert(0, ("prefill", args.prefill_replicas, args.prefill_pp, args.prefill_tp))
+    children = []
+    for role, replicas, pp, tp in layouts:
+        for index in range(replicas):
+            name = f"{role}-{index}"
+            argv = _pdserve(
+                role,
+                *common,
+                "--engine",
+                args.engine,
+                "--engine-id",
+                name,
+                "--pp",
+                str(pp),
+                "--tp",
+                str(tp),
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-port",
+                "0",
+                *(["--model", str(model)] if model is not None else []),
+            )
+            children.append(Child(name, role, argv, logs / f"{name}.log"))
+    return children
+
+
+def _router_child(
+    args: argparse.Namespace, model: Path | None, common: list[str], logs: Path
+) -> Child:
+    argv = _pdserve(
+        "router",
+        *common,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        *(["--tokenizer", str(model)] if model is not None else []),
+        *(["--colocated"] if args.colocated else []),
+        *args.router_arg,
+    )
+    return Child("router", "router", argv, logs / "router.log")
+
+
+async def _spawn(child: Child) -> None:
+    log = child.log_path.open("ab")
+    # A session of its own: the terminal's Ctrl-C reaches only `pdserve up`, which stops the
+    # children in order, and the group id lets it kill rank processes a child leaves behind.
+    child.process = await asyncio.create_subprocess_exec(
+        *child.argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log.close()
+    child.reader = asyncio.create_task(_read_output(child))
+
+
+async def _read_output(child: Child) -> None:
+    assert child.process is not None and child.process.stdout is not None
+    with child.log_path.open("ab") as log:
+        async for raw in child.process.stdout:
+            log.write(raw)
+            log.flush()
+            line = raw.decode(errors="replace").strip()
+            if line.startswith(READY_PREFIX) and not child.ready.is_set():
+                try:
+                    child.announced = json.loads(line[len(READY_PREFIX) :])
+                except json.JSONDecodeError:
+                    continue
+                child.ready.set()
+
+
+async def _wait_ready(children: list[Child], stop: asyncio.Event, deadline: float) -> None:
+    """Until every child announced itself; :class:`StartupFailed` if one exits or time runs
+    out. Returns early when ``stop`` is set."""
+    while not all(child.ready.is_set() for child in children):
+        for child in children:
+            if child.process is not None and child.process.returncode is not None:
+                raise StartupFailed(child.describe_exit())
+        if stop.is_set():
+            return
+        if time.monotonic() > deadline:
+            waiting = [child.name for child in children if not child.ready.is_set()]
+            raise StartupFailed(f"not ready in time: {', '.join(waiting)} (see their logs)")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.1)
+
+
+async def _wait_healthy(
+    url: str, children: list[Child], stop: asyncio.Event, deadline: float
+) -> None:
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            for child in children:
+                if child.process is not None and child.process.returncode is not None:
+                    raise StartupFailed(child.describe_exit())
+            if time.monotonic() > deadline:
+                raise StartupFailed(f"the router at {url} did not report healthy in time")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+
+
+def _write_endpoints(
+    work_dir: Path, control_plane: ControlPlaneSettings, children: list[Child], router_url: str
+) -> dict[str, Any]:
+    metrics: dict[str, str] = {}
+    engines: dict[str, dict[str, Any]] = {}
+    for child in children:
+        announced = child.announced or {}
+        if child.kind == "router":
+            metrics["router"] = f"{router_url}/metrics"
+            continue
+        if announced.get("metrics"):
+            metrics[child.name] = str(announced["metrics"])
+        engines[child.name] = {
+            "role": child.kind,
+            "pid": child.process.pid if child.process else None,
+            "grpc": announced.get("grpc"),
+            "metrics": announced.get("metrics"),
+        }
+    endpoints = {
+        "router": router_url,
+        "redis": control_plane.redis.url,
+        "namespace": control_plane.namespace,
+        "metrics": metrics,
+        "engines": engines,
+    }
+    path = work_dir / "endpoints.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(endpoints, indent=2) + "\n")
+    temporary.replace(path)
+    return endpoints
+
+
+async def _served_model(router_url: str) -> str:
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            response = await client.get(f"{router_url}/v1/models")
+            return str(response.json()["data"][0]["id"])
+    return "MODEL"
+
+
+def _print_welcome(router_url: str, model: str, endpoints: dict[str, Any], work_dir: Path) -> None:
+    request = json.dumps({"model": model, "prompt": "Hello, world!", "max_tokens": 16})
+    print(f"\npdserve up: ready. OpenAI-compatible endpoint: {router_url}/v1", flush=True)
+    print(f"  model {model!r} on {len(endpoints['engines'])} engine(s)")
+    print(f"  endpoints (router, every /metrics): {work_dir / 'endpoints.json'}")
+    print(
+        f"  try:  curl -s {router_url}/v1/completions "
+        f"-H 'Content-Type: application/json' -d '{request}'",
+        flush=True,
+    )
+
+
+async def _first_exit(children: list[Child]) -> Child:
+    waits = {
+        asyncio.ensure_future(child.process.wait()): child
+        for child in children
+        if child.process is not None
+    }
+    try:
+        done, _ = await asyncio.wait(set(waits), return_when=asyncio.FIRST_COMPLETED)
+        return waits[done.pop()]
+    finally:
+        for future in waits:
+            future.cancel()
+
+
+async def _stop_children(children: list[Child], timeout_s: float) -> None:
+    """SIGTERM in order (router, decode, prefill), wait, then kill what is left of each
+    child's process group."""
+    order = {"router": 0, "decode": 1, "prefill": 2}
+    for kind in sorted({child.kind for child in children}, key=order.__getitem__):
+        group = [c for c in children if c.kind == kind and c.process is not None]
+        for child in group:
+            assert child.process is not None
+            if child.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
+        for child in group:
+            assert child.process is not None
+            try:
+                await asyncio.wait_for(child.process.wait(), timeout_s)
+            except TimeoutError:
+                print(f"pdserve up: {child.name} did not stop in {timeout_s}s; killing it")
+    for child in children:
+        if child.process is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            await child.process.wait()
+        if child.reader is not None:
+            child.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await child.reader
+    if children:
+        print("pdserve up: stopped " + ", ".join(c.name for c in children), flush=True)
+
+
+async def _display(settings: ControlPlaneSettings, stop: asyncio.Event) -> None:
     control_plane = RedisControlPlane(settings)
     try:
         async with control_plane.watch(handshake_progress=True) as watcher:

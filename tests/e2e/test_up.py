@@ -19,7 +19,15 @@ pytestmark = pytest.mark.e2e
 def test_up_serves_a_control_plane_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--work-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "up",
+            "--no-engines",
+            "--work-dir",
+            str(tmp_path),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
