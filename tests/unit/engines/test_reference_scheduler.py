@@ -97,7 +97,9 @@ def test_queue_bound_overloads_and_oversized_requests_are_invalid() -> None:
     with pytest.raises(EngineOverloaded):
         scheduler.submit("d", "generate", [1], SamplingParams(), ListSink())
     with pytest.raises(InvalidRequest):
-        make().submit("big", "generate", [1] * 60, SamplingParams(max_tokens=5), ListSink())
+        make(num_blocks=8).submit(
+            "big", "generate", [1] * 40, SamplingParams(max_tokens=9), ListSink()
+        )
 
 
 def test_prefill_holds_blocks_until_every_rank_ends_its_lease() -> None:
