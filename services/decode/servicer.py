@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import grpc
 import grpc.aio
 
 from services.control_plane import ControlPlane, ControlPlaneError
@@ -27,6 +28,7 @@ from services.engines.errors import (
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.serving import convert
 from services.serving.servicer import ServingState
+from services.serving.status import status_for
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         first.kv_transfer_s
                     )
                 last = first
+                failure_code = grpc.StatusCode.INTERNAL  # a backend's own ERROR finish
                 yield convert.delta_to_proto(first)
                 while last.finish_reason is None:
                     try:
@@ -104,11 +107,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         break
                     except (RequestError, EngineFailed) as exc:
                         last = self._failed(parsed.prompt_token_ids, exc)
+                        failure_code = status_for(exc)[0]
                     yield convert.delta_to_proto(last)
+                # Outcome labels as in docs/metrics.md: ok, aborted, or a status code name.
                 if last.finish_reason is FinishReason.ABORT:
                     outcome.label = "aborted"
                 elif last.finish_reason is FinishReason.ERROR:
-                    outcome.label = "error"
+                    outcome.label = failure_code.name
             finally:
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:

@@ -28,7 +28,9 @@ from services.engines.backend import (
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
+    EngineFailed,
     InvalidRequest,
+    KVTransferFailed,
     ProducerUnavailable,
 )
 from services.proto_gen.pdserve.v1 import (
@@ -388,3 +390,65 @@ async def test_fuzzed_malformed_requests_get_invalid_argument_never_a_crash(
             await client.close()
         await prefill_channel.close(None)
         await decode_channel.close(None)
+
+
+class FailingStub(StubBackend):
+    """Streams two tokens, then fails the request (``error``) or the whole engine."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def decode(self, request: DecodeRequest):  # type: ignore[override]
+        count = 0
+        async for delta in super().decode(request):
+            yield delta
+            count += 1
+            if count == 2:
+                raise self.error
+
+
+async def test_failure_after_the_first_chunk_ends_the_stream_with_an_error_chunk(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    settings = service_settings(cp_settings)
+    backend = FailingStub(KVTransferFailed("rank 0:1 lost its peer", "remote_disconnected"))
+    async with hosted(settings, backend, engine_id="decode-i", role=EngineRole.DECODE) as dec:
+        client = EngineClient(dec.endpoints.grpc)
+        deltas = [
+            d
+            async for d in client.decode(
+                DecodeRequest("req-1", (1, 2), SamplingParams(max_tokens=10))
+            )
+        ]
+        assert len(deltas) == 3
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        assert deltas[-1].error is not None and "lost its peer" in deltas[-1].error
+        assert (
+            dec.host.registry.get_sample_value(
+                "pdserve_engine_requests_total",
+                {"engine": "decode-i", "role": "decode", "rpc": "Decode", "outcome": "UNAVAILABLE"},
+            )
+            == 1.0
+        )
+        assert await client.health()  # a request-scoped failure: the engine keeps serving
+        await client.close()
+
+
+async def test_engine_failure_mid_stream_stops_the_host_with_exit_code_1(
+    cp_settings: ControlPlaneSettings, control_plane: RedisControlPlane
+) -> None:
+    settings = service_settings(cp_settings)
+    backend = FailingStub(EngineFailed("rank 1:0 died"))
+    async with hosted(settings, backend, engine_id="decode-j", role=EngineRole.DECODE) as dec:
+        client = EngineClient(dec.endpoints.grpc)
+        deltas = [
+            d
+            async for d in client.decode(
+                DecodeRequest("req-1", (1, 2), SamplingParams(max_tokens=10))
+            )
+        ]
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        assert await dec.exit_code() == 1
+        assert await control_plane.get_engine("decode-j") is None
+        await client.close()
