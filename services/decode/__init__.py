@@ -1,1 +1,6 @@
-"""The decode service. Not built yet: see docs/architecture.md, "Status"."""
+"""The decode service: :mod:`~services.decode.servicer` (``pdserve.v1.DecodeService`` and the
+producer gate).
+
+``pdserve decode`` (:mod:`services.cli.decode`) runs it through the engine host both roles
+share (:mod:`services.serving.host`: registration, heartbeat, health, drain, settings, metrics).
+"""
