@@ -60,10 +60,8 @@ from services.engines.vllm.handshake import (
     HandshakeResolutionError,
     ModelGeometry,
     RankTransferInfo,
-    VllmHandshakeExtra,
     build_records,
     now_clocks,
-    parse_vllm_engine_id,
     vllm_engine_id,
 )
 from services.engines.vllm.layouts import (
@@ -351,48 +349,35 @@ class _WorkerHandshake:
             worker._validate_csa_linear_tp_layout(remote_tp_size)
         if not worker.use_host_buffer:
             current_platform.set_device(worker.device_id)
-        engine_id, generation = parse_vllm_engine_id(expected_engine_id)
-        try:
-            topology = self.bridge().topology(engine_id)
-        except ControlPlaneError as exc:
-            raise HandshakeResolutionError(f"{expected_engine_id}: {exc}") from exc
-        engine = topology.engine
-        if engine.generation != generation:
-            raise HandshakeResolutionError(
-                f"{expected_engine_id} is gone: {engine_id} is at generation {engine.generation}"
-            )
-        if (engine.pp_size, engine.tp_size) != (remote_pp_size, remote_tp_size):
-            raise HandshakeResolutionError(
-                f"{expected_engine_id}: kv_transfer_params say PP={remote_pp_size} "
-                f"TP={remote_tp_size}, the control plane PP={engine.pp_size} TP={engine.tp_size}"
-            )
         targets = worker.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)
+        extras = self.bridge().resolve(
+            expected_engine_id,
+            remote_pp_size=remote_pp_size,
+            remote_tp_size=remote_tp_size,
+            tp_ranks=list(targets),
+        )
         names: dict[tuple[int, int], str] = {}
         offset = 0.0
-        for pp_rank in range(remote_pp_size):
-            for tp_rank in targets:
-                extra = VllmHandshakeExtra.decode(topology.records[(pp_rank, tp_rank)].extra)
-                payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(extra.nixl_payload)
-                if worker.enforce_compat_hash and payload.compatibility_hash != worker.compat_hash:
-                    raise HandshakeResolutionError(
-                        f"NIXL compatibility hash mismatch with {expected_engine_id}: local "
-                        f"{worker.compat_hash}, remote {payload.compatibility_hash}"
-                    )
-                meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(
-                    payload.agent_metadata_bytes
+        for (pp_rank, tp_rank), extra in sorted(extras.items()):
+            payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(extra.nixl_payload)
+            if worker.enforce_compat_hash and payload.compatibility_hash != worker.compat_hash:
+                raise HandshakeResolutionError(
+                    f"NIXL compatibility hash mismatch with {expected_engine_id}: local "
+                    f"{worker.compat_hash}, remote {payload.compatibility_hash}"
                 )
-                worker._validate_remote_parallel_config(meta)
-                if meta.engine_id != expected_engine_id:
-                    raise HandshakeResolutionError(
-                        f"payload of {meta.engine_id} published under {expected_engine_id}"
-                    )
-                if notif_agents_only:
-                    name = worker._add_notif_only_remote_agent(meta, remote_tp_size, meta.dcp_size)
-                else:
-                    name = worker.add_remote_agent(meta, tp_rank, remote_tp_size, meta.dcp_size)
-                names[(pp_rank, tp_rank)] = name
-                perf, wall = now_clocks()
-                offset = extra.clock_offset(now_perf=perf, now_wall=wall)
+            meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+            worker._validate_remote_parallel_config(meta)
+            if meta.engine_id != expected_engine_id:
+                raise HandshakeResolutionError(
+                    f"payload of {meta.engine_id} published under {expected_engine_id}"
+                )
+            if notif_agents_only:
+                name = worker._add_notif_only_remote_agent(meta, remote_tp_size, meta.dcp_size)
+            else:
+                name = worker.add_remote_agent(meta, tp_rank, remote_tp_size, meta.dcp_size)
+            names[(pp_rank, tp_rank)] = name
+            perf, wall = now_clocks()
+            offset = extra.clock_offset(now_perf=perf, now_wall=wall)
         return names, offset
 
     def shutdown(self) -> None:

@@ -37,6 +37,7 @@ from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.aggregation import DTYPE_BYTES, EngineTopology
 from services.control_plane.base import EngineView
+from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import (
     EngineId,
     EngineRecord,
@@ -291,6 +292,37 @@ def build_records(
     return records
 
 
+def resolve_extras(
+    topology: EngineTopology,
+    expected_engine_id: str,
+    *,
+    remote_pp_size: int,
+    remote_tp_size: int,
+    tp_ranks: list[int],
+) -> dict[tuple[int, int], VllmHandshakeExtra]:
+    """The handshake extras a worker needs from a READY topology, or
+    :class:`HandshakeResolutionError` (another generation, a layout other than the request's)."""
+    engine_id, generation = parse_vllm_engine_id(expected_engine_id)
+    engine = topology.engine
+    if engine.engine_id != engine_id or engine.generation != generation:
+        raise HandshakeResolutionError(
+            f"{expected_engine_id} is gone: {engine.engine_id} is at generation {engine.generation}"
+        )
+    if (engine.pp_size, engine.tp_size) != (remote_pp_size, remote_tp_size):
+        raise HandshakeResolutionError(
+            f"{expected_engine_id}: kv_transfer_params say PP={remote_pp_size} "
+            f"TP={remote_tp_size}, the control plane PP={engine.pp_size} TP={engine.tp_size}"
+        )
+    extras = {}
+    for pp_rank in range(remote_pp_size):
+        for tp_rank in tp_ranks:
+            record = topology.records.get((pp_rank, tp_rank))
+            if record is None:
+                raise HandshakeResolutionError(f"{expected_engine_id}: no rank {pp_rank}:{tp_rank}")
+            extras[(pp_rank, tp_rank)] = VllmHandshakeExtra.decode(record.extra)
+    return extras
+
+
 class ControlPlaneBridge:
     """A :class:`RedisControlPlane` on its own event loop thread, for vLLM's synchronous code.
 
@@ -328,6 +360,28 @@ class ControlPlaneBridge:
 
     def topology(self, engine_id: EngineId) -> EngineTopology:
         return self._call(self.control_plane.get_topology(engine_id))
+
+    def resolve(
+        self,
+        expected_engine_id: str,
+        *,
+        remote_pp_size: int,
+        remote_tp_size: int,
+        tp_ranks: list[int],
+    ) -> dict[tuple[int, int], VllmHandshakeExtra]:
+        """Read the remote engine's READY topology and :func:`resolve_extras` from it."""
+        engine_id, _generation = parse_vllm_engine_id(expected_engine_id)
+        try:
+            topology = self.topology(engine_id)
+        except ControlPlaneError as exc:
+            raise HandshakeResolutionError(f"{expected_engine_id}: {exc}") from exc
+        return resolve_extras(
+            topology,
+            expected_engine_id,
+            remote_pp_size=remote_pp_size,
+            remote_tp_size=remote_tp_size,
+            tp_ranks=tp_ranks,
+        )
 
     def follow(self, on_change: Callable[[EngineView | None, EngineId], None]) -> None:
         """Start watching (idempotent); returns once the first snapshot was delivered."""

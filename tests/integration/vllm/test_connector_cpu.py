@@ -1,0 +1,304 @@
+"""pdserve's vLLM connector against vLLM 0.32.0's real classes on CPU, with a real Redis.
+
+The scheduler side is driven through vLLM's own entry points: EngineCore's call
+``set_xfer_handshake_metadata_pp_aware``, and ``Scheduler.schedule`` / ``request_finished``
+with real ``Request`` and ``SchedulerOutput`` objects. The worker side's resolution reads the
+published records back. NIXL agents and GPU memory are not involved: the payloads are vLLM's own
+classes filled with the geometry a GPU worker would register.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from services.config import ControlPlaneSettings
+from services.control_plane import RedisControlPlane
+from services.control_plane.base import EngineSpec
+from services.control_plane.wire import EngineRole, EngineState
+from services.engines.vllm.handshake import (
+    ConnectorSettings,
+    ControlPlaneBridge,
+    HandshakeResolutionError,
+    VllmHandshakeExtra,
+    vllm_engine_id,
+)
+from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
+
+# vLLM 0.32.0 and torch 2.13.0 warn about their own internals on import; nothing of ours.
+VLLM_IMPORT_WARNINGS = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:vllm"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:vllm"),
+]
+pytestmark = [pytest.mark.integration, *VLLM_IMPORT_WARNINGS]
+
+NUM_LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 7, 2, 16, 16
+
+
+def spec(engine_id: str, pp: int, tp: int, role: EngineRole = EngineRole.PREFILL) -> EngineSpec:
+    return EngineSpec(
+        engine_id=engine_id,
+        role=role,
+        model="tiny",
+        compat_hash="c0ffee",
+        pp_size=pp,
+        tp_size=tp,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=KV_HEADS,
+        block_size=BLOCK,
+        endpoint="127.0.0.1:1",
+        engine_kind="vllm",
+    )
+
+
+def nixl_payloads(vid: str, pp: int, tp: int) -> dict[tuple[int, int], Any]:
+    """What vLLM's GPU workers hand EngineCore: a NixlHandshakePayload per (pp, tp)."""
+    import msgspec  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: PLC0415
+        NixlAgentMetadata,
+        NixlHandshakePayload,
+    )
+    from vllm.distributed.utils import get_pp_indices  # noqa: PLC0415
+
+    block_len = (KV_HEADS // tp) * BLOCK * HEAD_SIZE * 4
+    payloads = {}
+    for p in range(pp):
+        start, end = get_pp_indices(NUM_LAYERS, p, pp)
+        regions = 2 * (end - start)
+        meta = NixlAgentMetadata(
+            engine_id=vid,
+            agent_metadata=f"agent-{p}-{t}".encode() if (t := 0) == 0 else b"",
+            kv_caches_base_addr=[0x1000_0000 * (i + 1) for i in range(regions)],
+            device_id=0,
+            num_blocks=64,
+            block_lens=[block_len] * regions,
+            block_strides=[block_len] * regions,
+            kv_cache_layout="LBHNC",
+            block_size=BLOCK,
+            ssm_sizes=(0, 0),
+            attn_backend_name="FLASH_ATTN",
+            physical_blocks_per_logical_kv_block=1,
+        )
+        for t in range(tp):
+            payloads[(p, t)] = NixlHandshakePayload(
+                compatibility_hash="vllm-hash", agent_metadata_bytes=msgspec.msgpack.encode(meta)
+            )
+    return payloads
+
+
+def settings_for(cp: ControlPlaneSettings, engine_id: str, generation: int) -> dict[str, Any]:
+    return ConnectorSettings(engine_id, generation, cp, TransferMode.PUSH).to_extra_config()
+
+
+async def test_scheduler_publishes_pp_tp_grid_and_engine_turns_ready(
+    control_plane: RedisControlPlane,
+    cp_settings: ControlPlaneSettings,
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+        KVConnectorRole,
+    )
+    from vllm.distributed.utils import get_pp_indices  # noqa: PLC0415
+
+    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
+
+    engine = await control_plane.register(spec("pre", 2, 2))
+    vid = vllm_engine_id("pre", engine.generation)
+    config = make_vllm_config(
+        pp=2,
+        tp=2,
+        role="kv_producer",
+        engine_id=vid,
+        extra=settings_for(cp_settings, "pre", engine.generation),
+    )
+    connector = PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    try:
+        # vLLM's EngineCore runs this on its own thread; so do we (it blocks on Redis).
+        payloads = nixl_payloads(vid, 2, 2)
+        await asyncio.to_thread(connector.set_xfer_handshake_metadata_pp_aware, payloads)
+        topology = await control_plane.get_topology("pre")
+        assert sorted(topology.records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for (pp, tp), record in topology.records.items():
+            assert (record.layers.start, record.layers.stop) == get_pp_indices(NUM_LAYERS, pp, 2)
+            assert (record.kv_heads.start, record.kv_heads.stop) == (tp, tp + 1)
+            extra = VllmHandshakeExtra.decode(record.extra)
+            assert extra.transfer_mode is TransferMode.PUSH
+            assert extra.nixl_payload  # vLLM's payload, byte for byte re-encoded
+        # vLLM re-publishes (e.g. after a KV-cache re-initialisation): same grid, still READY.
+        await asyncio.to_thread(connector.set_xfer_handshake_metadata_pp_aware, payloads)
+        view = await control_plane.get_engine("pre")
+        assert view is not None and view.state is EngineState.READY
+        assert connector.connector_scheduler.publications == 2
+        assert connector.connector_scheduler.side_channel_port == 0  # no ZMQ listener
+        assert connector.connector_scheduler._nixl_handshake_listener_t is None
+    finally:
+        await asyncio.to_thread(connector.shutdown)
+
+
+async def test_incomplete_grid_is_refused_before_publication(
+    control_plane: RedisControlPlane,
+    cp_settings: ControlPlaneSettings,
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+        KVConnectorRole,
+    )
+
+    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
+
+    engine = await control_plane.register(spec("half", 2, 1))
+    vid = vllm_engine_id("half", engine.generation)
+    config = make_vllm_config(
+        pp=2,
+        tp=1,
+        role="kv_producer",
+        engine_id=vid,
+        extra=settings_for(cp_settings, "half", engine.generation),
+    )
+    connector = PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    payloads = nixl_payloads(vid, 2, 1)
+    del payloads[(1, 0)]
+    with pytest.raises(UnsupportedVllmLayout, match="full"):
+        await asyncio.to_thread(connector.set_xfer_handshake_metadata_pp_aware, payloads)
+    view = await control_plane.get_engine("half")
+    assert view is not None and view.state is EngineState.PENDING
+    await asyncio.to_thread(connector.shutdown)
+
+
+async def test_worker_resolution_reads_published_grid_and_fences_old_generations(
+    control_plane: RedisControlPlane,
+    cp_settings: ControlPlaneSettings,
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+        KVConnectorRole,
+    )
+
+    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
+
+    engine = await control_plane.register(spec("p2", 2, 1))
+    vid = vllm_engine_id("p2", engine.generation)
+    config = make_vllm_config(
+        pp=2,
+        tp=1,
+        role="kv_producer",
+        engine_id=vid,
+        extra=settings_for(cp_settings, "p2", engine.generation),
+    )
+    connector = PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    await asyncio.to_thread(
+        connector.set_xfer_handshake_metadata_pp_aware, nixl_payloads(vid, 2, 1)
+    )
+    await asyncio.to_thread(connector.shutdown)
+
+    bridge = await asyncio.to_thread(ControlPlaneBridge, cp_settings, timeout_s=5.0)
+    try:
+        extras = await asyncio.to_thread(
+            bridge.resolve, vid, remote_pp_size=2, remote_tp_size=1, tp_ranks=[0]
+        )
+        assert sorted(extras) == [(0, 0), (1, 0)]
+        with pytest.raises(HandshakeResolutionError, match="TP=2"):
+            await asyncio.to_thread(
+                bridge.resolve, vid, remote_pp_size=2, remote_tp_size=2, tp_ranks=[0]
+            )
+        # The prefill restarts: its old vLLM engine id must never resolve again.
+        await control_plane.register(spec("p2", 2, 1))
+        with pytest.raises(HandshakeResolutionError):
+            await asyncio.to_thread(
+                bridge.resolve, vid, remote_pp_size=2, remote_tp_size=1, tp_ranks=[0]
+            )
+    finally:
+        await asyncio.to_thread(bridge.close)
+
+
+@pytest.mark.parametrize(
+    ("pp", "role", "connector", "match"),
+    [
+        (2, "kv_consumer", "PdservePushConnector", "decode with PP=1"),
+        (2, "kv_producer", "PdservePullConnector", "push mode"),
+        (2, "kv_both", "PdservePushConnector", "decode with PP=1"),
+    ],
+)
+def test_unsupported_layouts_are_rejected_at_construction(
+    cp_settings: ControlPlaneSettings,
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+    pp: int,
+    role: str,
+    connector: str,
+    match: str,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+        KVConnectorRole,
+    )
+
+    from services.engines.vllm import connector as module  # noqa: PLC0415
+
+    mode = TransferMode.PULL if connector == "PdservePullConnector" else TransferMode.PUSH
+    extra = ConnectorSettings("bad", 1, cp_settings, mode).to_extra_config()
+    config = make_vllm_config(
+        pp=pp, tp=1, role=role, engine_id="bad.g1", extra=extra, connector=connector
+    )
+    with pytest.raises(UnsupportedVllmLayout, match=match):
+        getattr(module, connector)(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_real_scheduler_hands_off_with_control_plane_params(
+    cp_settings: ControlPlaneSettings,
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+) -> None:
+    """vLLM's own Scheduler with our connector: a do_remote_decode request is prefilled, its
+    blocks held for the consumer, and the kv_transfer_params name the generation-scoped engine
+    id and the PP x TP layout (no side-channel host)."""
+    from vllm.sampling_params import SamplingParams  # noqa: PLC0415
+    from vllm.v1.core.sched.output import SchedulerOutput  # noqa: PLC0415
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
+    from vllm.v1.request import Request, RequestStatus  # noqa: PLC0415
+    from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
+
+    from services.engines.vllm._connector_impl import CONTROL_PLANE_HOST  # noqa: PLC0415
+
+    vid = vllm_engine_id("sched", 7)
+    config = make_vllm_config(
+        pp=2,
+        tp=1,
+        role="kv_producer",
+        engine_id=vid,
+        extra=settings_for(cp_settings, "sched", 7),
+    )
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # EngineCore sets it
+    config.cache_config.enable_prefix_caching = False  # requests here carry no block hasher
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
+    try:
+        sampling = SamplingParams(
+            max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+        )
+        request = Request("r1", list(range(40)), sampling, None)
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert isinstance(output, SchedulerOutput)
+        assert output.num_scheduled_tokens.get("r1", 0) > 0
+        assert output.kv_connector_metadata is not None
+        connector = scheduler.get_kv_connector()
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        block_ids = scheduler.kv_cache_manager.get_block_ids("r1")
+        hold, params = connector.request_finished_all_groups(request, block_ids)
+        assert hold is True and params is not None
+        assert params["remote_engine_id"] == vid
+        assert params["remote_host"] == CONTROL_PLANE_HOST
+        assert (params["pp_size"], params["tp_size"]) == (2, 1)
+        assert params["remote_block_ids"] and params["remote_block_ids"][0]
+    finally:
+        scheduler.shutdown()
