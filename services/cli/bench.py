@@ -6,6 +6,7 @@ import argparse
 import json
 
 from services.bench import control_plane as control_plane_bench
+from services.bench import engine as engine_bench
 from services.bench import kv as kv_bench
 from services.cli.settings import ToolSettings, add_control_plane_flags
 
@@ -21,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv.add_argument("--json", action="store_true", help="JSON only (the default output too)")
     kv_bench.add_arguments(kv)
+    engine = benches.add_parser(
+        "engine", help="reference engine tokens/s and the KV-transfer share of TTFT"
+    )
+    engine.add_argument("--json", action="store_true", help="JSON only (the default output too)")
+    engine_bench.add_arguments(engine)
 
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
@@ -28,6 +34,8 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
         result = control_plane_bench.run(args, settings.control_plane)
     elif args.bench == "kv":
         result = kv_bench.run(args)
+    elif args.bench == "engine":
+        result = engine_bench.run(args)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench}")
     print(json.dumps(result, indent=2))

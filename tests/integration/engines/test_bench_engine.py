@@ -1,0 +1,30 @@
+"""``pdserve bench engine --quick``: the figures come back, positive and JSON-serialisable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from services.bench import engine
+
+pytestmark = pytest.mark.integration
+
+
+def test_quick_engine_bench_reports_throughput_and_kv_share() -> None:
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    result = engine.run(parser.parse_args(["--quick"]))
+    json.dumps(result)
+    assert result["benchmark"] == "engine"
+    for family in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+        rates = result[family]
+        assert isinstance(rates, dict) and set(rates) == {"1", "16"}
+        assert all(rate > 0 for rate in rates.values()), family
+    ttft = result["ttft"]
+    assert isinstance(ttft, dict)
+    disagg = ttft["disaggregated"]
+    assert 0 < disagg["kv_transfer_s"] < disagg["to_first_decode_token_s"]
+    assert 0 < disagg["kv_share"] < 1
+    assert ttft["colocated"]["first_token_s"] > 0
