@@ -1,0 +1,463 @@
+"""The ``vllm`` engine backend: :class:`VllmBackend` drives vLLM's ``AsyncLLM`` for a service.
+
+Prefill: ``generate`` with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode":
+True}``; vLLM returns the first token and the producer's ``kv_transfer_params`` (block ids,
+generation-scoped engine id, PP x TP), carried to the decode engine as JSON in
+:attr:`KVHandle.extra`. Decode: ``generate`` with those params (``do_remote_prefill``), which
+makes pdserve's connector pull or receive the KV before the first decode step. Load figures come
+from vLLM's own scheduler stats through a stat logger.
+
+Nothing heavy is imported until :meth:`VllmBackend.start`: :meth:`describe` reads
+``config.json`` only. The pure parts (:func:`prefill_sampling`, :func:`decode_sampling`,
+:func:`encode_handle`, :func:`decode_handle`, :func:`kv_transfer_config`) are unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.control_plane.wire import EngineLoad, EngineRole, compute_compat_hash
+from services.engines.backend import (
+    BackendDescription,
+    DecodeRequest,
+    EngineBackend,
+    EngineRegistration,
+    FinishReason,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from services.engines.errors import (
+    EngineDraining,
+    EngineFailed,
+    InvalidRequest,
+    ModelConfigError,
+    UnknownKVHandle,
+)
+from services.engines.vllm.contracts import decide_model_runner
+from services.engines.vllm.handshake import ConnectorSettings
+from services.engines.vllm.layouts import (
+    KVRole,
+    TransferMode,
+    VllmLayout,
+    check_local_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_HANDLE_EXTRA_BYTES = 64 * 1024
+_CONNECTOR_CLASS = {
+    TransferMode.PUSH: "PdservePushConnector",
+    TransferMode.PULL: "PdservePullConnector",
+}
+_ROLE = {
+    EngineRole.PREFILL: KVRole.PRODUCER,
+    EngineRole.DECODE: KVRole.CONSUMER,
+    EngineRole.BOTH: KVRole.BOTH,
+}
+
+
+@dataclass(frozen=True)
+class VllmEngineOptions:
+    """Options of one vLLM engine (from the service's flags)."""
+
+    model_dir: Path
+    """A local HF checkpoint folder (no downloads at run time)."""
+    model_name: str | None = None
+    pp_size: int = 1
+    tp_size: int = 1
+    transfer_mode: TransferMode = TransferMode.PUSH
+    block_size: int = 16
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    kv_lease_s: int = 30
+    """How long a producer holds a request's KV for its consumer (vLLM's ``kv_lease_duration``)."""
+    speculative_config: dict[str, Any] | None = None
+    enforce_eager: bool = False
+
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.model_dir).resolve().name
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path} is not a JSON object")
+    return raw
+
+
+def describe_model(options: VllmEngineOptions) -> BackendDescription:
+    """The control-plane spec fields, from ``config.json`` alone."""
+    config = read_model_config(options.model_dir)
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads", heads))
+        head_size = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        vocab = int(config["vocab_size"])
+        max_len = int(options.max_model_len or config.get("max_position_embeddings", 2048))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelConfigError(f"config.json lacks a field vLLM needs: {exc}") from exc
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    dtype = options.dtype if options.dtype != "auto" else str(config.get("torch_dtype", "bfloat16"))
+    model = options.served_model_name()
+    return BackendDescription(
+        model=model,
+        compat_hash=compute_compat_hash(
+            model=model,
+            dtype=dtype,
+            head_size=head_size,
+            num_layers=layers,
+            num_kv_heads=kv_heads,
+            kv_layout="HND",
+            engine_kind="vllm",
+        ),
+        pp_size=options.pp_size,
+        tp_size=options.tp_size,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        block_size=options.block_size,
+        vocab_size=vocab,
+        max_model_len=max_len,
+        eos_token_ids=eos_ids,
+        pp_aware=True,
+        engine_kind="vllm",
+    )
+
+
+def kv_transfer_config(
+    options: VllmEngineOptions, registration: EngineRegistration
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for this engine: pdserve's connector, role, generation."""
+    role = _ROLE[registration.role]
+    check_local_layout(VllmLayout(role, options.transfer_mode, options.pp_size, options.tp_size))
+    settings = ConnectorSettings(
+        registration.engine_id,
+        registration.generation,
+        registration.control_plane,
+        options.transfer_mode,
+    )
+    extra = settings.to_extra_config()
+    extra["kv_lease_duration"] = options.kv_lease_s
+    return {
+        "kv_connector": _CONNECTOR_CLASS[options.transfer_mode],
+        "kv_connector_module_path": "services.engines.vllm.connector",
+        "kv_role": role.value,
+        "engine_id": settings.vllm_engine_id,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "seed": sampling.seed,
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+    }
+
+
+def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments of a prefill: one token, hand the KV off."""
+    return {
+        **_sampling_kwargs(sampling),
+        "max_tokens": 1,
+        "extra_args": {"kv_transfer_params": {"do_remote_decode": True}},
+    }
+
+
+def decode_sampling(sampling: SamplingParams, handle: KVHandle | None) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments of a decode, pulling ``handle``'s KV if given.
+
+    The producer already produced the first token, so the decode generates one fewer."""
+    kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
+    if handle is not None:
+        params = decode_handle(handle)
+        params["do_remote_prefill"] = True
+        params["do_remote_decode"] = False
+        kwargs["extra_args"] = {"kv_transfer_params": params}
+        kwargs["max_tokens"] = max(1, sampling.max_tokens - 1)
+    return kwargs
+
+
+def encode_handle(
+    params: dict[str, Any],
+    *,
+    engine_id: str,
+    generation: int,
+    request_id: str,
+    num_tokens: int,
+    lease_s: float,
+) -> KVHandle:
+    """The :class:`KVHandle` of a prefilled request from vLLM's ``kv_transfer_params``."""
+    blocks = params.get("remote_block_ids") or [[]]
+    first_group = blocks[0] if blocks and isinstance(blocks[0], list) else blocks
+    extra = json.dumps(params, separators=(",", ":"), sort_keys=True).encode()
+    if len(extra) > MAX_HANDLE_EXTRA_BYTES:
+        raise EngineFailed(f"vLLM kv_transfer_params of {len(extra)} bytes exceed the handle bound")
+    return KVHandle(
+        producer_engine_id=engine_id,
+        generation=generation,
+        request_id=str(params.get("remote_request_id", request_id)),
+        block_ids=tuple(int(b) for b in first_group),
+        num_tokens=num_tokens,
+        lease_expires_at_s=time.time() + lease_s,
+        extra=extra,
+    )
+
+
+def decode_handle(handle: KVHandle) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_params`` from a handle; :class:`UnknownKVHandle` when not ours."""
+    if not handle.extra or len(handle.extra) > MAX_HANDLE_EXTRA_BYTES:
+        raise UnknownKVHandle(f"handle {handle.request_id} carries no vLLM kv_transfer_params")
+    try:
+        params = json.loads(handle.extra)
+    except ValueError as exc:
+        raise UnknownKVHandle(f"handle {handle.request_id}: invalid kv_transfer_params") from exc
+    required = ("remote_engine_id", "remote_request_id", "remote_block_ids", "tp_size")
+    if not isinstance(params, dict) or any(key not in params for key in required):
+        raise UnknownKVHandle(f"handle {handle.request_id}: kv_transfer_params lack {required}")
+    expected = f"{handle.producer_engine_id}.g{handle.generation}"
+    if params["remote_engine_id"] != expected:
+        raise UnknownKVHandle(
+            f"handle names {expected} but its params name {params['remote_engine_id']}"
+        )
+    return params
+
+
+def _finish_reason(reason: str | None) -> FinishReason | None:
+    if reason is None:
+        return None
+    return {
+        "stop": FinishReason.STOP,
+        "length": FinishReason.LENGTH,
+        "abort": FinishReason.ABORT,
+    }.get(reason, FinishReason.ERROR)
+
+
+class VllmBackend(EngineBackend):
+    """:class:`EngineBackend` over vLLM's ``AsyncLLM`` (GPU). See the module docstring."""
+
+    def __init__(self, options: VllmEngineOptions) -> None:
+        self.options = options
+        self._description = describe_model(options)
+        self._engine: Any = None
+        self._registration: EngineRegistration | None = None
+        self._running: set[str] = set()
+        self._draining = False
+        self._stats: dict[str, float] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def describe(self) -> BackendDescription:
+        return self._description
+
+    async def start(self, registration: EngineRegistration) -> None:
+        transfer = kv_transfer_config(self.options, registration)
+        decision = decide_model_runner(
+            kv_connector=transfer["kv_connector"],
+            kv_role=transfer["kv_role"],
+            speculative=self.options.speculative_config is not None,
+            env_value=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        )
+        logger.info("vLLM model runner: %s", decision.reason)
+        if decision.use_v2 is not None:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if decision.use_v2 else "0"
+        password = registration.control_plane.redis.password
+        if password is not None:
+            os.environ["PDSERVE_VLLM_REDIS_PASSWORD"] = password.get_secret_value()
+        try:
+            engine_module = importlib.import_module("vllm.engine.arg_utils")
+            async_llm = importlib.import_module("vllm.v1.engine.async_llm")
+            config_module = importlib.import_module("vllm.config")
+        except ImportError as exc:
+            raise EngineFailed(
+                f"the vllm engine needs the vllm extra (vllm==0.32.0): {exc}"
+            ) from exc
+        args = engine_module.AsyncEngineArgs(
+            model=str(self.options.model_dir),
+            served_model_name=self.options.served_model_name(),
+            pipeline_parallel_size=self.options.pp_size,
+            tensor_parallel_size=self.options.tp_size,
+            block_size=self.options.block_size,
+            max_model_len=self.options.max_model_len,
+            gpu_memory_utilization=self.options.gpu_memory_utilization,
+            dtype=self.options.dtype,
+            enforce_eager=self.options.enforce_eager,
+            speculative_config=self.options.speculative_config,
+            kv_transfer_config=config_module.KVTransferConfig(**transfer),
+        )
+        backend = self
+
+        class _LoadRecorder:
+            """vLLM stat logger keeping the latest scheduler stats for :meth:`load`."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                self.engine_index = engine_index
+
+            def record(
+                self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
+            ) -> None:
+                if scheduler_stats is not None:
+                    backend._stats = {
+                        "running": float(scheduler_stats.num_running_reqs),
+                        "waiting": float(scheduler_stats.num_waiting_reqs),
+                        "kv_usage": float(scheduler_stats.kv_cache_usage),
+                    }
+
+            def log_engine_initialized(self) -> None:
+                return None
+
+            def log(self) -> None:
+                return None
+
+            def record_sleep_state(self, is_awake: int, level: int) -> None:
+                return None
+
+        try:
+            self._engine = async_llm.AsyncLLM.from_engine_args(args, stat_loggers=[_LoadRecorder])
+        except Exception as exc:  # vLLM raises many types at start-up; all are fatal here
+            raise EngineFailed(f"vLLM failed to start: {exc}") from exc
+        self._registration = registration
+
+    def _require_engine(self) -> Any:
+        if self._engine is None or self._registration is None:
+            raise EngineFailed("the vLLM engine is not started")
+        if self._draining:
+            raise EngineDraining("the engine is draining")
+        return self._engine
+
+    async def _generate(
+        self, request_id: str, prompt: Sequence[int], kwargs: dict[str, Any]
+    ) -> AsyncIterator[Any]:
+        engine = self._require_engine()
+        sampling_module = importlib.import_module("vllm.sampling_params")
+        params = sampling_module.SamplingParams(
+            **kwargs, output_kind=sampling_module.RequestOutputKind.DELTA
+        )
+        self._running.add(request_id)
+        self._idle.clear()
+        try:
+            async for output in engine.generate(
+                {"prompt_token_ids": list(prompt)}, params, request_id
+            ):
+                yield output
+        finally:
+            self._running.discard(request_id)
+            if not self._running:
+                self._idle.set()
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        sampling.validate(vocab_size=self._description.vocab_size)
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        started = time.monotonic()
+        final: Any = None
+        async for output in self._generate(
+            request_id, prompt_token_ids, prefill_sampling(sampling)
+        ):
+            final = output
+        if final is None or not final.outputs or not final.outputs[0].token_ids:
+            raise EngineFailed(f"vLLM returned no token for {request_id}")
+        completion = final.outputs[0]
+        token = int(completion.token_ids[-1])
+        reason = _finish_reason(completion.finish_reason)
+        ended = sampling.max_tokens == 1 or (reason is FinishReason.STOP)
+        assert self._registration is not None
+        handle = None
+        if not ended and final.kv_transfer_params:
+            handle = encode_handle(
+                final.kv_transfer_params,
+                engine_id=self._registration.engine_id,
+                generation=self._registration.generation,
+                request_id=request_id,
+                num_tokens=len(prompt_token_ids),
+                lease_s=self.options.kv_lease_s,
+            )
+        return PrefillResult(
+            request_id=request_id,
+            first_token_id=token,
+            text=completion.text,
+            kv_handle=handle,
+            finish_reason=None if handle is not None else (reason or FinishReason.LENGTH),
+            usage=Usage(len(prompt_token_ids), 1, int(final.num_cached_tokens or 0)),
+            prefill_s=time.monotonic() - started,
+        )
+
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        request.sampling.validate(vocab_size=self._description.vocab_size)
+        prompt = list(request.prompt_token_ids)
+        if request.kv_handle is not None and request.first_token_id is not None:
+            prompt.append(request.first_token_id)  # vLLM continues after the producer's token
+        kwargs = decode_sampling(request.sampling, request.kv_handle)
+        produced = 1 if request.kv_handle is not None else 0
+        async for output in self._generate(request.request_id, prompt, kwargs):
+            completion = output.outputs[0]
+            produced += len(completion.token_ids)
+            reason = _finish_reason(completion.finish_reason)
+            yield TokenDelta(
+                token_ids=tuple(int(t) for t in completion.token_ids),
+                text=completion.text,
+                finish_reason=reason,
+                usage=Usage(len(request.prompt_token_ids), produced) if reason else None,
+            )
+
+    async def abort(self, request_id: str) -> bool:
+        if self._engine is None or request_id not in self._running:
+            return False
+        await self._engine.abort(request_id)
+        return True
+
+    def load(self) -> EngineLoad:
+        stats = self._stats
+        total = 1000
+        return EngineLoad(
+            queue_depth=int(stats.get("waiting", 0)),
+            running_requests=int(stats.get("running", len(self._running))),
+            kv_blocks_free=int(total * (1.0 - stats.get("kv_usage", 0.0))),
+            kv_blocks_total=total,
+        )
+
+    async def drain(self, timeout_s: float) -> int:
+        self._draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        remaining = list(self._running)
+        for request_id in remaining:
+            with contextlib.suppress(Exception):
+                await self._engine.abort(request_id)
+        return len(remaining)
+
+    async def stop(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        tokenizer = None if self._engine is None else getattr(self._engine, "tokenizer", None)
+        if tokenizer is None:
+            raise EngineFailed("the vLLM engine has no tokenizer")
+        return str(tokenizer.decode(list(token_ids)))

@@ -1,0 +1,116 @@
+"""The vllm backend's parameter mapping and handle encoding (no vLLM engine needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from services.config import ControlPlaneSettings, RedisSettings
+from services.control_plane.wire import EngineRole
+from services.engines.backend import EngineRegistration, SamplingParams
+from services.engines.errors import UnknownKVHandle
+from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.vllm.backend import (
+    VllmEngineOptions,
+    decode_handle,
+    decode_sampling,
+    describe_model,
+    encode_handle,
+    kv_transfer_config,
+    prefill_sampling,
+)
+from services.engines.vllm.handshake import (
+    ConnectorSettings,
+    HandshakeResolutionError,
+    VllmHandshakeExtra,
+)
+from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def registration(role: EngineRole = EngineRole.PREFILL) -> EngineRegistration:
+    settings = ControlPlaneSettings(
+        redis=RedisSettings(url="redis://10.0.0.1:6379/0", password=SecretStr("s3cret")),
+        namespace="prod",
+    )
+    return EngineRegistration("pre-0", 42, role, settings)
+
+
+PARAMS = {
+    "do_remote_prefill": False,
+    "do_remote_decode": True,
+    "remote_block_ids": [[3, 4, 5]],
+    "remote_engine_id": "pre-0.g42",
+    "remote_request_id": "r1",
+    "remote_host": "pdserve-control-plane",
+    "remote_port": 0,
+    "tp_size": 2,
+    "pp_size": 2,
+}
+
+
+def test_describe_reads_config_only(model_dir: Path) -> None:
+    description = describe_model(VllmEngineOptions(model_dir, pp_size=2, tp_size=2))
+    assert (description.num_layers, description.num_kv_heads, description.vocab_size) == (7, 2, 384)
+    assert description.engine_kind == "vllm" and description.pp_aware
+
+
+def test_kv_transfer_config_names_connector_generation_and_hides_password(model_dir: Path) -> None:
+    config = kv_transfer_config(VllmEngineOptions(model_dir, pp_size=2), registration())
+    assert config["kv_connector"] == "PdservePushConnector"
+    assert config["kv_connector_module_path"] == "services.engines.vllm.connector"
+    assert (config["kv_role"], config["engine_id"]) == ("kv_producer", "pre-0.g42")
+    assert "s3cret" not in repr(config)
+    parsed = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"])
+    assert (parsed.engine_id, parsed.generation) == ("pre-0", 42)
+    assert parsed.control_plane.namespace == "prod" and parsed.control_plane.redis.password is None
+
+
+def test_kv_transfer_config_rejects_pp_decode(model_dir: Path) -> None:
+    with pytest.raises(UnsupportedVllmLayout, match="PP=1"):
+        kv_transfer_config(VllmEngineOptions(model_dir, pp_size=2), registration(EngineRole.DECODE))
+    with pytest.raises(UnsupportedVllmLayout, match="push"):
+        kv_transfer_config(
+            VllmEngineOptions(model_dir, pp_size=2, transfer_mode=TransferMode.PULL), registration()
+        )
+
+
+def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:
+    sampling = SamplingParams(max_tokens=8, temperature=0.5, top_k=0, seed=3)
+    prefill = prefill_sampling(sampling)
+    assert prefill["max_tokens"] == 1 and prefill["top_k"] == -1
+    assert prefill["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True}}
+    handle = encode_handle(
+        PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
+    )
+    assert handle.block_ids == (3, 4, 5) and handle.request_id == "r1"
+    decode = decode_sampling(sampling, handle)
+    params = decode["extra_args"]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == "pre-0.g42" and decode["max_tokens"] == 7
+    assert "extra_args" not in decode_sampling(sampling, None)
+
+
+def test_foreign_or_mismatched_handles_are_unknown() -> None:
+    handle = encode_handle(
+        PARAMS, engine_id="pre-0", generation=41, request_id="r1", num_tokens=4, lease_s=1
+    )
+    with pytest.raises(UnknownKVHandle, match=r"pre-0\.g41"):
+        decode_handle(handle)
+    with pytest.raises(UnknownKVHandle):
+        decode_handle(handle.__class__("pre-0", 42, "r1", (), 1, 0.0, b"not json"))
+
+
+def test_handshake_extra_round_trips_and_rejects_garbage() -> None:
+    extra = VllmHandshakeExtra(b"payload", TransferMode.PUSH, 100.0, 1000.0)
+    assert VllmHandshakeExtra.decode(extra.encode()) == extra
+    # Remote perf 100 at wall 1000; we read at wall 1002 with perf 52: our perf then was 50.
+    assert extra.clock_offset(now_perf=52.0, now_wall=1002.0) == pytest.approx(50.0)
+    with pytest.raises(HandshakeResolutionError):
+        VllmHandshakeExtra.decode(b"\x93\x01\x02")

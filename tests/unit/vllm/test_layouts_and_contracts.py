@@ -1,0 +1,125 @@
+"""Pure parts of the vLLM engine: supported layouts, vLLM's layer split, the contracts."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engines.vllm.contracts import FinishedOnce, decide_model_runner
+from services.engines.vllm.layouts import (
+    KVRole,
+    TransferMode,
+    UnsupportedVllmLayout,
+    VllmLayout,
+    check_local_layout,
+    check_pair,
+    vllm_layer_ranges,
+)
+
+PUSH, PULL = TransferMode.PUSH, TransferMode.PULL
+
+
+@pytest.mark.parametrize(
+    ("layout", "match"),
+    [
+        (VllmLayout(KVRole.CONSUMER, PUSH, pp_size=2), "decode with PP=1"),
+        (VllmLayout(KVRole.BOTH, PUSH, pp_size=2), "decode with PP=1"),
+        (VllmLayout(KVRole.PRODUCER, PULL, pp_size=2), "push mode"),
+        (VllmLayout(KVRole.PRODUCER, PUSH, dcp_size=2), "context parallelism"),
+        (VllmLayout(KVRole.PRODUCER, PUSH, use_mla=True), "MLA"),
+        (VllmLayout(KVRole.PRODUCER, PUSH, hybrid_kv_cache=True), "hybrid"),
+    ],
+)
+def test_unsupported_local_layouts_name_what_works(layout: VllmLayout, match: str) -> None:
+    with pytest.raises(UnsupportedVllmLayout, match=match):
+        check_local_layout(layout)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        VllmLayout(KVRole.PRODUCER, PUSH, pp_size=2, tp_size=2),
+        VllmLayout(KVRole.PRODUCER, PUSH, pp_size=4),
+        VllmLayout(KVRole.CONSUMER, PUSH, tp_size=4),
+        VllmLayout(KVRole.PRODUCER, PULL, tp_size=2),
+        VllmLayout(KVRole.CONSUMER, PULL, tp_size=8),
+    ],
+)
+def test_supported_local_layouts_pass(layout: VllmLayout) -> None:
+    check_local_layout(layout)
+
+
+def test_pairs_follow_vllms_tp_ratio_and_modes() -> None:
+    prefill = VllmLayout(KVRole.PRODUCER, PUSH, pp_size=2, tp_size=2)
+    check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=4), num_kv_heads=8)
+    check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=1), num_kv_heads=8)
+    with pytest.raises(UnsupportedVllmLayout, match="divide"):
+        check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=3), num_kv_heads=8)
+    with pytest.raises(UnsupportedVllmLayout, match="same transfer mode"):
+        check_pair(prefill, VllmLayout(KVRole.CONSUMER, PULL), num_kv_heads=8)
+    with pytest.raises(UnsupportedVllmLayout, match="multiple"):
+        check_pair(
+            VllmLayout(KVRole.PRODUCER, PUSH, tp_size=3),
+            VllmLayout(KVRole.CONSUMER, PUSH, tp_size=3),
+            num_kv_heads=2,
+        )
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "expected"),
+    [
+        (7, 2, [(0, 4), (4, 7)]),
+        (10, 4, [(0, 2), (2, 5), (5, 8), (8, 10)]),
+        (8, 3, [(0, 3), (3, 6), (6, 8)]),
+    ],
+)
+def test_layer_split_is_vllms_not_the_reference_engines(layers, pp, expected) -> None:
+    # (10, 4) is where they differ: vLLM gives the extra layers to the stages before the last.
+    assert [(r.start, r.stop) for r in vllm_layer_ranges(layers, pp)] == expected
+
+
+def test_explicit_partition_is_validated() -> None:
+    assert [len(r) for r in vllm_layer_ranges(7, 3, (3, 2, 2))] == [3, 2, 2]
+    with pytest.raises(UnsupportedVllmLayout):
+        vllm_layer_ranges(7, 3, (3, 3, 3))
+
+
+def test_finished_once_passes_each_id_once_per_direction() -> None:
+    once = FinishedOnce(capacity=4)
+    assert once.filter("send", ["a", "b", "a"]) == {"a", "b"}
+    assert once.filter("send", ["a", "c"]) == {"c"}
+    assert once.filter("recv", ["a"]) == {"a"}  # directions are independent
+    assert once.duplicates == {"send": 2, "recv": 0}
+
+
+def test_model_runner_rule_is_precise() -> None:
+    # A KVTransferConfig object alone (no connector name or role) is not an active connector.
+    assert (
+        decide_model_runner(
+            kv_connector=None, kv_role=None, speculative=True, env_value=None
+        ).use_v2
+        is None
+    )
+    assert (
+        decide_model_runner(
+            kv_connector="PdservePushConnector", kv_role=None, speculative=True, env_value=None
+        ).use_v2
+        is None
+    )
+    no_spec = decide_model_runner(
+        kv_connector="PdservePushConnector",
+        kv_role="kv_producer",
+        speculative=False,
+        env_value=None,
+    )
+    assert no_spec.use_v2 is None
+    forced = decide_model_runner(
+        kv_connector="PdservePushConnector", kv_role="kv_producer", speculative=True, env_value=None
+    )
+    assert forced.use_v2 is False and "drafter" in forced.reason
+    with pytest.raises(ValueError, match="V1 runner"):
+        decide_model_runner(
+            kv_connector="PdservePushConnector",
+            kv_role="kv_producer",
+            speculative=True,
+            env_value="1",
+        )
