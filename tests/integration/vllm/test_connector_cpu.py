@@ -302,3 +302,36 @@ def test_real_scheduler_hands_off_with_control_plane_params(
         assert params["remote_block_ids"] and params["remote_block_ids"][0]
     finally:
         scheduler.shutdown()
+
+
+def test_every_pp_tp_worker_reports_once_before_vllms_aggregator_finishes() -> None:
+    """vLLM's real KVOutputAggregator over a PP=2 x TP=2 engine, fed through FinishedOnce: a
+    request finishes only after all four workers (non-final PP ranks too) reported it, and a
+    worker's repeated report cannot finish it early."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: PLC0415
+        KVOutputAggregator,
+    )
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: PLC0415
+
+    from services.engines.vllm.contracts import FinishedOnce  # noqa: PLC0415
+
+    aggregator = KVOutputAggregator(expected_finished_count=4)  # world size, as vLLM sets it
+    ledgers = [FinishedOnce() for _ in range(4)]
+
+    def step(reports: list[set[str]]) -> set[str]:
+        outputs = []
+        for ledger, sent in zip(ledgers, reports, strict=True):
+            output = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            output.kv_connector_output = KVConnectorOutput(
+                finished_sending=ledger.filter("send", sent) or None
+            )
+            outputs.append(output)
+        result = aggregator.aggregate(outputs)
+        assert result is not None and result.kv_connector_output is not None
+        return result.kv_connector_output.finished_sending or set()
+
+    # Worker 0 (PP rank 0) reports twice; workers 1 and 2 once; worker 3 not yet.
+    assert step([{"r"}, {"r"}, {"r"}, set()]) == set()
+    assert step([{"r"}, set(), set(), set()]) == set()  # the duplicate is dropped, not counted
+    assert step([set(), set(), set(), {"r"}]) == {"r"}
+    assert ledgers[0].duplicates["send"] == 1
