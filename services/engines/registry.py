@@ -2,7 +2,7 @@
 
 The host builds its backend with :func:`create_backend` from the service's
 :class:`EngineOptions`. Constructors: ``ReferenceBackend(ReferenceEngineOptions, registry=)``,
-``VllmBackend.from_engine_options(EngineOptions, registry=)``, ``StubBackend(StubOptions)``.
+``VllmBackend(VllmEngineOptions)`` (vLLM keeps its own metrics), ``StubBackend(StubOptions)``.
 
 Backends are imported only when selected, so a machine without vLLM (or torch) can run the
 others; a backend that cannot be imported raises :class:`UnknownEngine` with the import error
@@ -82,7 +82,19 @@ def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBac
 
 def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     module = _import("services.engines.vllm.backend", "vllm")
-    backend: EngineBackend = module.VllmBackend.from_engine_options(options, registry=registry)
+    if options.layer_partition is not None:
+        # vLLM takes an uneven split from VLLM_PP_LAYER_PARTITION, not from a flag.
+        raise UnknownEngine("the vllm engine takes its layer split from VLLM_PP_LAYER_PARTITION")
+    if options.num_kv_blocks is not None:
+        raise UnknownEngine("the vllm engine sizes its KV cache itself (--num-kv-blocks)")
+    vllm_options = module.VllmEngineOptions(
+        model_dir=_need_model(options, "vllm"),
+        pp_size=options.pp_size,
+        tp_size=options.tp_size,
+        **({"block_size": options.block_size} if options.block_size is not None else {}),
+        **({"kv_lease_s": int(options.kv_lease_s)} if options.kv_lease_s is not None else {}),
+    )
+    backend: EngineBackend = module.VllmBackend(vllm_options)
     return backend
 
 

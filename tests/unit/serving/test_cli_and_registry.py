@@ -77,3 +77,25 @@ def test_split_host_port() -> None:
     assert split_host_port("[::1]:80") == ("[::1]", 80)
     with pytest.raises(ValueError, match="HOST:PORT"):
         split_host_port("host:99999")
+
+
+def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
+    from services.engines.reference.tiny_model import make_tiny_model  # noqa: PLC0415
+    from services.engines.vllm.backend import VllmBackend  # noqa: PLC0415
+
+    model = make_tiny_model(tmp_path / "tiny")
+    backend = create_backend(
+        "vllm",
+        EngineOptions(
+            role=EngineRole.PREFILL, model_dir=model, pp_size=2, tp_size=1, block_size=16
+        ),
+    )
+    assert isinstance(backend, VllmBackend)
+    description = backend.describe()
+    assert (description.pp_size, description.tp_size, description.block_size) == (2, 1, 16)
+    assert description.engine_kind == "vllm"
+    with pytest.raises(UnknownEngine, match="VLLM_PP_LAYER_PARTITION"):
+        create_backend(
+            "vllm",
+            EngineOptions(role=EngineRole.PREFILL, model_dir=model, layer_partition=(3, 4)),
+        )
