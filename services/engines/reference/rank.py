@@ -75,6 +75,8 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.005
 """Longest the rank goes without polling its NIXL transport."""
+BUSY_POLL_INTERVAL_S = 0.0002
+"""The same while one of its pulls is in flight."""
 DIST_TIMEOUT_S = 120.0
 """gloo collectives and point-to-point ops give up after this (a peer rank died)."""
 
@@ -270,8 +272,12 @@ class RankWorker:
                 self._poll_data_plane()
                 if self._stop_requested():
                     return
+                # A pull in flight is polled closely: its completion is on the TTFT path.
+                busy = self.consumer.pending() > 0 or bool(self._waiting_pulls)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), POLL_INTERVAL_S)
+                    await asyncio.wait_for(
+                        wake.wait(), BUSY_POLL_INTERVAL_S if busy else POLL_INTERVAL_S
+                    )
         finally:
             loop.remove_reader(self.conn.fileno())
 
