@@ -8,6 +8,7 @@ import json
 from services.bench import control_plane as control_plane_bench
 from services.bench import engine as engine_bench
 from services.bench import kv as kv_bench
+from services.bench import router as router_bench
 from services.cli.settings import ToolSettings, add_control_plane_flags
 
 
@@ -22,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv.add_argument("--json", action="store_true", help="JSON only (the default output too)")
     kv_bench.add_arguments(kv)
+    router = benches.add_parser(
+        "router", help="router overhead over instant stub engines, next to vllm-router"
+    )
+    add_control_plane_flags(router)
+    router.add_argument("--json", action="store_true", help="JSON only (the default output too)")
+    router_bench.add_arguments(router)
     engine = benches.add_parser(
         "engine", help="reference engine tokens/s and the KV-transfer share of TTFT"
     )
@@ -34,6 +41,8 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
         result = control_plane_bench.run(args, settings.control_plane)
     elif args.bench == "kv":
         result = kv_bench.run(args)
+    elif args.bench == "router":
+        result = router_bench.run(args, settings.control_plane)
     elif args.bench == "engine":
         result = engine_bench.run(args)
     else:  # pragma: no cover - argparse restricts choices

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -80,25 +79,23 @@ def create_app(
 async def serve(settings: RouterSettings, *, connectors: ConnectorFactory | None = None) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's graceful shutdown)."""
     app = create_app(settings, connectors=connectors)
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
+        host=settings.host,
+        port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
             await task
             return
         await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     url = f"http://{host}:{port}"
     ready = {"service": "router", "url": url, "port": port, "metrics_url": f"{url}/metrics"}
