@@ -24,6 +24,7 @@
     │   │                           another generation than the handle    -> UNAVAILABLE
     │   ├── KVTransferFailed        the pull failed (reason attached)     -> UNAVAILABLE
     │   ├── EngineOverloaded        admission refused (queue or KV full)  -> RESOURCE_EXHAUSTED
+    │   ├── RequestAborted          aborted before its first token        -> CANCELLED
     │   └── EngineDraining          the engine stopped admitting          -> UNAVAILABLE
     └── EngineFailed                a rank died or the engine cannot run  -> INTERNAL
 
@@ -98,6 +99,11 @@ class KVTransferFailed(RequestError):
 
 class EngineOverloaded(RequestError):
     """Admission refused: the queue or the KV pool is full."""
+
+
+class RequestAborted(RequestError):
+    """A prefill aborted before its first token: ``prefill()`` raises it (a decode stream ends
+    with ``FinishReason.ABORT`` instead)."""
 
 
 class EngineDraining(RequestError):

@@ -22,6 +22,7 @@ from services.engines.errors import (
     KVLeaseExpired,
     KVTransferFailed,
     ProducerUnavailable,
+    RequestAborted,
     UnknownKVHandle,
 )
 from services.serving.errors import EngineUnreachable, ProtocolMismatch, RequestCancelled
@@ -41,6 +42,7 @@ _CODE_OF: dict[type[Exception], grpc.StatusCode] = {
     EngineDraining: grpc.StatusCode.UNAVAILABLE,
     EngineOverloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestCancelled: grpc.StatusCode.CANCELLED,
+    RequestAborted: grpc.StatusCode.CANCELLED,
     EngineFailed: grpc.StatusCode.INTERNAL,
 }
 _CLASS_BY_NAME: dict[str, type[Exception]] = {cls.__name__: cls for cls in _CODE_OF}

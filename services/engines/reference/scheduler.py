@@ -50,7 +50,7 @@ from services.engines.errors import (
     InvalidRequest,
     KVTransferFailed,
     ProducerUnavailable,
-    RequestError,
+    RequestAborted,
 )
 from services.engines.reference.batch import SequenceChunk
 from services.engines.reference.messages import (
@@ -559,11 +559,6 @@ class Scheduler:
         self._requests.clear()
         self._waiting.clear()
         self._running.clear()
-
-
-class RequestAborted(RequestError):
-    """A prefill aborted before its first token: ``prefill()`` raises it (a decode stream ends
-    with ``FinishReason.ABORT`` instead)."""
 
 
 class _DiscardSink:
