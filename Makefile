@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 ## run: the whole system on this machine with its embedded defaults.
+# Defaults show PP and TP across the hand-off: prefill PP=2 -> decode TP=2, on the tiny model
+# generated into $(RUN_DIR)/tiny-model. Override with e.g. `make run UP_ARGS="--colocated"`.
+UP_ARGS ?= --prefill-pp 2 --decode-tp 2
 run: $(STAMP)
-	$(BIN)/pdserve up --work-dir $(RUN_DIR)
+	$(BIN)/pdserve up --work-dir $(RUN_DIR) $(UP_ARGS)
 
 ## test: linters, type checker and the full test suite (what CI runs).
 test: $(STAMP) lint
