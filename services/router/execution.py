@@ -157,7 +157,9 @@ class Executor:
                 info.path = "local"
                 info.prefill_engine = None
                 self._metrics.execution_path.labels(path="local").inc()
-                async for chunk in self._decode(request, plan.decode, None, info):
+                async for chunk in self._decode(
+                    request, plan.decode, None, info, queue_observed=True
+                ):
                     yield chunk
                 return
             self._metrics.execution_path.labels(path=info.path or "disaggregated").inc()
@@ -248,9 +250,11 @@ class Executor:
         slot: EngineSlot,
         prefilled: PrefillResult | None,
         info: RunInfo,
+        *,
+        queue_observed: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream from the decode engine; the first chunk of a local run is its first token."""
-        if prefilled is None:
+        if prefilled is None and not queue_observed:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         decode_request = DecodeRequest(
             request_id=request.request_id,
