@@ -2,11 +2,14 @@
 
 Both run in the engine's host process on the last stage's logits, one request at a time, so a
 request's tokens depend only on its own logits and its own generator: with a ``seed`` the same
-tokens come out whatever the layout or the other requests batched with it.
+tokens come out whatever the layout or the other requests batched with it. A seeded request draws
+output token ``i`` from :func:`token_generator` ``(seed, i)``, so the tokens are also the same
+when the first token was sampled by a prefill engine and the rest by a decode engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Iterable
 
@@ -20,6 +23,15 @@ def make_generator(seed: int | None) -> torch.Generator:
     """The request's own generator: seeded when asked, else from the OS entropy pool."""
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
+def token_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of output token ``position`` of a request seeded with ``seed``: a function
+    of the two only, whichever engine samples that token."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    generator = torch.Generator()
+    generator.manual_seed(int.from_bytes(digest, "little") >> 1)
     return generator
 
 
@@ -57,15 +69,19 @@ class OutputText:
     def __init__(
         self, tokenizer: Tokenizer, stop: Iterable[str], *, already_released: Iterable[int] = ()
     ) -> None:
-        """``already_released``: tokens whose text the client already has (a producer's first
-        token); their text counts for stop strings but is not released again."""
+        """``already_released``: tokens another engine already added (a producer's first token).
+        They are replayed through :meth:`add`, so text it held back (an incomplete character, a
+        possible stop-string prefix) is released here exactly as a colocated engine would."""
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        self._ids: list[int] = list(already_released)
-        self._released = len(self._text()) if self._ids else 0
+        self._ids: list[int] = []
+        self._released = 0
         self.stopped = False
         self.text = ""
-        """Everything released so far (excluding ``already_released`` text)."""
+        for token_id in already_released:
+            self.add(token_id)
+        self.text = ""
+        """Everything released so far (excluding what the replayed tokens released)."""
 
     def _text(self) -> str:
         return self._tokenizer.decode(self._ids)

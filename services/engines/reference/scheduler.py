@@ -63,7 +63,12 @@ from services.engines.reference.messages import (
     ReleaseKV,
 )
 from services.engines.reference.metrics import ReferenceEngineMetrics
-from services.engines.reference.sampling import OutputText, make_generator, sample_token
+from services.engines.reference.sampling import (
+    OutputText,
+    make_generator,
+    sample_token,
+    token_generator,
+)
 from services.engines.reference.tokenizer import Tokenizer
 from services.kv_transfer.allocator import BlockAllocator
 from services.topology.ranges import RankKey
@@ -329,7 +334,13 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed += len(entry.chunk.token_ids)
             if request.pending_tokens == 0:
-                token = sample_token(logits[index], request.sampling, request.generator)
+                seed = request.sampling.seed
+                generator = (
+                    request.generator
+                    if seed is None
+                    else token_generator(seed, len(request.output))
+                )
+                token = sample_token(logits[index], request.sampling, generator)
                 self._on_token(request, token)
 
     # -- tokens and finishing ----------------------------------------------------------------
@@ -401,7 +412,9 @@ class Scheduler:
             PrefillResult(
                 request_id=request.request_id,
                 first_token_id=token,
-                text=text if finish is not None else text + request.text.flush(),
+                # Held-back text stays held: the decode engine replays this token through its
+                # own OutputText and releases it exactly where a colocated engine would.
+                text=text,
                 kv_handle=handle,
                 finish_reason=finish,
                 usage=self._usage(request),

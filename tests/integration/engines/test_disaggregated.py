@@ -81,6 +81,32 @@ async def test_disaggregated_equals_colocated_and_frees_both_sides(
     assert prefill.metrics.value("pdserve_reference_engine_held_kv_total", outcome="released") >= 1
 
 
+async def test_seeded_sampling_and_text_are_the_same_disaggregated_as_colocated(
+    engines: tuple[ReferenceBackend, ReferenceBackend],
+) -> None:
+    prefill, decode = engines
+    prompt = prompt_ids(prefill, 1)
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    colocated, colocated_deltas = await collect(decode, "seeded-colocated", prompt, sampled)
+
+    result = await prefill.prefill("seeded-disagg", prompt, sampled)
+    assert result.kv_handle is not None
+    rest, deltas = await collect(
+        decode,
+        "seeded-disagg",
+        prompt,
+        sampled,
+        kv_handle=result.kv_handle,
+        first_token_id=result.first_token_id,
+    )
+    # Output token i is drawn from (seed, i) wherever it is sampled, so the decode engine does
+    # not reuse the draw the prefill engine spent on the first token.
+    assert [result.first_token_id, *rest] == colocated
+    assert result.text + "".join(d.text for d in deltas) == "".join(
+        d.text for d in colocated_deltas
+    )
+
+
 async def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(
     engines: tuple[ReferenceBackend, ReferenceBackend],
 ) -> None:

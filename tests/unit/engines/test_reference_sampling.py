@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from services.engines.backend import SamplingParams
-from services.engines.reference.sampling import OutputText, make_generator, sample_token
+from services.engines.reference.sampling import (
+    OutputText,
+    make_generator,
+    sample_token,
+    token_generator,
+)
 from services.engines.reference.tokenizer import ByteTokenizer
 
 
@@ -52,9 +57,31 @@ def test_false_stop_prefix_is_released_and_multibyte_waits() -> None:
     assert out.flush() == "" and not out.stopped
 
 
-def test_already_released_text_counts_for_stops_but_is_not_repeated() -> None:
+def test_already_released_tokens_count_for_stops_and_release_held_text_once() -> None:
     tokenizer = ByteTokenizer()
     first, *rest = _ids(tokenizer, "E!ND")
     out = OutputText(tokenizer, ["END"], already_released=[first])
-    assert [out.add(t) for t in rest] == ["!", "N", "D"]
+    # The producer held "E" back (a possible "END"), so the consumer releases it with "!".
+    assert [out.add(t) for t in rest] == ["E!", "N", "D"]
     assert not out.stopped
+
+
+def test_replayed_first_token_releases_held_text_where_colocated_would() -> None:
+    tokenizer = ByteTokenizer()
+    ids = _ids(tokenizer, "EN!")
+    colocated = OutputText(tokenizer, ["END"])
+    colocated_pieces = [colocated.add(t) for t in ids]
+    assert colocated_pieces == ["", "", "EN!"]  # "E", then "EN" held as a possible "END"
+    # The producer released nothing for "E"; the consumer replays it and releases the same.
+    consumer = OutputText(tokenizer, ["END"], already_released=ids[:1])
+    assert [consumer.add(t) for t in ids[1:]] == colocated_pieces[1:]
+    assert consumer.text == "EN!"
+
+
+def test_token_generator_depends_on_seed_and_position_only() -> None:
+    logits = torch.zeros(1000)
+    params = SamplingParams(temperature=1.0, seed=5)
+    draws = [sample_token(logits, params, token_generator(5, i)) for i in range(8)]
+    assert draws == [sample_token(logits, params, token_generator(5, i)) for i in range(8)]
+    assert len(set(draws)) > 1  # positions differ
+    assert draws != [sample_token(logits, params, token_generator(6, i)) for i in range(8)]
