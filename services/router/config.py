@@ -5,12 +5,54 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.config import ControlPlaneSettings
+from services.serving.tls import ClientTLS
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
+
+
+class EngineGrpcSettings(BaseModel):
+    """How the router dials engines (``PDSERVE_ROUTER_ENGINE_GRPC__...``).
+
+    The targets themselves only ever come from READY records in the control plane; these
+    settings say how to secure the channel. With ``tls`` the router refuses plaintext engines
+    (the handshake fails and the request is answered 502/503, never sent in the clear).
+    """
+
+    tls: bool = False
+    """Dial engines over TLS (``ca_file``, else the system roots, checks their certificate)."""
+    tls_ca_file: Path | None = None
+    """CA bundle (PEM) that signs the engines' certificates."""
+    tls_cert_file: Path | None = None
+    """Client certificate (PEM) presented to engines that require mutual TLS."""
+    tls_key_file: Path | None = None
+    """The client certificate's private key (PEM)."""
+    tls_server_name: str | None = None
+    """Name checked against every engine's certificate instead of the dialled host (engines
+    are usually registered by IP)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineGrpcSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("engine_grpc tls_cert_file and tls_key_file go together")
+        configured = (self.tls_ca_file, self.tls_cert_file, self.tls_server_name)
+        if not self.tls and any(value is not None for value in configured):
+            raise ValueError("engine_grpc TLS files or server name are set but tls is false")
+        return self
+
+    def client_tls(self) -> ClientTLS | None:
+        """The channel credentials' material, or ``None`` for plaintext."""
+        if not self.tls:
+            return None
+        return ClientTLS(
+            ca_file=self.tls_ca_file,
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            server_name=self.tls_server_name,
+        )
 
 
 class RouterSettings(BaseSettings):
@@ -26,6 +68,8 @@ class RouterSettings(BaseSettings):
     """HTTP port; 0 picks a free one (printed in the ``PDSERVE_READY`` line)."""
     control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings)
     """Where the engines are registered."""
+    engine_grpc: EngineGrpcSettings = Field(default_factory=EngineGrpcSettings)
+    """TLS (optionally mutual) of the router's gRPC channels to engines."""
     api_keys: list[SecretStr] = Field(default_factory=list)
     """Accepted Bearer keys; empty = no authentication. Compared in constant time, never
     logged."""

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
-from services.serving.client import EngineClient
+from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES, EngineClient
+from services.serving.tls import ClientTLS
 
 
 class EngineConnector(abc.ABC):
@@ -92,7 +93,18 @@ class GrpcConnector(EngineConnector):
 
 
 class GrpcConnectorFactory(ConnectorFactory):
-    """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``)."""
+    """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``), over TLS
+    when ``tls`` is given (its files are read here, so a missing one fails at start-up)."""
+
+    def __init__(
+        self, tls: ClientTLS | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> None:
+        if tls is not None:
+            tls.credentials()
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
 
     def connect(self, record: EngineRecord) -> EngineConnector:
-        return GrpcConnector(EngineClient(record.endpoint))
+        return GrpcConnector(
+            EngineClient(record.endpoint, tls=self._tls, max_message_bytes=self._max_message_bytes)
+        )

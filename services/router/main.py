@@ -44,9 +44,8 @@ def create_app(
             yield
             return
         registry = CollectorRegistry()
-        built = RouterRuntime.build(
-            settings, connectors or GrpcConnectorFactory(), RouterMetrics(registry)
-        )
+        factory = connectors or GrpcConnectorFactory(settings.engine_grpc.client_tls())
+        built = RouterRuntime.build(settings, factory, RouterMetrics(registry))
         app.state.runtime = built
         control_plane = RedisControlPlane(settings.control_plane, ControlPlaneMetrics(registry))
         follower = asyncio.create_task(built.pool.follow(control_plane), name="pdserve-router-pool")
