@@ -9,6 +9,7 @@ from services.bench import control_plane as control_plane_bench
 from services.bench import engine as engine_bench
 from services.bench import kv as kv_bench
 from services.bench import router as router_bench
+from services.bench import soak as soak_bench
 from services.cli.settings import ToolSettings, add_control_plane_flags
 
 
@@ -34,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--json", action="store_true", help="JSON only (the default output too)")
     engine_bench.add_arguments(engine)
+    soak = benches.add_parser(
+        "soak", help="thousands of requests through pdserve up: errors, TTFT/ITL, RSS growth"
+    )
+    soak.add_argument("--json", action="store_true", help="JSON only (the default output too)")
+    soak_bench.add_arguments(soak)
 
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
@@ -45,6 +51,8 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
         result = router_bench.run(args, settings.control_plane)
     elif args.bench == "engine":
         result = engine_bench.run(args)
+    elif args.bench == "soak":
+        result = soak_bench.run(args)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench}")
     print(json.dumps(result, indent=2))

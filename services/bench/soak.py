@@ -1,0 +1,377 @@
+"""``pdserve bench soak``: sustained load through the whole PD stack, with nothing lost.
+
+Starts ``pdserve up`` (subprocess: embedded Redis, prefill and decode engines, router; the
+reference engine on the tiny checkpoint by default, ``--engine stub`` for a quick run), sends
+``--warmup`` requests, samples the RSS of every process of the stack from ``/proc``, then runs
+``--requests`` streaming completions from ``--concurrency`` concurrent clients with mixed
+prompt lengths, samples RSS again and stops the stack.
+
+Figures (JSON):
+
+- ``errors``: requests that did not end with a finish reason and ``[DONE]`` (HTTP error, error
+  event, truncated stream, client timeout); must be zero. ``error_samples`` shows a few.
+- ``client_timeouts``: requests that hit the client-side bound (``--request-timeout-s``); a
+  hang shows up here, never as a stuck benchmark.
+- ``ttft_ms`` / ``itl_ms``: client-side p50/p90/p99 of time to first token and of the gaps
+  between streamed tokens.
+- ``requests_per_s``, ``tokens_per_s`` over the measured phase; ``paths``: how the router ran
+  the requests (``x-pdserve-execution-path``).
+- ``memory``: each process's RSS (MiB) before and after the measured phase, and the total
+  growth. Rank processes are named ``<engine>/rank-<pid>``.
+
+The load generator shares the machine with the stack: the figures compare runs on the same
+machine, not what the stack reaches on dedicated hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+#: Prompt lengths in words, cycled through (the tiny model's context is 512 tokens).
+DEFAULT_PROMPT_WORDS = (6, 24, 64, 160)
+_SENTENCE = (
+    "the prefill reads whole prompt at once and decode streams tokens one by one while blocks "
+    "move between engines over the data plane under a lease"
+)
+_WORDS = tuple(_SENTENCE.split())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("reference", "stub"), default="reference")
+    parser.add_argument("--requests", type=int, default=2000, help="measured requests")
+    parser.add_argument("--concurrency", type=int, default=64, help="concurrent clients")
+    parser.add_argument("--warmup", type=int, default=64, help="requests before measuring")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
+    parser.add_argument(
+        "--prompt-words",
+        default=",".join(str(n) for n in DEFAULT_PROMPT_WORDS),
+        help="comma-separated prompt lengths in words, cycled through",
+    )
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--prefill-pp", type=int, default=1)
+    parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: tiny)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    ok: bool
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    path: str | None = None
+    error: str | None = None
+    timed_out: bool = False
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        work_dir: Path = args.work_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-soak-"))
+        )
+        return _run_in(args, work_dir)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_in(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    up = start_up(work_dir, args)
+    try:
+        endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
+        lengths = [int(n) for n in str(args.prompt_words).split(",") if n.strip()]
+        model = _served_model(str(endpoints["router"]))
+        asyncio.run(_load(args, endpoints, model, lengths, args.warmup, seed=1))
+        before = process_rss(up.pid, endpoints)
+        started = time.perf_counter()
+        outcomes = asyncio.run(_load(args, endpoints, model, lengths, args.requests, seed=2))
+        elapsed = time.perf_counter() - started
+        after = process_rss(up.pid, endpoints)
+    finally:
+        status = stop_up(up)
+    return summarize(args, outcomes, elapsed, before, after, status)
+
+
+def start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    """``pdserve up`` in a session of its own (its output in ``<work_dir>/up.out``)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "up",
+        "--work-dir",
+        str(work_dir),
+        "--port",
+        "0",
+        "--engine",
+        args.engine,
+        "--prefill-pp",
+        str(args.prefill_pp),
+        "--decode-tp",
+        str(args.decode_tp),
+        *(["--model", str(args.model)] if args.model is not None else []),
+    ]
+    with (work_dir / "up.out").open("wb") as output:
+        return subprocess.Popen(
+            argv,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+
+
+def wait_endpoints(up: subprocess.Popen[bytes], work_dir: Path, timeout_s: float) -> dict[str, Any]:
+    path = work_dir / "endpoints.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if up.poll() is not None or time.monotonic() > deadline:
+            tail = (work_dir / "up.out").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"pdserve up did not become ready:\n{tail}")
+        time.sleep(0.2)
+    endpoints: dict[str, Any] = json.loads(path.read_text())
+    return endpoints
+
+
+def stop_up(up: subprocess.Popen[bytes]) -> int:
+    """Ctrl-C (its clean stop), bounded, then kill the group."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    return up.returncode
+
+
+def _served_model(router: str) -> str:
+    return str(httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from ``/proc/<pid>/task/*/children``)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError):
+                    children = Path(f"/proc/{current}/task/{task}/children").read_text()
+                    pending.extend(int(child) for child in children.split())
+    return found
+
+
+def rss_mib(pid: int) -> float | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def process_rss(up_pid: int, endpoints: dict[str, Any]) -> dict[str, float]:
+    """RSS (MiB) of every process of the stack, named by role."""
+    names = {int(e["pid"]): name for name, e in endpoints.get("engines", {}).items() if e["pid"]}
+    result: dict[str, float] = {}
+    for pid in descendants(up_pid):
+        rss = rss_mib(pid)
+        if rss is None:
+            continue
+        result[_process_name(pid, up_pid, names)] = round(rss, 1)
+    return result
+
+
+def _process_name(pid: int, up_pid: int, engines: dict[int, str]) -> str:
+    if pid == up_pid:
+        return "up"
+    if pid in engines:
+        return engines[pid]
+    with contextlib.suppress(OSError):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if "redis-server" in cmdline:
+            return "redis"
+        if " router" in cmdline:
+            return "router"
+        if "resource_tracker" in cmdline:
+            return f"{engines.get(parent, parent)}/resource-tracker-{pid}"
+        if parent in engines:
+            return f"{engines[parent]}/rank-{pid}"
+    return f"pid-{pid}"
+
+
+def make_prompt(index: int, words: int, rng: random.Random) -> str:
+    """A distinct prompt of about ``words`` words (distinct, so prefix caching does not make
+    every request a cache hit)."""
+    body = " ".join(rng.choice(_WORDS) for _ in range(max(words - 2, 1)))
+    return f"request {index} {body}"
+
+
+async def _load(
+    args: argparse.Namespace,
+    endpoints: dict[str, Any],
+    model: str,
+    lengths: list[int],
+    count: int,
+    *,
+    seed: int,
+) -> list[Outcome]:
+    rng = random.Random(seed)
+    prompts = [make_prompt(i, lengths[i % len(lengths)], rng) for i in range(count)]
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=str(endpoints["router"]), limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                outcomes.append(
+                    await stream_completion(
+                        client, model, prompt, args.max_tokens, args.request_timeout_s
+                    )
+                )
+
+        await asyncio.gather(*(worker() for _ in range(min(args.concurrency, count))))
+    return outcomes
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, timeout_s: float
+) -> Outcome:
+    """One streaming completion, timed from the client; never raises, never exceeds
+    ``timeout_s`` (a hang is an error with ``timed_out``)."""
+    try:
+        return await asyncio.wait_for(
+            _stream(client, model, prompt, max_tokens, timeout_s), timeout_s
+        )
+    except TimeoutError:
+        return Outcome(ok=False, error=f"client timeout after {timeout_s}s", timed_out=True)
+    except httpx.HTTPError as exc:
+        return Outcome(ok=False, error=f"{type(exc).__name__}: {exc}")
+
+
+async def _stream(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, timeout_s: float
+) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    sent = time.perf_counter()
+    outcome = Outcome(ok=False)
+    last: float | None = None
+    finished = done = False
+    async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as reply:
+        outcome.path = reply.headers.get("x-pdserve-execution-path")
+        if reply.status_code != 200:
+            outcome.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
+            return outcome
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                outcome.error = str(event["error"])[:300]
+                return outcome
+            for choice in event.get("choices", []):
+                now = time.perf_counter()
+                if choice.get("text"):
+                    if last is None:
+                        outcome.ttft_s = now - sent
+                    else:
+                        outcome.itls_s.append(now - last)
+                    last = now
+                    outcome.tokens += 1
+                if choice.get("finish_reason"):
+                    finished = True
+    outcome.ok = finished and done
+    if not outcome.ok:
+        outcome.error = f"stream ended without {'[DONE]' if finished else 'a finish reason'}"
+    return outcome
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "count": 0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000, 2)
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "count": len(ordered)}
+
+
+def summarize(
+    args: argparse.Namespace,
+    outcomes: list[Outcome],
+    elapsed_s: float,
+    before: dict[str, float],
+    after: dict[str, float],
+    up_status: int,
+) -> dict[str, Any]:
+    errors = [o for o in outcomes if not o.ok]
+    paths: dict[str, int] = {}
+    for outcome in outcomes:
+        paths[outcome.path or "none"] = paths.get(outcome.path or "none", 0) + 1
+    growth = {
+        name: round(after[name] - before[name], 1) for name in sorted(before) if name in after
+    }
+    return {
+        "engine": args.engine,
+        "requests": len(outcomes),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words,
+        "errors": len(errors),
+        "client_timeouts": sum(o.timed_out for o in outcomes),
+        "error_samples": sorted({o.error or "" for o in errors})[:5],
+        "duration_s": round(elapsed_s, 2),
+        "requests_per_s": round(len(outcomes) / elapsed_s, 2) if elapsed_s else None,
+        "tokens_per_s": round(sum(o.tokens for o in outcomes) / elapsed_s, 1)
+        if elapsed_s
+        else None,
+        "ttft_ms": percentiles_ms([o.ttft_s for o in outcomes if o.ttft_s is not None]),
+        "itl_ms": percentiles_ms([itl for o in outcomes for itl in o.itls_s]),
+        "paths": paths,
+        "memory": {
+            "rss_before_mib": before,
+            "rss_after_mib": after,
+            "rss_growth_mib": growth,
+            "total_growth_mib": round(sum(after.values()) - sum(before.values()), 1),
+            "processes_gone": sorted(set(before) - set(after)),
+        },
+        "up_exit_status": up_status,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
