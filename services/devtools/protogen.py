@@ -3,7 +3,9 @@
 Runs ``grpc_tools.protoc`` (Python messages, gRPC stubs and mypy stubs) into
 ``services/proto_gen/pdserve/v1`` and rewrites the generated absolute imports
 (``from pdserve.v1 import ...``) to the package they live in. The stubs are committed; a test
-regenerates them into a temporary folder and fails when they differ (drift).
+regenerates them into a temporary folder (``python -m services.devtools.protogen DIR``, in a
+subprocess: protoc in a process that already loaded other protobuf/gRPC code can crash) and fails
+when they differ (drift).
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ def generate(output_root: Path = OUTPUT_ROOT) -> list[Path]:
     return written
 
 
-def main() -> int:
-    for path in generate():
-        print(path.relative_to(REPO_ROOT))
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    output_root = Path(args[0]).resolve() if args else OUTPUT_ROOT
+    for path in generate(output_root):
+        print(path)
     return 0
 
 
