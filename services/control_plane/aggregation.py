@@ -110,11 +110,27 @@ def check_record(engine: EngineRecord, record: HandshakeRecord) -> list[Problem]
         bad("layer_gap", f"layers {record.layers} outside [0,{engine.num_layers})")
     if record.kv_heads.stop > engine.num_kv_heads or not record.kv_heads:
         bad("head_coverage", f"KV heads {record.kv_heads} outside [0,{engine.num_kv_heads})")
-    problems.extend(Problem("geometry", m, rank) for m in _geometry_errors(record))
+    problems.extend(Problem("geometry", m, rank) for m in geometry_errors(record))
     return problems
 
 
-def _geometry_errors(record: HandshakeRecord) -> list[str]:
+MAX_BLOCKS_PER_REGION = 1 << 24
+"""Upper bound of ``num_blocks`` in a handshake record (real pools hold ~10^3-10^5 blocks);
+a consumer builds descriptors for every block, so an unbounded count would exhaust its memory."""
+ADDRESS_LIMIT = 1 << 64
+_MAX_INTERLEAVED = 8
+"""Regions whose extents may overlap one region's extent (interleaved block by block)."""
+
+
+def geometry_errors(record: HandshakeRecord) -> list[str]:
+    """Why a record's regions cannot be read safely; empty when they can.
+
+    Besides self-consistency (one region per layer and K/V, HND block length), every region
+    ``[base, base + (num_blocks - 1) * block_stride + block_len)`` must stay below 2**64 (the
+    descriptor arithmetic is unsigned 64-bit and would wrap) and regions must not overlap. A
+    record that passes may still point outside what the producer registered with NIXL: the
+    consumer's NIXL agent refuses those descriptors when they are prepared, before any read.
+    """
     errors = []
     if len(record.region_base_addrs) != 2 * len(record.layers):
         errors.append(
@@ -127,6 +143,10 @@ def _geometry_errors(record: HandshakeRecord) -> list[str]:
             f"num_blocks {record.num_blocks}, block_len {record.block_len}, "
             f"stride {record.block_stride}"
         )
+    elif record.num_blocks > MAX_BLOCKS_PER_REGION:
+        errors.append(f"num_blocks {record.num_blocks} > {MAX_BLOCKS_PER_REGION}")
+    else:
+        errors.extend(_extent_errors(record))
     element = DTYPE_BYTES.get(record.dtype)
     if element is None:
         errors.append(f"unknown dtype {record.dtype!r}")
@@ -137,6 +157,28 @@ def _geometry_errors(record: HandshakeRecord) -> list[str]:
     else:
         errors.append(f"unsupported KV layout {record.kv_layout!r}")
     return errors
+
+
+def _extent_errors(record: HandshakeRecord) -> list[str]:
+    stride, block_len = record.block_stride, record.block_len
+    size = (record.num_blocks - 1) * stride + block_len
+    extents = sorted((base, base + size) for base in record.region_base_addrs if base > 0)
+    if any(end > ADDRESS_LIMIT for _, end in extents):
+        return [f"a region of {size} bytes ends past the 64-bit address space"]
+    # Regions may interleave (vLLM's K/V in one tensor: stride 2 x block_len, V one block_len
+    # after K) but no block of one may overlap a block of another.
+    for index, (base, end) in enumerate(extents):
+        later = extents[index + 1 : index + 1 + _MAX_INTERLEAVED]
+        for other_base, _ in later:
+            if other_base >= end:
+                break
+            phase = (other_base - base) % stride
+            if phase < block_len or stride - phase < block_len:
+                return [f"blocks of the regions at {base:#x} and {other_base:#x} overlap"]
+        else:
+            if len(later) == _MAX_INTERLEAVED and later[-1][0] < end:
+                return [f"more than {_MAX_INTERLEAVED} regions interleave"]
+    return []
 
 
 def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.control_plane.aggregation import geometry_errors
 from services.control_plane.wire import EngineId, Generation, HandshakeRecord
 from services.kv_transfer.allocator import BlockArray, block_array
 from services.kv_transfer.block_pool import KV_LAYOUT, KVBlockPool
@@ -141,7 +142,17 @@ class NixlTransport(KVTransport):
         try:
             if peer.layers is not None and peer.heads is not None:
                 rows = slice_descriptors(RegionGeometry.of(record), peer.layers, peer.heads)
-                peer.remote_dlist = self._agent.prep_dlist(agent, rows, record.memory_type)
+                try:
+                    peer.remote_dlist = self._agent.prep_dlist(agent, rows, record.memory_type)
+                except TransferError as exc:
+                    # NIXL checks remote descriptors against the memory the peer registered
+                    # (from its agent metadata): a record pointing elsewhere fails here,
+                    # before any read.
+                    raise IncompatiblePeerError(
+                        f"peer {where}: its regions are not inside the memory it registered "
+                        f"with NIXL ({exc})",
+                        reason="outside_registered_memory",
+                    ) from exc
                 peer.local_dlist = self._local_dlist(peer.heads)
         except Exception:
             self._forget_agent(peer)
@@ -164,13 +175,18 @@ class NixlTransport(KVTransport):
                 f"peer {record.engine_id} pp{record.pp_rank}tp{record.tp_rank} has "
                 f"(dtype, head_size, block_size, layout) {theirs}, this pool {mine}"
             )
-        if (
-            len(record.region_base_addrs) != 2 * len(record.layers)
-            or record.block_len != len(record.kv_heads) * spec.head_bytes
-            or record.block_stride < record.block_len
-            or record.num_blocks < 1
-        ):
-            raise IncompatiblePeerError(f"peer {record.engine_id} has inconsistent region geometry")
+        # Records normally arrive re-validated by the control plane; checked again here
+        # because a hostile geometry would make this process build descriptors of arbitrary
+        # size and addresses.
+        problems = geometry_errors(record)
+        if record.block_len != len(record.kv_heads) * spec.head_bytes:
+            problems.append(f"block_len {record.block_len} does not match this pool's heads")
+        if problems:
+            raise IncompatiblePeerError(
+                f"peer {record.engine_id} pp{record.pp_rank}tp{record.tp_rank} has an unsafe "
+                f"region geometry: {'; '.join(problems)}",
+                reason="geometry",
+            )
 
     def _local_dlist(self, heads: Range) -> Handle:
         handle = self._local_dlists.get(heads)

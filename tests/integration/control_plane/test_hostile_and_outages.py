@@ -65,7 +65,11 @@ async def test_hostile_record_written_behind_our_back_is_rejected_on_read(
         value = encode(records[(1, 0)])[:-7]
     elif kind == "overlapping_layers":
         value = encode(
-            replace(records[(1, 0)], layers=Range(2, 8), region_base_addrs=tuple(range(1, 13)))
+            replace(
+                records[(1, 0)],
+                layers=Range(2, 8),
+                region_base_addrs=tuple((i + 1) << 32 for i in range(12)),
+            )
         )
     elif kind == "outside_regions":
         value = encode(replace(records[(1, 0)], region_base_addrs=(0, -1)))

@@ -146,10 +146,10 @@ async def test_deregistration_removes_everything(control_plane: RedisControlPlan
 async def test_a_worker_republishing_its_rank_is_accepted(control_plane: RedisControlPlane) -> None:
     engine = await _ready_engine(control_plane, "repub")
     record = synthetic_records(engine)[(0, 0)]
-    status = await control_plane.publish_handshakes(engine, [replace(record, num_blocks=2048)])
+    status = await control_plane.publish_handshakes(engine, [replace(record, num_blocks=512)])
     assert status is not None and status.state is EngineState.READY
     topology = await control_plane.get_topology("repub")
-    assert topology.records[(0, 0)].num_blocks == 2048
+    assert topology.records[(0, 0)].num_blocks == 512
 
 
 async def test_a_second_worker_claiming_a_held_rank_is_refused(

@@ -108,10 +108,14 @@ def test_block_size_mismatch_is_invalid() -> None:
 def test_overlapping_layers_are_invalid() -> None:
     engine = _engine(pp=2, tp=1)
     records = synthetic_records(engine)
+    record = records[(1, 0)]
+    region_bytes = record.num_blocks * record.block_stride
+    last = record.region_base_addrs[-1]
     records[(1, 0)] = replace(
-        records[(1, 0)],
+        record,
         layers=Range(3, 7),
-        region_base_addrs=(*records[(1, 0)].region_base_addrs, 1, 2),
+        # Two more regions, laid out after the others (overlapping regions are a geometry error).
+        region_base_addrs=(*record.region_base_addrs, last + region_bytes, last + 2 * region_bytes),
     )
     verdict = aggregate(engine, _raw(records))
     assert [p.reason for p in verdict.problems] == ["layer_overlap"]
