@@ -1,0 +1,61 @@
+"""Probes for fault-injection tests: rank processes of an engine, /metrics samples, load of an
+engine's block pool, and bounded waits that fail with what they waited for."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from services.engines.backend import EngineLoad
+from services.serving.client import EngineClient
+
+
+def rank_pids(engine_pid: int) -> list[int]:
+    """The rank processes of the engine service ``engine_pid`` (its children, minus
+    multiprocessing's resource tracker), oldest first."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{engine_pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids.extend(int(pid) for pid in (task / "children").read_text().split())
+    ranks = []
+    for pid in sorted(pids):
+        with contextlib.suppress(OSError):
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+    return ranks
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` at ``url`` whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        series, _, value = line.rpartition(" ")
+        present = series[len(name) :].strip("{}")
+        pairs = set(present.split(",")) if present else set()
+        if all(f'{key}="{val}"' in pairs for key, val in labels.items()):
+            total += float(value)
+    return total
+
+
+async def load_of(grpc_target: str) -> EngineLoad:
+    client = EngineClient(grpc_target)
+    try:
+        return await client.get_load(timeout_s=5)
+    finally:
+        await client.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``predicate`` until true; the seconds it took, or AssertionError naming ``what``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(0.1)
+    return time.monotonic() - started
