@@ -137,7 +137,7 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
         control_plane = control_plane.model_copy(
             update={"redis": control_plane.redis.model_copy(update={"url": redis_server.url})}
         )
-    url = control_plane.redis.url
+    url = control_plane.redis.display_url  # never print a password given in the URL
     (args.work_dir / "redis.url").write_text(url + "\n")
     print(f"pdserve up: control plane Redis at {url} (namespace {control_plane.namespace!r})")
     print(f"  inspect it with:  pdserve status --redis {url}")
@@ -383,7 +383,7 @@ def _write_endpoints(
         }
     endpoints = {
         "router": router_url,
-        "redis": control_plane.redis.url,
+        "redis": control_plane.redis.display_url,
         "namespace": control_plane.namespace,
         "metrics": metrics,
         "engines": engines,

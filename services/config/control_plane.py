@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class RedisSettings(BaseModel):
     """How to reach the control plane's Redis."""
+
+    # Validation errors would otherwise echo the input, password (in ``url``) included.
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     url: str = "redis://127.0.0.1:6379/0"
     """``redis://`` or ``rediss://`` (TLS) URL. A password in the URL is accepted but
@@ -41,7 +45,7 @@ class RedisSettings(BaseModel):
     def _check(self) -> RedisSettings:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
-                f"redis url must start with redis://, rediss:// or unix://: {self.url}"
+                f"redis url must start with redis://, rediss:// or unix://: {redact_url(self.url)}"
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -52,6 +56,25 @@ class RedisSettings(BaseModel):
     @property
     def uses_tls(self) -> bool:
         return self.tls or self.url.startswith("rediss://")
+
+    @property
+    def display_url(self) -> str:
+        """``url`` with any password replaced by ``***``: the form to print or log."""
+        return redact_url(self.url)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user-info part (``user:password@``) masked."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<unparseable url>"
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class ControlPlaneSettings(BaseModel):

@@ -60,7 +60,11 @@ class RouterSettings(BaseSettings):
     (``PDSERVE_CONTROL_PLANE__...`` and ``--redis``), the rest from ``PDSERVE_ROUTER_...``;
     API keys as a JSON list: ``PDSERVE_ROUTER_API_KEYS='["key-1", "key-2"]'``."""
 
-    model_config = SettingsConfigDict(env_prefix="PDSERVE_ROUTER_", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(
+        env_prefix="PDSERVE_ROUTER_",
+        env_nested_delimiter="__",
+        hide_input_in_errors=True,  # errors would otherwise echo API keys given as a bad type
+    )
 
     host: str = "127.0.0.1"
     """Address the HTTP server binds."""
