@@ -16,6 +16,9 @@ Lifecycle, as the host drives it:
    (or the engine's scheduler publishes the whole grid). ``start`` returns once every rank is
    up and has published; the host then waits for READY through the control plane.
 4. Requests: :meth:`prefill`, :meth:`decode`, :meth:`abort`; :meth:`load` on every heartbeat.
+   If the control plane lost the registration (a heartbeat got ``EngineNotFound``: Redis
+   restarted without persistence, or the lease ran out), the host registers the same spec
+   again and calls :meth:`republish` with the new generation; the engine keeps running.
 5. Shutdown: :meth:`drain` (stop admitting, finish or abort in-flight work within a bound),
    then :meth:`stop`.
 
@@ -221,6 +224,23 @@ class EngineBackend(abc.ABC):
 
         Returns when all ranks are up and published; raises ``EngineFailed`` if one fails to
         start (every started rank is stopped first).
+        """
+
+    @abc.abstractmethod
+    async def republish(self, registration: EngineRegistration) -> None:
+        """Publish every rank's handshake record again, under ``registration.generation``.
+
+        Called by the host (only after :meth:`start` returned) when the control plane lost
+        the engine's registration and the host registered the same spec again: every rank
+        publishes its handshake record again under the new generation (same agents, same
+        memory), KV handles made from then on carry the new generation (those of the old one
+        are refused by consumers: ``ProducerUnavailable``), and requests in flight keep
+        running. ``registration`` differs from the started one only in ``generation``.
+
+        Returns once every rank published; the host then waits for READY. Raises
+        :class:`~services.control_plane.errors.ControlPlaneError` when a rank could not
+        publish through the control plane (the host retries with a fresh registration) and
+        ``EngineFailed`` when this engine cannot re-publish at all (the host exits non-zero).
         """
 
     @abc.abstractmethod

@@ -10,8 +10,17 @@ Sequence (:meth:`EngineHost.run`):
 4. Wait, bounded by ``ready_timeout_s``, until the control plane says READY: INVALID or the
    timeout is :class:`ReadinessFailed` (exit 1, the problems in the message).
 5. Serve: admit requests, Health SERVING, print ``PDSERVE_READY {json}`` on stdout.
-6. Until a stop request (SIGTERM/SIGINT in the CLI), a lost registration (heartbeat got
-   ``StaleGenerationError``/``EngineNotFound``: exit 1, loudly) or a failed engine (exit 1).
+6. Until a stop request (SIGTERM/SIGINT in the CLI), a registration taken over by another
+   process (heartbeat got ``StaleGenerationError``: exit 1, loudly) or a failed engine (exit 1).
+   A heartbeat that fails because Redis is unreachable is logged, counted and retried: the
+   lease outlives a few misses. A registration the control plane *lost* (``EngineNotFound``
+   while serving: Redis restarted without persistence, or the lease ran out) is not fatal:
+   the host registers the same spec again (new generation), ``backend.republish()`` has every
+   rank publish its handshake again, and once READY the engine serves on (Health NOT_SERVING
+   meanwhile; requests in flight keep running; KV handles of the old generation are refused
+   by consumers). Counted in ``pdserve_engine_reregistrations_total``; a failed attempt
+   (Redis still down) is counted and retried, INVALID or no READY within ``ready_timeout_s``
+   is :class:`ReadinessFailed` (exit 1).
 7. Clean stop: Health NOT_SERVING, new RPCs get UNAVAILABLE, ``backend.drain(drain_timeout_s)``
    (in-flight streams finish; a prefill engine waits out held KV), deregister, stop the server
    and the backend, exit 0.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -58,6 +68,12 @@ from services.serving.metrics import EngineServiceMetrics
 from services.serving.servicer import EngineServicer, ServingState
 
 logger = logging.getLogger(__name__)
+
+
+class _RegistrationVanished(RegistrationLost):
+    """The registration is gone while waiting for READY (not replaced by another process):
+    fatal at start-up, retried during a re-registration."""
+
 
 READY_LINE_PREFIX = "PDSERVE_READY"
 READY_POLL_S = 0.1
@@ -143,6 +159,7 @@ class EngineHost:
         self._metrics_server: object | None = None
         self.endpoints: ServingEndpoints | None = None
         self.drain_aborted = 0
+        self._spec: EngineSpec | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -167,47 +184,35 @@ class EngineHost:
             port = await self._start_server(state, description.compat_hash)
             metrics_url = self._start_metrics()
             endpoint = self._advertised(port)
-            record = await self.control_plane.register(
-                EngineSpec(
-                    engine_id=self.engine_id,
-                    role=self.role,
-                    model=description.model,
-                    compat_hash=description.compat_hash,
-                    pp_size=description.pp_size,
-                    tp_size=description.tp_size,
-                    num_layers=description.num_layers,
-                    num_kv_heads=description.num_kv_heads,
-                    block_size=description.block_size,
-                    endpoint=endpoint,
-                    pp_aware=description.pp_aware,
-                    engine_kind=description.engine_kind,
-                )
+            self._spec = EngineSpec(
+                engine_id=self.engine_id,
+                role=self.role,
+                model=description.model,
+                compat_hash=description.compat_hash,
+                pp_size=description.pp_size,
+                tp_size=description.tp_size,
+                num_layers=description.num_layers,
+                num_kv_heads=description.num_kv_heads,
+                block_size=description.block_size,
+                endpoint=endpoint,
+                pp_aware=description.pp_aware,
+                engine_kind=description.engine_kind,
             )
+            record = await self.control_plane.register(self._spec)
             registered = True
             state.generation = record.generation
             logger.info(
                 "registered %s generation %s at %s", self.engine_id, record.generation, endpoint
             )
-            heartbeat = asyncio.create_task(self._heartbeat(record.generation))
-            registration = EngineRegistration(
-                engine_id=self.engine_id,
-                generation=record.generation,
-                role=self.role,
-                control_plane=self.settings.control_plane,
-            )
+            heartbeat = asyncio.create_task(self._heartbeat(state))
+            registration = self._registration(record.generation)
             started = True
             if not (
                 await self._until(stop, self.backend.start(registration))
                 and await self._until(stop, self._wait_ready(record.generation))
             ):
                 logger.info("engine %s stopped before it was READY", self.engine_id)
-                await self._abandon(
-                    state,
-                    heartbeat,
-                    deregister=True,
-                    generation=record.generation,
-                    stop_backend=True,
-                )
+                await self._abandon(state, heartbeat, deregister=True, stop_backend=True)
                 return 0
             state.admitting = True
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -223,7 +228,7 @@ class EngineHost:
                 stop_wait.cancel()
             if self._fatal.done():
                 raise self._fatal.result()
-            return await self._shutdown(state, record.generation, heartbeat)
+            return await self._shutdown(state, heartbeat)
         except (HostError, EngineFailed) as exc:
             logger.error("engine %s stops serving: %s", self.engine_id, exc)
             print(f"pdserve {self.role.value}: {exc}", file=sys.stderr, flush=True)
@@ -232,7 +237,6 @@ class EngineHost:
                 state,
                 heartbeat,
                 deregister=registered and not lost,
-                generation=state.generation,
                 stop_backend=started,
             )
             return 1
@@ -265,12 +269,7 @@ class EngineHost:
             raise self._fatal.result()
         return False
 
-    async def _shutdown(
-        self,
-        state: ServingState,
-        generation: int,
-        heartbeat: asyncio.Task[None] | None,
-    ) -> int:
+    async def _shutdown(self, state: ServingState, heartbeat: asyncio.Task[None] | None) -> int:
         """The clean stop: drain while still registered (consumers may still pull held KV),
         then deregister and stop."""
         logger.info(
@@ -287,9 +286,7 @@ class EngineHost:
                 self.settings.drain_timeout_s,
             )
             self.metrics.count_drain_aborted(self.drain_aborted)
-        await self._abandon(
-            state, heartbeat, deregister=True, generation=generation, stop_backend=True
-        )
+        await self._abandon(state, heartbeat, deregister=True, stop_backend=True)
         assert self._fatal is not None
         if self._fatal.done():
             exc = self._fatal.result()
@@ -304,7 +301,6 @@ class EngineHost:
         heartbeat: asyncio.Task[None] | None,
         *,
         deregister: bool,
-        generation: int,
         stop_backend: bool,
     ) -> None:
         state.admitting = False
@@ -314,8 +310,10 @@ class EngineHost:
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
         if deregister:
+            # The generation read after the heartbeat stopped: a re-registration may have
+            # moved it on.
             try:
-                await self.control_plane.deregister(self.engine_id, generation)
+                await self.control_plane.deregister(self.engine_id, state.generation)
             except ControlPlaneError as exc:
                 logger.warning("deregistering %s failed: %s", self.engine_id, exc)
         if self._server is not None:
@@ -409,39 +407,152 @@ class EngineHost:
         self.metrics.observe_load(load)
         return load
 
-    async def _heartbeat(self, generation: int) -> None:
-        """Renew the lease every ``heartbeat_interval_s``; a lost registration is fatal."""
+    def _registration(self, generation: int) -> EngineRegistration:
+        return EngineRegistration(
+            engine_id=self.engine_id,
+            generation=generation,
+            role=self.role,
+            control_plane=self.settings.control_plane,
+        )
+
+    def _registration_lost(self, generation: int, exc: ControlPlaneError) -> None:
+        lost = RegistrationLost(
+            f"engine {self.engine_id} generation {generation} lost its registration "
+            f"({type(exc).__name__}: {exc}); it stops serving under it"
+        )
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_result(lost)
+
+    async def _heartbeat(self, state: ServingState) -> None:
+        """Renew the lease every ``heartbeat_interval_s`` at ``state.generation``.
+
+        ``StaleGenerationError`` (another process registered this engine id) is fatal.
+        ``EngineNotFound`` while serving starts a re-registration (:meth:`_reregister`, in its
+        own task so that this loop keeps the new lease alive meanwhile); before READY or
+        while draining it is fatal. Other control-plane errors (Redis down) are counted and
+        retried at the next interval.
+        """
         interval = self.settings.control_plane.heartbeat_interval_s
-        while True:
-            failure = self.backend.failure if isinstance(self.backend, ReportsFailure) else None
-            if failure is not None:
-                self._engine_failed(failure)
-                return
-            try:
-                await self.control_plane.heartbeat(self.engine_id, generation, self._load())
-            except (StaleGenerationError, EngineNotFound) as exc:
-                lost = RegistrationLost(
-                    f"engine {self.engine_id} generation {generation} lost its registration "
-                    f"({type(exc).__name__}: {exc}); it stops serving under it"
+        reregistration: asyncio.Task[None] | None = None
+        try:
+            while True:
+                failure = self.backend.failure if isinstance(self.backend, ReportsFailure) else None
+                if failure is not None:
+                    self._engine_failed(failure)
+                    return
+                if reregistration is not None and reregistration.done():
+                    reregistration = None  # it reported any fatal error itself
+                generation = state.generation
+                try:
+                    await self.control_plane.heartbeat(self.engine_id, generation, self._load())
+                except StaleGenerationError as exc:
+                    if generation == state.generation:
+                        self._registration_lost(generation, exc)
+                        return
+                    # A re-registration moved to a newer generation during this call.
+                except EngineNotFound as exc:
+                    self.metrics.count_heartbeat_failure(exc.reason)
+                    if reregistration is None:
+                        if not state.admitting:
+                            self._registration_lost(generation, exc)
+                            return
+                        reregistration = asyncio.create_task(
+                            self._reregister(state, generation, exc), name="reregister"
+                        )
+                except ControlPlaneError as exc:
+                    # Retries already happened inside the control plane (and were counted);
+                    # the lease outlives a few misses, and a lost one shows up as
+                    # EngineNotFound.
+                    self.metrics.count_heartbeat_failure(exc.reason)
+                    logger.warning("heartbeat of %s failed: %s", self.engine_id, exc)
+                await asyncio.sleep(interval)
+        finally:
+            if reregistration is not None and not reregistration.done():
+                reregistration.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reregistration
+
+    async def _reregister(
+        self, state: ServingState, lost_generation: int, lost: EngineNotFound
+    ) -> None:
+        """Register the same spec again, have every rank republish, wait for READY.
+
+        Failed attempts (Redis still down, the new registration lost again) are counted and
+        retried every heartbeat interval for as long as it takes; a takeover by another
+        process, an engine that cannot republish, or a grid that does not turn READY within
+        ``ready_timeout_s`` is fatal.
+        """
+        assert self._spec is not None
+        logger.warning(
+            "engine %s generation %d: the control plane lost its registration (%s); "
+            "registering again and republishing the handshakes",
+            self.engine_id,
+            lost_generation,
+            lost,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        interval = self.settings.control_plane.heartbeat_interval_s
+        try:
+            while True:
+                try:
+                    record = await self.control_plane.register(self._spec)
+                    state.generation = record.generation
+                    await asyncio.wait_for(
+                        self.backend.republish(self._registration(record.generation)),
+                        self.settings.ready_timeout_s,
+                    )
+                    await self._wait_ready(record.generation)
+                    break
+                except StaleGenerationError as exc:
+                    self._registration_lost(state.generation, exc)
+                    return
+                except (ControlPlaneError, _RegistrationVanished) as exc:
+                    reason = exc.reason if isinstance(exc, ControlPlaneError) else "vanished"
+                    self.metrics.count_reregistration_failure(reason)
+                    logger.warning(
+                        "re-registering %s failed (%s); retrying in %.1fs",
+                        self.engine_id,
+                        exc,
+                        interval,
+                    )
+                await asyncio.sleep(interval)
+        except (HostError, EngineFailed, TimeoutError) as exc:
+            failed = (
+                exc
+                if isinstance(exc, HostError | EngineFailed)
+                else ReadinessFailed(
+                    f"engine {self.engine_id} did not republish its handshakes within "
+                    f"{self.settings.ready_timeout_s}s"
                 )
-                if self._fatal is not None and not self._fatal.done():
-                    self._fatal.set_result(lost)
-                return
-            except ControlPlaneError as exc:
-                # Retries already happened inside the control plane (and were counted); the
-                # lease outlives a few misses, and a lost one shows up as EngineNotFound.
-                logger.warning("heartbeat of %s failed: %s", self.engine_id, exc)
-            await asyncio.sleep(interval)
+            )
+            if self._fatal is not None and not self._fatal.done():
+                self._fatal.set_result(failed)
+            return
+        self.metrics.count_reregistration()
+        if self.endpoints is not None:
+            self.endpoints = dataclasses.replace(self.endpoints, generation=state.generation)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.warning(
+            "engine %s READY again at generation %d (was %d)",
+            self.engine_id,
+            state.generation,
+            lost_generation,
+        )
 
     async def _wait_ready(self, generation: int) -> None:
         deadline = time.monotonic() + self.settings.ready_timeout_s
         while True:
             inspection = await self.control_plane.inspect(self.engine_id)
             view = inspection.view if inspection else None
-            if view is None or view.generation != generation:
-                raise RegistrationLost(
+            if view is None:
+                raise _RegistrationVanished(
                     f"engine {self.engine_id} generation {generation} vanished from the control "
-                    "plane while starting"
+                    "plane before it was READY"
+                )
+            if view.generation != generation:
+                raise RegistrationLost(
+                    f"engine {self.engine_id} generation {generation} was replaced by "
+                    f"generation {view.generation} before it was READY"
                 )
             aggregation = inspection.aggregation if inspection else None
             if aggregation is not None:

@@ -72,6 +72,29 @@ class EngineServiceMetrics:
             registry=registry,
         )
 
+        self.heartbeat_failures = Counter(
+            "pdserve_engine_heartbeat_failures",
+            "Heartbeats that failed and were retried at the next interval, by the control "
+            "plane's reason (unavailable while Redis is down; engine_not_found when the "
+            "registration was lost and the engine registers again).",
+            ("engine", "role", "reason"),
+            registry=registry,
+        )
+        self.reregistrations = Counter(
+            "pdserve_engine_reregistrations",
+            "Times the engine registered again under a new generation after the control plane "
+            "lost its registration (Redis restarted without persistence, or the lease expired), "
+            "and turned READY again.",
+            labels,
+            registry=registry,
+        )
+        self.reregistration_failures = Counter(
+            "pdserve_engine_reregistration_failures",
+            "Re-registration attempts that failed and were retried, by reason.",
+            ("engine", "role", "reason"),
+            registry=registry,
+        )
+
     def observe_load(self, load: EngineLoad) -> None:
         labels = (self.engine_id, self.role)
         self.queue_depth.labels(*labels).set(load.queue_depth)
@@ -87,3 +110,12 @@ class EngineServiceMetrics:
 
     def rank_published(self, pp_rank: int, tp_rank: int) -> None:
         self.handshake_ranks_published.labels(self.engine_id, f"{pp_rank}:{tp_rank}").set(1)
+
+    def count_heartbeat_failure(self, reason: str) -> None:
+        self.heartbeat_failures.labels(self.engine_id, self.role, reason).inc()
+
+    def count_reregistration(self) -> None:
+        self.reregistrations.labels(self.engine_id, self.role).inc()
+
+    def count_reregistration_failure(self, reason: str) -> None:
+        self.reregistration_failures.labels(self.engine_id, self.role, reason).inc()

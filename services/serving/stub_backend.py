@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from services.control_plane import ControlPlaneMetrics, RedisControlPlane
+from services.control_plane import ControlPlaneMetrics, EngineNotFound, RedisControlPlane
 from services.control_plane.synthetic import synthetic_records, synthetic_spec
 from services.control_plane.wire import EngineLoad
 from services.engines.backend import (
@@ -118,9 +118,26 @@ class StubBackend(EngineBackend):
         self._control_plane = RedisControlPlane(
             registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
         )
+        try:
+            await self._publish(registration)
+        except EngineNotFound as exc:
+            raise EngineFailed(str(exc)) from exc
+
+    async def republish(self, registration: EngineRegistration) -> None:
+        """Publish the synthetic grid again under the new generation; handles made from now
+        on name it."""
+        current = self._require_registration()
+        if (registration.engine_id, registration.role) != (current.engine_id, current.role):
+            raise EngineFailed("republish must keep the engine id and role of start()")
+        await self._publish(registration)
+        self._registration = registration
+
+    async def _publish(self, registration: EngineRegistration) -> None:
+        if self._control_plane is None:
+            raise EngineFailed("stub engine used before start()")
         view = await self._control_plane.get_engine(registration.engine_id)
         if view is None or view.record is None or view.generation != registration.generation:
-            raise EngineFailed(
+            raise EngineNotFound(
                 f"stub engine {registration.engine_id} generation {registration.generation} "
                 "is not registered"
             )

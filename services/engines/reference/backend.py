@@ -189,6 +189,23 @@ class ReferenceBackend(EngineBackend):
             options.block_size,
         )
 
+    async def republish(self, registration: EngineRegistration) -> None:
+        """Every rank publishes its handshake again under the new generation (same agents,
+        same memory); handles made from now on carry it. Consumers refuse handles of the old
+        generation (the producer gate and :meth:`_check_handle`); their blocks are freed
+        when the lease runs out."""
+        engine = self._running_engine()
+        current = self._running_registration()
+        if (registration.engine_id, registration.role) != (current.engine_id, current.role):
+            raise EngineFailed("republish must keep the engine id and role of start()")
+        await asyncio.wrap_future(engine.republish(registration))
+        self.registration = registration
+        logger.info(
+            "reference engine %s republished its handshakes at generation %d",
+            registration.engine_id,
+            registration.generation,
+        )
+
     def _start_ranks(self, group: RankGroup) -> None:
         group.spawn()
         group.wait_ready(self.options.start_timeout_s)

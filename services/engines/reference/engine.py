@@ -23,10 +23,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from typing import Any, TypeVar
 
+from services.control_plane.errors import ControlPlaneError
+from services.engines.backend import EngineRegistration
 from services.engines.errors import EngineFailed
 from services.engines.reference.executor import RankGroup
 from services.engines.reference.messages import (
@@ -34,6 +36,8 @@ from services.engines.reference.messages import (
     MetricsSnapshot,
     PullDone,
     RankEvent,
+    RankRepublished,
+    Republish,
     Shutdown,
     StepLogits,
     StepPlan,
@@ -41,6 +45,7 @@ from services.engines.reference.messages import (
 from services.engines.reference.metrics import RankMetricsRelay
 from services.engines.reference.rank import DIST_TIMEOUT_S
 from services.engines.reference.scheduler import PlannedStep, Scheduler
+from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,15 @@ class LoadSnapshot:
     in_flight: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+
+
+@dataclass
+class _PendingRepublish:
+    """A :meth:`EngineLoop.republish` waiting for every rank's answer."""
+
+    generation: int
+    done: concurrent.futures.Future[None]
+    answers: dict[RankKey, str] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -84,6 +98,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._step_id = 0
         self.failure: EngineFailed | None = None
+        self._republish: _PendingRepublish | None = None
         self.snapshot = LoadSnapshot(total_blocks=scheduler.limits.num_blocks)
         self._thread = threading.Thread(
             target=self._run, name=f"pdserve-engine-{scheduler.engine_id}", daemon=True
@@ -109,6 +124,32 @@ class EngineLoop:
             # The loop ended between the checks above and the put: nobody will run it.
             future.set_exception(self.failure or EngineFailed("the engine is stopped"))
         return future
+
+    def republish(self, registration: EngineRegistration) -> concurrent.futures.Future[None]:
+        """Have every rank publish its handshake under ``registration.generation``; from now on
+        the scheduler's KV handles carry that generation. The future resolves once every rank
+        answered: ``ControlPlaneError`` naming the ranks that could not publish."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def begin() -> None:
+            previous = self._republish
+            if previous is not None and not previous.done.done():
+                previous.done.set_exception(
+                    ControlPlaneError("superseded by a newer republish", reason="superseded")
+                )
+            self._republish = _PendingRepublish(registration.generation, done)
+            self.scheduler.generation = registration.generation
+            self.group.broadcast(Republish(registration))
+
+        started = self.call(begin)
+
+        def on_started(future: concurrent.futures.Future[None]) -> None:
+            error = future.exception()
+            if error is not None and not done.done():
+                done.set_exception(error)
+
+        started.add_done_callback(on_started)
+        return done
 
     def stop(self) -> None:
         """Ask the loop to stop the ranks and exit; :meth:`join` waits for it."""
@@ -198,6 +239,25 @@ class EngineLoop:
             self.scheduler.on_lease_ended(event)
         elif isinstance(event, MetricsSnapshot):
             self._relay.update(event.rank, event.families)
+        elif isinstance(event, RankRepublished):
+            self._on_republished(event)
+
+    def _on_republished(self, event: RankRepublished) -> None:
+        pending = self._republish
+        if pending is None or pending.generation != event.generation:
+            return  # an answer to a superseded republish
+        pending.answers[event.rank] = event.error
+        if len(pending.answers) < len(self.group.ranks) or pending.done.done():
+            return
+        self._republish = None
+        errors = {rank: error for rank, error in sorted(pending.answers.items()) if error}
+        if errors:
+            listed = "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())
+            pending.done.set_exception(
+                ControlPlaneError(f"republish of generation {event.generation} failed: {listed}")
+            )
+        else:
+            pending.done.set_result(None)
 
     def _update_snapshot(self) -> None:
         s = self.scheduler
@@ -211,6 +271,8 @@ class EngineLoop:
 
     def _fail(self, error: EngineFailed) -> None:
         self.failure = error
+        if self._republish is not None and not self._republish.done.done():
+            self._republish.done.set_exception(error)
         logger.error("engine %s failed: %s", self.scheduler.engine_id, error)
         self.scheduler.fail_all(error)
         self.scheduler.deliver_all()
@@ -222,6 +284,8 @@ class EngineLoop:
             self.scheduler.deliver_all()
         self.group.stop(Shutdown(), self._stop_timeout_s)
         pending_error = self.failure or EngineFailed("the engine stopped")
+        if self._republish is not None and not self._republish.done.done():
+            self._republish.done.set_exception(pending_error)
         while True:
             try:
                 _, future = self._calls.get_nowait()

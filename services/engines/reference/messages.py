@@ -7,10 +7,12 @@ travel pickled by :mod:`multiprocessing`; nothing here crosses a trust boundary.
 
 Host -> every rank:
     :class:`StepPlan` (one forward step), :class:`HoldKV` / :class:`ReleaseKV` (producer
-    leases), :class:`PullKV` / :class:`CancelPull` (consumer pulls), :class:`Shutdown`.
+    leases), :class:`PullKV` / :class:`CancelPull` (consumer pulls), :class:`Republish`
+    (publish the handshake again under a new generation), :class:`Shutdown`.
 Rank -> host:
     :class:`RankReady` once at start-up, :class:`StepLogits` from the last stage's TP rank 0
     after each step, :class:`PullDone` and :class:`LeaseEnded` from every rank,
+    :class:`RankRepublished` from every rank after a :class:`Republish`,
     :class:`MetricsSnapshot` periodically, :class:`RankFatal` before a rank gives up.
 """
 
@@ -21,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from services.engines.backend import EngineRegistration
 from services.engines.reference.batch import SequenceChunk
 from services.topology.ranges import RankKey
 
@@ -75,11 +78,20 @@ class CancelPull:
 
 
 @dataclass(frozen=True)
+class Republish:
+    """The control plane lost the engine's registration and the host registered it again:
+    publish this rank's handshake record under ``registration.generation`` (same agent, same
+    memory) and answer :class:`RankRepublished`."""
+
+    registration: EngineRegistration
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Withdraw the handshake, close the transport and exit."""
 
 
-HostCommand = StepPlan | HoldKV | ReleaseKV | PullKV | CancelPull | Shutdown
+HostCommand = StepPlan | HoldKV | ReleaseKV | PullKV | CancelPull | Republish | Shutdown
 
 
 # -- ranks -> host ---------------------------------------------------------------------------
@@ -135,6 +147,16 @@ class MetricsSnapshot:
 
 
 @dataclass(frozen=True)
+class RankRepublished:
+    """One rank's answer to :class:`Republish`: ``error`` is empty when the record is
+    published under ``generation``, else why not (a control-plane error: the host retries)."""
+
+    rank: RankKey
+    generation: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class RankFatal:
     """The rank hit an error it cannot serve past (it exits after sending this)."""
 
@@ -142,4 +164,6 @@ class RankFatal:
     error: str
 
 
-RankEvent = RankReady | StepLogits | PullDone | LeaseEnded | MetricsSnapshot | RankFatal
+RankEvent = (
+    RankReady | StepLogits | PullDone | LeaseEnded | RankRepublished | MetricsSnapshot | RankFatal
+)

@@ -5,7 +5,9 @@ process group (PP activations go point to point between stages, the TP all-reduc
 sub-group per stage), loads only its shard, keeps its layers' and heads' KV in a
 :class:`KVBlockPool` registered with its own NIXL agent, publishes its handshake record for
 ``(engine id, generation, pp_rank, tp_rank)`` and then serves the host's commands
-(:mod:`~services.engines.reference.messages`) in the order they come.
+(:mod:`~services.engines.reference.messages`) in the order they come. After the control plane
+lost the registration, :class:`Republish` publishes the same record (same agent, same memory)
+under the new generation.
 
 The pool's own allocator is not used to hand out blocks: the host's scheduler owns block
 allocation for the whole engine (ids are the same on every rank), so at start the rank takes one
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -35,7 +38,12 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from services.control_plane import ControlPlaneError, ControlPlaneMetrics, RedisControlPlane
+from services.control_plane import (
+    ControlPlaneError,
+    ControlPlaneMetrics,
+    EngineNotFound,
+    RedisControlPlane,
+)
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines.backend import EngineRegistration
 from services.engines.errors import EngineFailed
@@ -54,7 +62,9 @@ from services.engines.reference.messages import (
     RankEvent,
     RankFatal,
     RankReady,
+    RankRepublished,
     ReleaseKV,
+    Republish,
     Shutdown,
     StepLogits,
     StepPlan,
@@ -167,6 +177,10 @@ class RankWorker:
         self._waiting_pulls: dict[str, tuple[PullKV, float]] = {}
         self._next_metrics = 0.0
         self._stopping = False
+        self._control_plane: RedisControlPlane | None = None
+        self._record: EngineRecord | None = None
+        """The registration this rank's handshake is published under (withdrawn at exit)."""
+        self._republishing: set[asyncio.Task[None]] = set()
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -204,10 +218,10 @@ class RankWorker:
         control_plane = RedisControlPlane(
             registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
         )
+        self._control_plane = control_plane
         follow: asyncio.Task[None] | None = None
-        record: EngineRecord | None = None
         try:
-            record = await self._publish(control_plane)
+            self._record = await self._publish(control_plane, registration)
             self._send(RankReady(self.rank, os.getpid(), self.transport.agent_name, self.worker_id))
             if registration.role in _CONSUMER_ROLES:
                 follow = asyncio.create_task(self._follow(control_plane), name="peer-sync")
@@ -217,19 +231,28 @@ class RankWorker:
                 follow.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await follow
+            for task in self._republishing:
+                task.cancel()
             self._send_metrics()
-            if record is not None:
+            if self._record is not None:
                 with contextlib.suppress(ControlPlaneError):
-                    await control_plane.withdraw_handshake(record, *self.rank, self.worker_id)
+                    await control_plane.withdraw_handshake(self._record, *self.rank, self.worker_id)
             await control_plane.close()
             self.transport.close()
 
-    async def _publish(self, control_plane: RedisControlPlane) -> EngineRecord:
-        registration = self.setup.registration
+    async def _publish(
+        self,
+        control_plane: RedisControlPlane,
+        registration: EngineRegistration,
+        *,
+        missing: type[Exception] = EngineFailed,
+    ) -> EngineRecord:
+        """Publish this rank's handshake under ``registration``; ``missing`` when that
+        generation is not the registered one."""
         view = await control_plane.get_engine(registration.engine_id)
         if view is None or view.record is None or view.generation != registration.generation:
             found = None if view is None else view.generation
-            raise EngineFailed(
+            raise missing(
                 f"engine {registration.engine_id} generation {registration.generation} is not "
                 f"registered (found {found}: lease expired or replaced); cannot publish the "
                 "handshake"
@@ -237,8 +260,25 @@ class RankWorker:
         record = self.transport.handshake_record(
             worker_id=self.worker_id, compat_hash=self.setup.compat_hash
         )
+        # The transport's identity keeps the generation it started under (it only names the
+        # agent and tags notifications, which producers do not check); the record names the
+        # registration it is published for.
+        record = dataclasses.replace(record, generation=registration.generation)
         await control_plane.publish_handshakes(view.record, [record])
         return view.record
+
+    async def _republish(self, command: Republish) -> None:
+        generation = command.registration.generation
+        assert self._control_plane is not None
+        try:
+            self._record = await self._publish(
+                self._control_plane, command.registration, missing=EngineNotFound
+            )
+        except Exception as exc:  # reported to the host, which retries or gives up
+            self._send(RankRepublished(self.rank, generation, f"{type(exc).__name__}: {exc}"))
+            return
+        self.identity = dataclasses.replace(self.identity, generation=generation)
+        self._send(RankRepublished(self.rank, generation))
 
     async def _follow(self, control_plane: RedisControlPlane) -> None:
         sync = PeerSync(
@@ -299,6 +339,10 @@ class RankWorker:
             self._start_pull(command)
         elif isinstance(command, CancelPull):
             self._cancel_pull(command)
+        elif isinstance(command, Republish):
+            task = asyncio.create_task(self._republish(command), name="republish")
+            self._republishing.add(task)
+            task.add_done_callback(self._republishing.discard)
         elif isinstance(command, Shutdown):
             self._stopping = True
 

@@ -341,6 +341,17 @@ class VllmBackend(EngineBackend):
             raise EngineFailed(f"vLLM failed to start: {exc}") from exc
         self._registration = registration
 
+    async def republish(self, registration: EngineRegistration) -> None:
+        """Not supported: the generation is baked into the KV connector's config inside
+        vLLM's EngineCore process, whose scheduler-side connector publishes the grid once
+        (``set_xfer_handshake_metadata_pp_aware`` at start-up) and offers no hook to publish
+        again. The host exits non-zero; Kubernetes restarts the pod (docs/vllm.md)."""
+        raise EngineFailed(
+            f"vLLM engine {registration.engine_id} cannot re-register after the control plane "
+            f"lost its registration (generation {registration.generation} would need the "
+            "connector in EngineCore to publish again); restart the pod"
+        )
+
     def _require_engine(self) -> Any:
         if self._engine is None or self._registration is None:
             raise EngineFailed("the vLLM engine is not started")
