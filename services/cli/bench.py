@@ -1,59 +1,82 @@
-"""``pdserve bench <name>``: run one benchmark and print its JSON figures."""
+"""``pdserve bench <name>``: run one benchmark and print its JSON figures.
+
+Benchmarks pull torch, NIXL or the reference engine, which the other commands do not need, so
+their modules are imported only when one is run: ``pdserve bench NAME ...`` is parsed in two
+stages, the second by a parser built from the chosen benchmark's module.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+from dataclasses import dataclass
 
-from services.bench import control_plane as control_plane_bench
-from services.bench import engine as engine_bench
-from services.bench import kv as kv_bench
-from services.bench import router as router_bench
-from services.bench import soak as soak_bench
-from services.cli.settings import ToolSettings, add_control_plane_flags
+from services.cli.settings import ToolSettings, add_control_plane_flags, resolve
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    module: str
+    help: str
+    control_plane_flags: bool = False
+
+
+BENCHMARKS = (
+    Benchmark(
+        "control-plane",
+        "services.bench.control_plane",
+        "READY latency and Redis round trips per worker",
+        control_plane_flags=True,
+    ),
+    Benchmark("kv", "services.bench.kv", "NIXL KV pulls across processes: GB/s next to memcpy"),
+    Benchmark(
+        "router",
+        "services.bench.router",
+        "router overhead over instant stub engines, next to vllm-router",
+        control_plane_flags=True,
+    ),
+    Benchmark(
+        "engine", "services.bench.engine", "reference engine tokens/s and the KV share of TTFT"
+    ),
+    Benchmark(
+        "soak",
+        "services.bench.soak",
+        "thousands of requests through pdserve up: errors, TTFT/ITL, RSS growth",
+    ),
+)
+_BY_NAME = {bench.name: bench for bench in BENCHMARKS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    cp = benches.add_parser("control-plane", help="READY latency and Redis round trips per worker")
-    add_control_plane_flags(cp)
-    cp.add_argument("--json", action="store_true", help="JSON only (the default output too)")
-    control_plane_bench.add_arguments(cp)
-    kv = benches.add_parser(
-        "kv", help="NIXL KV pulls across processes: GB/s next to memcpy, descriptor cost"
-    )
-    kv.add_argument("--json", action="store_true", help="JSON only (the default output too)")
-    kv_bench.add_arguments(kv)
-    router = benches.add_parser(
-        "router", help="router overhead over instant stub engines, next to vllm-router"
-    )
-    add_control_plane_flags(router)
-    router.add_argument("--json", action="store_true", help="JSON only (the default output too)")
-    router_bench.add_arguments(router)
-    engine = benches.add_parser(
-        "engine", help="reference engine tokens/s and the KV-transfer share of TTFT"
-    )
-    engine.add_argument("--json", action="store_true", help="JSON only (the default output too)")
-    engine_bench.add_arguments(engine)
-    soak = benches.add_parser(
-        "soak", help="thousands of requests through pdserve up: errors, TTFT/ITL, RSS growth"
-    )
-    soak.add_argument("--json", action="store_true", help="JSON only (the default output too)")
-    soak_bench.add_arguments(soak)
+    for bench in BENCHMARKS:
+        # Stage one only names the benchmark: everything after it is left unparsed (in order)
+        # for :func:`benchmark_parser`, built once its module is imported (--help included).
+        benches.add_parser(bench.name, help=bench.help, add_help=False)
+
+
+def benchmark_parser(bench: Benchmark) -> argparse.ArgumentParser:
+    """The full parser of one benchmark (imports its module)."""
+    module = importlib.import_module(bench.module)
+    parser = argparse.ArgumentParser(prog=f"pdserve bench {bench.name}", description=bench.help)
+    if bench.control_plane_flags:
+        add_control_plane_flags(parser)
+    parser.add_argument("--json", action="store_true", help="JSON only (the default output too)")
+    module.add_arguments(parser)
+    return parser
 
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
-    if args.bench == "control-plane":
-        result = control_plane_bench.run(args, settings.control_plane)
-    elif args.bench == "kv":
-        result = kv_bench.run(args)
-    elif args.bench == "router":
-        result = router_bench.run(args, settings.control_plane)
-    elif args.bench == "engine":
-        result = engine_bench.run(args)
-    elif args.bench == "soak":
-        result = soak_bench.run(args)
-    else:  # pragma: no cover - argparse restricts choices
-        raise SystemExit(f"unknown benchmark {args.bench}")
+    """``args.bench_args``: the flags stage one left unparsed."""
+    bench = _BY_NAME[args.bench]
+    bench_args = benchmark_parser(bench).parse_args(args.bench_args)
+    module = importlib.import_module(bench.module)
+    if bench.control_plane_flags:
+        settings = resolve(bench_args)
+        result = module.run(bench_args, settings.control_plane)
+    else:
+        result = module.run(bench_args)
     print(json.dumps(result, indent=2))
     return 0

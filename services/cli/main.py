@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unparsed = parser.parse_known_args(argv)
+    if args.command == "bench":
+        # Flags of the chosen benchmark are parsed by its own parser (see services.cli.bench).
+        args.bench_args = unparsed
+    elif unparsed:
+        parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
     if args.command == "make-tiny-model":
         # Imported here: it pulls torch, which the other commands do not need.
         from services.engines.reference.tiny_model import main_make_tiny_model  # noqa: PLC0415

@@ -194,7 +194,13 @@ async def test_redis_restart_is_survived_by_clients_and_watchers(namespace: str)
 
 
 def test_status_cli_shows_grid_and_reasons(redis_server: LocalRedisServer, namespace: str) -> None:
-    settings = ControlPlaneSettings(redis=RedisSettings(url=redis_server.url), namespace=namespace)
+    # Nobody heartbeats these engines: the lease must outlast the CLI's start on a busy machine.
+    settings = ControlPlaneSettings(
+        redis=RedisSettings(url=redis_server.url),
+        namespace=namespace,
+        lease_ttl_s=300,
+        heartbeat_interval_s=60,
+    )
 
     async def prepare() -> None:
         cp = RedisControlPlane(settings, ControlPlaneMetrics())
