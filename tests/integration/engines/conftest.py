@@ -33,7 +33,7 @@ from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.batch import SequenceChunk
 from services.engines.reference.local_group import LocalShardGroup
 from services.engines.reference.options import ReferenceEngineOptions
-from services.engines.reference.sampling import make_generator, sample_token
+from services.engines.reference.sampling import make_generator, sample_token, token_generator
 from services.engines.reference.tiny_model import make_tiny_model
 from services.topology import EngineLayout
 
@@ -158,14 +158,18 @@ async def wait_until_free(backend: ReferenceBackend, timeout_s: float = 15.0) ->
 
 def reference_tokens(model_dir: Path, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
     """What the unsharded model gives in one process: greedy, or sampled with the engine's
-    own sampler and a generator seeded the same way (``ignore_eos`` assumed)."""
+    own sampler and token ``i`` drawn from ``token_generator(seed, i)`` (``ignore_eos``
+    assumed)."""
     layout = EngineLayout.uniform(7, 2, 1, 1)
-    generator = make_generator(sampling.seed)
+    unseeded = make_generator(None)
     table = tuple(range(64))
     tokens: list[int] = []
     with LocalShardGroup(model_dir, layout, 64, BLOCK_SIZE) as group:
         logits = group.step([SequenceChunk(tuple(prompt), 0, table)])[0]
         while True:
+            generator = (
+                unseeded if sampling.seed is None else token_generator(sampling.seed, len(tokens))
+            )
             tokens.append(sample_token(logits, sampling, generator))
             if len(tokens) == sampling.max_tokens:
                 return tokens

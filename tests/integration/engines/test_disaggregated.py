@@ -62,7 +62,6 @@ async def test_disaggregated_equals_colocated_and_frees_both_sides(
     result = await prefill.prefill("disagg", prompt, GREEDY)
     assert result.kv_handle is not None and result.finish_reason is None
     assert result.first_token_id == colocated[0]
-    assert result.text == prefill.detokenize([result.first_token_id])
     rest, deltas = await collect(
         decode,
         "disagg",
@@ -72,6 +71,8 @@ async def test_disaggregated_equals_colocated_and_frees_both_sides(
         first_token_id=result.first_token_id,
     )
     assert [result.first_token_id, *rest] == colocated
+    # Text the prefill held back (an incomplete character) is released by the decode engine.
+    assert result.text + "".join(d.text for d in deltas) == decode.detokenize(colocated)
     assert deltas[0].kv_transfer_s is not None and deltas[0].kv_transfer_s > 0
     assert deltas[-1].finish_reason is FinishReason.LENGTH
     assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == len(colocated)
