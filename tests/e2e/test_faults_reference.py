@@ -363,15 +363,6 @@ def engine_failures(metrics_url: str) -> float:
     return total - metric(metrics_url, "pdserve_engine_requests_total", rpc="Decode", outcome="ok")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug: a Redis restart that loses its keys makes every engine's next heartbeat raise "
-        "EngineNotFound; services/serving/host.py treats that as RegistrationLost and the "
-        "engine service exits (status 1) instead of registering a new generation and "
-        "republishing its ranks' handshakes, so under pdserve up nothing serves again"
-    ),
-)
 async def test_a_restarted_redis_loses_nothing_once_everyone_reconverges(stack: Stack) -> None:
     router = f"{stack.up.url}/metrics"
     redis_errors_before = metric(router, "pdserve_control_plane_redis_errors_total") + metric(
