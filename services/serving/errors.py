@@ -9,8 +9,10 @@
     │                               something this client cannot read
     └── HostError                   process-fatal errors of ``pdserve prefill|decode``
         ├── ReadinessFailed         the engine turned INVALID or never READY within the bound
-        └── RegistrationLost        the control plane fenced this engine off (stale generation,
-                                    expired lease): it must stop serving
+        └── RegistrationLost        the control plane fenced this engine off (another process
+                                    took its id, or the registration vanished before READY): it
+                                    must stop serving (a registration lost while serving is
+                                    re-registered instead, see services.serving.host)
 
     services.engines.errors.RequestError
     └── RequestCancelled            the request was aborted (Abort, a drain, the caller left)
@@ -50,7 +52,7 @@ class ReadinessFailed(HostError):
 
 
 class RegistrationLost(HostError):
-    """A heartbeat found the registration gone or replaced by a newer generation."""
+    """The registration was replaced by a newer generation (or vanished before READY)."""
 
 
 class RequestCancelled(RequestError):
