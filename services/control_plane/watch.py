@@ -167,10 +167,16 @@ class EngineWatcher:
 
     async def _listen(self, pubsub: PubSub) -> None:
         last_resync = time.monotonic()
+        task = asyncio.current_task()
         while True:
             message = await pubsub.get_message(
                 ignore_subscribe_messages=True, timeout=self._interval
             )
+            # redis-py's read timeout can swallow a cancellation that lands as it expires
+            # (get_message then returns None); without this check the watcher never stopped and
+            # the router's shutdown hung now and then.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             changed: set[EngineId] = set()
             progressed: set[EngineId] = set()
             # Drain what is already queued and re-read each engine once, in one round trip.
