@@ -46,6 +46,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Engine servers' options: the clients' keepalive pings (every 10 s, idle or not) are
+    accepted, so an idle router channel is not closed with GOAWAY ``too_many_pings``."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
 class EngineClient:
     """A client of one engine service (prefill or decode) at ``target`` (``host:port``).
 

@@ -61,7 +61,7 @@ from services.engines.backend import EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
 from services.prefill.servicer import PrefillServicer
 from services.proto_gen.pdserve.v1 import decode_pb2_grpc, engine_pb2_grpc, prefill_pb2_grpc
-from services.serving.client import channel_options
+from services.serving.client import server_options
 from services.serving.config import EngineServiceSettings, split_host_port
 from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
 from services.serving.metrics import EngineServiceMetrics
@@ -339,7 +339,7 @@ class EngineHost:
 
     async def _start_server(self, state: ServingState, compat_hash: str) -> int:
         grpc_settings = self.settings.grpc
-        server = grpc.aio.server(options=channel_options(grpc_settings.max_message_bytes))
+        server = grpc.aio.server(options=server_options(grpc_settings.max_message_bytes))
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.role is EngineRole.DECODE:
