@@ -163,15 +163,7 @@ def handle_from_proto(message: types_pb2.KVHandle, limits: RequestLimits | None 
         raise InvalidRequest("kv_handle.lease_expires_at_s must be a positive unix time")
     if len(message.extra) > MAX_HANDLE_EXTRA_BYTES:
         raise InvalidRequest(f"kv_handle.extra is larger than {MAX_HANDLE_EXTRA_BYTES} bytes")
-    return KVHandle(
-        producer_engine_id=message.producer_engine_id,
-        generation=message.generation,
-        request_id=message.request_id,
-        block_ids=tuple(message.block_ids),
-        num_tokens=message.num_tokens,
-        lease_expires_at_s=message.lease_expires_at_s,
-        extra=message.extra,
-    )
+    return _handle_as_sent(message)
 
 
 # -- usage and finish reasons --------------------------------------------------------------
