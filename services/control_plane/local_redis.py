@@ -125,7 +125,14 @@ class LocalRedisServer:
                 if self.password:
                     command = f"AUTH {self.password}\r\nPING\r\n".encode()
                 sock.sendall(command)
-                return b"PONG" in sock.recv(64) or b"+OK" in sock.recv(64)
+                # The replies (+OK, then +PONG) may arrive in one segment or two.
+                received = b""
+                while b"PONG" not in received:
+                    chunk = sock.recv(64)
+                    if not chunk or b"-" in chunk[:1]:
+                        return False  # closed, or an error reply (wrong password, loading)
+                    received += chunk
+                return True
         except OSError:
             return False
 
