@@ -270,8 +270,9 @@ async def _serve(
             finish = chunk.finish_reason
     except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
         finish = FinishReason.STOP
-    except RouterError as exc:
-        runtime.executor.observe_end(arrival, output.endpoint, exc.code, info)
+    except RouterError:
+        # Counted by the error handler (on_router_error); only the latency is recorded here.
+        runtime.executor.observe_latency(arrival, output.endpoint, info)
         raise
     finally:
         await run.aclose()

@@ -37,7 +37,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import PromptInfo
 from services.router.pool import EnginePool, EngineSlot
 from services.router.scheduler import Plan, Scheduler
-from services.serving.errors import EngineUnreachable, ProtocolMismatch, RequestCancelled
+from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def engine_error(exc: Exception, *, stage: str) -> RouterError:
         return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
     if isinstance(exc, engine_errors.KVTransferFailed):
         return EngineRequestFailed(message, code="kv_transfer_failed")
-    if isinstance(exc, RequestCancelled):
+    if isinstance(exc, engine_errors.RequestAborted):
         return EngineRequestFailed(message, code="request_cancelled", status_code=503)
     if isinstance(exc, engine_errors.RequestError):
         return EngineRequestFailed(message, code="engine_error")
@@ -334,8 +334,15 @@ class Executor:
         self, request_arrival_s: float, endpoint: str, outcome: str, info: RunInfo | None
     ) -> None:
         """Count the answered request and its end-to-end latency and router overhead."""
-        elapsed = time.perf_counter() - request_arrival_s
         self._metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self.observe_latency(request_arrival_s, endpoint, info)
+
+    def observe_latency(
+        self, request_arrival_s: float, endpoint: str, info: RunInfo | None
+    ) -> None:
+        """The request's end-to-end latency and router overhead, without counting it (an
+        error raised to the HTTP layer is counted by its handler)."""
+        elapsed = time.perf_counter() - request_arrival_s
         self._metrics.e2e.labels(endpoint=endpoint).observe(elapsed)
         if info is not None and info.path is not None:
             self._metrics.overhead.observe(max(elapsed - info.engine_wait_s, 0.0))

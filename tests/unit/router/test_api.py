@@ -177,6 +177,16 @@ async def test_a_truncated_decode_stream_is_an_error_not_a_short_answer(client, 
     assert caught.value.status_code == 502
 
 
+async def test_a_failed_non_streaming_request_is_counted_once(client, factory, rt):
+    factory.engines["d1"].truncate_after = 1
+    with pytest.raises(openai.APIStatusError):
+        await client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
+    endpoint = "/v1/completions"
+    outcome = "decode_truncated"
+    assert sample(rt, "pdserve_router_requests_total", endpoint=endpoint, outcome=outcome) == 1
+    assert sample(rt, "pdserve_router_e2e_latency_seconds_count", endpoint=endpoint) == 1
+
+
 async def test_decode_refusing_the_handle_is_an_error_and_the_held_kv_is_released(client, factory):
     factory.engines["d1"].decode_error = UnknownKVHandle("no such handle")
     with pytest.raises(openai.APIStatusError) as caught:
