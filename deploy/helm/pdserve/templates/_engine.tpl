@@ -17,11 +17,21 @@ template receives (dict "root" $ "role" "prefill"|"decode" "member" "single"|"le
 {{- end }}
 {{- end }}
 
+{{/*
+Seconds an engine may take to stop after SIGTERM: its drain, then the leases of the KV it handed
+out. The preStop hook waits this long, the grace period exceeds it, and _validate.tpl checks an
+explicit grace period against it.
+*/}}
+{{- define "pdserve.engine.drainBound" -}}
+{{- $r := index .root.Values .role }}
+{{- add (int $r.drain.timeoutSeconds) (int $r.kvLeaseSeconds) }}
+{{- end }}
+
 {{/* Seconds the kubelet waits after preStop/SIGTERM: drain, then KV leases, then a margin. */}}
 {{- define "pdserve.engine.gracePeriod" -}}
 {{- $r := index .root.Values .role }}
 {{- if kindIs "invalid" $r.terminationGracePeriodSeconds }}
-{{- add (int $r.drain.timeoutSeconds) (int $r.kvLeaseSeconds) (int $r.drain.gracePeriodMarginSeconds) }}
+{{- add (int (include "pdserve.engine.drainBound" .)) (int $r.drain.gracePeriodMarginSeconds) }}
 {{- else }}
 {{- int $r.terminationGracePeriodSeconds }}
 {{- end }}
@@ -115,7 +125,7 @@ args:
 {{- $root := .root }}
 {{- $r := index $root.Values .role }}
 {{- $serving := ne .member "worker" }}
-{{- $drainBound := add (int $r.drain.timeoutSeconds) (int $r.kvLeaseSeconds) }}
+{{- $drainBound := include "pdserve.engine.drainBound" . }}
 metadata:
   labels:
     {{- include "pdserve.componentLabels" (dict "root" $root "component" .role) | nindent 4 }}

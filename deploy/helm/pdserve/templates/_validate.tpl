@@ -29,7 +29,7 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- if gt (int $r.readyTimeoutSeconds) $startupWindow }}
 {{- $errors = append $errors (printf "%s.readyTimeoutSeconds=%d exceeds the startup probe's window probes.startupFailureThreshold x probes.periodSeconds = %ds: the kubelet would restart the pod before the engine gives up" $role (int $r.readyTimeoutSeconds) $startupWindow) }}
 {{- end }}
-{{- $floor := add (int $r.drain.timeoutSeconds) (int $r.kvLeaseSeconds) }}
+{{- $floor := int (include "pdserve.engine.drainBound" (dict "root" $ "role" $role)) }}
 {{- if and (not (kindIs "invalid" $r.terminationGracePeriodSeconds)) (le (int $r.terminationGracePeriodSeconds) $floor) }}
 {{- $errors = append $errors (printf "%s.terminationGracePeriodSeconds=%d must exceed drain.timeoutSeconds + kvLeaseSeconds = %d, or the kubelet kills the drain before KV leases run out" $role (int $r.terminationGracePeriodSeconds) $floor) }}
 {{- end }}
