@@ -146,8 +146,10 @@ async def completions(body: CompletionRequest, runtime: Runtime) -> Response:
                 f"prompt token ids must be below the vocabulary size {vocab}", param="prompt"
             )
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    request = _generation_request("cmpl", body.model, token_ids, _sampling(body, max_tokens))
-    return await _serve(runtime, COMPLETIONS, request, body.stream, _include_usage(body), arrival)
+    request = _generation_request(
+        "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
+    )
+    return await _serve(runtime, COMPLETIONS, request, body.stream, _include_usage(body))
 
 
 @v1.post("/chat/completions")
@@ -160,8 +162,10 @@ async def chat_completions(body: ChatCompletionRequest, runtime: Runtime) -> Res
     max_tokens = (
         body.max_completion_tokens or body.max_tokens or runtime.settings.default_max_tokens
     )
-    request = _generation_request("chatcmpl", body.model, token_ids, _sampling(body, max_tokens))
-    return await _serve(runtime, CHAT, request, body.stream, _include_usage(body), arrival)
+    request = _generation_request(
+        "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
+    )
+    return await _serve(runtime, CHAT, request, body.stream, _include_usage(body))
 
 
 @v1.get("/models")
@@ -221,7 +225,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
 
 
 def _generation_request(
-    prefix: str, model: str, token_ids: list[int], sampling: SamplingParams
+    prefix: str, model: str, token_ids: list[int], sampling: SamplingParams, arrival_s: float
 ) -> GenerationRequest:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -230,7 +234,7 @@ def _generation_request(
         model=model,
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
-        arrival_s=time.perf_counter(),
+        arrival_s=arrival_s,
     )
 
 
@@ -240,7 +244,6 @@ async def _serve(
     request: GenerationRequest,
     stream: bool,
     include_usage: bool,
-    arrival: float,
 ) -> Response:
     """Run the request; errors up to the first token are raised (an HTTP error), later ones
     end the stream with an error event."""
@@ -259,7 +262,7 @@ async def _serve(
         raise
     headers = _headers(request, info)
     if stream:
-        events = _sse(runtime, output, request, info, run, first, include_usage, arrival)
+        events = _sse(runtime, output, request, info, run, first, include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     texts = [first.text]
     finish = first.finish_reason
@@ -272,7 +275,7 @@ async def _serve(
         finish = FinishReason.STOP
     except RouterError:
         # Counted by the error handler (on_router_error); only the latency is recorded here.
-        runtime.executor.observe_latency(arrival, output.endpoint, info)
+        runtime.executor.observe_latency(request.arrival_s, output.endpoint, info)
         raise
     finally:
         await run.aclose()
@@ -284,7 +287,7 @@ async def _serve(
         "choices": [output.render_choice("".join(texts), _finish_text(finish))],
         "usage": usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens),
     }
-    runtime.executor.observe_end(arrival, output.endpoint, "ok", info)
+    runtime.executor.observe_end(request.arrival_s, output.endpoint, "ok", info)
     return _json(200, body, headers)
 
 
@@ -296,7 +299,6 @@ async def _sse(
     run: AsyncGenerator[Chunk, None],
     first: Chunk,
     include_usage: bool,
-    arrival: float,
 ) -> AsyncIterator[bytes]:
     created = now_s()
     outcome = "client_disconnected"
@@ -343,7 +345,7 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     finally:
         await run.aclose()
-        runtime.executor.observe_end(arrival, output.endpoint, outcome, info)
+        runtime.executor.observe_end(request.arrival_s, output.endpoint, outcome, info)
 
 
 def _error_event(error: RouterError) -> bytes:
