@@ -335,10 +335,18 @@ class VllmBackend(EngineBackend):
             def record_sleep_state(self, is_awake: int, level: int) -> None:
                 return None
 
+        # The model load takes minutes: off the event loop, so the host keeps heartbeating (the
+        # lease must outlive the load, or the connector's publication finds no registration).
+        # AsyncLLM tolerates construction off-loop: its output handler then starts lazily, and
+        # is started here, back on the loop, as AsyncLLM does when constructed on one.
         try:
-            self._engine = async_llm.AsyncLLM.from_engine_args(args, stat_loggers=[_LoadRecorder])
+            engine = await asyncio.to_thread(
+                async_llm.AsyncLLM.from_engine_args, args, stat_loggers=[_LoadRecorder]
+            )
         except Exception as exc:  # vLLM raises many types at start-up; all are fatal here
             raise EngineFailed(f"vLLM failed to start: {exc}") from exc
+        engine._run_output_handler()
+        self._engine = engine
         self._registration = registration
 
     async def republish(self, registration: EngineRegistration) -> None:
@@ -464,8 +472,8 @@ class VllmBackend(EngineBackend):
 
     async def stop(self) -> None:
         if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+            engine, self._engine = self._engine, None
+            await asyncio.to_thread(engine.shutdown)  # joins vLLM's processes: off the loop
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         tokenizer = None if self._engine is None else getattr(self._engine, "tokenizer", None)
