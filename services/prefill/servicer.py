@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc.aio
 
 from services.engines.backend import FinishReason
+from services.engines.errors import RequestAborted
 from services.proto_gen.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.serving import convert
-from services.serving.errors import RequestCancelled
 from services.serving.servicer import ServingState
 
 
@@ -29,7 +29,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 call.request_id, call.prompt_token_ids, call.sampling
             )
             if result.finish_reason is FinishReason.ABORT:
-                raise RequestCancelled(f"prefill of {call.request_id} was aborted")
+                raise RequestAborted(f"prefill of {call.request_id} was aborted")
             self.state.metrics.prefill_seconds.labels(self.state.engine_id).observe(
                 result.prefill_s
             )

@@ -3,9 +3,9 @@
 
 Every call raises the engine's error as the same :mod:`services.engines.errors` class the backend
 raised (``InvalidRequest``, ``UnknownKVHandle``, ``ProducerUnavailable``, ``EngineOverloaded``,
-``EngineDraining``, ``EngineFailed``...), :class:`~services.serving.errors.RequestCancelled` for
-CANCELLED, and :class:`~services.serving.errors.EngineUnreachable` when the engine cannot be
-reached (connection refused, deadline exceeded, channel broken). Messages name the target.
+``EngineDraining``, ``RequestAborted`` for CANCELLED, ``EngineFailed``...), and
+:class:`~services.serving.errors.EngineUnreachable` when the engine cannot be reached
+(connection refused, deadline exceeded, channel broken). Messages name the target.
 """
 
 from __future__ import annotations

@@ -14,17 +14,12 @@
                                     must stop serving (a registration lost while serving is
                                     re-registered instead, see services.serving.host)
 
-    services.engines.errors.RequestError
-    └── RequestCancelled            the request was aborted (Abort, a drain, the caller left)
-                                    -> CANCELLED
-
 Request-scoped errors an engine reports travel as gRPC status codes and come back to the
-caller as the same :mod:`services.engines.errors` classes (see :mod:`services.serving.status`).
+caller as the same :mod:`services.engines.errors` classes (see :mod:`services.serving.status`);
+an aborted request (Abort, a drain, the caller left) is ``RequestAborted`` -> CANCELLED.
 """
 
 from __future__ import annotations
-
-from services.engines.errors import RequestError
 
 
 class ServingError(Exception):
@@ -53,7 +48,3 @@ class ReadinessFailed(HostError):
 
 class RegistrationLost(HostError):
     """The registration was replaced by a newer generation (or vanished before READY)."""
-
-
-class RequestCancelled(RequestError):
-    """The request was aborted before it completed (Abort, drain, or the caller went away)."""

@@ -25,7 +25,7 @@ from services.engines.errors import (
     RequestAborted,
     UnknownKVHandle,
 )
-from services.serving.errors import EngineUnreachable, ProtocolMismatch, RequestCancelled
+from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 ERROR_KEY = "pdserve-error"
 REASON_KEY = "pdserve-reason"
@@ -41,7 +41,6 @@ _CODE_OF: dict[type[Exception], grpc.StatusCode] = {
     KVTransferFailed: grpc.StatusCode.UNAVAILABLE,
     EngineDraining: grpc.StatusCode.UNAVAILABLE,
     EngineOverloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RequestCancelled: grpc.StatusCode.CANCELLED,
     RequestAborted: grpc.StatusCode.CANCELLED,
     EngineFailed: grpc.StatusCode.INTERNAL,
 }
@@ -53,7 +52,7 @@ _DEFAULT_CLASS: dict[grpc.StatusCode, type[Exception]] = {
     grpc.StatusCode.ALREADY_EXISTS: DuplicateRequest,
     grpc.StatusCode.NOT_FOUND: UnknownKVHandle,
     grpc.StatusCode.FAILED_PRECONDITION: KVLeaseExpired,
-    grpc.StatusCode.CANCELLED: RequestCancelled,
+    grpc.StatusCode.CANCELLED: RequestAborted,
     grpc.StatusCode.INTERNAL: EngineFailed,
     grpc.StatusCode.UNKNOWN: EngineFailed,
     grpc.StatusCode.DATA_LOSS: EngineFailed,

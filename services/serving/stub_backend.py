@@ -45,6 +45,7 @@ from services.engines.errors import (
     EngineFailed,
     EngineOverloaded,
     InvalidRequest,
+    RequestAborted,
 )
 
 STUB_MODEL = "stub"
@@ -190,9 +191,9 @@ class StubBackend(EngineBackend):
         try:
             await asyncio.sleep(self.options.token_delay_s)
             token = self._first_token(prompt_token_ids)
-            usage = Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=1)
             if running.aborted.is_set():
-                return PrefillResult(request_id, token, "", None, FinishReason.ABORT, usage)
+                raise RequestAborted(f"request {request_id} aborted before its first token")
+            usage = Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=1)
             finish = FinishReason.LENGTH if sampling.max_tokens == 1 else None
             if token in sampling.stop_token_ids:
                 finish = FinishReason.STOP

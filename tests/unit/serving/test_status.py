@@ -14,9 +14,11 @@ from services.engines.errors import (
     KVLeaseExpired,
     KVTransferFailed,
     ProducerUnavailable,
+    RequestAborted,
     UnknownKVHandle,
 )
-from services.serving.errors import EngineUnreachable, ProtocolMismatch, RequestCancelled
+from services.router.execution import engine_error
+from services.serving.errors import EngineUnreachable, ProtocolMismatch
 from services.serving.status import error_from_status, status_for
 
 CASES = [
@@ -28,7 +30,7 @@ CASES = [
     (KVTransferFailed("pull failed", "remote_disconnected"), grpc.StatusCode.UNAVAILABLE),
     (EngineDraining("draining"), grpc.StatusCode.UNAVAILABLE),
     (EngineOverloaded("KV pool full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (RequestCancelled("aborted"), grpc.StatusCode.CANCELLED),
+    (RequestAborted("aborted"), grpc.StatusCode.CANCELLED),
     (EngineFailed("rank 1 died"), grpc.StatusCode.INTERNAL),
 ]
 
@@ -90,3 +92,14 @@ def test_grpc_message_size_limit_is_invalid_request() -> None:
         rpc="Prefill",
     )
     assert isinstance(error, InvalidRequest)
+
+
+def test_bare_cancelled_is_request_aborted_and_the_router_answers_503() -> None:
+    # One class for an aborted request whichever backend reported it (the reference engine
+    # raises RequestAborted; a stub or vLLM prefill returning ABORT is raised as it by the
+    # servicer), so the router's mapping sees one class.
+    error = error_from_status(grpc.StatusCode.CANCELLED, "", (), target="h:1", rpc="Prefill")
+    assert isinstance(error, RequestAborted)
+    routed = engine_error(error, stage="prefill")
+    assert routed.code == "request_cancelled"
+    assert routed.status_code == 503
