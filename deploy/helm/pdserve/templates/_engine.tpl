@@ -141,14 +141,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
-  serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
-  {{- with $root.Values.imagePullSecrets }}
-  imagePullSecrets:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $r.priorityClassName }}
-  priorityClassName: {{ . }}
-  {{- end }}
+  {{- include "pdserve.podPlacement" (dict "root" $root "placement" $r "serviceAccount" true) | trim | nindent 2 }}
   terminationGracePeriodSeconds: {{ include "pdserve.engine.gracePeriod" . }}
   containers:
     - name: {{ ternary "engine" "ray-worker" $serving }}
@@ -230,18 +223,6 @@ spec:
         {{- with (include "pdserve.sharedVolumeMounts" $root | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
-  {{- with $r.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $r.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $r.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
   volumes:
     - name: dshm
       emptyDir:

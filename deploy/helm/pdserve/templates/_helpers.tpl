@@ -61,6 +61,36 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/*
+Where and as whom a pod runs, under its spec: (dict "root" $ "placement" <the component's values>
+"serviceAccount" true|false). The release's imagePullSecrets, and the component's
+priorityClassName, nodeSelector, tolerations and affinity when set.
+*/}}
+{{- define "pdserve.podPlacement" -}}
+{{- if .serviceAccount }}
+serviceAccountName: {{ include "pdserve.serviceAccountName" .root }}
+{{- end }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .placement.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .placement.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .placement.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .placement.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
 {{/* Control-plane key prefix: the release name unless set. */}}
 {{- define "pdserve.controlPlaneNamespace" -}}
 {{- default .Release.Name .Values.controlPlane.namespace }}
