@@ -69,6 +69,7 @@ class RedisControlPlane(ControlPlane):
         self._register = client.register_script(scripts.REGISTER)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._deregister = client.register_script(scripts.DEREGISTER)
+        self._prune_expired = client.register_script(scripts.PRUNE_EXPIRED)
         self._publish = client.register_script(scripts.PUBLISH_HANDSHAKES)
         self._withdraw = client.register_script(scripts.WITHDRAW_HANDSHAKE)
         self._set_status = client.register_script(scripts.SET_STATUS)
@@ -329,13 +330,22 @@ class RedisControlPlane(ControlPlane):
                 continue
             views.append(self._view(engine_id, *parts))
         if expired:
-            removed = await self.connection.call(
-                "prune_expired", lambda: client.zrem(self.keys.engines, *expired)
-            )
+            removed = await self._prune(expired)
             if removed:
-                self.metrics.leases_expired.inc(int(removed))
-                logger.warning("leases expired without deregistration: %s", ", ".join(expired))
+                self.metrics.leases_expired.inc(len(removed))
+                logger.warning("leases expired without deregistration: %s", ", ".join(removed))
         return views
+
+    async def _prune(self, expired: Sequence[EngineId]) -> list[EngineId]:
+        """Remove from the index those of ``expired`` whose lease is still gone; the removed.
+
+        One script, so an engine that registered again since it was read stays listed.
+        """
+        keys = [self.keys.engines, *(self.keys.current(e) for e in expired)]
+        removed: list[bytes] = await self.connection.call(
+            "prune_expired", lambda: self._prune_expired(keys, list(expired))
+        )
+        return [r.decode(errors="replace") for r in removed]
 
     async def get_engine(self, engine_id: EngineId) -> EngineView | None:
         return (await self.get_engines([engine_id]))[engine_id]

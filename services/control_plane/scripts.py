@@ -36,8 +36,8 @@ return 1
 
 # KEYS: cur, engine, status, load, hs, owners, hsver, engines_zset
 # ARGV: generation, ttl_ms, load_bytes (may be empty: keep the previous load), engine_id, score
-# The ZADD NX heals the index when a reader pruned the id as expired just as the engine
-# registered again (list_engines reads, then prunes, in two round trips).
+# The ZADD NX puts the id back into the index should it ever be missing while the lease lives
+# (PRUNE_EXPIRED no longer removes a live engine; this is the belt to its braces).
 HEARTBEAT = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return -1 end
@@ -47,6 +47,22 @@ if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3], 'PX', ttl) end
 for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ttl) end
 redis.call('ZADD', KEYS[8], 'NX', ARGV[5], ARGV[4])
 return 1
+"""
+
+# KEYS: engines_zset, then cur of each candidate
+# ARGV: the candidates' engine ids, in the order of their cur keys
+# Removes from the index only the candidates whose lease is still gone, in the same step as
+# the check: a candidate that registered again since the caller read it expired stays.
+# Returns the removed ids.
+PRUNE_EXPIRED = """
+local removed = {}
+for i = 1, #ARGV do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    removed[#removed + 1] = ARGV[i]
+  end
+end
+return removed
 """
 
 # KEYS: cur, engine, status, load, hs, owners, hsver, engines_zset, events

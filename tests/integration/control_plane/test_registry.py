@@ -350,3 +350,15 @@ async def test_heartbeat_restores_an_engine_pruned_from_the_index_by_a_racing_re
     assert await control_plane.list_engines() == []
     await control_plane.heartbeat("raced", engine.generation)
     assert [v.engine_id for v in await control_plane.list_engines()] == ["raced"]
+
+
+async def test_pruning_keeps_an_engine_that_registered_again_after_it_was_read_expired(
+    control_plane: RedisControlPlane,
+) -> None:
+    # list_engines read both ids expired; "back" registered again before the prune ran.
+    await _ready_engine(control_plane, "back")
+    client = control_plane.connection.client
+    await client.zadd(control_plane.keys.engines, {"gone": 0})
+    assert await control_plane._prune(["back", "gone"]) == ["gone"]
+    assert await client.zrange(control_plane.keys.engines, 0, -1) == [b"back"]
+    assert [v.engine_id for v in await control_plane.list_engines()] == ["back"]
