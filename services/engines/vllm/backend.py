@@ -267,6 +267,8 @@ class VllmBackend(EngineBackend):
         self._running: set[str] = set()
         self._draining = False
         self._stats: dict[str, float] = {}
+        self._kv_blocks_total = 0
+        """vLLM's KV cache size in blocks, known once its engine core profiled memory."""
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -315,6 +317,8 @@ class VllmBackend(EngineBackend):
 
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 self.engine_index = engine_index
+                # AsyncLLM builds its stat loggers after the engine core reported the blocks.
+                backend._kv_blocks_total = int(vllm_config.cache_config.num_gpu_blocks or 0)
 
             def record(
                 self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
@@ -452,7 +456,7 @@ class VllmBackend(EngineBackend):
 
     def load(self) -> EngineLoad:
         stats = self._stats
-        total = 1000
+        total = self._kv_blocks_total
         return EngineLoad(
             queue_depth=int(stats.get("waiting", 0)),
             running_requests=int(stats.get("running", len(self._running))),
