@@ -96,10 +96,11 @@ class Scheduler:
         prefill = self._policy.choose(paired, prompt, Stage.PREFILL)
         partners = [d for d in decodes if d.compatible_with(prefill)]
         decode = self._policy.choose(partners, prompt, Stage.DECODE)
-        full_blocks = len(prompt.block_hashes(decode.record.block_size))
-        if full_blocks and (
-            self._policy.cached_blocks(decode, prompt)
-            >= self._settings.local_cached_fraction * full_blocks
+        # Hashing the prompt is only needed when the policy knows of cached blocks (never for
+        # round_robin / least_loaded); local_cached_fraction > 0, so 0 cached never qualifies.
+        cached = self._policy.cached_blocks(decode, prompt)
+        if cached and cached >= self._settings.local_cached_fraction * len(
+            prompt.block_hashes(decode.record.block_size)
         ):
             self._policy.routed(decode, prompt)
             return Plan(decode=decode, prefill=None, local_reason="cached_prompt")

@@ -207,3 +207,12 @@ def test_colocated_router_runs_everything_on_decode_engines_and_is_ready_with_on
     plan = rt.scheduler.plan("tiny", PromptInfo(tuple(range(40))))
     assert plan.prefill is None and plan.local_reason == "colocated"
     assert sample(rt, "pdserve_router_fallbacks_total", reason="no_prefill_engine") == 0
+
+
+def test_plan_does_not_hash_the_prompt_for_a_policy_without_a_prefix_index():
+    rt = runtime(policy="round_robin", local_max_prompt_tokens=0)
+    pool_of(rt, view("p", PREFILL), view("d", DECODE))
+    prompt = PromptInfo(tuple(range(64)))
+    plan = rt.scheduler.plan("tiny", prompt)
+    assert plan.prefill is not None
+    assert prompt._hashes == {}
