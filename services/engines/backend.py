@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from services.config.control_plane import ControlPlaneSettings
+from services.control_plane.base import EngineSpec
 from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
 from services.engines.errors import InvalidRequest
 
@@ -83,6 +84,35 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine accepts: token ids in ``[0, vocab_size)``, prompts that leave room for
+    at least one generated token within ``max_model_len``."""
+
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, description: BackendDescription) -> RequestLimits:
+        return cls(vocab_size=description.vocab_size, max_model_len=description.max_model_len)
+
+
+def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
+    """The prompt as a tuple; :class:`InvalidRequest` when it is empty, leaves no room to
+    generate within ``limits.max_model_len``, or holds an id outside the vocabulary."""
+    if not token_ids:
+        raise InvalidRequest("token_ids must not be empty")
+    if len(token_ids) >= limits.max_model_len:
+        raise InvalidRequest(
+            f"prompt of {len(token_ids)} tokens leaves no room to generate within the "
+            f"engine's context of {limits.max_model_len} tokens"
+        )
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
+    return tuple(token_ids)
 
 
 class FinishReason(StrEnum):
@@ -203,6 +233,23 @@ class BackendDescription:
     pp_aware: bool = True
     engine_kind: str = "reference"
 
+    def spec(self, engine_id: EngineId, role: EngineRole, endpoint: str) -> EngineSpec:
+        """The control-plane spec of an engine with this description (what the host registers)."""
+        return EngineSpec(
+            engine_id=engine_id,
+            role=role,
+            model=self.model,
+            compat_hash=self.compat_hash,
+            pp_size=self.pp_size,
+            tp_size=self.tp_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            block_size=self.block_size,
+            endpoint=endpoint,
+            pp_aware=self.pp_aware,
+            engine_kind=self.engine_kind,
+        )
+
 
 class EngineBackend(abc.ABC):
     """An engine a service hosts. See the module docstring for the lifecycle.
@@ -247,7 +294,8 @@ class EngineBackend(abc.ABC):
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> PrefillResult:
-        """Compute the prompt's KV and first token; hold the KV for a consumer (prefill role)."""
+        """Compute the prompt's KV and first token; hold the KV for a consumer (prefill role).
+        An abort before the first token raises :class:`~services.engines.errors.RequestAborted`."""
 
     @abc.abstractmethod
     def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:

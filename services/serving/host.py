@@ -184,20 +184,7 @@ class EngineHost:
             port = await self._start_server(state, description.compat_hash)
             metrics_url = self._start_metrics()
             endpoint = self._advertised(port)
-            self._spec = EngineSpec(
-                engine_id=self.engine_id,
-                role=self.role,
-                model=description.model,
-                compat_hash=description.compat_hash,
-                pp_size=description.pp_size,
-                tp_size=description.tp_size,
-                num_layers=description.num_layers,
-                num_kv_heads=description.num_kv_heads,
-                block_size=description.block_size,
-                endpoint=endpoint,
-                pp_aware=description.pp_aware,
-                engine_kind=description.engine_kind,
-            )
+            self._spec = description.spec(self.engine_id, self.role, endpoint)
             record = await self.control_plane.register(self._spec)
             registered = True
             state.generation = record.generation

@@ -20,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.config import ControlPlaneSettings, RedisSettings
-from services.control_plane import EngineSpec, EngineState, RedisControlPlane
+from services.control_plane import EngineState, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
 from services.engines.backend import (
@@ -89,20 +89,7 @@ async def running_engine(
     )
     desc = backend.describe()
     control_plane = RedisControlPlane(settings)
-    record = await control_plane.register(
-        EngineSpec(
-            engine_id=engine_id,
-            role=role,
-            model=desc.model,
-            compat_hash=desc.compat_hash,
-            pp_size=pp,
-            tp_size=tp,
-            num_layers=desc.num_layers,
-            num_kv_heads=desc.num_kv_heads,
-            block_size=desc.block_size,
-            endpoint="127.0.0.1:0",
-        )
-    )
+    record = await control_plane.register(desc.spec(engine_id, role, "127.0.0.1:0"))
 
     async def heartbeat() -> None:
         while True:

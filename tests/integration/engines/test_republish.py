@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.config import ControlPlaneSettings
-from services.control_plane import EngineSpec, EngineState, RedisControlPlane
+from services.control_plane import EngineState, RedisControlPlane
 from services.control_plane.wire import EngineRole
 from services.engines.backend import (
     EngineRegistration,
@@ -20,7 +20,6 @@ from services.engines.backend import (
     SamplingParams,
 )
 from services.engines.errors import ProducerUnavailable
-from services.engines.reference.backend import ReferenceBackend
 from tests.integration.engines.conftest import (
     PROMPTS,
     READY_TIMEOUT_S,
@@ -32,22 +31,6 @@ from tests.integration.engines.conftest import (
 pytestmark = pytest.mark.integration
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def spec_of(backend: ReferenceBackend, engine_id: str, role: EngineRole) -> EngineSpec:
-    desc = backend.describe()
-    return EngineSpec(
-        engine_id=engine_id,
-        role=role,
-        model=desc.model,
-        compat_hash=desc.compat_hash,
-        pp_size=desc.pp_size,
-        tp_size=desc.tp_size,
-        num_layers=desc.num_layers,
-        num_kv_heads=desc.num_kv_heads,
-        block_size=desc.block_size,
-        endpoint="127.0.0.1:0",
-    )
 
 
 async def test_republish_turns_ready_at_the_new_generation_and_decode_pulls_across_it(
@@ -76,7 +59,9 @@ async def test_republish_turns_ready_at_the_new_generation_and_decode_pulls_acro
         # does to every key); the host registers the same spec again and republishes.
         assert prefill.registration is not None
         await control_plane.deregister("prefill-rp", old_generation)
-        record = await control_plane.register(spec_of(prefill, "prefill-rp", EngineRole.PREFILL))
+        record = await control_plane.register(
+            prefill.describe().spec("prefill-rp", EngineRole.PREFILL, "127.0.0.1:0")
+        )
         assert record.generation > old_generation
 
         async def heartbeat() -> None:
