@@ -179,12 +179,15 @@ def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
 
 
 def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments of a prefill: one token, hand the KV off."""
-    return {
-        **_sampling_kwargs(sampling),
-        "max_tokens": 1,
-        "extra_args": {"kv_transfer_params": {"do_remote_decode": True}},
-    }
+    """``vllm.SamplingParams`` keyword arguments of a prefill: one token, hand the KV off.
+
+    A request of one token ends at the prefill: no handle is returned, so vLLM is not asked to
+    hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
+    only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out."""
+    kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
+    if sampling.max_tokens > 1:
+        kwargs["extra_args"] = {"kv_transfer_params": {"do_remote_decode": True}}
+    return kwargs
 
 
 def decode_sampling(sampling: SamplingParams, handle: KVHandle | None) -> dict[str, Any]:

@@ -86,6 +86,8 @@ def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:
     prefill = prefill_sampling(sampling)
     assert prefill["max_tokens"] == 1 and prefill["top_k"] == -1
     assert prefill["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True}}
+    # One token ends at the prefill: vLLM must not hold its blocks for a consumer.
+    assert "extra_args" not in prefill_sampling(SamplingParams(max_tokens=1))
     handle = encode_handle(
         PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
     )
