@@ -3,8 +3,10 @@
 ``*_from_proto`` functions run on the server before the backend sees anything: they bound every
 field and raise :class:`InvalidRequest` naming the first bad one, so malformed input is an
 INVALID_ARGUMENT and never reaches the engine. Checks that need the engine (vocabulary, context
-length) take its :class:`RequestLimits`. ``*_to_proto`` functions are their inverses; the client
-uses both directions' counterparts (a round trip is the identity on valid values).
+length) take its :class:`~services.engines.backend.RequestLimits` (the prompt check is the
+backend seam's own :func:`~services.engines.backend.validate_prompt`). ``*_to_proto`` functions
+are their inverses; the client uses both directions' counterparts (a round trip is the identity
+on valid values).
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from dataclasses import dataclass
 
 from services.control_plane.wire import EngineLoad, validate_identifier
 from services.engines.backend import (
-    BackendDescription,
     DecodeRequest,
     FinishReason,
     KVHandle,
     PrefillResult,
+    RequestLimits,
     SamplingParams,
     TokenDelta,
     Usage,
+    validate_prompt,
 )
 from services.engines.errors import InvalidRequest
 from services.proto_gen.pdserve.v1 import (
@@ -49,19 +52,6 @@ _FINISH_TO_PROTO = {
 _FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """What an engine accepts: token ids in ``[0, vocab_size)``, prompts that leave room for
-    at least one generated token within ``max_model_len``."""
-
-    vocab_size: int
-    max_model_len: int
-
-    @classmethod
-    def of(cls, description: BackendDescription) -> RequestLimits:
-        return cls(vocab_size=description.vocab_size, max_model_len=description.max_model_len)
-
-
 def validate_request_id(request_id: str, what: str = "request_id") -> str:
     if not _REQUEST_ID.match(request_id):
         raise InvalidRequest(
@@ -69,20 +59,6 @@ def validate_request_id(request_id: str, what: str = "request_id") -> str:
             f"starting with a letter or digit (got {request_id[:40]!r})"
         )
     return request_id
-
-
-def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
-    if not token_ids:
-        raise InvalidRequest("token_ids must not be empty")
-    if len(token_ids) >= limits.max_model_len:
-        raise InvalidRequest(
-            f"prompt of {len(token_ids)} tokens leaves no room to generate within the "
-            f"engine's context of {limits.max_model_len} tokens"
-        )
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
-    return tuple(token_ids)
 
 
 # -- sampling ------------------------------------------------------------------------------

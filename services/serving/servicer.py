@@ -21,11 +21,10 @@ import grpc
 import grpc.aio
 
 from services.control_plane.wire import EngineRole
-from services.engines.backend import BackendDescription, EngineBackend
+from services.engines.backend import BackendDescription, EngineBackend, RequestLimits
 from services.engines.errors import EngineDraining, EngineFailed, RequestError
 from services.proto_gen.pdserve.v1 import engine_pb2, engine_pb2_grpc
 from services.serving import convert
-from services.serving.convert import RequestLimits
 from services.serving.metrics import EngineServiceMetrics
 from services.serving.status import status_for
 

@@ -35,16 +35,17 @@ from services.engines.backend import (
     FinishReason,
     KVHandle,
     PrefillResult,
+    RequestLimits,
     SamplingParams,
     TokenDelta,
     Usage,
+    validate_prompt,
 )
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
     EngineFailed,
     EngineOverloaded,
-    InvalidRequest,
     RequestAborted,
 )
 
@@ -97,6 +98,7 @@ class StubBackend(EngineBackend):
         self._control_plane: RedisControlPlane | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._limits = RequestLimits.of(self.describe())
 
     def describe(self) -> BackendDescription:
         return BackendDescription(
@@ -179,8 +181,7 @@ class StubBackend(EngineBackend):
 
     def _check_prompt(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         sampling.validate(vocab_size=self.options.vocab_size)
-        if not prompt or any(not 0 <= t < self.options.vocab_size for t in prompt):
-            raise InvalidRequest("prompt must be non-empty token ids within the vocabulary")
+        validate_prompt(prompt, self._limits)
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams

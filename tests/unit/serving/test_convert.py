@@ -11,6 +11,7 @@ from services.engines.backend import (
     FinishReason,
     KVHandle,
     PrefillResult,
+    RequestLimits,
     SamplingParams,
     TokenDelta,
     Usage,
@@ -18,7 +19,6 @@ from services.engines.backend import (
 from services.engines.errors import InvalidRequest
 from services.proto_gen.pdserve.v1 import decode_pb2, prefill_pb2, types_pb2
 from services.serving import convert
-from services.serving.convert import RequestLimits
 
 LIMITS = RequestLimits(vocab_size=1000, max_model_len=64)
 
