@@ -144,6 +144,7 @@ class Executor:
         info.prompt_tokens = len(request.prompt_token_ids)
         prompt = PromptInfo(request.prompt_token_ids)
         plan = self._scheduler.plan(request.model, prompt)
+        self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
         with self._pool.reserve(plan.decode):
             if plan.prefill is None:
@@ -157,12 +158,10 @@ class Executor:
                 info.path = "local"
                 info.prefill_engine = None
                 self._metrics.execution_path.labels(path="local").inc()
-                async for chunk in self._decode(
-                    request, plan.decode, None, info, queue_observed=True
-                ):
+                async for chunk in self._decode(request, plan.decode, None, info):
                     yield chunk
                 return
-            self._metrics.execution_path.labels(path=info.path or "disaggregated").inc()
+            self._metrics.execution_path.labels(path=info.path).inc()
             info.cached_tokens = result.usage.cached_tokens
             info.completion_tokens = 1
             self._observe_ttft(request, info)
@@ -189,7 +188,6 @@ class Executor:
         slot = plan.prefill
         tried = {slot.engine_id}
         attempt = 1
-        self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         while True:
             info.prefill_engine = slot.engine_id
             started = time.perf_counter()
@@ -250,12 +248,8 @@ class Executor:
         slot: EngineSlot,
         prefilled: PrefillResult | None,
         info: RunInfo,
-        *,
-        queue_observed: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream from the decode engine; the first chunk of a local run is its first token."""
-        if prefilled is None and not queue_observed:
-            self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -326,9 +320,7 @@ class Executor:
         self._metrics.itl.observe(waited_s)
 
     def _observe_ttft(self, request: GenerationRequest, info: RunInfo) -> None:
-        self._metrics.ttft.labels(path=info.path or "local").observe(
-            time.perf_counter() - request.arrival_s
-        )
+        self._metrics.ttft.labels(path=info.path).observe(time.perf_counter() - request.arrival_s)
 
     def observe_end(
         self, request_arrival_s: float, endpoint: str, outcome: str, info: RunInfo | None

@@ -146,6 +146,7 @@ async def test_when_every_prefill_fails_the_request_falls_back_to_local_and_is_c
     assert "x-pdserve-prefill-engine" not in raw.headers
     assert factory.engines["d1"].decodes[-1].kv_handle is None
     assert sample(rt, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
+    assert sample(rt, "pdserve_router_queue_time_seconds_count") == 1
 
 
 async def test_bad_input_reported_by_the_prefill_engine_is_a_400_and_not_retried(client, factory):
