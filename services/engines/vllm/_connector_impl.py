@@ -85,18 +85,19 @@ CONTROL_PLANE_HOST = "pdserve-control-plane"
 """What ``remote_host`` says in kv_transfer_params: there is no side channel to dial."""
 
 
-def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> VllmLayout:
+def layout_of(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, transfer_mode: TransferMode
+) -> VllmLayout:
     """The local layout as :mod:`layouts` checks it."""
     parallel = vllm_config.parallel_config
     transfer = vllm_config.kv_transfer_config
-    settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
     hybrid = kv_cache_config is not None and any(
         not isinstance(group.kv_cache_spec, FullAttentionSpec)
         for group in kv_cache_config.kv_cache_groups
     )
     return VllmLayout(
         role=KVRole(transfer.kv_role),
-        mode=settings.transfer_mode,
+        mode=transfer_mode,
         pp_size=parallel.pipeline_parallel_size,
         tp_size=parallel.tensor_parallel_size,
         dcp_size=parallel.decode_context_parallel_size,
@@ -151,19 +152,12 @@ def rank_transfer_info(payload: NixlHandshakePayload) -> RankTransferInfo:
     )
 
 
-class _SchedulerHandshake:
-    """Scheduler-side mixin: publish the grid to the control plane instead of a ZMQ listener."""
+class _ControlPlaneClient:
+    """Mixin of both sides: one lazily opened :class:`ControlPlaneBridge`, closed at shutdown
+    before vLLM's own teardown (no watcher callback runs into released NIXL state)."""
 
-    vllm_config: VllmConfig
     pdserve: ConnectorSettings
     _bridge: ControlPlaneBridge | None = None
-    publications = 0
-
-    def _pdserve_init(self, settings: ConnectorSettings) -> None:
-        self.pdserve = settings
-        self._bridge = None
-        self.side_channel_host = CONTROL_PLANE_HOST
-        self.side_channel_port = 0
 
     def bridge(self) -> ControlPlaneBridge:
         if self._bridge is None:
@@ -171,6 +165,24 @@ class _SchedulerHandshake:
                 self.pdserve.control_plane, timeout_s=self.pdserve.resolve_timeout_s
             )
         return self._bridge
+
+    def shutdown(self) -> None:
+        if self._bridge is not None:
+            self._bridge.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class _SchedulerHandshake(_ControlPlaneClient):
+    """Scheduler-side mixin: publish the grid to the control plane instead of a ZMQ listener."""
+
+    vllm_config: VllmConfig
+    publications = 0
+
+    def _pdserve_init(self, settings: ConnectorSettings) -> None:
+        self.pdserve = settings
+        self._bridge = None
+        self.side_channel_host = CONTROL_PLANE_HOST
+        self.side_channel_port = 0
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
@@ -219,11 +231,6 @@ class _SchedulerHandshake:
             status.state.value if status else "grid already complete",
         )
 
-    def shutdown(self) -> None:
-        super().shutdown()  # type: ignore[misc]
-        if self._bridge is not None:
-            self._bridge.close()
-
 
 class _PushScheduler(_SchedulerHandshake, NixlPushConnectorScheduler):
     pass
@@ -233,28 +240,20 @@ class _PullScheduler(_SchedulerHandshake, NixlPullConnectorScheduler):
     pass
 
 
-class _WorkerHandshake:
+class _WorkerHandshake(_ControlPlaneClient):
     """Worker-side mixin: resolve remote handshakes from the control plane, pre-warmed."""
 
     vllm_config: VllmConfig
-    pdserve: ConnectorSettings
     pdserve_layout: VllmLayout
 
     def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
         self.pdserve = settings
         self.pdserve_layout = layout
-        self._bridge: ControlPlaneBridge | None = None
+        self._bridge = None
         self._peer_generations: dict[EngineId, str] = {}
         self._peer_lock = threading.Lock()
         self.prewarm_failures = 0
         self.finished_once = FinishedOnce()
-
-    def bridge(self) -> ControlPlaneBridge:
-        if self._bridge is None:
-            self._bridge = ControlPlaneBridge(
-                self.pdserve.control_plane, timeout_s=self.pdserve.resolve_timeout_s
-            )
-        return self._bridge
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
@@ -380,11 +379,6 @@ class _WorkerHandshake:
             offset = extra.clock_offset(now_perf=perf, now_wall=wall)
         return names, offset
 
-    def shutdown(self) -> None:
-        if self._bridge is not None:
-            self._bridge.close()
-        super().shutdown()  # type: ignore[misc]
-
 
 class _PushWorker(_WorkerHandshake, NixlPushConnectorWorker):
     pass
@@ -416,7 +410,7 @@ class _PdserveConnectorBase(NixlBaseConnector):
                 f"kv_transfer_config.engine_id {transfer.engine_id!r} must be "
                 f"{settings.vllm_engine_id!r} (engine id and generation)"
             )
-        layout = layout_of(vllm_config, kv_cache_config)
+        layout = layout_of(vllm_config, kv_cache_config, settings.transfer_mode)
         check_local_layout(layout)
         if role == KVConnectorRole.WORKER and vllm_config.speculative_config is not None:
             if vllm_config.use_v2_model_runner:
@@ -446,6 +440,10 @@ class _PdserveConnectorBase(NixlBaseConnector):
         results.finished_recving = once.filter("recv", results.finished_recving)
         return results
 
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.start_load_kv(self._connector_metadata)
+
 
 class PdservePushConnector(_PdserveConnectorBase):
     """Push (prefill WRITEs) NIXL transfer; the handshake goes through the control plane."""
@@ -454,10 +452,6 @@ class PdservePushConnector(_PdserveConnectorBase):
     _scheduler_cls = _PushScheduler
     _worker_cls = _PushWorker
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self.connector_worker is not None
-        self.connector_worker.start_load_kv(self._connector_metadata)
-
 
 class PdservePullConnector(_PdserveConnectorBase):
     """Pull (decode READs) NIXL transfer, PP=1 on both sides; handshake via the control plane."""
@@ -465,10 +459,6 @@ class PdservePullConnector(_PdserveConnectorBase):
     transfer_mode = TransferMode.PULL
     _scheduler_cls = _PullScheduler
     _worker_cls = _PullWorker
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self.connector_worker is not None
-        self.connector_worker.start_load_kv(self._connector_metadata)
 
 
 PdserveConnector = PdservePushConnector

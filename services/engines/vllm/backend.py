@@ -47,7 +47,7 @@ from services.engines.errors import (
     UnknownKVHandle,
 )
 from services.engines.vllm.contracts import decide_model_runner
-from services.engines.vllm.handshake import ConnectorSettings
+from services.engines.vllm.handshake import ConnectorSettings, vllm_engine_id
 from services.engines.vllm.layouts import (
     KVRole,
     TransferMode,
@@ -143,18 +143,25 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
     )
 
 
+def connector_settings(
+    options: VllmEngineOptions, registration: EngineRegistration
+) -> ConnectorSettings:
+    """The settings pdserve's connector in vLLM's processes gets for this engine."""
+    return ConnectorSettings(
+        registration.engine_id,
+        registration.generation,
+        registration.control_plane,
+        options.transfer_mode,
+    )
+
+
 def kv_transfer_config(
     options: VllmEngineOptions, registration: EngineRegistration
 ) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` for this engine: pdserve's connector, role, generation."""
     role = _ROLE[registration.role]
     check_local_layout(VllmLayout(role, options.transfer_mode, options.pp_size, options.tp_size))
-    settings = ConnectorSettings(
-        registration.engine_id,
-        registration.generation,
-        registration.control_plane,
-        options.transfer_mode,
-    )
+    settings = connector_settings(options, registration)
     extra = settings.to_extra_config()
     extra["kv_lease_duration"] = options.kv_lease_s
     return {
@@ -241,7 +248,7 @@ def decode_handle(handle: KVHandle) -> dict[str, Any]:
     required = ("remote_engine_id", "remote_request_id", "remote_block_ids", "tp_size")
     if not isinstance(params, dict) or any(key not in params for key in required):
         raise UnknownKVHandle(f"handle {handle.request_id}: kv_transfer_params lack {required}")
-    expected = f"{handle.producer_engine_id}.g{handle.generation}"
+    expected = vllm_engine_id(handle.producer_engine_id, handle.generation)
     if params["remote_engine_id"] != expected:
         raise UnknownKVHandle(
             f"handle names {expected} but its params name {params['remote_engine_id']}"
@@ -291,7 +298,8 @@ class VllmBackend(EngineBackend):
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if decision.use_v2 else "0"
         password = registration.control_plane.redis.password
         if password is not None:
-            os.environ["PDSERVE_VLLM_REDIS_PASSWORD"] = password.get_secret_value()
+            password_env = connector_settings(self.options, registration).redis_password_env
+            os.environ[password_env] = password.get_secret_value()
         try:
             engine_module = importlib.import_module("vllm.engine.arg_utils")
             async_llm = importlib.import_module("vllm.v1.engine.async_llm")

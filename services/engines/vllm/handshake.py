@@ -58,6 +58,8 @@ EXTRA_VERSION = 1
 MAX_EXTRA_BYTES = 2 * 1024 * 1024
 EXTRA_CONFIG_KEY = "pdserve"
 """The key of pdserve's settings inside vLLM's ``kv_connector_extra_config``."""
+REDIS_PASSWORD_ENV = "PDSERVE_VLLM_REDIS_PASSWORD"
+"""The default environment variable carrying the Redis password into vLLM's processes."""
 
 
 class HandshakeResolutionError(RuntimeError):
@@ -91,7 +93,7 @@ class ConnectorSettings:
     control_plane: ControlPlaneSettings
     transfer_mode: TransferMode = TransferMode.PUSH
     resolve_timeout_s: float = 10.0
-    redis_password_env: str = "PDSERVE_VLLM_REDIS_PASSWORD"
+    redis_password_env: str = REDIS_PASSWORD_ENV
 
     @property
     def vllm_engine_id(self) -> str:
@@ -122,7 +124,7 @@ class ConnectorSettings:
             )
         try:
             control_plane = dict(raw["control_plane"])
-            password_env = str(raw.get("redis_password_env", "PDSERVE_VLLM_REDIS_PASSWORD"))
+            password_env = str(raw.get("redis_password_env", REDIS_PASSWORD_ENV))
             password = os.environ.get(password_env)
             if password:
                 control_plane["redis"] = {**control_plane["redis"], "password": password}
