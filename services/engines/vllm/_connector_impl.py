@@ -53,7 +53,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from services.control_plane.base import EngineView
 from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import EngineId, EngineRole
-from services.engines.vllm.contracts import FinishedOnce
+from services.engines.vllm.contracts import FinishedOnce, decide_model_runner
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     ControlPlaneBridge,
@@ -412,13 +412,20 @@ class _PdserveConnectorBase(NixlBaseConnector):
             )
         layout = layout_of(vllm_config, kv_cache_config, settings.transfer_mode)
         check_local_layout(layout)
-        if role == KVConnectorRole.WORKER and vllm_config.speculative_config is not None:
-            if vllm_config.use_v2_model_runner:
+        if role == KVConnectorRole.WORKER:
+            # The runner is already chosen here (vllm_config resolved it): refuse the wrong one.
+            decision = decide_model_runner(
+                kv_connector=transfer.kv_connector,
+                kv_role=transfer.kv_role,
+                speculative=vllm_config.speculative_config is not None,
+                env_value=None,
+            )
+            if decision.use_v2 is False and vllm_config.use_v2_model_runner:
                 raise UnsupportedVllmLayout(
                     "speculative decoding with a KV connector needs the V1 model runner (KV "
                     "saves finalized after the drafter); set VLLM_USE_V2_MODEL_RUNNER=0"
                 )
-            logger.info("KV connector active with speculative decoding: V1 model runner")
+            logger.info("model runner: %s", decision.reason)
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             scheduler = self._scheduler_cls(vllm_config, self.engine_id, kv_cache_config)
