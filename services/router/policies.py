@@ -12,7 +12,9 @@ run on the request path, synchronously: no I/O, a few microseconds.
 - :class:`PrefixAwarePolicy`: least-loaded, except that the engine that was sent the longest
   prefix of this prompt's blocks wins while its load is within ``load_slack`` of the least
   loaded one. The index is approximate (what this router sent, not what the engine kept); the
-  engine's ``usage.cached_tokens`` reports the truth.
+  engine's ``usage.cached_tokens`` reports the truth. It is kept per :class:`EngineSlot`, weakly:
+  an engine that restarts (new generation, so a new slot) starts empty, and one that leaves the
+  pool is forgotten with its slot.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from __future__ import annotations
 import abc
 import enum
 import itertools
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.control_plane.wire import EngineId
 from services.router.pool import EngineSlot
 
 
@@ -120,24 +122,29 @@ class LeastLoadedPolicy(RoutingPolicy):
 
 
 class PrefixIndex:
-    """Per engine, an LRU set of the block hashes this router sent it."""
+    """Per engine slot, an LRU set of the block hashes this router sent it (dropped with the
+    slot: the pool replaces a slot when its engine restarts and drops it when it leaves)."""
 
     def __init__(self, capacity_blocks: int) -> None:
         self._capacity = capacity_blocks
-        self._blocks: dict[EngineId, OrderedDict[int, None]] = {}
+        self._blocks: weakref.WeakKeyDictionary[EngineSlot, OrderedDict[int, None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def add(self, engine_id: EngineId, hashes: Sequence[int]) -> None:
-        blocks = self._blocks.setdefault(engine_id, OrderedDict())
+    def add(self, slot: EngineSlot, hashes: Sequence[int]) -> None:
+        blocks = self._blocks.get(slot)
+        if blocks is None:
+            blocks = self._blocks[slot] = OrderedDict()
         for block_hash in hashes:
             blocks[block_hash] = None
             blocks.move_to_end(block_hash)
         while len(blocks) > self._capacity:
             blocks.popitem(last=False)
 
-    def matched(self, engine_id: EngineId, hashes: Sequence[int]) -> int:
+    def matched(self, slot: EngineSlot, hashes: Sequence[int]) -> int:
         """Leading hashes present (a chained hash present implies its whole prefix matched,
         but an evicted earlier block still counts as a miss, conservatively)."""
-        blocks = self._blocks.get(engine_id)
+        blocks = self._blocks.get(slot)
         if not blocks:
             return 0
         count = 0
@@ -147,9 +154,6 @@ class PrefixIndex:
             count += 1
         return count
 
-    def forget(self, engine_id: EngineId) -> None:
-        self._blocks.pop(engine_id, None)
-
 
 class PrefixAwarePolicy(LeastLoadedPolicy):
     """Longest cached prefix within ``load_slack`` of the least load; else least-loaded."""
@@ -157,7 +161,6 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
     def __init__(self, capacity_blocks: int, load_slack: int) -> None:
         super().__init__()
         self._index = PrefixIndex(capacity_blocks)
-        self._generations: dict[EngineId, int] = {}
         self._slack = load_slack
 
     def choose(
@@ -177,18 +180,10 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         return best_slot if best_slot is not None else self._least_loaded(candidates)
 
     def routed(self, slot: EngineSlot, prompt: PromptInfo) -> None:
-        self._check_generation(slot)
-        self._index.add(slot.engine_id, prompt.block_hashes(slot.record.block_size))
+        self._index.add(slot, prompt.block_hashes(slot.record.block_size))
 
     def cached_blocks(self, slot: EngineSlot, prompt: PromptInfo) -> int:
-        self._check_generation(slot)
-        return self._index.matched(slot.engine_id, prompt.block_hashes(slot.record.block_size))
-
-    def _check_generation(self, slot: EngineSlot) -> None:
-        # A restarted engine (new generation) starts with an empty cache.
-        if self._generations.get(slot.engine_id) != slot.record.generation:
-            self._index.forget(slot.engine_id)
-            self._generations[slot.engine_id] = slot.record.generation
+        return self._index.matched(slot, prompt.block_hashes(slot.record.block_size))
 
 
 def make_policy(name: str, *, prefix_cache_blocks: int, prefix_load_slack: int) -> RoutingPolicy:

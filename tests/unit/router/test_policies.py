@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from services.control_plane.wire import EngineLoad, EngineRole, EngineState
@@ -118,6 +120,20 @@ def test_prefix_aware_forgets_an_engine_that_restarted():
     restarted = pool.get("a")
     assert restarted is not None and restarted is not slot
     assert policy.cached_blocks(restarted, prompt) == 0
+
+
+def test_prefix_aware_drops_the_index_of_an_engine_that_left():
+    rt = runtime()
+    pool = pool_of(rt, view("a", PREFILL))
+    policy = PrefixAwarePolicy(capacity_blocks=100, load_slack=2)
+    slot = pool.get("a")
+    assert slot is not None
+    policy.routed(slot, PromptInfo(tuple(range(16))))
+    assert len(policy._index._blocks) == 1
+    rt.pool.update("a", None)
+    del slot
+    gc.collect()
+    assert len(policy._index._blocks) == 0
 
 
 def test_plan_pairs_only_engines_with_the_same_compat_hash_and_block_size():
