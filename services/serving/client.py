@@ -11,7 +11,9 @@ raised (``InvalidRequest``, ``UnknownKVHandle``, ``ProducerUnavailable``, ``Engi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -56,6 +58,27 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class _Stubs:
+    """One channel and the service stubs over it (built together, dropped together)."""
+
+    channel: grpc.aio.Channel
+    prefill: prefill_pb2_grpc.PrefillServiceAsyncStub
+    decode: decode_pb2_grpc.DecodeServiceAsyncStub
+    engine: engine_pb2_grpc.EngineServiceAsyncStub
+    health: health_pb2_grpc.HealthStub
+
+    @classmethod
+    def over(cls, channel: grpc.aio.Channel) -> _Stubs:
+        return cls(
+            channel=channel,
+            prefill=prefill_pb2_grpc.PrefillServiceStub(channel),
+            decode=decode_pb2_grpc.DecodeServiceStub(channel),
+            engine=engine_pb2_grpc.EngineServiceStub(channel),
+            health=health_pb2_grpc.HealthStub(channel),
+        )
+
+
 class EngineClient:
     """A client of one engine service (prefill or decode) at ``target`` (``host:port``).
 
@@ -73,28 +96,21 @@ class EngineClient:
         self.target = target
         self._tls = tls
         self._max_message_bytes = max_message_bytes
-        self._channel: grpc.aio.Channel | None = None
-        self._prefill: prefill_pb2_grpc.PrefillServiceAsyncStub | None = None
-        self._decode: decode_pb2_grpc.DecodeServiceAsyncStub | None = None
-        self._engine: engine_pb2_grpc.EngineServiceAsyncStub | None = None
-        self._health: health_pb2_grpc.HealthStub | None = None
+        self._stubs: _Stubs | None = None
 
-    def _connect(self) -> grpc.aio.Channel:
-        if self._channel is None:
+    def _connect(self) -> _Stubs:
+        if self._stubs is None:
             options = channel_options(self._max_message_bytes)
             if self._tls is None:
-                self._channel = grpc.aio.insecure_channel(self.target, options=options)
+                channel = grpc.aio.insecure_channel(self.target, options=options)
             else:
                 if self._tls.server_name:
                     options.append(("grpc.ssl_target_name_override", self._tls.server_name))
-                self._channel = grpc.aio.secure_channel(
+                channel = grpc.aio.secure_channel(
                     self.target, self._tls.credentials(), options=options
                 )
-            self._prefill = prefill_pb2_grpc.PrefillServiceStub(self._channel)
-            self._decode = decode_pb2_grpc.DecodeServiceStub(self._channel)
-            self._engine = engine_pb2_grpc.EngineServiceStub(self._channel)
-            self._health = health_pb2_grpc.HealthStub(self._channel)
-        return self._channel
+            self._stubs = _Stubs.over(channel)
+        return self._stubs
 
     def _error(self, exc: grpc.aio.AioRpcError, rpc: str) -> Exception:
         # grpc.aio.Metadata iterates as (key, value) pairs (grpc-stubs describes the sync type).
@@ -103,6 +119,14 @@ class EngineClient:
         return error_from_status(
             exc.code(), exc.details() or "", metadata, target=self.target, rpc=rpc
         )
+
+    @contextlib.contextmanager
+    def _translated(self, rpc: str) -> Iterator[None]:
+        """Raise a failed call's status as the engine's error class (see the module docstring)."""
+        try:
+            yield
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, rpc) from None
 
     async def prefill(
         self,
@@ -113,13 +137,10 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> PrefillResult:
         """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is."""
-        self._connect()
-        assert self._prefill is not None
+        stubs = self._connect()
         message = convert.prefill_request_to_proto(request_id, prompt_token_ids, sampling)
-        try:
-            response = await self._prefill.Prefill(message, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc, "Prefill") from None
+        with self._translated("Prefill"):
+            response = await stubs.prefill.Prefill(message, timeout=timeout_s)
         return convert.prefill_result_from_proto(response)
 
     async def decode(
@@ -128,14 +149,12 @@ class EngineClient:
         """Stream the request's tokens. Errors before the first delta raise; closing the
         iterator early (``aclose``, ``break`` in ``async for`` then garbage collection, or the
         consuming task being cancelled) cancels the call and the engine aborts the request."""
-        self._connect()
-        assert self._decode is not None
-        call = self._decode.Decode(convert.decode_request_to_proto(request), timeout=timeout_s)
+        stubs = self._connect()
+        call = stubs.decode.Decode(convert.decode_request_to_proto(request), timeout=timeout_s)
         try:
-            async for chunk in call:
-                yield convert.delta_from_proto(chunk)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc, "Decode") from None
+            with self._translated("Decode"):
+                async for chunk in call:
+                    yield convert.delta_from_proto(chunk)
         finally:
             if not call.done():
                 call.cancel()
@@ -143,23 +162,17 @@ class EngineClient:
     async def abort(self, request_id: str, *, timeout_s: float | None = 5.0) -> bool:
         """Abort a running request or release held KV; ``False`` when the engine does not
         know the id."""
-        self._connect()
-        assert self._engine is not None
-        try:
-            response = await self._engine.Abort(
+        stubs = self._connect()
+        with self._translated("Abort"):
+            response = await stubs.engine.Abort(
                 engine_pb2.AbortRequest(request_id=request_id), timeout=timeout_s
             )
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc, "Abort") from None
         return response.found
 
     async def get_load(self, *, timeout_s: float | None = 5.0) -> EngineLoad:
-        self._connect()
-        assert self._engine is not None
-        try:
-            response = await self._engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc, "GetLoad") from None
+        stubs = self._connect()
+        with self._translated("GetLoad"):
+            response = await stubs.engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout_s)
         return convert.load_from_proto(response)
 
     async def health(self, *, timeout_s: float | None = 5.0) -> bool:
@@ -167,10 +180,9 @@ class EngineClient:
 
         Raises :class:`EngineUnreachable` when the engine cannot be reached.
         """
-        self._connect()
-        assert self._health is not None
+        stubs = self._connect()
         try:
-            response = await self._health.Check(
+            response = await stubs.health.Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as exc:
@@ -181,10 +193,11 @@ class EngineClient:
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
-        """Close the channel (in-flight calls are cancelled). Idempotent."""
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close(grace=None)
+        """Close the channel (in-flight calls are cancelled); the next call opens a new one.
+        Idempotent."""
+        stubs, self._stubs = self._stubs, None
+        if stubs is not None:
+            await stubs.channel.close(grace=None)
 
 
 class EngineClientPool:
