@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,6 @@ from tests.deploy.chart import (
 )
 
 VALUE_SETS = [pytest.param(None, id="default"), *(pytest.param(p, id=p.stem) for p in EXAMPLES)]
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    with helm.Chart.load(CHART_DIR) as loaded:
-        yield loaded
 
 
 def values_of(path: Path | None) -> dict[str, Any] | None:

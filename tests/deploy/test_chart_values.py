@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import helm_python as helm
@@ -120,12 +119,6 @@ VALIDATE_REJECTS = [
         id="every-problem-listed-at-once",
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    with helm.Chart.load(CHART_DIR) as loaded:
-        yield loaded
 
 
 @pytest.mark.parametrize(("values", "where"), SCHEMA_REJECTS)
