@@ -133,6 +133,12 @@ class KVTransferMetrics:
             ["consumer_engine", "consumer_rank"],
             registry=self.registry,
         )
+        self.prewarm_failures = Counter(
+            "pdserve_kv_transfer_prewarm_failures_total",
+            "Producer engines that turned READY but could not be pre-warmed, by reason.",
+            ["producer_engine", "reason"],
+            registry=self.registry,
+        )
         self.leased_blocks = Gauge(
             "pdserve_kv_transfer_leased_blocks",
             "Blocks a producer worker holds for consumers to read.",

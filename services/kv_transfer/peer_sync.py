@@ -20,14 +20,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter
-
 from services.control_plane import ControlPlane, ControlPlaneError, EngineRole
 from services.control_plane.base import EngineView
 from services.control_plane.watch import EngineChange, EngineWatcher
 from services.control_plane.wire import EngineId
 from services.kv_transfer.consumer import KVConsumer
 from services.kv_transfer.errors import KVTransferError
+from services.kv_transfer.metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +43,13 @@ class PeerSync:
         *,
         compat_hash: str,
         own_engine_id: EngineId | None = None,
-        registry: CollectorRegistry | None = None,
+        metrics: KVTransferMetrics | None = None,
     ) -> None:
         self._consumer = consumer
         self._control_plane = control_plane
         self._compat_hash = compat_hash
         self._own_engine_id = own_engine_id
-        self.prewarm_failures = Counter(
-            "pdserve_kv_transfer_prewarm_failures_total",
-            "Producer engines that turned READY but could not be pre-warmed, by reason.",
-            ["producer_engine", "reason"],
-            registry=registry if registry is not None else CollectorRegistry(),
-        )
+        self._metrics = metrics if metrics is not None else KVTransferMetrics()
 
     def wants(self, view: EngineView | None) -> bool:
         """Whether this consumer should be connected to the engine ``view`` shows."""
@@ -102,7 +96,9 @@ class PeerSync:
                 return  # it changed again meanwhile; the next change brings the new state
             self._consumer.connect(topology)
         except (ControlPlaneError, KVTransferError) as exc:
-            self.prewarm_failures.labels(producer_engine=engine_id, reason=exc.reason).inc()
+            self._metrics.prewarm_failures.labels(
+                producer_engine=engine_id, reason=exc.reason
+            ).inc()
             logger.warning("could not pre-warm producer %s: %s", engine_id, exc)
             return
         logger.info("pre-warmed producer %s generation %d", engine_id, target)

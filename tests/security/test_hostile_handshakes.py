@@ -42,6 +42,7 @@ from services.control_plane.wire import HandshakeRecord, decode, encode
 from services.kv_transfer.block_pool import KVBlockPool, KVPoolSpec
 from services.kv_transfer.consumer import KVConsumer
 from services.kv_transfer.errors import IncompatiblePeerError
+from services.kv_transfer.metrics import KVTransferMetrics
 from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.peer_sync import PeerSync
 from services.kv_transfer.protocol import WorkerIdentity
@@ -160,7 +161,9 @@ async def test_data_plane_refuses_addresses_outside_the_registered_memory_before
     transport = NixlTransport(pool, WorkerIdentity("decode-hostile", 1, 0, 0))
     consumer = KVConsumer(transport, harness_spec.layout())
     registry = CollectorRegistry()
-    sync = PeerSync(consumer, control_plane, compat_hash=model_hash, registry=registry)
+    sync = PeerSync(
+        consumer, control_plane, compat_hash=model_hash, metrics=KVTransferMetrics(registry)
+    )
     try:
         # Geometry the control plane would refuse never reaches NIXL on the data plane either
         # (no descriptor list of 2**24 blocks is built, no address wraps).

@@ -286,7 +286,7 @@ class RankWorker:
             control_plane,
             compat_hash=self.setup.compat_hash,
             own_engine_id=self.identity.engine_id,
-            registry=self.metrics.registry,
+            metrics=self.metrics,
         )
         while True:
             try:

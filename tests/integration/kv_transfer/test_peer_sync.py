@@ -21,6 +21,7 @@ from services.control_plane import (
 from services.control_plane.wire import HandshakeRecord, decode
 from services.kv_transfer.block_pool import KVBlockPool, KVPoolSpec
 from services.kv_transfer.consumer import KVConsumer
+from services.kv_transfer.metrics import KVTransferMetrics
 from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.peer_sync import PeerSync
 from services.kv_transfer.protocol import WorkerIdentity
@@ -73,7 +74,9 @@ async def test_consumer_prewarms_on_ready_and_lets_go_on_a_new_generation(
     transport = NixlTransport(pool, WorkerIdentity("decode-a", 1, 0, 0))
     consumer = KVConsumer(transport, harness_spec.layout())
     registry = CollectorRegistry()
-    sync = PeerSync(consumer, control_plane, compat_hash=model_hash, registry=registry)
+    sync = PeerSync(
+        consumer, control_plane, compat_hash=model_hash, metrics=KVTransferMetrics(registry)
+    )
     try:
         async with control_plane.watch() as watcher:
             following = asyncio.create_task(sync.follow(watcher))
