@@ -158,7 +158,6 @@ class EngineHost:
         self._health: Any = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._metrics_server: object | None = None
         self.endpoints: ServingEndpoints | None = None
-        self.drain_aborted = 0
         self._spec: EngineSpec | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -172,14 +171,12 @@ class EngineHost:
             description,
             self.metrics,
             engine_id=self.engine_id,
-            role=self.role,
-            on_engine_failed=self._engine_failed,
+            on_engine_failed=self._fail,
         )
         if isinstance(self.backend, ExportsMetrics):
             self.registry.register(self.backend.metrics_collector())
         heartbeat: asyncio.Task[None] | None = None
         registered = False
-        started = False
         try:
             port = await self._start_server(state, description.compat_hash)
             metrics_url = self._start_metrics()
@@ -193,7 +190,6 @@ class EngineHost:
             )
             heartbeat = asyncio.create_task(self._heartbeat(state))
             registration = self._registration(record.generation)
-            started = True
             if not (
                 await self._until(stop, self.backend.start(registration))
                 and await self._until(stop, self._wait_ready(record.generation))
@@ -224,13 +220,15 @@ class EngineHost:
                 state,
                 heartbeat,
                 deregister=registered and not lost,
-                stop_backend=started,
+                # The backend starts right after the registration: stop it from then on.
+                stop_backend=registered,
             )
             return 1
         finally:
             await self._close()
 
-    def _engine_failed(self, exc: EngineFailed) -> None:
+    def _fail(self, exc: HostError | EngineFailed) -> None:
+        """Stop serving with ``exc`` (the first fatal error wins)."""
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_result(exc)
 
@@ -265,14 +263,14 @@ class EngineHost:
         state.admitting = False
         state.draining = True
         await self._health.enter_graceful_shutdown()
-        self.drain_aborted = await self.backend.drain(self.settings.drain_timeout_s)
-        if self.drain_aborted:
+        aborted = await self.backend.drain(self.settings.drain_timeout_s)
+        if aborted:
             logger.warning(
                 "drain aborted %d requests that did not finish in %.1fs",
-                self.drain_aborted,
+                aborted,
                 self.settings.drain_timeout_s,
             )
-            self.metrics.count_drain_aborted(self.drain_aborted)
+            self.metrics.count_drain_aborted(aborted)
         await self._abandon(state, heartbeat, deregister=True, stop_backend=True)
         assert self._fatal is not None
         if self._fatal.done():
@@ -403,12 +401,12 @@ class EngineHost:
         )
 
     def _registration_lost(self, generation: int, exc: ControlPlaneError) -> None:
-        lost = RegistrationLost(
-            f"engine {self.engine_id} generation {generation} lost its registration "
-            f"({type(exc).__name__}: {exc}); it stops serving under it"
+        self._fail(
+            RegistrationLost(
+                f"engine {self.engine_id} generation {generation} lost its registration "
+                f"({type(exc).__name__}: {exc}); it stops serving under it"
+            )
         )
-        if self._fatal is not None and not self._fatal.done():
-            self._fatal.set_result(lost)
 
     async def _heartbeat(self, state: ServingState) -> None:
         """Renew the lease every ``heartbeat_interval_s`` at ``state.generation``.
@@ -425,7 +423,7 @@ class EngineHost:
             while True:
                 failure = self.backend.failure if isinstance(self.backend, ReportsFailure) else None
                 if failure is not None:
-                    self._engine_failed(failure)
+                    self._fail(failure)
                     return
                 if reregistration is not None and reregistration.done():
                     reregistration = None  # it reported any fatal error itself
@@ -512,8 +510,7 @@ class EngineHost:
                     f"{self.settings.ready_timeout_s}s"
                 )
             )
-            if self._fatal is not None and not self._fatal.done():
-                self._fatal.set_result(failed)
+            self._fail(failed)
             return
         self.metrics.count_reregistration()
         if self.endpoints is not None:

@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from services.control_plane.wire import EngineRole
 from services.engines.backend import BackendDescription, EngineBackend, RequestLimits
 from services.engines.errors import EngineDraining, EngineFailed, RequestError
 from services.proto_gen.pdserve.v1 import engine_pb2, engine_pb2_grpc
@@ -52,15 +51,12 @@ class ServingState:
         metrics: EngineServiceMetrics,
         *,
         engine_id: str,
-        role: EngineRole,
         on_engine_failed: Callable[[EngineFailed], None],
     ) -> None:
         self.backend = backend
-        self.description = description
         self.limits = RequestLimits.of(description)
         self.metrics = metrics
         self.engine_id = engine_id
-        self.role = role
         self.generation = 0
         self.admitting = False
         self.draining = False
