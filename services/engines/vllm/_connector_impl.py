@@ -279,6 +279,8 @@ class _WorkerHandshake(_ControlPlaneClient):
             peer_role, notif_only = KVRole.CONSUMER, False
         else:
             return None
+        # The record does not carry the peer's transfer mode (its handshake extras do): a peer
+        # of the other mode is refused when its handshake is resolved (resolve_extras).
         peer = VllmLayout(peer_role, own.mode, record.pp_size, record.tp_size)
         return peer, notif_only
 
@@ -354,6 +356,7 @@ class _WorkerHandshake(_ControlPlaneClient):
             remote_pp_size=remote_pp_size,
             remote_tp_size=remote_tp_size,
             tp_ranks=list(targets),
+            expected_mode=self.pdserve.transfer_mode,
         )
         names: dict[tuple[int, int], str] = {}
         offset = 0.0

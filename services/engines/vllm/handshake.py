@@ -301,9 +301,11 @@ def resolve_extras(
     remote_pp_size: int,
     remote_tp_size: int,
     tp_ranks: list[int],
+    expected_mode: TransferMode,
 ) -> dict[tuple[int, int], VllmHandshakeExtra]:
     """The handshake extras a worker needs from a READY topology, or
-    :class:`HandshakeResolutionError` (another generation, a layout other than the request's)."""
+    :class:`HandshakeResolutionError` (another generation, a layout other than the request's,
+    a peer of the other transfer mode: push and pull connectors are protocol-incompatible)."""
     engine_id, generation = parse_vllm_engine_id(expected_engine_id)
     engine = topology.engine
     if engine.engine_id != engine_id or engine.generation != generation:
@@ -321,7 +323,13 @@ def resolve_extras(
             record = topology.records.get((pp_rank, tp_rank))
             if record is None:
                 raise HandshakeResolutionError(f"{expected_engine_id}: no rank {pp_rank}:{tp_rank}")
-            extras[(pp_rank, tp_rank)] = VllmHandshakeExtra.decode(record.extra)
+            extra = VllmHandshakeExtra.decode(record.extra)
+            if extra.transfer_mode is not expected_mode:
+                raise HandshakeResolutionError(
+                    f"{expected_engine_id} publishes {extra.transfer_mode.value} mode, this "
+                    f"engine is {expected_mode.value} mode: push and pull are incompatible"
+                )
+            extras[(pp_rank, tp_rank)] = extra
     return extras
 
 
@@ -370,6 +378,7 @@ class ControlPlaneBridge:
         remote_pp_size: int,
         remote_tp_size: int,
         tp_ranks: list[int],
+        expected_mode: TransferMode,
     ) -> dict[tuple[int, int], VllmHandshakeExtra]:
         """Read the remote engine's READY topology and :func:`resolve_extras` from it."""
         engine_id, _generation = parse_vllm_engine_id(expected_engine_id)
@@ -383,6 +392,7 @@ class ControlPlaneBridge:
             remote_pp_size=remote_pp_size,
             remote_tp_size=remote_tp_size,
             tp_ranks=tp_ranks,
+            expected_mode=expected_mode,
         )
 
     def follow(self, on_change: Callable[[EngineView | None, EngineId], None]) -> None:

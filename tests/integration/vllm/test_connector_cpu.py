@@ -198,21 +198,29 @@ async def test_worker_resolution_reads_published_grid_and_fences_old_generations
     await asyncio.to_thread(connector.shutdown)
 
     bridge = await asyncio.to_thread(ControlPlaneBridge, cp_settings, timeout_s=5.0)
-    try:
-        extras = await asyncio.to_thread(
-            bridge.resolve, vid, remote_pp_size=2, remote_tp_size=1, tp_ranks=[0]
+
+    async def resolve(tp: int = 1, mode: TransferMode = TransferMode.PUSH) -> dict[Any, Any]:
+        return await asyncio.to_thread(
+            bridge.resolve,
+            vid,
+            remote_pp_size=2,
+            remote_tp_size=tp,
+            tp_ranks=[0],
+            expected_mode=mode,
         )
+
+    try:
+        extras = await resolve()
         assert sorted(extras) == [(0, 0), (1, 0)]
         with pytest.raises(HandshakeResolutionError, match="TP=2"):
-            await asyncio.to_thread(
-                bridge.resolve, vid, remote_pp_size=2, remote_tp_size=2, tp_ranks=[0]
-            )
+            await resolve(tp=2)
+        # A pull-mode worker must not handshake with a push-mode prefill.
+        with pytest.raises(HandshakeResolutionError, match="push and pull"):
+            await resolve(mode=TransferMode.PULL)
         # The prefill restarts: its old vLLM engine id must never resolve again.
         await control_plane.register(spec("p2", 2, 1))
         with pytest.raises(HandshakeResolutionError):
-            await asyncio.to_thread(
-                bridge.resolve, vid, remote_pp_size=2, remote_tp_size=1, tp_ranks=[0]
-            )
+            await resolve()
     finally:
         await asyncio.to_thread(bridge.close)
 
