@@ -33,7 +33,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,10 +46,10 @@ from typing import Any
 import httpx
 
 from services.config import ControlPlaneSettings
-from services.control_plane.local_redis import LocalRedisServer
+from services.control_plane.local_redis import LocalRedisServer, free_port
 from services.engines.backend import DecodeRequest, SamplingParams
+from services.serving.ready import parse_ready_line, pdserve_argv
 
-READY_PREFIX = "PDSERVE_READY "
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 4
 START_TIMEOUT_S = 120.0
@@ -187,8 +186,8 @@ def _start(name: str, argv: Sequence[str], *, wait_ready_line: bool) -> Service:
     assert process.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S
     for line in process.stdout:
-        if line.startswith(READY_PREFIX):
-            service.announced = json.loads(line[len(READY_PREFIX) :])
+        service.announced = parse_ready_line(line)
+        if service.announced is not None:
             break
         if time.monotonic() > deadline:
             break
@@ -196,17 +195,6 @@ def _start(name: str, argv: Sequence[str], *, wait_ready_line: bool) -> Service:
         service.stop()
         raise RuntimeError(f"{name} did not announce itself (exit status {process.poll()})")
     return service
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _pdserve(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli.main", *arguments]
 
 
 async def _wait_http(url: str, method: str = "GET", body: Any = None) -> None:
@@ -321,7 +309,7 @@ async def _bench_pdserve(
             services.append(
                 _start(
                     role,
-                    _pdserve(
+                    pdserve_argv(
                         role,
                         *cp,
                         "--engine",
@@ -336,7 +324,7 @@ async def _bench_pdserve(
             )
         router = _start(
             "router",
-            _pdserve("router", *cp, "--port", "0", "--policy", "least_loaded"),
+            pdserve_argv("router", *cp, "--port", "0", "--policy", "least_loaded"),
             wait_ready_line=True,
         )
         services.append(router)
@@ -375,7 +363,7 @@ def _vllm_router_binary() -> str | None:
 
 
 async def _bench_vllm_router(args: argparse.Namespace, binary: str) -> dict[str, Any]:
-    ports = {"prefill": _free_port(), "decode": _free_port(), "router": _free_port()}
+    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
     services: list[Service] = []
     try:
         for role in ("prefill", "decode"):

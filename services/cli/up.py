@@ -40,8 +40,8 @@ from services.cli.status import describe, render_table
 from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+from services.serving.ready import parse_ready_line, pdserve_argv
 
-READY_PREFIX = "PDSERVE_READY "
 TINY_MODEL_DIR = "tiny-model"
 _LOG_TAIL_LINES = 20
 
@@ -248,10 +248,6 @@ def _model_dir(args: argparse.Namespace) -> Path | None:
     return model.resolve()
 
 
-def _pdserve(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli.main", *arguments]
-
-
 def _engine_children(
     args: argparse.Namespace, model: Path | None, common: list[str], logs: Path
 ) -> list[Child]:
@@ -262,7 +258,7 @@ def _engine_children(
     for role, replicas, pp, tp in layouts:
         for index in range(replicas):
             name = f"{role}-{index}"
-            argv = _pdserve(
+            argv = pdserve_argv(
                 role,
                 *common,
                 "--engine",
@@ -286,7 +282,7 @@ def _engine_children(
 def _router_child(
     args: argparse.Namespace, model: Path | None, common: list[str], logs: Path
 ) -> Child:
-    argv = _pdserve(
+    argv = pdserve_argv(
         "router",
         *common,
         "--host",
@@ -321,13 +317,11 @@ async def _read_output(child: Child) -> None:
         async for raw in child.process.stdout:
             log.write(raw)
             log.flush()
-            line = raw.decode(errors="replace").strip()
-            if line.startswith(READY_PREFIX) and not child.ready.is_set():
-                try:
-                    child.announced = json.loads(line[len(READY_PREFIX) :])
-                except json.JSONDecodeError:
-                    continue
-                child.ready.set()
+            if not child.ready.is_set():
+                announced = parse_ready_line(raw.decode(errors="replace"))
+                if announced is not None:
+                    child.announced = announced
+                    child.ready.set()
 
 
 async def _wait_ready(children: list[Child], stop: asyncio.Event, deadline: float) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -24,6 +23,7 @@ from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, GrpcConnectorFactory
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
+from services.serving.ready import format_ready_line
 
 logger = logging.getLogger(__name__)
 
@@ -98,5 +98,5 @@ async def serve(settings: RouterSettings, *, connectors: ConnectorFactory | None
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     url = f"http://{host}:{port}"
     ready = {"service": "router", "url": url, "port": port, "metrics_url": f"{url}/metrics"}
-    print("PDSERVE_READY " + json.dumps(ready), flush=True)
+    print(format_ready_line(ready), flush=True)
     await task

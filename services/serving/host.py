@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import socket
 import sys
@@ -65,6 +64,8 @@ from services.serving.client import server_options
 from services.serving.config import EngineServiceSettings, split_host_port
 from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
 from services.serving.metrics import EngineServiceMetrics
+from services.serving.ready import READY_PREFIX, format_ready_line
+from services.serving.ready import parse_ready_line as parse_ready_payload
 from services.serving.servicer import EngineServicer, ServingState
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class _RegistrationVanished(RegistrationLost):
     fatal at start-up, retried during a re-registration."""
 
 
-READY_LINE_PREFIX = "PDSERVE_READY"
+READY_LINE_PREFIX = READY_PREFIX
 READY_POLL_S = 0.1
 SERVER_STOP_GRACE_S = 5.0
 T = TypeVar("T")
@@ -107,20 +108,14 @@ class ServingEndpoints:
     metrics: str | None
 
     def ready_line(self) -> str:
-        payload = {
-            "engine_id": self.engine_id,
-            "generation": self.generation,
-            "grpc": self.grpc,
-            "metrics": self.metrics,
-        }
-        return f"{READY_LINE_PREFIX} {json.dumps(payload, sort_keys=True)}"
+        return format_ready_line(dataclasses.asdict(self))
 
 
 def parse_ready_line(line: str) -> ServingEndpoints | None:
     """The endpoints of a ``PDSERVE_READY`` line (``pdserve up`` and tests wait for it)."""
-    if not line.startswith(READY_LINE_PREFIX + " "):
+    data = parse_ready_payload(line)
+    if data is None:
         return None
-    data = json.loads(line[len(READY_LINE_PREFIX) + 1 :])
     return ServingEndpoints(
         engine_id=str(data["engine_id"]),
         generation=int(data["generation"]),
@@ -248,8 +243,14 @@ class EngineHost:
             task.result()
             return True
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        try:
             await task
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            logger.warning(
+                "start-up work of %s failed as it was cancelled: %s", self.engine_id, exc
+            )
         if self._fatal.done():
             raise self._fatal.result()
         return False
