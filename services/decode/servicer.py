@@ -9,7 +9,6 @@ addresses).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -117,8 +116,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             finally:
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:
-                    with contextlib.suppress(Exception):
+                    # Closing runs the backend's release/abort: log a failure, never raise it
+                    # over the call's own outcome.
+                    try:
                         await aclose()
+                    except Exception:
+                        logger.exception(
+                            "closing the decode stream of %s on engine %s failed",
+                            parsed.request_id,
+                            state.engine_id,
+                        )
 
     def _failed(self, prompt: tuple[int, ...], exc: Exception) -> TokenDelta:
         if isinstance(exc, EngineFailed):
