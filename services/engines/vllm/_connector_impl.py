@@ -62,6 +62,7 @@ from services.engines.vllm.handshake import (
     RankTransferInfo,
     build_records,
     now_clocks,
+    parse_vllm_engine_id,
     vllm_engine_id,
 )
 from services.engines.vllm.layouts import (
@@ -326,6 +327,19 @@ class _WorkerHandshake(_ControlPlaneClient):
             peer.pp_size if peer.role is KVRole.PRODUCER else 1,
             notif_only,
         )
+
+    def _track_remote_engine_replacement(self, engine_id: str, host: str, port: int) -> None:
+        """Key vLLM's pull-mode replacement tracking by pdserve engine, not by address.
+
+        vLLM keeps one NIXL engine per ``(host, port)`` and releases the others once their reads
+        drain; every pdserve peer has the same address (:data:`CONTROL_PLANE_HOST`, port 0), so
+        each pre-warmed peer would release the one before. Keyed by ``(engine_id, 0)`` instead,
+        only an older generation of the same pdserve engine is replaced."""
+        try:
+            key = (parse_vllm_engine_id(engine_id)[0], 0)
+        except HandshakeResolutionError:
+            key = (host, port)  # not a pdserve id (its handshake fails anyway): vLLM's keying
+        super()._track_remote_engine_replacement(engine_id, *key)  # type: ignore[misc]
 
     def _invalidate(self, stale_engine: str) -> None:
         """A peer generation is gone: its reads fail fast and its agents are released."""

@@ -343,3 +343,32 @@ def test_every_pp_tp_worker_reports_once_before_vllms_aggregator_finishes() -> N
     assert step([{"r"}, set(), set(), set()]) == set()  # the duplicate is dropped, not counted
     assert step([set(), set(), set(), {"r"}]) == {"r"}
     assert ledgers[0].duplicates["send"] == 1
+
+
+def test_pull_peers_at_the_shared_address_do_not_replace_each_other() -> None:
+    """vLLM's pull worker releases every engine not serving some peer address; all pdserve peers
+    share one fake address, so the worker keys vLLM's tracking by pdserve engine: another
+    engine is kept, only an older generation of the same engine is replaced."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: PLC0415
+        NixlPullConnectorWorker,
+    )
+
+    from services.engines.vllm._connector_impl import (  # noqa: PLC0415
+        CONTROL_PLANE_HOST,
+        _WorkerHandshake,
+    )
+
+    class Tracker:  # the state vLLM's _track_remote_engine_replacement reads, nothing else
+        _TRANSFER_MODE = NixlPullConnectorWorker._TRANSFER_MODE
+        _track_remote_engine_replacement = NixlPullConnectorWorker._track_remote_engine_replacement
+
+        def __init__(self) -> None:
+            self._engine_by_address: dict[tuple[str, int], str] = {}
+
+    class Worker(_WorkerHandshake, Tracker):
+        pass
+
+    worker = Worker()
+    for engine in ("pre-a.g1", "pre-b.g1", "pre-a.g2"):
+        worker._track_remote_engine_replacement(engine, CONTROL_PLANE_HOST, 0)
+    assert set(worker._engine_by_address.values()) == {"pre-a.g2", "pre-b.g1"}
