@@ -1,9 +1,10 @@
 """Every series a dashboard charts is exported by a running stack, not only documented.
 
-Starts ``pdserve up --work-dir <tmp>`` as a person would and waits for
+Starts ``pdserve up --work-dir <tmp>`` as a person would (tests/e2e/up_system.UpSystem: its own
+process group, stopped with Ctrl-C and killed as a group as a last resort) and waits for
 ``<work-dir>/endpoints.json``, the contract of ``pdserve up``: ``{"router": "http://host:port",
-"metrics": ["http://host:port/metrics", ...]}``, one metrics URL per process (router and every
-engine service; a mapping of process name to URL is read the same way). Then it sends a few
+"metrics": {"router": "http://host:port/metrics", <engine>: URL, ...}}``, one metrics URL per
+process (router and every engine service). Then it sends a few
 requests through the router, scrapes every ``/metrics`` URL and checks that each series named by
 a dashboard query is declared by some process. A histogram counts through its
 ``_bucket``/``_sum``/``_count`` series; a labelled counter counts once its family is declared,
@@ -13,19 +14,15 @@ even before its first sample (a failure counter exists before the first failure)
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from services.devtools.dashboards import dashboard_queries, exported_series, series_in_query
 from tests.deploy.chart import DASHBOARDS
+from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,44 +42,18 @@ def charted_series() -> dict[str, set[str]]:
     return charted
 
 
-def log_tail(log: Path, lines: int = 60) -> str:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def wait_for_endpoints(work_dir: Path, process: subprocess.Popen[bytes], log: Path) -> Any:
-    path = work_dir / "endpoints.json"
+def wait_until_healthy(client: httpx.Client, up: UpSystem) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        if process.poll() is not None:
-            pytest.fail(f"pdserve up exited with {process.returncode}:\n{log_tail(log)}")
-        if path.exists():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError:
-                pass  # being written; read again
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"pdserve up wrote no {path.name} within {START_TIMEOUT_S:.0f}s (the contract: "
-                f'{{"router": URL, "metrics": [URL, ...]}}):\n{log_tail(log)}'
-            )
-        time.sleep(0.2)
-
-
-def wait_until_ready(
-    client: httpx.Client, router: str, process: subprocess.Popen[bytes], log: Path
-) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"pdserve up exited with {process.returncode}:\n{log_tail(log)}")
+        if up.process.poll() is not None:
+            pytest.fail(f"pdserve up exited with {up.process.returncode}:\n{up.output()}")
         try:
-            if client.get(f"{router}/health").status_code == 200:
+            if client.get(f"{up.url}/health").status_code == 200:
                 return
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            pytest.fail(f"the router never turned healthy:\n{log_tail(log)}")
+            pytest.fail(f"the router never turned healthy:\n{up.output()}")
         time.sleep(0.5)
 
 
@@ -112,26 +83,17 @@ def send_requests(client: httpx.Client, router: str) -> None:
 
 
 def test_every_dashboard_series_is_exported_by_a_running_stack(tmp_path: Path) -> None:
-    log = tmp_path / "up.log"
     # A clean environment: no PDSERVE_* setting of the developer's points the stack elsewhere.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", "up", "--work-dir", str(tmp_path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    up = UpSystem(tmp_path, scrub_env=True)
     try:
-        endpoints = wait_for_endpoints(tmp_path, process, log)
+        endpoints = up.wait_ready(timeout_s=START_TIMEOUT_S).endpoints
         router, metrics = endpoints["router"], endpoints["metrics"]
-        # The documented contract is a list; a mapping process name -> URL is read the same way.
-        metrics_urls = list(metrics.values()) if isinstance(metrics, dict) else list(metrics)
         assert isinstance(router, str) and router.startswith("http")
+        assert isinstance(metrics, dict), f"metrics: process name -> URL, got {metrics!r}"
+        metrics_urls = list(metrics.values())
         assert len(metrics_urls) >= 3, f"router and at least one engine per role: {metrics_urls}"
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            wait_until_ready(client, router, process, log)
+            wait_until_healthy(client, up)
             send_requests(client, router)
             exported: set[str] = set()
             for url in metrics_urls:
@@ -148,10 +110,4 @@ def test_every_dashboard_series_is_exported_by_a_running_stack(tmp_path: Path) -
             f"(scraped {metrics_urls})"
         )
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        up.stop()

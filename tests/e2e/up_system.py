@@ -23,7 +23,20 @@ START_TIMEOUT_S = 240.0
 class UpSystem:
     """A running ``pdserve up``; ``endpoints`` is its ``endpoints.json``."""
 
-    def __init__(self, work_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        scrub_env: bool = False,
+    ) -> None:
+        """``env`` overrides the inherited environment; ``scrub_env`` first drops every
+        ``PDSERVE_*`` variable of it, so no developer setting points the stack elsewhere."""
+        inherited = {
+            key: value
+            for key, value in os.environ.items()
+            if not (scrub_env and key.startswith("PDSERVE_"))
+        }
         self.work_dir = work_dir
         self.output_path = work_dir / "up.out"
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -42,7 +55,7 @@ class UpSystem:
             ],
             stdout=self._output,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**inherited, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
         self.endpoints: dict[str, Any] = {}
@@ -51,17 +64,15 @@ class UpSystem:
     def output(self) -> str:
         return self.output_path.read_text(errors="replace")
 
-    def wait_ready(self) -> UpSystem:
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> UpSystem:
         path = self.work_dir / "endpoints.json"
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while not path.exists():
             if self.process.poll() is not None:
                 raise AssertionError(f"pdserve up exited early:\n{self.output()}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise AssertionError(
-                    f"pdserve up not ready in {START_TIMEOUT_S}s:\n{self.output()}"
-                )
+                raise AssertionError(f"pdserve up not ready in {timeout_s}s:\n{self.output()}")
             time.sleep(0.2)
         self.endpoints = json.loads(path.read_text())
         return self
