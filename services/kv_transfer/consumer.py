@@ -246,6 +246,9 @@ class KVConsumer:
                 failure,
                 recompute=action == "recompute",
             )
+        for rank in result.unnotified:
+            pair = self._pair(result.producer_engine, rank)
+            self._metrics.notification_send_failures.labels(**pair.labels()).inc()
 
 
 __all__ = ["FailurePolicy", "KVConsumer", "PullAction", "PullOutcome"]

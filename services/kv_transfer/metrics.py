@@ -121,6 +121,13 @@ class KVTransferMetrics:
             [*_PAIR, "outcome"],
             registry=self.registry,
         )
+        self.notification_send_failures = Counter(
+            "pdserve_kv_transfer_notification_send_failures_total",
+            "Completion notifications a consumer could not send (the producer frees on lease "
+            "expiry instead).",
+            _PAIR,
+            registry=self.registry,
+        )
         self.rejected_notifications = Counter(
             "pdserve_kv_transfer_rejected_notifications_total",
             "Notifications dropped because they did not decode.",

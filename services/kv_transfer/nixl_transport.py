@@ -408,6 +408,7 @@ class NixlTransport(KVTransport):
         for rank, ok in pull.due_notifications():
             peer = self._peers.get((pull.spec.producer_engine, rank))
             if peer is None or peer.record.generation != pull.spec.producer_generation:
+                pull.unnotified.append(rank)  # removed or replaced since the read completed
                 continue
             notification = KVNotification(
                 request_id=pull.spec.request_id,

@@ -152,6 +152,25 @@ def test_failures_are_reported_with_their_blocks_and_counted(policy: str):
     assert recomputes == (1 if policy == "recompute" else None)
 
 
+def test_notifications_that_could_not_be_sent_are_counted_per_producer_rank():
+    consumer, transport, metrics = consumer_side()
+    stats = PeerTransferStats((0, 1), nbytes=64, descriptors=2, prep_seconds=1e-5, seconds=0.01)
+    transport.results = [
+        PullResult("r", "prefill-0", 1, (stats,), (), 0.02, unnotified=((0, 1), (1, 1)))
+    ]
+    (outcome,) = consumer.poll()
+    assert outcome.ok
+    pair = {
+        "producer_engine": "prefill-0",
+        "consumer_engine": "decode-0",
+        "consumer_rank": "pp0tp1",
+    }
+    sample = metrics.registry.get_sample_value
+    for rank in ("pp0tp1", "pp1tp1"):
+        labels = {**pair, "producer_rank": rank}
+        assert sample("pdserve_kv_transfer_notification_send_failures_total", labels) == 1
+
+
 def test_producer_frees_on_notifications_and_expires_the_rest():
     now = [0.0]
     pool = KVBlockPool(KVPoolSpec(Range(0, 2), Range(0, 4), 8, 4, 8))
