@@ -19,11 +19,11 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from services.cli.settings import ToolSettings
+from services.cli.settings import ToolSettings, flag_values, overlay
 from services.control_plane.wire import EngineRole, validate_identifier
 from services.engines.errors import EngineError
 from services.engines.registry import ENGINES, EngineOptions, create_backend
-from services.serving.config import EngineServiceSettings, GrpcServerSettings
+from services.serving.config import EngineServiceSettings
 from services.serving.host import EngineHost
 
 logger = logging.getLogger(__name__)
@@ -98,26 +98,21 @@ def _partition(text: str) -> tuple[int, ...]:
 def build_settings(args: argparse.Namespace, tool: ToolSettings) -> EngineServiceSettings:
     """Environment settings with the command's flags on top (raises ``ValueError``)."""
     settings = EngineServiceSettings()
-    grpc_update: dict[str, object] = {}
-    for flag, field in (
-        ("listen", "listen"),
-        ("advertise", "advertise"),
-        ("tls_cert", "tls_cert_file"),
-        ("tls_key", "tls_key_file"),
-        ("tls_client_ca", "tls_client_ca_file"),
-    ):
-        value = getattr(args, flag, None)
-        if value is not None:
-            grpc_update[field] = value
-    update: dict[str, object] = {
-        "control_plane": tool.control_plane,
-        "grpc": GrpcServerSettings.model_validate({**settings.grpc.model_dump(), **grpc_update}),
+    grpc_flags = {
+        "listen": "listen",
+        "advertise": "advertise",
+        "tls_cert": "tls_cert_file",
+        "tls_key": "tls_key_file",
+        "tls_client_ca": "tls_client_ca_file",
     }
-    for flag in ("metrics_port", "drain_timeout_s", "ready_timeout_s"):
-        value = getattr(args, flag, None)
-        if value is not None:
-            update[flag] = value
-    return EngineServiceSettings.model_validate({**settings.model_dump(), **update})
+    return overlay(
+        settings,
+        {
+            "control_plane": tool.control_plane,
+            "grpc": overlay(settings.grpc, flag_values(args, grpc_flags)),
+            **flag_values(args, ("metrics_port", "drain_timeout_s", "ready_timeout_s")),
+        },
+    )
 
 
 def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
