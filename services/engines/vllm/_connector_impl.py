@@ -27,6 +27,7 @@ speculative decoding refuses the V2 model runner (see :mod:`contracts`).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -253,6 +254,8 @@ class _WorkerHandshake(_ControlPlaneClient):
         self._bridge = None
         self._peer_generations: dict[EngineId, str] = {}
         self._peer_lock = threading.Lock()
+        self._stale_peers: queue.SimpleQueue[str] = queue.SimpleQueue()
+        """Peer generations gone from the control plane, invalidated on vLLM's main thread."""
         self.prewarm_failures = 0
         self.finished_once = FinishedOnce()
 
@@ -260,6 +263,35 @@ class _WorkerHandshake(_ControlPlaneClient):
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
         # Local descriptors exist now: peers can be handshaken as they turn READY.
         self.bridge().follow(self._on_peer_change)
+
+    # -- main-thread hooks -------------------------------------------------------------------
+    # The watcher calls back on the bridge thread; vLLM's remote-engine bookkeeping (invalid
+    # peers, TTL eviction) is iterated on the main thread without a lock. Invalidations are
+    # therefore queued and applied here, on the main thread, before vLLM's own step work.
+    # Pre-warm handshakes start from the bridge thread (as vLLM's push writer thread starts
+    # its own): everything _ensure_handshake touches is under vLLM's _handshake_lock except
+    # the TTL eviction, which is left to vLLM's own callers (_evict_stale_engines below).
+    def _apply_peer_changes(self) -> None:
+        while True:
+            try:
+                stale_engine = self._stale_peers.get_nowait()
+            except queue.Empty:
+                return
+            self._invalidate(stale_engine)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        self._apply_peer_changes()
+        super().start_load_kv(metadata)  # type: ignore[misc]
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        self._apply_peer_changes()
+        results: KVConnectorTransferResults = super().get_transfer_results()  # type: ignore[misc]
+        return results
+
+    def _evict_stale_engines(self) -> None:
+        if self._bridge is not None and self._bridge.on_loop_thread():
+            return  # a pre-warm: eviction mutates unlocked state; vLLM's next handshake evicts
+        super()._evict_stale_engines()  # type: ignore[misc]
 
     # -- pre-warm ---------------------------------------------------------------------------
     def _wanted_peer(self, view: EngineView) -> tuple[VllmLayout, bool] | None:
@@ -295,7 +327,7 @@ class _WorkerHandshake(_ControlPlaneClient):
             )
             if previous is not None and previous != current:
                 del self._peer_generations[engine_id]
-                self._invalidate(previous)
+                self._stale_peers.put(previous)  # applied on the main thread
             if current is None or current == previous or view is None:
                 return
             wanted = self._wanted_peer(view)
@@ -342,7 +374,8 @@ class _WorkerHandshake(_ControlPlaneClient):
         super()._track_remote_engine_replacement(engine_id, *key)  # type: ignore[misc]
 
     def _invalidate(self, stale_engine: str) -> None:
-        """A peer generation is gone: its reads fail fast and its agents are released."""
+        """A peer generation is gone: its reads fail fast and its agents are released (main
+        thread only)."""
         if stale_engine in self._remote_agents:  # type: ignore[attr-defined]
             logger.warning("peer %s left the control plane; invalidating its agents", stale_engine)
             self._mark_remote_engine_invalid(stale_engine, time.perf_counter())  # type: ignore[attr-defined]

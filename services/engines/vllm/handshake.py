@@ -362,6 +362,10 @@ class ControlPlaneBridge:
             future.cancel()
             raise
 
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on this bridge's loop thread (where ``follow`` calls back)."""
+        return threading.current_thread() is self._thread
+
     def get_engine(self, engine_id: EngineId) -> EngineView | None:
         return self._call(self.control_plane.get_engine(engine_id))
 

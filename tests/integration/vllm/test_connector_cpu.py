@@ -372,3 +372,33 @@ def test_pull_peers_at_the_shared_address_do_not_replace_each_other() -> None:
     for engine in ("pre-a.g1", "pre-b.g1", "pre-a.g2"):
         worker._track_remote_engine_replacement(engine, CONTROL_PLANE_HOST, 0)
     assert set(worker._engine_by_address.values()) == {"pre-a.g2", "pre-b.g1"}
+
+
+def test_peer_invalidation_waits_for_vllms_main_thread(cp_settings: ControlPlaneSettings) -> None:
+    """The watcher's callback (bridge thread) only queues a departed peer; vLLM's remote-engine
+    state is changed when the main thread next asks for transfer results."""
+    from services.engines.vllm._connector_impl import _WorkerHandshake  # noqa: PLC0415
+    from services.engines.vllm.layouts import KVRole, VllmLayout  # noqa: PLC0415
+
+    class FakeNixlWorker:
+        def __init__(self) -> None:
+            self._remote_agents = {"pre.g1": {(0, 0): "agent"}}
+            self.invalidated: list[str] = []
+
+        def _mark_remote_engine_invalid(self, engine_id: str, now: float) -> None:
+            self.invalidated.append(engine_id)
+
+        def get_transfer_results(self) -> str:
+            return "results"
+
+    class Worker(_WorkerHandshake, FakeNixlWorker):
+        pass
+
+    worker = Worker()
+    settings = ConnectorSettings("dec", 1, cp_settings, TransferMode.PULL)
+    worker._pdserve_init(settings, VllmLayout(KVRole.CONSUMER, TransferMode.PULL, 1, 1))
+    worker._peer_generations["pre"] = "pre.g1"
+    worker._on_peer_change(None, "pre")  # the prefill left the control plane
+    assert worker.invalidated == []
+    assert worker.get_transfer_results() == "results"
+    assert worker.invalidated == ["pre.g1"]
