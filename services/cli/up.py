@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,7 @@ class Child:
     log_path: Path
     process: asyncio.subprocess.Process | None = None
     announced: dict[str, Any] | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """The payload of its ready line; ``None`` until it printed one."""
     reader: asyncio.Task[None] | None = None
 
     def describe_exit(self) -> str:
@@ -194,7 +194,7 @@ async def _run_system(
         if stop.is_set():
             return 0
         router = _router_child(args, model, common, logs)
-        children.insert(0, router)
+        children.append(router)
         await _spawn(router)
         await _wait_ready([router], stop, deadline)
         if stop.is_set():
@@ -317,27 +317,20 @@ async def _read_output(child: Child) -> None:
         async for raw in child.process.stdout:
             log.write(raw)
             log.flush()
-            if not child.ready.is_set():
-                announced = parse_ready_line(raw.decode(errors="replace"))
-                if announced is not None:
-                    child.announced = announced
-                    child.ready.set()
+            if child.announced is None:
+                child.announced = parse_ready_line(raw.decode(errors="replace"))
 
 
 async def _wait_ready(children: list[Child], stop: asyncio.Event, deadline: float) -> None:
     """Until every child announced itself; :class:`StartupFailed` if one exits or time runs
     out. Returns early when ``stop`` is set."""
-    while not all(child.ready.is_set() for child in children):
-        for child in children:
-            if child.process is not None and child.process.returncode is not None:
-                raise StartupFailed(child.describe_exit())
-        if stop.is_set():
+    while True:
+        waiting = [child.name for child in children if child.announced is None]
+        if not waiting:
             return
-        if time.monotonic() > deadline:
-            waiting = [child.name for child in children if not child.ready.is_set()]
-            raise StartupFailed(f"not ready in time: {', '.join(waiting)} (see their logs)")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.1)
+        message = f"not ready in time: {', '.join(waiting)} (see their logs)"
+        if not await _still_starting(children, stop, deadline, message):
+            return
 
 
 async def _wait_healthy(
@@ -348,24 +341,35 @@ async def _wait_healthy(
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(f"{url}/health")).status_code == 200:
                     return
-            for child in children:
-                if child.process is not None and child.process.returncode is not None:
-                    raise StartupFailed(child.describe_exit())
-            if time.monotonic() > deadline:
-                raise StartupFailed(f"the router at {url} did not report healthy in time")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.1)
+            message = f"the router at {url} did not report healthy in time"
+            await _still_starting(children, stop, deadline, message)
+
+
+async def _still_starting(
+    children: list[Child], stop: asyncio.Event, deadline: float, late: str
+) -> bool:
+    """One pause of a start-up wait: :class:`StartupFailed` when a child exited or the
+    deadline passed (``late`` says what was late); ``False`` at once when ``stop`` is set."""
+    for child in children:
+        if child.process is not None and child.process.returncode is not None:
+            raise StartupFailed(child.describe_exit())
+    if stop.is_set():
+        return False
+    if time.monotonic() > deadline:
+        raise StartupFailed(late)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), 0.1)
+    return True
 
 
 def _write_endpoints(
     work_dir: Path, control_plane: ControlPlaneSettings, children: list[Child], router_url: str
 ) -> dict[str, Any]:
-    metrics: dict[str, str] = {}
+    metrics = {"router": f"{router_url}/metrics"}
     engines: dict[str, dict[str, Any]] = {}
     for child in children:
         announced = child.announced or {}
         if child.kind == "router":
-            metrics["router"] = f"{router_url}/metrics"
             continue
         if announced.get("metrics"):
             metrics[child.name] = str(announced["metrics"])
