@@ -256,7 +256,6 @@ class _WorkerHandshake(_ControlPlaneClient):
         self._peer_lock = threading.Lock()
         self._stale_peers: queue.SimpleQueue[str] = queue.SimpleQueue()
         """Peer generations gone from the control plane, invalidated on vLLM's main thread."""
-        self.prewarm_failures = 0
         self.finished_once = FinishedOnce()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -343,7 +342,7 @@ class _WorkerHandshake(_ControlPlaneClient):
                     num_kv_heads=self.vllm_config.model_config.get_total_num_kv_heads(),
                 )
             except UnsupportedVllmLayout as exc:
-                self.prewarm_failures += 1
+                # Logged only: vLLM's worker processes export no pdserve metrics registry.
                 logger.error("not pre-warming %s: %s", current, exc)
                 return
             self._peer_generations[engine_id] = current

@@ -18,9 +18,12 @@ decision and its reason are logged by the caller.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_LEDGER_SIZE = 65536
 """Request ids remembered per direction; far above any number of in-flight transfers."""
@@ -44,11 +47,20 @@ class FinishedOnce:
         """The ids of ``req_ids`` not reported before in ``direction`` (``send``/``recv``)."""
         seen = self._seen[direction]
         fresh: set[str] = set()
+        dropped: list[str] = []
         for req_id in req_ids:
             if req_id in seen or req_id in fresh:
                 self.duplicates[direction] += 1
+                dropped.append(req_id)
                 continue
             fresh.add(req_id)
+        if dropped:
+            logger.warning(
+                "dropped repeated finished-%s reports of %s (a connector bug; vLLM's aggregator "
+                "would have finished them early)",
+                direction,
+                sorted(dropped),
+            )
         for req_id in sorted(fresh):
             seen[req_id] = None
             if len(seen) > self._capacity:

@@ -83,12 +83,16 @@ def test_explicit_partition_is_validated() -> None:
         vllm_layer_ranges(7, 3, (3, 3, 3))
 
 
-def test_finished_once_passes_each_id_once_per_direction() -> None:
+def test_finished_once_passes_each_id_once_per_direction(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     once = FinishedOnce(capacity=4)
     assert once.filter("send", ["a", "b", "a"]) == {"a", "b"}
     assert once.filter("send", ["a", "c"]) == {"c"}
     assert once.filter("recv", ["a"]) == {"a"}  # directions are independent
     assert once.duplicates == {"send": 2, "recv": 0}
+    dropped = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(dropped) == 2 and all("finished-send" in m and "'a'" in m for m in dropped)
 
 
 def test_model_runner_rule_is_precise() -> None:
