@@ -70,7 +70,7 @@ def nixl_payloads(vid: str, pp: int, tp: int) -> dict[tuple[int, int], Any]:
         regions = 2 * (end - start)
         meta = NixlAgentMetadata(
             engine_id=vid,
-            agent_metadata=f"agent-{p}-{t}".encode() if (t := 0) == 0 else b"",
+            agent_metadata=f"agent-{p}".encode(),
             kv_caches_base_addr=[0x1000_0000 * (i + 1) for i in range(regions)],
             device_id=0,
             num_blocks=64,
@@ -93,29 +93,46 @@ def settings_for(cp: ControlPlaneSettings, engine_id: str, generation: int) -> d
     return ConnectorSettings(engine_id, generation, cp, TransferMode.PUSH).to_extra_config()
 
 
+async def scheduler_connector(
+    control_plane: RedisControlPlane,
+    cp_settings: ControlPlaneSettings,
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+    engine_id: str,
+    *,
+    pp: int,
+    tp: int,
+) -> tuple[Any, str]:
+    """A registered prefill and its push connector in vLLM's scheduler role, with its vLLM id."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+        KVConnectorRole,
+    )
+
+    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
+
+    engine = await control_plane.register(spec(engine_id, pp, tp))
+    vid = vllm_engine_id(engine_id, engine.generation)
+    config = make_vllm_config(
+        pp=pp,
+        tp=tp,
+        role="kv_producer",
+        engine_id=vid,
+        extra=settings_for(cp_settings, engine_id, engine.generation),
+    )
+    return PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config), vid
+
+
 async def test_scheduler_publishes_pp_tp_grid_and_engine_turns_ready(
     control_plane: RedisControlPlane,
     cp_settings: ControlPlaneSettings,
     make_vllm_config: Any,
     kv_cache_config: Any,
 ) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
-        KVConnectorRole,
-    )
     from vllm.distributed.utils import get_pp_indices  # noqa: PLC0415
 
-    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
-
-    engine = await control_plane.register(spec("pre", 2, 2))
-    vid = vllm_engine_id("pre", engine.generation)
-    config = make_vllm_config(
-        pp=2,
-        tp=2,
-        role="kv_producer",
-        engine_id=vid,
-        extra=settings_for(cp_settings, "pre", engine.generation),
+    connector, vid = await scheduler_connector(
+        control_plane, cp_settings, make_vllm_config, kv_cache_config, "pre", pp=2, tp=2
     )
-    connector = PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     try:
         # vLLM's EngineCore runs this on its own thread; so do we (it blocks on Redis).
         payloads = nixl_payloads(vid, 2, 2)
@@ -145,29 +162,18 @@ async def test_incomplete_grid_is_refused_before_publication(
     make_vllm_config: Any,
     kv_cache_config: Any,
 ) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
-        KVConnectorRole,
+    connector, vid = await scheduler_connector(
+        control_plane, cp_settings, make_vllm_config, kv_cache_config, "half", pp=2, tp=1
     )
-
-    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
-
-    engine = await control_plane.register(spec("half", 2, 1))
-    vid = vllm_engine_id("half", engine.generation)
-    config = make_vllm_config(
-        pp=2,
-        tp=1,
-        role="kv_producer",
-        engine_id=vid,
-        extra=settings_for(cp_settings, "half", engine.generation),
-    )
-    connector = PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    payloads = nixl_payloads(vid, 2, 1)
-    del payloads[(1, 0)]
-    with pytest.raises(UnsupportedVllmLayout, match="full"):
-        await asyncio.to_thread(connector.set_xfer_handshake_metadata_pp_aware, payloads)
-    view = await control_plane.get_engine("half")
-    assert view is not None and view.state is EngineState.PENDING
-    await asyncio.to_thread(connector.shutdown)
+    try:
+        payloads = nixl_payloads(vid, 2, 1)
+        del payloads[(1, 0)]
+        with pytest.raises(UnsupportedVllmLayout, match="full"):
+            await asyncio.to_thread(connector.set_xfer_handshake_metadata_pp_aware, payloads)
+        view = await control_plane.get_engine("half")
+        assert view is not None and view.state is EngineState.PENDING
+    finally:
+        await asyncio.to_thread(connector.shutdown)
 
 
 async def test_worker_resolution_reads_published_grid_and_fences_old_generations(
@@ -176,26 +182,15 @@ async def test_worker_resolution_reads_published_grid_and_fences_old_generations
     make_vllm_config: Any,
     kv_cache_config: Any,
 ) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
-        KVConnectorRole,
+    connector, vid = await scheduler_connector(
+        control_plane, cp_settings, make_vllm_config, kv_cache_config, "p2", pp=2, tp=1
     )
-
-    from services.engines.vllm.connector import PdservePushConnector  # noqa: PLC0415
-
-    engine = await control_plane.register(spec("p2", 2, 1))
-    vid = vllm_engine_id("p2", engine.generation)
-    config = make_vllm_config(
-        pp=2,
-        tp=1,
-        role="kv_producer",
-        engine_id=vid,
-        extra=settings_for(cp_settings, "p2", engine.generation),
-    )
-    connector = PdservePushConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    await asyncio.to_thread(
-        connector.set_xfer_handshake_metadata_pp_aware, nixl_payloads(vid, 2, 1)
-    )
-    await asyncio.to_thread(connector.shutdown)
+    try:
+        await asyncio.to_thread(
+            connector.set_xfer_handshake_metadata_pp_aware, nixl_payloads(vid, 2, 1)
+        )
+    finally:
+        await asyncio.to_thread(connector.shutdown)
 
     bridge = await asyncio.to_thread(ControlPlaneBridge, cp_settings, timeout_s=5.0)
 
