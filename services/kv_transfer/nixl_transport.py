@@ -170,20 +170,20 @@ class NixlTransport(KVTransport):
         spec = self._pool.spec
         mine = (spec.dtype, spec.head_size, spec.block_size, KV_LAYOUT)
         theirs = (record.dtype, record.head_size, record.block_size, record.kv_layout)
+        rank = (record.pp_rank, record.tp_rank)
         if mine != theirs:
             raise IncompatiblePeerError(
-                f"peer {record.engine_id} pp{record.pp_rank}tp{record.tp_rank} has "
+                f"peer {record.engine_id} {rank_label(rank)} has "
                 f"(dtype, head_size, block_size, layout) {theirs}, this pool {mine}"
             )
         # Records normally arrive re-validated by the control plane; checked again here
         # because a hostile geometry would make this process build descriptors of arbitrary
-        # size and addresses.
+        # size and addresses. With dtype, head size and block size equal to this pool's, its
+        # block_len check is this pool's (heads x head_bytes).
         problems = geometry_errors(record)
-        if record.block_len != len(record.kv_heads) * spec.head_bytes:
-            problems.append(f"block_len {record.block_len} does not match this pool's heads")
         if problems:
             raise IncompatiblePeerError(
-                f"peer {record.engine_id} pp{record.pp_rank}tp{record.tp_rank} has an unsafe "
+                f"peer {record.engine_id} {rank_label(rank)} has an unsafe "
                 f"region geometry: {'; '.join(problems)}",
                 reason="geometry",
             )
