@@ -34,8 +34,8 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,6 +53,7 @@ from services.serving.ready import parse_ready_line, pdserve_argv
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 4
 START_TIMEOUT_S = 120.0
+LOG_TAIL_LINES = 20
 
 Send = Callable[[], Awaitable[None]]
 
@@ -156,45 +157,65 @@ def _serve_stub(role: str, port: int) -> None:
 @dataclass
 class Service:
     name: str
-    process: subprocess.Popen[str]
+    process: asyncio.subprocess.Process
+    log_path: Path
+    """Its stderr."""
     announced: dict[str, Any] | None = None
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
+    async def stop(self) -> None:
+        if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
+                await asyncio.wait_for(self.process.wait(), 15)
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                await self.process.wait()
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        with contextlib.suppress(OSError):
+            text = self.log_path.read_text(errors="replace")
+            return "\n".join(f"    {line}" for line in text.splitlines()[-lines:])
+        return "    (no log)"
 
 
-def _start(name: str, argv: Sequence[str], *, wait_ready_line: bool) -> Service:
-    process = subprocess.Popen(
-        list(argv),
-        stdout=subprocess.PIPE if wait_ready_line else subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    service = Service(name, process)
+async def _start(
+    name: str, argv: Sequence[str], log_dir: Path, *, wait_ready_line: bool
+) -> Service:
+    """Start ``argv`` (its own process group; stderr to ``log_dir/<name>.log``); with
+    ``wait_ready_line``, wait up to ``START_TIMEOUT_S`` for its ``PDSERVE_READY`` line."""
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE if wait_ready_line else asyncio.subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    service = Service(name, process, log_path)
     if not wait_ready_line:
         return service
-    assert process.stdout is not None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    for line in process.stdout:
-        service.announced = parse_ready_line(line)
-        if service.announced is not None:
-            break
-        if time.monotonic() > deadline:
-            break
+    with contextlib.suppress(TimeoutError):
+        service.announced = await asyncio.wait_for(_ready_line(process), START_TIMEOUT_S)
     if service.announced is None:
-        service.stop()
-        raise RuntimeError(f"{name} did not announce itself (exit status {process.poll()})")
+        await service.stop()
+        raise RuntimeError(
+            f"{name} did not announce itself within {START_TIMEOUT_S}s (exit status "
+            f"{process.returncode}); the end of its stderr ({log_path}):\n{service.log_tail()}"
+        )
     return service
+
+
+async def _ready_line(process: asyncio.subprocess.Process) -> dict[str, Any] | None:
+    """The payload of the process's ready line; ``None`` if its stdout ends first."""
+    assert process.stdout is not None
+    while line := await process.stdout.readline():
+        announced = parse_ready_line(line.decode(errors="replace"))
+        if announced is not None:
+            return announced
+    return None
 
 
 async def _wait_http(url: str, method: str = "GET", body: Any = None) -> None:
@@ -297,7 +318,7 @@ async def _measure(
 
 
 async def _bench_pdserve(
-    args: argparse.Namespace, settings: ControlPlaneSettings
+    args: argparse.Namespace, settings: ControlPlaneSettings, log_dir: Path
 ) -> dict[str, Any]:
     # Imported here: the gRPC client is only needed for the direct baseline.
     from services.serving.client import EngineClient  # noqa: PLC0415
@@ -307,7 +328,7 @@ async def _bench_pdserve(
     try:
         for role in ("prefill", "decode"):
             services.append(
-                _start(
+                await _start(
                     role,
                     pdserve_argv(
                         role,
@@ -319,12 +340,14 @@ async def _bench_pdserve(
                         "--listen",
                         "127.0.0.1:0",
                     ),
+                    log_dir,
                     wait_ready_line=True,
                 )
             )
-        router = _start(
+        router = await _start(
             "router",
             pdserve_argv("router", *cp, "--port", "0", "--policy", "least_loaded"),
+            log_dir,
             wait_ready_line=True,
         )
         services.append(router)
@@ -353,7 +376,7 @@ async def _bench_pdserve(
         return result
     finally:
         for service in reversed(services):
-            service.stop()
+            await service.stop()
 
 
 def _vllm_router_binary() -> str | None:
@@ -362,7 +385,9 @@ def _vllm_router_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("vllm-router")
 
 
-async def _bench_vllm_router(args: argparse.Namespace, binary: str) -> dict[str, Any]:
+async def _bench_vllm_router(
+    args: argparse.Namespace, binary: str, log_dir: Path
+) -> dict[str, Any]:
     ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
     services: list[Service] = []
     try:
@@ -375,7 +400,7 @@ async def _bench_vllm_router(args: argparse.Namespace, binary: str) -> dict[str,
                 role,
                 str(ports[role]),
             ]
-            services.append(_start(f"stub-{role}", argv, wait_ready_line=False))
+            services.append(await _start(f"stub-{role}", argv, log_dir, wait_ready_line=False))
         for role in ("prefill", "decode"):
             await _wait_http(f"http://127.0.0.1:{ports[role]}/health")
         prefill_url = f"http://127.0.0.1:{ports['prefill']}"
@@ -386,7 +411,7 @@ async def _bench_vllm_router(args: argparse.Namespace, binary: str) -> dict[str,
             "--host", "127.0.0.1", "--port", str(ports["router"]),
             "--policy", "round_robin", "--log-level", "warning",
         ]  # fmt: skip
-        services.append(_start("vllm-router", router_argv, wait_ready_line=False))
+        services.append(await _start("vllm-router", router_argv, log_dir, wait_ready_line=False))
         url = f"http://127.0.0.1:{ports['router']}"
         body = {"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
         await _wait_http(f"{url}/v1/completions", "POST", body)
@@ -402,7 +427,7 @@ async def _bench_vllm_router(args: argparse.Namespace, binary: str) -> dict[str,
             return await _measure(_http_sender(client, f"{url}/v1/completions"), direct, args)
     finally:
         for service in reversed(services):
-            service.stop()
+            await service.stop()
 
 
 def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> dict[str, Any]:
@@ -413,8 +438,10 @@ def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> dict[str, A
             update={"redis": settings.redis.model_copy(update={"url": local.url})}
         )
     settings = settings.model_copy(update={"namespace": f"bench-{uuid.uuid4().hex[:8]}"})
+    # Every child's stderr; kept when the run fails (errors name the files), removed after.
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
     try:
-        pdserve = asyncio.run(_bench_pdserve(args, settings))
+        pdserve = asyncio.run(_bench_pdserve(args, settings, log_dir))
         binary = _vllm_router_binary()
         reference: dict[str, Any]
         if args.skip_vllm_router:
@@ -422,7 +449,8 @@ def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> dict[str, A
         elif binary is None:
             reference = {"error": "vllm-router is not installed: pip install -e '.[bench]'"}
         else:
-            reference = asyncio.run(_bench_vllm_router(args, binary))
+            reference = asyncio.run(_bench_vllm_router(args, binary, log_dir))
+        shutil.rmtree(log_dir, ignore_errors=True)
     finally:
         if local is not None:
             local.stop()
