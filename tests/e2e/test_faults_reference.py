@@ -31,7 +31,7 @@ import pytest
 
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines import errors as engine_errors
-from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams
 from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.client import EngineClient
 from tests.e2e.faults.probes import load_of, metric, rank_pids, wait_until
@@ -58,6 +58,8 @@ class Stack:
     model_dir: Path
     work_dir: Path
     extra: list[ServiceProcess] = field(default_factory=list)
+    held: PrefillResult | None = None
+    """A prefill of prefill-0's first generation whose KV handle test 3 holds for test 4."""
 
     def engine(self, name: str) -> dict[str, str]:
         engine: dict[str, str] = self.up.endpoints["engines"][name]
@@ -278,7 +280,7 @@ async def test_a_killed_prefill_rank_is_retried_locally_or_fails_explicitly(
     finally:
         await client.close()
     assert held.kv_handle is not None
-    stack.up.endpoints["held_handle"] = held
+    stack.held = held
     rank = only_rank(int(prefill["pid"]))
     router = f"{stack.up.url}/metrics"
     fallbacks_before = metric(router, "pdserve_router_fallbacks_total")
@@ -298,6 +300,15 @@ async def test_a_killed_prefill_rank_is_retried_locally_or_fails_explicitly(
     retries = metric(router, "pdserve_router_prefill_retries_total") - retries_before
     assert fallbacks + retries + router_errors(stack) - errors_before >= 1
     assert any(r.ok and r.path == "local" for r in affected)
+    # Every request of this stack that runs locally is a fallback (no short-prompt or cached
+    # rule applies), and every failed one is counted by the router (it counts once the
+    # response ended, so its counter may trail the client by a moment).
+    assert fallbacks >= len([r for r in affected if r.ok and r.path == "local"])
+    wait_until(
+        lambda: router_errors(stack) - errors_before >= len(failed),
+        5,
+        f"router counts the {len(failed)} failed request(s)",
+    )
     wait_until(lambda: "prefill-0 exited" in stack.up.output(), FAULT_BOUND_S, "prefill-0 exit")
     await wait_pool_full(stack.engine("decode-1")["grpc"])
 
@@ -305,7 +316,13 @@ async def test_a_killed_prefill_rank_is_retried_locally_or_fails_explicitly(
 async def test_a_restarted_prefill_engine_gets_a_new_generation_and_refuses_old_handles(
     stack: Stack,
 ) -> None:
-    held = stack.up.endpoints["held_handle"]
+    held = stack.held
+    if held is None or held.kv_handle is None:
+        pytest.fail(
+            "no KV handle held from prefill-0's first generation: "
+            "test_a_killed_prefill_rank_is_retried_locally_or_fails_explicitly takes it and "
+            "must run first (run the whole module, in file order)"
+        )
     service = start_service(
         "prefill",
         engine_id="prefill-0",
