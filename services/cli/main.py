@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from services.cli import bench, status, up
-from services.cli import decode as decode_cli
-from services.cli import prefill as prefill_cli
 from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
+from services.control_plane.wire import EngineRole
+from services.serving import cli as serving_cli
 
 logger = logging.getLogger("pdserve")
 
@@ -52,12 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_plane_flags(router_parser)
     router_cli.add_arguments(router_parser)
 
-    for role, role_cli in (("prefill", prefill_cli), ("decode", decode_cli)):
+    for role in (EngineRole.PREFILL, EngineRole.DECODE):
         role_parser = commands.add_parser(
-            role, help=f"host a {role} engine: register it, serve gRPC, drain on SIGTERM"
+            role.value, help=f"host a {role} engine: register it, serve gRPC, drain on SIGTERM"
         )
         add_control_plane_flags(role_parser)
-        role_cli.add_arguments(role_parser)
+        serving_cli.add_arguments(role_parser)
 
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
@@ -93,10 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return up.run(args, settings)
         if args.command == "router":
             return router_cli.run(args, settings)
-        if args.command == "prefill":
-            return prefill_cli.run(args, settings)
-        if args.command == "decode":
-            return decode_cli.run(args, settings)
+        if args.command in (EngineRole.PREFILL, EngineRole.DECODE):
+            return serving_cli.run(args, settings, EngineRole(args.command))
         return bench.run(args, settings)
     except ControlPlaneError as exc:
         print(f"pdserve {args.command}: {exc}", file=sys.stderr)
