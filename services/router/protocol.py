@@ -12,7 +12,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from services.engines.backend import MAX_STOP_STRINGS
 
@@ -88,6 +96,23 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     best_of: StrictInt | None = Field(default=None, ge=1, le=128)
     suffix: StrictStr | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_length(cls, value: object) -> object:
+        """At most :data:`MAX_PROMPT_TOKEN_IDS` token ids per prompt, checked before the union
+        is tried (each of its members would otherwise walk, and report on, every item)."""
+        prompts: list[object] = [value]
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            prompts = value
+        for prompt in prompts:
+            if (
+                isinstance(prompt, list)
+                and len(prompt) > MAX_PROMPT_TOKEN_IDS
+                and not isinstance(prompt[0], str)
+            ):
+                raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} prompt token ids")
+        return value
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:

@@ -16,6 +16,7 @@ import pytest
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
 from services.router.main import create_app
+from services.router.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, runtime, sample, view
 
@@ -235,6 +236,19 @@ async def test_bad_requests_get_the_openai_error_envelope(rt, body, status, code
     assert error["code"] == code
     assert error["param"] == param
     assert error["message"]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+async def test_an_over_long_token_id_prompt_gets_the_error_envelope(rt, nested):
+    token_ids = [1] * (MAX_PROMPT_TOKEN_IDS + 1)
+    body = {"model": MODEL, "prompt": [token_ids] if nested else token_ids}
+    async with http(rt) as transport:
+        response = await transport.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["param"] == "prompt"
+    assert str(MAX_PROMPT_TOKEN_IDS) in error["message"]
 
 
 async def test_routing_and_parsing_errors_use_the_envelope_too(rt):
