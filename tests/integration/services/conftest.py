@@ -74,5 +74,5 @@ async def hosted(
         yield running
     finally:
         stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
+        # A host that fails or hangs on stop fails the test.
+        await asyncio.wait_for(task, 30)
