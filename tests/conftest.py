@@ -1,10 +1,12 @@
-"""Shared fixtures: a real redis-server per test session, a fresh namespace per test."""
+"""Shared fixtures: a real redis-server per test session, a fresh namespace per test, and
+throw-away certificates (openssl) for the TLS tests."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -12,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+from tests.security.pki import make_pki
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,6 +32,18 @@ def redis_server() -> Iterator[LocalRedisServer]:
     """A real redis-server on a free port for the whole session."""
     with LocalRedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CA, server (127.0.0.1) and client certificates; see :func:`make_pki`."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
+def other_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An unrelated CA and certificates: trusted by nobody else in the tests."""
+    return make_pki(tmp_path_factory.mktemp("other-pki"))
 
 
 @pytest.fixture
