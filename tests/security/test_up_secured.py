@@ -26,6 +26,7 @@ import pytest
 
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -68,25 +69,13 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis: LocalRedisServer) ->
         assert up.stop() == 0, up.output()
 
 
-def _sample(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` at ``url`` whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        series, _, value = line.rpartition(" ")
-        if all(f'{key}="{wanted}"' in series for key, wanted in labels.items()):
-            total += float(value)
-    return total
-
-
 def _wait_pools_full(system: UpSystem, timeout_s: float = 30.0) -> dict[str, tuple[float, float]]:
     deadline = time.monotonic() + timeout_s
     while True:
         pools = {
             name: (
-                _sample(url, "pdserve_engine_kv_blocks_free"),
-                _sample(url, "pdserve_engine_kv_blocks_total"),
+                metric(url, "pdserve_engine_kv_blocks_free"),
+                metric(url, "pdserve_engine_kv_blocks_total"),
             )
             for name, url in system.endpoints["metrics"].items()
             if name != "router"
@@ -128,8 +117,8 @@ def test_client_disconnecting_mid_stream_aborts_on_both_engines_and_frees_blocks
     _wait_pools_full(system)
     router_metrics = system.endpoints["metrics"]["router"]
     decode_metrics = system.endpoints["metrics"]["decode-0"]
-    cancelled_before = _sample(decode_metrics, "pdserve_engine_requests_total", outcome="CANCELLED")
-    disconnects_before = _sample(
+    cancelled_before = metric(decode_metrics, "pdserve_engine_requests_total", outcome="CANCELLED")
+    disconnects_before = metric(
         router_metrics, "pdserve_router_requests_total", outcome="client_disconnected"
     )
     body = {
@@ -156,9 +145,9 @@ def test_client_disconnecting_mid_stream_aborts_on_both_engines_and_frees_blocks
 
     deadline = time.monotonic() + 30
     while (
-        _sample(decode_metrics, "pdserve_engine_requests_total", outcome="CANCELLED")
+        metric(decode_metrics, "pdserve_engine_requests_total", outcome="CANCELLED")
         <= cancelled_before
-        or _sample(router_metrics, "pdserve_router_requests_total", outcome="client_disconnected")
+        or metric(router_metrics, "pdserve_router_requests_total", outcome="client_disconnected")
         <= disconnects_before
     ):
         assert time.monotonic() < deadline, "the disconnect was not counted as an abort"

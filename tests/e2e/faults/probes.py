@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from services.engines.backend import EngineLoad
+from services.control_plane.wire import EngineLoad
 from services.serving.client import EngineClient
 
 
@@ -30,17 +31,16 @@ def rank_pids(engine_pid: int) -> list[int]:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` at ``url`` whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        series, _, value = line.rpartition(" ")
-        present = series[len(name) :].strip("{}")
-        pairs = set(present.split(",")) if present else set()
-        if all(f'{key}="{val}"' in pairs for key, val in labels.items()):
-            total += float(value)
-    return total
+    """The sum of the samples named ``name`` at ``url`` whose labels include ``labels``
+    (0 when there is none); the page is read with prometheus_client's own parser."""
+    text = httpx.get(url, timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+        and all(sample.labels.get(key) == value for key, value in labels.items())
+    )
 
 
 async def load_of(grpc_target: str) -> EngineLoad:
