@@ -33,6 +33,7 @@ from services.router.errors import (
     AuthenticationError,
     EngineRequestFailed,
     InvalidRequestError,
+    NoEngineAvailable,
     RouterError,
 )
 from services.router.execution import Chunk, GenerationRequest, RunInfo
@@ -190,9 +191,7 @@ async def health(runtime: Runtime) -> Response:
         if not runtime.pool.synced
         else "no READY compatible prefill/decode engine pair and no READY colocated engine"
     )
-    error = RouterError(reason, code="not_ready")
-    error.error_type = "service_unavailable"
-    return _json(503, error.envelope())
+    return _json(503, NoEngineAvailable(reason, code="not_ready").envelope())
 
 
 @ops.get("/metrics")

@@ -39,10 +39,6 @@ class ChatRenderer:
         eos_ids = sorted(tokenizer.eos_token_ids)
         self._eos = self._special_text(eos_ids[0]) if eos_ids else ""
 
-    @property
-    def uses_default_template(self) -> bool:
-        return self._uses_default
-
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """The prompt text; :class:`InvalidRequestError` when the template refuses them."""
         try:

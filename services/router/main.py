@@ -39,8 +39,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if runtime is not None:
-            app.state.runtime = runtime
+        if runtime is not None:  # set on the app below: nothing to build or close
             yield
             return
         registry = CollectorRegistry()

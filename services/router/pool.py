@@ -204,10 +204,6 @@ class EnginePool:
                 logger.exception("control-plane watcher failed; restarting it")
             await asyncio.sleep(_FOLLOW_RETRY_S)
 
-    async def wait_synced(self, timeout_s: float) -> None:
-        """Wait for the first full read (``TimeoutError`` after ``timeout_s``)."""
-        await asyncio.wait_for(self._synced.wait(), timeout_s)
-
     async def close(self) -> None:
         """Close every connector."""
         slots = list(self._slots.values())

@@ -65,10 +65,6 @@ class Scheduler:
         self._settings = settings
         self._metrics = metrics
 
-    @property
-    def policy(self) -> RoutingPolicy:
-        return self._policy
-
     def plan(self, model: str, prompt: PromptInfo) -> Plan:
         """Choose engines for a request of ``model``; raises ``ModelNotFound`` or
         ``NoEngineAvailable``. Fallbacks decided here are counted here."""
