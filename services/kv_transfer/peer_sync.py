@@ -11,13 +11,17 @@
 
 A producer that cannot be connected (its agent is unreachable, its topology stopped validating)
 is logged, counted in ``pdserve_kv_transfer_prewarm_failures_total`` and retried on its next
-change and on every :meth:`PeerSync.resync`. The NIXL calls are short and synchronous; they run on
-the caller's event loop, which is the engine worker's loop that also polls the consumer.
+change, on every :meth:`PeerSync.resync` and, while :meth:`PeerSync.follow` runs, every
+``retry_interval_s`` from the watcher's snapshot (a READY engine may never change again). The NIXL
+calls are short and synchronous; they run on the caller's event loop, which is the engine
+worker's loop that also polls the consumer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from services.control_plane import ControlPlane, ControlPlaneError, EngineRole
@@ -44,12 +48,17 @@ class PeerSync:
         compat_hash: str,
         own_engine_id: EngineId | None = None,
         metrics: KVTransferMetrics | None = None,
+        retry_interval_s: float = 2.0,
     ) -> None:
+        """``retry_interval_s``: how often :meth:`follow` retries producers that failed to
+        pre-warm (the default is the control plane's default ``resync_interval_s``)."""
         self._consumer = consumer
         self._control_plane = control_plane
         self._compat_hash = compat_hash
         self._own_engine_id = own_engine_id
         self._metrics = metrics if metrics is not None else KVTransferMetrics()
+        self._retry_interval_s = retry_interval_s
+        self._failed: set[EngineId] = set()
 
     def wants(self, view: EngineView | None) -> bool:
         """Whether this consumer should be connected to the engine ``view`` shows."""
@@ -75,12 +84,32 @@ class PeerSync:
             await self._reconcile(view.engine_id, view)
 
     async def follow(self, watcher: EngineWatcher) -> None:
-        """Apply every change of ``watcher`` until it stops (run it as a task)."""
+        """Apply every change of ``watcher`` until it stops (run it as a task).
+
+        Producers that failed to pre-warm are retried every ``retry_interval_s`` from the
+        watcher's snapshot (connecting is idempotent per generation).
+        """
         await self.resync(watcher.snapshot.values())
-        async for change in watcher:
-            await self.apply(change)
+        changes = aiter(watcher)
+        next_retry = time.monotonic() + self._retry_interval_s
+        while True:
+            timeout = max(next_retry - time.monotonic(), 0.0) if self._failed else None
+            try:
+                change = await asyncio.wait_for(anext(changes), timeout)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                change = None
+            if change is not None:
+                await self.apply(change)
+            if time.monotonic() >= next_retry:
+                snapshot = watcher.snapshot
+                for engine_id in sorted(self._failed):
+                    await self._reconcile(engine_id, snapshot.get(engine_id))
+                next_retry = time.monotonic() + self._retry_interval_s
 
     async def _reconcile(self, engine_id: EngineId, view: EngineView | None) -> None:
+        self._failed.discard(engine_id)
         connected = self._consumer.connected(engine_id)
         wanted = self.wants(view)
         target = view.generation if wanted and view is not None else None
@@ -99,6 +128,7 @@ class PeerSync:
             self._metrics.prewarm_failures.labels(
                 producer_engine=engine_id, reason=exc.reason
             ).inc()
+            self._failed.add(engine_id)
             logger.warning("could not pre-warm producer %s: %s", engine_id, exc)
             return
         logger.info("pre-warmed producer %s generation %d", engine_id, target)
