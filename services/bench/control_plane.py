@@ -29,6 +29,7 @@ import uuid
 from multiprocessing.connection import Connection
 from typing import Any
 
+from services.bench.stats import percentiles
 from services.config import ControlPlaneSettings
 from services.control_plane import ControlPlaneMetrics, EngineRecord, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
@@ -115,6 +116,7 @@ def _run_count(
     ]
     missed = figures["expected_ready"] - len(latencies)
     latencies.sort()
+    p50, p99 = percentiles(latencies, (50, 99))
     return {
         "mode": mode,
         "engines": count,
@@ -122,21 +124,14 @@ def _run_count(
         "samples": len(latencies),
         "missed": missed,
         "ready_latency_ms": {
-            "p50": round(_percentile(latencies, 50), 3),
-            "p99": round(_percentile(latencies, 99), 3),
+            "p50": round(p50, 3),
+            "p99": round(p99, 3),
             "max": round(latencies[-1], 3) if latencies else None,
             "mean": round(statistics.fmean(latencies), 3) if latencies else None,
         },
         "round_trips_per_worker": round(figures["publish_round_trips"] / figures["workers"], 3),
         "publish_wall_s": round(figures["publish_wall_s"], 4),
     }
-
-
-def _percentile(values: list[float], pct: float) -> float:
-    if not values:
-        return float("nan")
-    index = min(len(values) - 1, max(0, round(pct / 100 * len(values) + 0.5) - 1))
-    return values[index]
 
 
 async def _publish_rounds(

@@ -33,7 +33,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from services.bench.stats import percentiles
 from services.config import ControlPlaneSettings
 from services.control_plane.local_redis import LocalRedisServer, free_port
 from services.engines.backend import DecodeRequest, SamplingParams
@@ -234,11 +234,8 @@ async def _wait_http(url: str, method: str = "GET", body: Any = None) -> None:
 
 
 def _percentiles(samples: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    if not ordered:
-        return {"p50_ms": float("nan"), "p99_ms": float("nan")}
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": p99 * 1e3}
+    p50, p99 = percentiles(samples, (50, 99))
+    return {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
 
 
 async def _sequential(send: Send, count: int) -> list[float]:
@@ -300,7 +297,7 @@ async def _measure(
 ) -> dict[str, Any]:
     direct = await _sequential(direct_send, args.latency_requests)
     routed = await _sequential(router_send, args.latency_requests)
-    direct_p50 = statistics.median(direct)
+    (direct_p50,) = percentiles(direct, (50,))
     added = [sample - direct_p50 for sample in routed]
     load = [
         await _closed_loop(router_send, int(level), args.duration_s)

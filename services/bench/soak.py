@@ -42,6 +42,8 @@ from typing import Any
 
 import httpx
 
+from services.bench.stats import percentiles
+
 #: Prompt lengths in words, cycled through (the tiny model's context is 512 tokens).
 DEFAULT_PROMPT_WORDS = (6, 24, 64, 160)
 _SENTENCE = (
@@ -325,12 +327,8 @@ async def _stream(
 def percentiles_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "count": 0}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000, 2)
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "count": len(ordered)}
+    p50, p90, p99 = (round(value * 1000, 2) for value in percentiles(values, (50, 90, 99)))
+    return {"p50": p50, "p90": p90, "p99": p99, "count": len(values)}
 
 
 def summarize(
