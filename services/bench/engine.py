@@ -32,15 +32,16 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from services.config import ControlPlaneSettings, RedisSettings
-from services.control_plane import EngineState, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, EngineRegistration, SamplingParams
+from services.engines.backend import DecodeRequest, SamplingParams
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
+from services.engines.standalone import registered_engine
 
 BATCHES = (1, 16)
+MODEL = TinyModelSpec(max_position_embeddings=2048)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,9 +64,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     if args.quick:
         prefill_tokens, decode_tokens, ttft_tokens, reps = 32, 8, 128, 2
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
-        model_dir = make_tiny_model(
-            Path(tmp) / "tiny", seed=0, spec=TinyModelSpec(max_position_embeddings=2048)
-        )
+        model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0, spec=MODEL)
         with LocalRedisServer() as server:
             settings = ControlPlaneSettings(
                 redis=RedisSettings(url=server.url),
@@ -89,7 +88,10 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     return {
         "benchmark": "engine",
         "engine": "reference",
-        "model": "tiny (7 layers, hidden 64, 4 heads / 2 KV heads, float32)",
+        "model": (
+            f"tiny ({MODEL.num_layers} layers, hidden {MODEL.hidden_size}, {MODEL.num_heads} "
+            f"heads / {MODEL.num_kv_heads} KV heads, {ReferenceEngineOptions.dtype})"
+        ),
         "layout": {"pp": int(args.pp), "tp": int(args.tp)},
         "prefill_tokens": prefill_tokens,
         "decode_tokens": decode_tokens,
@@ -117,28 +119,8 @@ async def _engine(
         ),
         registry=CollectorRegistry(),
     )
-    desc = backend.describe()
-    control_plane = RedisControlPlane(settings)
-    record = await control_plane.register(desc.spec(engine_id, role, "127.0.0.1:0"))
-
-    async def heartbeat() -> None:
-        while True:
-            await asyncio.sleep(settings.heartbeat_interval_s)
-            await control_plane.heartbeat(engine_id, record.generation, backend.load())
-
-    beating = asyncio.create_task(heartbeat())
-    try:
-        await backend.start(EngineRegistration(engine_id, record.generation, role, settings))
-        async with control_plane.watch() as watcher:
-            await watcher.wait_for(engine_id, EngineState.READY, 60.0, record.generation)
-        yield backend
-    finally:
-        await backend.stop()
-        beating.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beating
-        await control_plane.deregister(engine_id, record.generation)
-        await control_plane.close()
+    async with registered_engine(settings, backend, engine_id=engine_id, role=role) as engine:
+        yield engine
 
 
 def _prompt(length: int, salt: int) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """Reference engines for the integration tests: real rank processes, real Redis, real NIXL.
 
-:func:`running_engine` registers an engine with the control plane (as the engine service
-does), heartbeats it, starts a :class:`ReferenceBackend`, waits for READY and stops and
-deregisters it afterwards. Engines are slow to start on two cores (a few seconds per rank), so
-test modules share them through module-scoped fixtures.
+:func:`running_engine` builds a :class:`ReferenceBackend` and runs it through
+:func:`~services.engines.standalone.registered_engine` (registered, heartbeated, started and
+READY as the engine service would have it; stopped and deregistered afterwards). Engines are
+slow to start on two cores (a few seconds per rank), so test modules share them through
+module-scoped fixtures.
 """
 
 from __future__ import annotations
@@ -20,21 +21,16 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.config import ControlPlaneSettings, RedisSettings
-from services.control_plane import EngineState, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import (
-    DecodeRequest,
-    EngineRegistration,
-    SamplingParams,
-    TokenDelta,
-)
+from services.engines.backend import DecodeRequest, SamplingParams, TokenDelta
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.batch import SequenceChunk
 from services.engines.reference.local_group import LocalShardGroup
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.sampling import make_generator, sample_token, token_generator
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.standalone import registered_engine
 from services.topology import EngineLayout
 
 BLOCK_SIZE = 4
@@ -87,31 +83,10 @@ async def running_engine(
         ),
         registry=CollectorRegistry(),
     )
-    desc = backend.describe()
-    control_plane = RedisControlPlane(settings)
-    record = await control_plane.register(desc.spec(engine_id, role, "127.0.0.1:0"))
-
-    async def heartbeat() -> None:
-        while True:
-            await asyncio.sleep(settings.heartbeat_interval_s)
-            await control_plane.heartbeat(engine_id, record.generation, backend.load())
-
-    beating = asyncio.create_task(heartbeat())
-    try:
-        await backend.start(EngineRegistration(engine_id, record.generation, role, settings))
-        async with control_plane.watch() as watcher:
-            await watcher.wait_for(
-                engine_id, EngineState.READY, READY_TIMEOUT_S, generation=record.generation
-            )
-        yield backend
-    finally:
-        await backend.stop()
-        beating.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await beating
-        with contextlib.suppress(Exception):
-            await control_plane.deregister(engine_id, record.generation)
-        await control_plane.close()
+    async with registered_engine(
+        settings, backend, engine_id=engine_id, role=role, ready_timeout_s=READY_TIMEOUT_S
+    ) as engine:
+        yield engine
 
 
 async def collect(
