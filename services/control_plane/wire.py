@@ -60,6 +60,16 @@ class EngineRole(enum.StrEnum):
     DECODE = "decode"
     BOTH = "both"
 
+    @property
+    def produces_kv(self) -> bool:
+        """Whether it prefills and holds KV for other engines (``prefill`` or ``both``)."""
+        return self is not EngineRole.DECODE
+
+    @property
+    def consumes_kv(self) -> bool:
+        """Whether it decodes from KV pulled from other engines (``decode`` or ``both``)."""
+        return self is not EngineRole.PREFILL
+
 
 class EngineState(enum.StrEnum):
     """Readiness of an engine's current generation."""

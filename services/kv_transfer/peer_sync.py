@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from services.control_plane import ControlPlane, ControlPlaneError, EngineRole
+from services.control_plane import ControlPlane, ControlPlaneError
 from services.control_plane.base import EngineView
 from services.control_plane.watch import EngineChange, EngineWatcher
 from services.control_plane.wire import EngineId
@@ -33,8 +33,6 @@ from services.kv_transfer.errors import KVTransferError
 from services.kv_transfer.metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
-
-_PRODUCER_ROLES = (EngineRole.PREFILL, EngineRole.BOTH)
 
 
 class PeerSync:
@@ -67,7 +65,7 @@ class PeerSync:
             and view.ready
             and view.record is not None
             and view.engine_id != self._own_engine_id
-            and view.record.role in _PRODUCER_ROLES
+            and view.record.role.produces_kv
             and view.record.compat_hash == self._compat_hash
         )
 

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from services.control_plane import ControlPlaneError, ControlPlaneMetrics, RedisControlPlane
-from services.control_plane.wire import EngineLoad, EngineRole, compute_compat_hash
+from services.control_plane.wire import EngineLoad, compute_compat_hash
 from services.engines.backend import (
     BackendDescription,
     DecodeRequest,
@@ -72,9 +72,6 @@ from services.kv_transfer.block_pool import KV_LAYOUT
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_PRODUCER_ROLES = (EngineRole.PREFILL, EngineRole.BOTH)
-_CONSUMER_ROLES = (EngineRole.DECODE, EngineRole.BOTH)
 
 
 class _AsyncSink:
@@ -171,7 +168,7 @@ class ReferenceBackend(EngineBackend):
             eos_token_ids=self.eos_token_ids,
             metrics=self.metrics,
         )
-        if registration.role in _CONSUMER_ROLES:
+        if registration.role.consumes_kv:
             self._control_plane = RedisControlPlane(
                 registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
             )
@@ -214,7 +211,7 @@ class ReferenceBackend(EngineBackend):
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> PrefillResult:
         registration = self._running_registration()
-        if registration.role not in _PRODUCER_ROLES:
+        if not registration.role.produces_kv:
             raise InvalidRequest(
                 f"engine {registration.engine_id} has role {registration.role}: it does not "
                 "prefill for other engines (decode without a kv_handle runs locally)"
@@ -241,7 +238,7 @@ class ReferenceBackend(EngineBackend):
         self._validate(request.request_id, request.prompt_token_ids, request.sampling)
         kind: RequestKind = "generate"
         if request.kv_handle is not None:
-            if registration.role not in _CONSUMER_ROLES:
+            if not registration.role.consumes_kv:
                 raise InvalidRequest(
                     f"engine {registration.engine_id} has role {registration.role}: it does "
                     "not decode from remote KV"

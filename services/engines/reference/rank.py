@@ -44,7 +44,7 @@ from services.control_plane import (
     EngineNotFound,
     RedisControlPlane,
 )
-from services.control_plane.wire import EngineRecord, EngineRole
+from services.control_plane.wire import EngineRecord
 from services.engines.backend import EngineRegistration
 from services.engines.errors import EngineFailed
 from services.engines.reference.batch import ForwardBatch, PagedKVCache
@@ -89,8 +89,6 @@ BUSY_POLL_INTERVAL_S = 0.0002
 """The same while one of its pulls is in flight."""
 DIST_TIMEOUT_S = 120.0
 """gloo collectives and point-to-point ops give up after this (a peer rank died)."""
-
-_CONSUMER_ROLES = (EngineRole.DECODE, EngineRole.BOTH)
 
 
 @dataclass(frozen=True)
@@ -223,7 +221,7 @@ class RankWorker:
         try:
             self._record = await self._publish(control_plane, registration)
             self._send(RankReady(self.rank, os.getpid(), self.transport.agent_name, self.worker_id))
-            if registration.role in _CONSUMER_ROLES:
+            if registration.role.consumes_kv:
                 follow = asyncio.create_task(self._follow(control_plane), name="peer-sync")
             await self._serve()
         finally:
