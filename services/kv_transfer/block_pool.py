@@ -85,7 +85,11 @@ class KVPoolSpec:
 
 @dataclass(frozen=True)
 class RegionLayout:
-    """Where a pool's regions are and how blocks sit in them: the memory half of a handshake."""
+    """Where a pool's regions are and how blocks sit in them: the memory half of a handshake.
+
+    Every field is named as its :class:`HandshakeRecord` counterpart:
+    :meth:`KVTransport.handshake_record` copies them by name.
+    """
 
     memory_type: str
     device_id: int

@@ -43,14 +43,14 @@ class RegionGeometry:
     def of(cls, source: HandshakeRecord | RegionLayout) -> RegionGeometry:
         """From a remote worker's handshake record or the local pool's layout (same fields)."""
         return cls(
-            source.region_base_addrs,
-            source.layers,
-            source.kv_heads,
-            source.num_blocks,
-            source.block_len,
-            source.block_stride,
-            source.device_id,
-            source.memory_type,
+            base_addrs=source.region_base_addrs,
+            layers=source.layers,
+            kv_heads=source.kv_heads,
+            num_blocks=source.num_blocks,
+            block_len=source.block_len,
+            block_stride=source.block_stride,
+            device_id=source.device_id,
+            memory_type=source.memory_type,
         )
 
     @property

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from services.control_plane.wire import EngineId, Generation, HandshakeRecord
@@ -172,6 +172,8 @@ class KVTransport(ABC):
     ) -> HandshakeRecord:
         """The record this worker publishes through the control plane (step 2)."""
         layout = self.pool.describe()
+        # Field by field, not asdict(): that would turn the Range values into dicts.
+        memory = {f.name: getattr(layout, f.name) for f in fields(layout)}
         ident = self.identity
         return HandshakeRecord(
             engine_id=ident.engine_id,
@@ -181,18 +183,7 @@ class KVTransport(ABC):
             worker_id=worker_id,
             agent_name=self.agent_name,
             agent_metadata=self.agent_metadata(),
-            memory_type=layout.memory_type,
-            device_id=layout.device_id,
-            region_base_addrs=layout.region_base_addrs,
-            num_blocks=layout.num_blocks,
-            block_len=layout.block_len,
-            block_stride=layout.block_stride,
-            block_size=layout.block_size,
-            dtype=layout.dtype,
-            head_size=layout.head_size,
-            kv_layout=layout.kv_layout,
-            layers=layout.layers,
-            kv_heads=layout.kv_heads,
+            **memory,
             compat_hash=compat_hash,
             extra=extra,
         )
