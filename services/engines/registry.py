@@ -19,13 +19,16 @@ from types import ModuleType
 
 from prometheus_client import CollectorRegistry
 
-from services.control_plane.wire import EngineRole
 from services.engines.backend import EngineBackend
 from services.engines.errors import EngineError
 
 
 class UnknownEngine(EngineError, ValueError):
     """No backend of that name, or its module could not be imported."""
+
+
+class EngineOptionsError(EngineError, ValueError):
+    """Options the selected backend cannot take (a missing ``--model``, a flag it ignores)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,6 @@ class EngineOptions:
     ``None`` means the backend's own default.
     """
 
-    role: EngineRole
     model_dir: Path | None = None
     pp_size: int = 1
     tp_size: int = 1
@@ -62,7 +64,7 @@ BackendFactory = Callable[[EngineOptions, CollectorRegistry], EngineBackend]
 
 def _need_model(options: EngineOptions, engine: str) -> Path:
     if options.model_dir is None:
-        raise UnknownEngine(f"the {engine} engine needs --model DIR")
+        raise EngineOptionsError(f"the {engine} engine needs --model DIR")
     return options.model_dir
 
 
@@ -84,9 +86,11 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     module = _import("services.engines.vllm.backend", "vllm")
     if options.layer_partition is not None:
         # vLLM takes an uneven split from VLLM_PP_LAYER_PARTITION, not from a flag.
-        raise UnknownEngine("the vllm engine takes its layer split from VLLM_PP_LAYER_PARTITION")
+        raise EngineOptionsError(
+            "the vllm engine takes its layer split from VLLM_PP_LAYER_PARTITION"
+        )
     if options.num_kv_blocks is not None:
-        raise UnknownEngine("the vllm engine sizes its KV cache itself (--num-kv-blocks)")
+        raise EngineOptionsError("the vllm engine sizes its KV cache itself (--num-kv-blocks)")
     vllm_options = module.VllmEngineOptions(
         model_dir=_need_model(options, "vllm"),
         pp_size=options.pp_size,
@@ -124,7 +128,8 @@ ENGINES: dict[str, BackendFactory] = {"reference": _reference, "vllm": _vllm, "s
 def create_backend(
     name: str, options: EngineOptions, *, registry: CollectorRegistry | None = None
 ) -> EngineBackend:
-    """The backend ``name`` built from ``options``; :class:`UnknownEngine` if there is none.
+    """The backend ``name`` built from ``options``; :class:`UnknownEngine` if there is none,
+    :class:`EngineOptionsError` if it cannot take ``options``.
 
     ``registry`` receives the backend's own metrics (the host serves it); a fresh one if unset.
     """

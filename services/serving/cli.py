@@ -122,7 +122,6 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             args.engine_id or f"{role.value}-{uuid.uuid4().hex[:8]}", "engine id"
         )
         options = EngineOptions(
-            role=role,
             model_dir=args.model,
             pp_size=args.pp,
             tp_size=args.tp,

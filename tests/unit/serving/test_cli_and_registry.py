@@ -6,8 +6,12 @@ import pytest
 
 from services.cli.main import build_parser, main
 from services.cli.settings import resolve
-from services.control_plane.wire import EngineRole
-from services.engines.registry import EngineOptions, UnknownEngine, create_backend
+from services.engines.registry import (
+    EngineOptions,
+    EngineOptionsError,
+    UnknownEngine,
+    create_backend,
+)
 from services.serving.cli import build_settings
 from services.serving.config import split_host_port
 from services.serving.host import ServingEndpoints, parse_ready_line
@@ -57,14 +61,12 @@ def test_bad_settings_exit_2_with_a_clear_message(
 
 
 def test_registry_builds_the_stub_and_names_unknown_engines() -> None:
-    backend = create_backend(
-        "stub", EngineOptions(role=EngineRole.PREFILL, pp_size=2, num_kv_blocks=10)
-    )
+    backend = create_backend("stub", EngineOptions(pp_size=2, num_kv_blocks=10))
     assert isinstance(backend, StubBackend)
     assert backend.describe().pp_size == 2
     assert backend.load().kv_blocks_total == 10
     with pytest.raises(UnknownEngine, match="choose one of"):
-        create_backend("tensorrt", EngineOptions(role=EngineRole.DECODE))
+        create_backend("tensorrt", EngineOptions())
 
 
 def test_ready_line_round_trips() -> None:
@@ -86,16 +88,11 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
     model = make_tiny_model(tmp_path / "tiny")
     backend = create_backend(
         "vllm",
-        EngineOptions(
-            role=EngineRole.PREFILL, model_dir=model, pp_size=2, tp_size=1, block_size=16
-        ),
+        EngineOptions(model_dir=model, pp_size=2, tp_size=1, block_size=16),
     )
     assert isinstance(backend, VllmBackend)
     description = backend.describe()
     assert (description.pp_size, description.tp_size, description.block_size) == (2, 1, 16)
     assert description.engine_kind == "vllm"
-    with pytest.raises(UnknownEngine, match="VLLM_PP_LAYER_PARTITION"):
-        create_backend(
-            "vllm",
-            EngineOptions(role=EngineRole.PREFILL, model_dir=model, layer_partition=(3, 4)),
-        )
+    with pytest.raises(EngineOptionsError, match="VLLM_PP_LAYER_PARTITION"):
+        create_backend("vllm", EngineOptions(model_dir=model, layer_partition=(3, 4)))
