@@ -223,10 +223,6 @@ class Scheduler:
         """Every request not finished, held KV included."""
         return len(self._requests)
 
-    def has_work(self) -> bool:
-        """Whether :meth:`schedule` could plan a step now."""
-        return bool(self._waiting) or any(r.pending_tokens > 0 for r in self._running)
-
     # -- intake ------------------------------------------------------------------------------
 
     def submit(
@@ -476,19 +472,18 @@ class Scheduler:
         if len(request.pull_reports) < len(self._ranks):
             return
         failures = [r for r in request.pull_reports.values() if not r.ok]
-        aborted = request.phase is Phase.PULLING and request.sink is _ABORTED
+        aborted = request.sink is _ABORTED
         if failures or aborted:
-            self._requests.pop(request.request_id, None)
             request.phase = Phase.DONE
-            self.allocator.free(request.block_ids)
-            request.block_ids = []
+            self._release_blocks(request)
             if aborted:
                 return
             first = next((f for f in failures if f.reason != "cancelled"), failures[0])
+            assert request.handle is not None  # a pulling request has one
             error: EngineError
             if first.reason in _UNAVAILABLE_REASONS:
                 error = ProducerUnavailable(
-                    f"producer {request.handle.producer_engine_id if request.handle else '?'} "
+                    f"producer {request.handle.producer_engine_id} "
                     f"unavailable for {request.request_id}: {first.reason} {first.message}"
                 )
                 self._metrics.kv_error("ProducerUnavailable", first.reason)
@@ -523,10 +518,8 @@ class Scheduler:
         outcomes = set(request.lease_reports.values())
         outcome = next(o for o in ("aborted", "expired", "released") if o in outcomes)
         self._metrics.held_ended(outcome)
-        self._requests.pop(request.request_id, None)
         request.phase = Phase.DONE
-        self.allocator.free(request.block_ids)
-        request.block_ids = []
+        self._release_blocks(request)
 
     # -- abort and failure ---------------------------------------------------------------------
 
