@@ -4,7 +4,9 @@ A disaggregated request names its producer in the KV handle. Before the backend 
 pull, :class:`ProducerGate` reads the producer's registration from the control plane: unknown,
 not READY, or at another generation than the handle is UNAVAILABLE and nothing is pulled (a
 restarted producer's old blocks are gone; its new NIXL agent must never be read with old
-addresses).
+addresses); a decode engine or an incompatible one is INVALID_ARGUMENT
+(:func:`~services.engines.producer_check.producer_refusal`). A backend that declares
+``checks_producers`` makes the same check itself, so the gate is skipped for it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,9 @@ import grpc
 import grpc.aio
 
 from services.control_plane import ControlPlane, ControlPlaneError
-from services.control_plane.wire import EngineRole
 from services.engines.backend import FinishReason, KVHandle, TokenDelta, Usage
-from services.engines.errors import (
-    EngineFailed,
-    InvalidRequest,
-    ProducerUnavailable,
-    RequestError,
-)
+from services.engines.errors import EngineFailed, RequestError
+from services.engines.producer_check import control_plane_refusal, producer_refusal
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.serving import convert
 from services.serving.servicer import ServingState
@@ -44,26 +41,10 @@ class ProducerGate:
         try:
             view = await self.control_plane.get_engine(producer)
         except ControlPlaneError as exc:
-            raise ProducerUnavailable(
-                f"cannot confirm producer {producer} is READY: control plane error: {exc}"
-            ) from exc
-        if view is None or view.record is None:
-            raise ProducerUnavailable(f"producer engine {producer} is not registered")
-        if view.generation != handle.generation:
-            raise ProducerUnavailable(
-                f"producer engine {producer} is at generation {view.generation}, the handle "
-                f"names generation {handle.generation} (it restarted; that KV is gone)"
-            )
-        if not view.ready:
-            state = view.state.value if view.state else "unknown"
-            raise ProducerUnavailable(f"producer engine {producer} is not READY (state {state})")
-        if view.record.role is EngineRole.DECODE:
-            raise InvalidRequest(f"engine {producer} is a decode engine, not a KV producer")
-        if view.record.compat_hash != self.compat_hash:
-            raise InvalidRequest(
-                f"producer engine {producer} serves an incompatible model or KV layout "
-                f"(compat hash {view.record.compat_hash} != {self.compat_hash})"
-            )
+            raise control_plane_refusal(producer, exc).exception() from exc
+        refusal = producer_refusal(view, handle, compat_hash=self.compat_hash)
+        if refusal is not None:
+            raise refusal.exception()
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -85,7 +66,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state = self.state
         async with state.rpc("Decode", context) as outcome:
             parsed = convert.decode_request_from_proto(request, state.limits)
-            if parsed.kv_handle is not None:
+            if parsed.kv_handle is not None and not state.backend.checks_producers:
                 await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
             stream = state.backend.decode(parsed)

@@ -261,6 +261,11 @@ class EngineBackend(abc.ABC):
     rank died (the engine is then unusable and the host must exit non-zero).
     """
 
+    checks_producers: bool = False
+    """Whether :meth:`decode` checks a handle's producer against the control plane itself
+    (:func:`~services.engines.producer_check.producer_refusal`, before the first delta); the
+    Decode RPC then skips its own check."""
+
     @abc.abstractmethod
     def describe(self) -> BackendDescription:
         """The spec fields the host registers; cheap (reads the model config only)."""

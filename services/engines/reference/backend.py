@@ -12,14 +12,16 @@ Roles: every engine can run a request start to finish (``decode`` without a KV h
 with a KV handle needs ``decode`` or ``both`` (the ranks pull it from the producer, pre-warmed
 by PeerSync when the producer turned READY).
 
-Before a pull the backend checks the handle against the control plane: the producer must be
-READY at the handle's generation, compatible and of the same block size, else
-:class:`ProducerUnavailable`; a lease already past is :class:`KVLeaseExpired`. A producer that
-simply no longer holds the handle cannot be told from one that does without asking it (there is
-no side channel besides NIXL); :class:`UnknownKVHandle` is therefore raised only for handles
-that cannot be right (naming this very engine, or with a block count that does not match their
-tokens). Every refusal and failure is counted in
-``pdserve_reference_engine_kv_errors_total{error, reason}``.
+Before a pull the backend checks the handle against the control plane
+(:func:`~services.engines.producer_check.producer_refusal`): the producer must be READY at the
+handle's generation and of the same block size, else :class:`ProducerUnavailable`, and a
+compatible KV producer, else :class:`InvalidRequest`; a lease already past is
+:class:`KVLeaseExpired`. The backend declares ``checks_producers``, so the Decode RPC does not
+check the producer a second time. A producer that simply no longer holds the handle cannot be
+told from one that does without asking it (there is no side channel besides NIXL);
+:class:`UnknownKVHandle` is therefore raised only for handles that cannot be right (naming this
+very engine, or with a block count that does not match their tokens). Every refusal and failure
+is counted in ``pdserve_reference_engine_kv_errors_total{error, reason}``.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ from services.engines.errors import (
     EngineFailed,
     InvalidRequest,
     KVLeaseExpired,
-    ProducerUnavailable,
     UnknownKVHandle,
 )
+from services.engines.producer_check import control_plane_refusal, producer_refusal
 from services.engines.reference.config import ModelConfig
 from services.engines.reference.engine import EngineLoop
 from services.engines.reference.executor import RankGroup
@@ -89,6 +91,8 @@ class _AsyncSink:
 class ReferenceBackend(EngineBackend):
     """The reference engine; see the module docstring. One instance serves one generation:
     after :meth:`stop`, build a new one to start again."""
+
+    checks_producers = True
 
     def __init__(
         self, options: ReferenceEngineOptions, *, registry: CollectorRegistry | None = None
@@ -437,35 +441,15 @@ class ReferenceBackend(EngineBackend):
         try:
             view = await self._control_plane.get_engine(producer)
         except ControlPlaneError as exc:
-            raise refuse(
-                ProducerUnavailable,
-                "control_plane",
-                f"cannot check producer {producer}: {exc}",
-            ) from exc
-        if view is None or view.record is None:
-            raise refuse(ProducerUnavailable, "gone", f"producer {producer} is not registered")
-        if view.generation != handle.generation:
-            raise refuse(
-                ProducerUnavailable,
-                "stale_generation",
-                f"producer {producer} is at generation {view.generation}, the handle was made "
-                f"by {handle.generation}",
-            )
-        if not view.ready:
-            raise refuse(ProducerUnavailable, "not_ready", f"producer {producer} is not READY")
-        if view.record.compat_hash != self.compat_hash:
-            raise refuse(
-                ProducerUnavailable,
-                "incompatible",
-                f"producer {producer} serves an incompatible model or KV format",
-            )
-        if view.record.block_size != self.options.block_size:
-            raise refuse(
-                ProducerUnavailable,
-                "block_size",
-                f"producer {producer} uses blocks of {view.record.block_size} tokens, this "
-                f"engine {self.options.block_size}",
-            )
+            failed = control_plane_refusal(producer, exc)
+            metrics.kv_error(failed.error.__name__, failed.reason)
+            raise failed.exception() from exc
+        refusal = producer_refusal(
+            view, handle, compat_hash=self.compat_hash, block_size=self.options.block_size
+        )
+        if refusal is not None:
+            metrics.kv_error(refusal.error.__name__, refusal.reason)
+            raise refusal.exception()
 
 
 __all__ = ["FinishReason", "ReferenceBackend", "ReferenceEngineOptions"]
