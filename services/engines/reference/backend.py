@@ -105,9 +105,8 @@ class ReferenceBackend(EngineBackend):
         for rank in self.layout.shards:
             ShardGeometry.resolve(self.config, ShardSpec.from_layout(self.layout, *rank))
         self.tokenizer: Tokenizer = load_tokenizer(options.model_dir)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
-            self.config.eos_token_ids
-        )
+        # The tokenizer's ids include config.json's and generation_config.json's eos_token_id.
+        self.eos_token_ids = self.tokenizer.eos_token_ids
         self.compat_hash = compute_compat_hash(
             model=options.served_model_name(),
             dtype=options.dtype,
