@@ -57,7 +57,7 @@ from services.engines.errors import (
 )
 from services.engines.producer_check import control_plane_refusal, producer_refusal
 from services.engines.reference.config import ModelConfig
-from services.engines.reference.engine import EngineLoop
+from services.engines.reference.engine import EngineLoop, LoadSnapshot
 from services.engines.reference.executor import RankGroup
 from services.engines.reference.metrics import RankMetricsRelay, ReferenceEngineMetrics
 from services.engines.reference.options import ReferenceEngineOptions
@@ -296,17 +296,23 @@ class ReferenceBackend(EngineBackend):
         engine = self._running_engine()
         scheduler = engine.scheduler
 
-        def start_draining() -> None:
+        def start_draining() -> tuple[int, LoadSnapshot]:
             scheduler.draining = True
+            return scheduler.in_flight, engine.snapshot
 
-        await asyncio.wrap_future(engine.call(start_draining))
+        # From here on nothing is admitted, so in_flight only falls. Snapshots the loop takes
+        # after this call count it; the one current while it ran may predate it.
+        in_flight, before = await asyncio.wrap_future(engine.call(start_draining))
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            in_flight = await asyncio.wrap_future(engine.call(lambda: scheduler.in_flight))
-            if in_flight == 0:
-                return 0
+        while in_flight > 0:
+            if time.monotonic() >= deadline:
+                return await asyncio.wrap_future(engine.call(scheduler.abort_all))
             await asyncio.sleep(0.02)
-        return await asyncio.wrap_future(engine.call(scheduler.abort_all))
+            self._running_engine()  # the engine failed or was stopped meanwhile: raise
+            snapshot = engine.snapshot
+            if snapshot is not before:
+                in_flight = snapshot.in_flight
+        return 0
 
     async def stop(self) -> None:
         if self._stopped:

@@ -159,10 +159,6 @@ class EngineLoop:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(OSError):
             self._wake_writer.send_bytes(b"w")

@@ -79,21 +79,20 @@ class RankGroup:
             self._conns[rank] = parent
             self._processes[rank] = process
 
-    def wait_ready(self, timeout_s: float) -> list[RankReady]:
+    def wait_ready(self, timeout_s: float) -> None:
         """Block until every rank reported ready; raises :class:`EngineFailed` on a death, a
         fatal error or the timeout (other events that arrive meanwhile are dropped: nothing
         else runs before the engine is up)."""
-        ready: dict[RankKey, RankReady] = {}
+        ready: set[RankKey] = set()
         deadline = time.monotonic() + timeout_s
         while len(ready) < len(self.ranks):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(self.ranks) - set(ready))
+                missing = sorted(set(self.ranks) - ready)
                 raise EngineFailed(f"ranks {missing} not ready after {timeout_s} s")
             for event in self.receive(left):
                 if isinstance(event, RankReady):
-                    ready[event.rank] = event
-        return [ready[rank] for rank in self.ranks]
+                    ready.add(event.rank)
 
     def pids(self) -> dict[RankKey, int]:
         return {rank: p.pid for rank, p in self._processes.items() if p.pid is not None}
