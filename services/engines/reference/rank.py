@@ -320,6 +320,8 @@ class RankWorker:
             loop.remove_reader(self.conn.fileno())
 
     def _stop_requested(self) -> bool:
+        """``self._stopping``, read through a call: :meth:`_handle` sets it, which mypy cannot
+        see after the loop's ``while not self._stopping`` (it would call the check unreachable)."""
         return self._stopping
 
     def _handle(self, command: HostCommand) -> None:
@@ -368,16 +370,24 @@ class RankWorker:
     # -- KV data plane -------------------------------------------------------------------------
 
     def _start_pull(self, command: PullKV) -> None:
-        connected = self.consumer.connected(command.producer_engine)
-        if connected == command.producer_generation:
-            self._issue_pull(command)
-        elif connected is not None and connected > command.producer_generation:
-            self._pull_failed(command.request_id, "stale_generation", "producer restarted")
-        else:
+        if not self._try_issue(command):
             self._waiting_pulls[command.request_id] = (
                 command,
                 time.monotonic() + command.connect_wait_s,
             )
+
+    def _try_issue(self, command: PullKV) -> bool:
+        """Issue the pull once this rank is connected to the producer at the command's
+        generation, or fail it as ``stale_generation`` once connected at a later one; ``False``
+        (nothing done) while neither is the case."""
+        connected = self.consumer.connected(command.producer_engine)
+        if connected == command.producer_generation:
+            self._issue_pull(command)
+            return True
+        if connected is not None and connected > command.producer_generation:
+            self._pull_failed(command.request_id, "stale_generation", "producer restarted")
+            return True
+        return False
 
     def _issue_pull(self, command: PullKV) -> None:
         try:
@@ -410,10 +420,8 @@ class RankWorker:
         if self._waiting_pulls:
             now = time.monotonic()
             for request_id, (command, deadline) in list(self._waiting_pulls.items()):
-                connected = self.consumer.connected(command.producer_engine)
-                if connected == command.producer_generation:
+                if self._try_issue(command):
                     del self._waiting_pulls[request_id]
-                    self._issue_pull(command)
                 elif now >= deadline:
                     del self._waiting_pulls[request_id]
                     self._pull_failed(
