@@ -12,14 +12,15 @@ locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-requ
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +50,12 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+CLIENT_CLOSED_REQUEST = 499
+"""Status recorded for a request whose client hung up before its response started (nginx's
+convention); nobody receives it."""
+
+T = TypeVar("T")
 
 
 def get_runtime(request: Request) -> RouterRuntime:
@@ -131,7 +138,7 @@ CHAT = _Output(
 
 
 @v1.post("/completions")
-async def completions(body: CompletionRequest, runtime: Runtime) -> Response:
+async def completions(body: CompletionRequest, runtime: Runtime, http: Request) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
     prompt = body.single_prompt()
@@ -150,11 +157,13 @@ async def completions(body: CompletionRequest, runtime: Runtime) -> Response:
     request = _generation_request(
         "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
     )
-    return await _serve(runtime, COMPLETIONS, request, body.stream, _include_usage(body))
+    return await _serve(runtime, http, COMPLETIONS, request, body.stream, _include_usage(body))
 
 
 @v1.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, runtime: Runtime) -> Response:
+async def chat_completions(
+    body: ChatCompletionRequest, runtime: Runtime, http: Request
+) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
     token_ids = runtime.chat.tokenize(
@@ -166,7 +175,7 @@ async def chat_completions(body: ChatCompletionRequest, runtime: Runtime) -> Res
     request = _generation_request(
         "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
     )
-    return await _serve(runtime, CHAT, request, body.stream, _include_usage(body))
+    return await _serve(runtime, http, CHAT, request, body.stream, _include_usage(body))
 
 
 @v1.get("/models")
@@ -237,34 +246,43 @@ def _generation_request(
     )
 
 
-async def _serve(
-    runtime: RouterRuntime,
-    output: _Output,
-    request: GenerationRequest,
-    stream: bool,
-    include_usage: bool,
-) -> Response:
-    """Run the request; errors up to the first token are raised (an HTTP error), later ones
-    end the stream with an error event."""
+class ClientDisconnected(Exception):
+    """The HTTP client closed its connection before its response started."""
+
+
+async def _client_left(http: Request) -> None:
+    """Returns once the client has closed the connection (the body was read already, so the
+    server's next message is ``http.disconnect``)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(http: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result; :class:`ClientDisconnected` when the client hangs up first.
+
+    Until its response starts a request is only an awaited coroutine, and Starlette notices a
+    disconnect only while it streams: without this a client that gives up during a long prefill
+    (or on a non-streaming request) would keep both engines busy to the end. Here ``work`` is
+    cancelled instead, which cancels the engine calls it awaits; each engine aborts the request
+    and frees its blocks."""
+    work_task = asyncio.ensure_future(work)
+    leaving = asyncio.ensure_future(_client_left(http))
     try:
-        request.sampling.validate(vocab_size=runtime.tokenizer.vocab_size)
-    except InvalidRequest as exc:
-        raise InvalidRequestError(str(exc)) from exc
-    info = RunInfo()
-    run = runtime.executor.generate(request, info)
-    try:
-        first = await anext(run)
-    except StopAsyncIteration:  # pragma: no cover - generate always yields or raises
-        raise EngineRequestFailed("the request produced no output") from None
-    except BaseException:
-        await run.aclose()
-        raise
-    headers = _headers(request, info)
-    if stream:
-        events = _sse(runtime, output, request, info, run, first, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    texts = [first.text]
-    finish = first.finish_reason
+        await asyncio.wait((work_task, leaving), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leaving.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.wait((work_task,))  # let its clean-up reach the engines
+    if work_task.cancelled():
+        raise ClientDisconnected
+    return work_task.result()
+
+
+async def _collect(run: AsyncGenerator[Chunk, None]) -> tuple[str, FinishReason]:
+    """The whole text of a non-streaming request and why it finished."""
+    texts: list[str] = []
+    finish: FinishReason | None = None
     try:
         while finish is None:
             chunk = await anext(run)
@@ -272,18 +290,59 @@ async def _serve(
             finish = chunk.finish_reason
     except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
         finish = FinishReason.STOP
+    return "".join(texts), finish
+
+
+async def _serve(
+    runtime: RouterRuntime,
+    http: Request,
+    output: _Output,
+    request: GenerationRequest,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    """Run the request; errors up to the first token are raised (an HTTP error), later ones
+    end the stream with an error event. A client that hangs up before the response starts
+    cancels the run (counted ``client_disconnected``); after that, Starlette's own disconnect
+    handling ends the stream the same way."""
+    try:
+        request.sampling.validate(vocab_size=runtime.tokenizer.vocab_size)
+    except InvalidRequest as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    info = RunInfo()
+    run = runtime.executor.generate(request, info)
+    streaming = False
+    try:
+        if stream:
+            first = await _unless_client_leaves(http, anext(run))
+            streaming = True  # from here on ``_sse`` owns ``run``
+        else:
+            text, finish = await _unless_client_leaves(http, _collect(run))
+    except StopAsyncIteration:  # pragma: no cover - generate always yields or raises
+        raise EngineRequestFailed("the request produced no output") from None
+    except ClientDisconnected:
+        logger.info("request %s: the client left before the response started", request.request_id)
+        runtime.executor.observe_end(
+            request.arrival_s, output.endpoint, "client_disconnected", info
+        )
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     except RouterError:
         # Counted by the error handler (on_router_error); only the latency is recorded here.
         runtime.executor.observe_latency(request.arrival_s, output.endpoint, info)
         raise
     finally:
-        await run.aclose()
+        if not streaming:
+            await run.aclose()
+    headers = _headers(request, info)
+    if stream:
+        events = _sse(runtime, output, request, info, run, first, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     body = {
         "id": request.request_id,
         "object": output.object_name,
         "created": now_s(),
         "model": request.model,
-        "choices": [output.render_choice("".join(texts), _finish_text(finish))],
+        "choices": [output.render_choice(text, _finish_text(finish))],
         "usage": usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens),
     }
     runtime.executor.observe_end(request.arrival_s, output.endpoint, "ok", info)
