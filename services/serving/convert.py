@@ -61,6 +61,33 @@ def validate_request_id(request_id: str, what: str = "request_id") -> str:
     return request_id
 
 
+# -- undecodable request bytes -------------------------------------------------------------
+
+MAX_DECODE_ERROR_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Request bytes that did not parse as the RPC's message.
+
+    The server's request deserializers (:mod:`services.serving.handlers`) return this instead
+    of raising, because grpc.aio answers a raising deserializer with a bare UNKNOWN before any
+    pdserve code runs. The handler answers it with :meth:`error` (INVALID_ARGUMENT) and never
+    passes it to a servicer.
+    """
+
+    rpc: str
+    message_type: str
+    size: int
+    reason: str
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(
+            f"{self.rpc}: the request could not be decoded as {self.message_type} "
+            f"({self.size} bytes): {self.reason[:MAX_DECODE_ERROR_CHARS]}"
+        )
+
+
 # -- sampling ------------------------------------------------------------------------------
 
 

@@ -59,10 +59,11 @@ from services.decode.servicer import DecodeServicer, ProducerGate
 from services.engines.backend import EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
 from services.prefill.servicer import PrefillServicer
-from services.proto_gen.pdserve.v1 import decode_pb2_grpc, engine_pb2_grpc, prefill_pb2_grpc
+from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
 from services.serving.client import server_options
 from services.serving.config import EngineServiceSettings, split_host_port
 from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
+from services.serving.handlers import add_servicer
 from services.serving.metrics import EngineServiceMetrics
 from services.serving.ready import READY_PREFIX, format_ready_line
 from services.serving.ready import parse_ready_line as parse_ready_payload
@@ -80,6 +81,9 @@ READY_LINE_PREFIX = READY_PREFIX
 READY_POLL_S = 0.1
 SERVER_STOP_GRACE_S = 5.0
 T = TypeVar("T")
+_ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
+_PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
+_DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
 
 
 @runtime_checkable
@@ -326,13 +330,15 @@ class EngineHost:
     async def _start_server(self, state: ServingState, compat_hash: str) -> int:
         grpc_settings = self.settings.grpc
         server = grpc.aio.server(options=server_options(grpc_settings.max_message_bytes))
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(state), server)
+        # pdserve's own services through add_servicer: undecodable requests are
+        # INVALID_ARGUMENT, not grpc.aio's UNKNOWN (see services.serving.handlers).
+        add_servicer(server, _ENGINE_SERVICE, EngineServicer(state), state)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.role is EngineRole.DECODE:
             gate = ProducerGate(self.control_plane, compat_hash)
-            decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(state, gate), server)
+            add_servicer(server, _DECODE_SERVICE, DecodeServicer(state, gate), state)
         else:
-            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(state), server)
+            add_servicer(server, _PREFILL_SERVICE, PrefillServicer(state), state)
         tls = grpc_settings.tls()
         try:
             if tls is None:
