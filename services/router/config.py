@@ -103,6 +103,13 @@ class RouterSettings(BaseSettings):
     """Deadline of one Prefill call."""
     decode_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of one whole Decode stream."""
+    decode_idle_timeout_s: float = Field(default=60.0, gt=0)
+    """The longest the router waits for the next delta of a Decode stream, the first one
+    included (which may queue behind other requests on a busy engine, hence a generous
+    default). A decode engine that stalls without dying (a stopped rank while its host keeps
+    heartbeating) ends its streams with ``engine_timeout`` after this, not after
+    ``decode_timeout_s``; the request is aborted on the engine and the timeout counted in
+    ``pdserve_router_engine_timeouts_total{call="decode", bound="idle"}``."""
     default_max_tokens: int = Field(default=256, ge=1)
     """``max_tokens`` of a chat request that sets none (completions default to 16, as
     OpenAI's)."""

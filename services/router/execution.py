@@ -11,6 +11,16 @@ failure is the engine's, at most ``max_prefill_attempts`` in all, each retry cou
 token goes out, then Decode with the KV handle on the decode engine. Local: Decode without a
 handle. A decode stream that ends without a finish reason is an error (``decode_truncated``).
 
+Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
+call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
+``decode_idle_timeout_s`` between two deltas (the first included), so a decode engine that
+stalls without dying ends its streams within the idle bound. Either ends the call with
+``engine_timeout`` (a retryable prefill failure; a decode error, answered 504 before the first
+byte or as an SSE error event after), sends the engine an Abort, and is counted in
+``pdserve_router_engine_timeouts_total{call, bound}``. The gRPC deadline of each call is the
+router's bound plus ``BACKSTOP_GRACE_S``: a backstop, so the engine gives up even if the
+router's cancellation never reaches it.
+
 Time accounting (``RunInfo``): ``engine_wait_s`` sums the time spent awaiting engine calls, so
 router overhead = end-to-end minus it.
 """
@@ -40,6 +50,10 @@ from services.router.scheduler import Plan, Scheduler
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 logger = logging.getLogger(__name__)
+
+BACKSTOP_GRACE_S = 5.0
+"""The gRPC deadline of an engine call is the router's own bound plus this, so the router's
+timer trips first (and names the bound) while the engine still learns its deadline."""
 
 
 @dataclass(frozen=True)
@@ -191,17 +205,26 @@ class Executor:
         while True:
             info.prefill_engine = slot.engine_id
             started = time.perf_counter()
+            bound_s = self._settings.prefill_timeout_s
             try:
                 with self._pool.reserve(slot):
-                    result = await slot.connector.prefill(
-                        request.request_id,
-                        request.prompt_token_ids,
-                        request.sampling,
-                        timeout_s=self._settings.prefill_timeout_s,
-                    )
+                    async with asyncio.timeout(bound_s):
+                        result = await slot.connector.prefill(
+                            request.request_id,
+                            request.prompt_token_ids,
+                            request.sampling,
+                            timeout_s=bound_s + BACKSTOP_GRACE_S,
+                        )
             except Exception as exc:
                 info.engine_wait_s += time.perf_counter() - started
-                error = engine_error(exc, stage="prefill")
+                cause = exc
+                if isinstance(exc, TimeoutError):
+                    self._metrics.engine_timeouts.labels(call="prefill", bound="deadline").inc()
+                    cause = TimeoutError(
+                        f"engine {slot.engine_id} did not answer within "
+                        f"prefill_timeout_s={bound_s:g} s"
+                    )
+                error = engine_error(cause, stage="prefill")
                 if not (isinstance(error, EngineRequestFailed) and error.retryable):
                     raise error from exc
                 if error.code in {"engine_timeout", "engine_unreachable"}:
@@ -258,20 +281,32 @@ class Executor:
             first_token_id=prefilled.first_token_id if prefilled else None,
         )
         started = time.perf_counter()
-        stream = slot.connector.decode(decode_request, timeout_s=self._settings.decode_timeout_s)
+        whole_s = self._settings.decode_timeout_s
+        idle_s = self._settings.decode_idle_timeout_s
+        stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
         first = True
         previous = started
         try:
             while True:
                 waited = time.perf_counter()
+                left_s = started + whole_s - waited
+                bound = "idle" if idle_s < left_s else "deadline"
+                timer = asyncio.timeout(min(idle_s, left_s))
                 try:
-                    delta = await anext(stream)
+                    async with timer:
+                        delta = await anext(stream)
                 except StopAsyncIteration:
                     info.engine_wait_s += time.perf_counter() - waited
                     raise EngineRequestFailed(
                         f"decode engine {slot.engine_id} ended the stream without a finish reason",
                         code="decode_truncated",
                     ) from None
+                except TimeoutError as exc:
+                    info.engine_wait_s += time.perf_counter() - waited
+                    # A TimeoutError the connector raised itself is its (whole-call) deadline.
+                    raise self._decode_timed_out(
+                        request, slot, bound if timer.expired() else "deadline", first
+                    ) from exc
                 except Exception as exc:
                     info.engine_wait_s += time.perf_counter() - waited
                     raise engine_error(exc, stage="decode") from exc
@@ -299,6 +334,24 @@ class Executor:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    def _decode_timed_out(
+        self, request: GenerationRequest, slot: EngineSlot, bound: str, first: bool
+    ) -> EngineRequestFailed:
+        """Count a decode timeout, abort the request on the engine, and say which bound
+        tripped. Closing the stream (the caller's ``finally``) cancels the call as well; the
+        Abort also reaches an engine whose cancellation got lost."""
+        self._metrics.engine_timeouts.labels(call="decode", bound=bound).inc()
+        self._abort_later(slot, request.request_id)
+        if bound == "idle":
+            what = "first token" if first else "next token"
+            limit = f"decode_idle_timeout_s={self._settings.decode_idle_timeout_s:g} s"
+            message = f"decode engine {slot.engine_id} sent no {what} within {limit}"
+        else:
+            limit = f"decode_timeout_s={self._settings.decode_timeout_s:g} s"
+            message = f"decode engine {slot.engine_id} did not finish within {limit}"
+        logger.warning("request %s: %s; aborting it there", request.request_id, message)
+        return EngineRequestFailed(message, code="engine_timeout", status_code=504)
 
     def _observe_first_delta(
         self,
@@ -344,10 +397,14 @@ class Executor:
 
         async def abort() -> bool:
             try:
-                return await slot.connector.abort(request_id)
+                found = await slot.connector.abort(request_id)
             except Exception as exc:
                 logger.info("abort of %s on %s failed: %s", request_id, slot.engine_id, exc)
+                self._metrics.aborts.labels(role=slot.role.value, outcome="failed").inc()
                 return False
+            outcome = "found" if found else "unknown"
+            self._metrics.aborts.labels(role=slot.role.value, outcome=outcome).inc()
+            return found
 
         task = asyncio.get_running_loop().create_task(abort())
         self._background.add(task)

@@ -61,6 +61,22 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.engine_timeouts = Counter(
+            "pdserve_router_engine_timeouts_total",
+            "Engine calls the router stopped waiting for, by call (prefill, decode) and bound: "
+            "deadline (the whole call outlived prefill_timeout_s or decode_timeout_s) or idle "
+            "(no decode delta within decode_idle_timeout_s).",
+            ["call", "bound"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "pdserve_router_aborts_total",
+            "Abort calls the router sent for a timed-out or orphaned request, by engine role "
+            "and outcome: found, unknown (the engine no longer had it) or failed (the engine "
+            "did not answer; its own cancellation or KV lease cleans up).",
+            ["role", "outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Request arrival to its first token, by execution path.",

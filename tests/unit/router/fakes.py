@@ -6,10 +6,12 @@ instant, deterministic tokens, and failures on demand.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import httpx
 from prometheus_client import CollectorRegistry
 
 from services.control_plane.base import EngineView
@@ -31,6 +33,7 @@ from services.engines.backend import (
 )
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, EngineConnector
+from services.router.main import create_app
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 
@@ -50,6 +53,14 @@ class FakeEngine(EngineConnector):
     """Yield this many deltas, then one with FinishReason.ERROR."""
     truncate_after: int | None = None
     """Yield this many deltas, then end the stream without a finish reason."""
+    stall_decode_after: int | None = None
+    """Yield this many deltas, then wait forever: a stalled engine that is still reachable."""
+    stall_prefill: bool = False
+    """Prefill never answers (a stalled engine that is still reachable)."""
+    delta_delay_s: float = 0.0
+    """Wait this long before each delta (a slow but live engine)."""
+    stalled_calls_closed: list[str] = field(default_factory=list)
+    """Request ids whose stalled call the caller gave up on (cancelled or closed)."""
     cached_tokens: int = 0
     prefills: list[str] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
@@ -67,6 +78,8 @@ class FakeEngine(EngineConnector):
         self.prefills.append(request_id)
         if self.prefill_error is not None:
             raise self.prefill_error
+        if self.stall_prefill:
+            await self._stall(request_id)
         usage = Usage(len(prompt_token_ids), 1, self.cached_tokens)
         finished = sampling.max_tokens == 1
         handle = (
@@ -101,6 +114,10 @@ class FakeEngine(EngineConnector):
                 return
             if self.truncate_after is not None and produced == self.truncate_after:
                 return
+            if self.stall_decode_after is not None and produced == self.stall_decode_after:
+                await self._stall(request.request_id)
+            if self.delta_delay_s:
+                await asyncio.sleep(self.delta_delay_s)
             piece = word(index)
             text += piece
             stop = next((s for s in request.sampling.stop if s in text), None)
@@ -122,6 +139,12 @@ class FakeEngine(EngineConnector):
             )
             if last:
                 return
+
+    async def _stall(self, request_id: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.stalled_calls_closed.append(request_id)
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
@@ -182,3 +205,20 @@ def runtime(factory: FakeFactory | None = None, **overrides: object) -> RouterRu
 def sample(rt: RouterRuntime, name: str, **labels: str) -> float:
     value = rt.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def prepared(
+    factory: FakeFactory, *engines: tuple[str, EngineRole], **settings: object
+) -> RouterRuntime:
+    """A runtime whose pool holds ``engines`` (READY) and counts as synced."""
+    rt = runtime(factory, **settings)
+    for engine_id, role in engines:
+        rt.pool.update(engine_id, view(engine_id, role))
+    rt.pool._synced.set()
+    return rt
+
+
+def http(rt: RouterRuntime) -> httpx.AsyncClient:
+    """An HTTP client of the router app in-process (httpx's ASGI transport)."""
+    app = create_app(rt.settings, runtime=rt)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")

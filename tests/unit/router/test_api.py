@@ -9,26 +9,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import httpx
 import openai
 import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
-from services.router.main import create_app
 from services.router.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeFactory, runtime, sample, view
+from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view
 
 MODEL = "tiny"
-
-
-def prepared(factory: FakeFactory, *engines: tuple[str, EngineRole], **settings: object):
-    rt = runtime(factory, **settings)
-    for engine_id, role in engines:
-        rt.pool.update(engine_id, view(engine_id, role))
-    rt.pool._synced.set()
-    return rt
 
 
 @pytest.fixture
@@ -41,11 +31,6 @@ def rt(factory: FakeFactory) -> RouterRuntime:
     return prepared(
         factory, ("p1", EngineRole.PREFILL), ("p2", EngineRole.PREFILL), ("d1", EngineRole.DECODE)
     )
-
-
-def http(rt: RouterRuntime) -> httpx.AsyncClient:
-    app = create_app(rt.settings, runtime=rt)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
 @pytest.fixture
