@@ -4,6 +4,8 @@ isort:skip_file
 Operations every pdserve engine service offers, whatever its role. Version 1.
 Engines also serve the standard grpc.health.v1.Health service: SERVING once the engine is
 READY in the control plane, NOT_SERVING while starting or draining.
+Every RPC of the pdserve services (this one, Prefill, Decode) answers request bytes that do
+not parse as its request message with INVALID_ARGUMENT, whatever the engine's state.
 """
 
 from google.protobuf import descriptor as _descriptor
