@@ -4,20 +4,32 @@ One stack for the module (its own Redis, so the test can restart it): prefill-0 
 decode-0/decode-1 (TP=1) on the tiny checkpoint, every request disaggregated. The scenarios
 run in file order and each leaves the stack in a known state for the next:
 
-1. a prefill rank stopped (SIGSTOP) for a while, then resumed: requests are delayed, none lost;
-2. kill -9 of decode-0's rank mid-stream: its streams end with an error event, decode-1 serves;
-3. kill -9 of prefill-0's rank under load: requests are retried/run locally or fail explicitly;
-4. prefill-0 restarted under the same id: a new generation, the old KV handle refused;
-5. Redis restarted (all keys lost): engines and router reconverge within the lease TTL.
+1. a prefill rank stopped (SIGSTOP) for less than any bound, then resumed: requests are
+   delayed, none lost;
+2. a prefill rank stopped longer than the router's prefill deadline (``PREFILL_TIMEOUT_S``):
+   its requests time out and run locally on the decode engines (counted) or fail explicitly;
+   once resumed, the router's aborts free its pool and it serves disaggregated again;
+3. decode-0's rank stopped mid-stream longer than the router's idle bound
+   (``DECODE_IDLE_TIMEOUT_S``): its streams end with an ``engine_timeout`` error event
+   (counted); once resumed, its pool is full again and it serves;
+4. kill -9 of decode-0's rank mid-stream: its streams end with an error event, decode-1 serves;
+5. kill -9 of prefill-0's rank under load: requests are retried/run locally or fail explicitly;
+6. prefill-0 restarted under the same id: a new generation, the old KV handle refused;
+7. Redis restarted (all keys lost): engines and router reconverge within the lease TTL.
+
+A stopped rank is a slow peer, not a dead one: its engine service keeps heartbeating, so only
+the router's own bounds end the requests waiting on it (the stack sets them to seconds).
 
 For each: every client call has a bound (``REQUEST_BOUND_S``) and the test asserts it was not
-hit; affected requests end within ``FAULT_BOUND_S`` of the fault; block pools return to full;
-the router and engines count what happened on ``/metrics``.
+hit; affected requests end within ``FAULT_BOUND_S`` of the fault (plus the router bound that
+has to trip first); block pools return to full; the router and engines count what happened on
+``/metrics``. A stopped rank is always resumed, even when an assertion fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -49,6 +61,12 @@ LEASE_TTL_S = 10.0
 """The control plane's default lease TTL (``ControlPlaneSettings.lease_ttl_s``)."""
 POOL_BOUND_S = 15.0
 """Block pools are full again within this once the requests ended."""
+PREFILL_TIMEOUT_S = 10.0
+"""The stack's router prefill deadline (``PDSERVE_ROUTER_PREFILL_TIMEOUT_S``)."""
+DECODE_IDLE_TIMEOUT_S = 10.0
+"""The stack's router decode idle bound (``PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S``)."""
+SHORT_STALL_S = 3.0
+"""Scenario 1's stall: well under both router bounds, even on a loaded 2-core box."""
 
 
 @dataclass
@@ -80,7 +98,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             str(model_dir),
             "--decode-replicas",
             "2",
-            env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},
+            env={
+                "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",
+                "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
+                "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": str(DECODE_IDLE_TIMEOUT_S),
+            },
         )
         system = Stack(up, redis, model_dir, work_dir)
         try:
@@ -99,6 +121,9 @@ class Result:
     prefill_engine: str | None = None
     path: str | None = None
     error: str | None = None
+    tokens: int = 0
+    """Streamed events that carried text (the prefill's token is the first)."""
+    started_at: float = 0.0
     ended_at: float = 0.0
     timed_out: bool = False
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
@@ -109,6 +134,7 @@ async def stream(
 ) -> Result:
     """One streaming completion with a hard bound; never raises."""
     result = result or Result(ok=False)
+    result.started_at = time.monotonic()
     try:
         await asyncio.wait_for(_stream(client, prompt, max_tokens, result), REQUEST_BOUND_S)
     except TimeoutError:
@@ -145,6 +171,7 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, resul
                 return
             for choice in event.get("choices", []):
                 if choice.get("text"):
+                    result.tokens += 1
                     result.first_token.set()
                 finished = finished or bool(choice.get("finish_reason"))
         result.ok = finished
@@ -210,22 +237,151 @@ def router_errors(stack: Stack) -> float:
     return total - ok
 
 
+@contextlib.contextmanager
+def resumed_at_exit(rank: int) -> Iterator[None]:
+    """SIGCONT ``rank`` on the way out, whatever happened: a stopped rank left behind would
+    break every later scenario and the stack's teardown."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGCONT)
+
+
+def router_metric(stack: Stack, name: str, **labels: str) -> float:
+    return metric(f"{stack.up.url}/metrics", name, **labels)
+
+
 async def test_a_stopped_prefill_rank_delays_requests_but_loses_none(stack: Stack) -> None:
     rank = only_rank(int(stack.engine("prefill-0")["pid"]))
-
-    stall_s = 3.0
+    stall_s = SHORT_STALL_S
 
     def pause() -> None:
         os.kill(rank, signal.SIGSTOP)
         asyncio.get_running_loop().call_later(stall_s, os.kill, rank, signal.SIGCONT)
 
-    results, paused_at = await under_load(stack, pause, after_s=stall_s + 1)
+    with resumed_at_exit(rank):
+        results, paused_at = await under_load(stack, pause, after_s=stall_s + 1)
     assert_no_hang(results)
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     delayed = [r for r in results if r.ended_at > paused_at]
     assert delayed and all(r.ended_at - paused_at < stall_s + FAULT_BOUND_S for r in delayed)
     for name in ("prefill-0", "decode-0", "decode-1"):
         await wait_pool_full(stack.engine(name)["grpc"])
+
+
+async def test_a_prefill_rank_stalled_past_the_deadline_falls_back_then_recovers(
+    stack: Stack,
+) -> None:
+    prefill = stack.engine("prefill-0")
+    rank = only_rank(int(prefill["pid"]))
+    fallbacks_before = router_metric(
+        stack, "pdserve_router_fallbacks_total", reason="prefill_failed"
+    )
+    timeouts_before = router_metric(
+        stack, "pdserve_router_engine_timeouts_total", call="prefill", bound="deadline"
+    )
+    aborts_before = router_metric(stack, "pdserve_router_aborts_total", role="prefill")
+    errors_before = router_errors(stack)
+    stall_s = PREFILL_TIMEOUT_S + 4
+
+    def pause() -> None:
+        os.kill(rank, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(stall_s, os.kill, rank, signal.SIGCONT)
+
+    with resumed_at_exit(rank):
+        results, paused_at = await under_load(stack, pause, after_s=stall_s + 1)
+    assert_no_hang(results)
+    affected = [r for r in results if r.ended_at > paused_at]
+    assert affected
+    # Nobody waits on the stopped rank for longer than the router's deadline (plus the bound).
+    assert all(r.ended_at - r.started_at < PREFILL_TIMEOUT_S + FAULT_BOUND_S for r in affected)
+    fell_back = [r for r in affected if r.ok and r.path == "local"]
+    assert fell_back, "no request ran locally after its prefill timed out"
+    timeouts = (
+        router_metric(
+            stack, "pdserve_router_engine_timeouts_total", call="prefill", bound="deadline"
+        )
+        - timeouts_before
+    )
+    fallbacks = (
+        router_metric(stack, "pdserve_router_fallbacks_total", reason="prefill_failed")
+        - fallbacks_before
+    )
+    # prefill-0 is the only prefill engine: every timed-out prefill runs locally, counted.
+    assert timeouts >= len(fell_back)
+    assert fallbacks >= len(fell_back)
+    assert router_metric(stack, "pdserve_router_aborts_total", role="prefill") > aborts_before
+    # Requests whose KV pull waited on the stopped rank may end with an explicit error
+    # (engine_timeout from the decode idle bound); each is counted by the router.
+    failed = [r for r in affected if not r.ok]
+    assert all(r.error for r in failed)
+    wait_until(
+        lambda: router_errors(stack) - errors_before >= len(failed),
+        5,
+        f"router counts the {len(failed)} failed request(s)",
+    )
+    # Resumed: the cancelled prefills and the router's aborts free every block it held.
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        await wait_pool_full(stack.engine(name)["grpc"])
+    async with client_of(stack) as client:
+        again = await stream(client, "after the prefill stall " * 4, 8)
+    assert again.ok and again.path == "disaggregated", (again.path, again.error)
+    assert again.prefill_engine == "prefill-0"
+
+
+async def test_a_decode_rank_stalled_mid_stream_ends_its_streams_within_the_idle_bound(
+    stack: Stack,
+) -> None:
+    decode = stack.engine("decode-0")
+    rank = only_rank(int(decode["pid"]))
+    idle_before = router_metric(
+        stack, "pdserve_router_engine_timeouts_total", call="decode", bound="idle"
+    )
+    errors_before = router_errors(stack)
+    results = [Result(ok=False) for _ in range(6)]
+    with resumed_at_exit(rank):
+        async with client_of(stack) as client:
+            prompts = [f"stalled stream {i} " + "decode keeps going " * 4 for i in range(6)]
+            tasks = [
+                asyncio.create_task(stream(client, prompt, 400, result))
+                for prompt, result in zip(prompts, results, strict=True)
+            ]
+            deadline = time.monotonic() + FAULT_BOUND_S
+            # Mid-stream: decode-0 itself has sent tokens (the first one is the prefill's).
+            while not any(r.decode_engine == "decode-0" and r.tokens >= 3 for r in results):
+                assert time.monotonic() < deadline, "no stream got tokens from decode-0"
+                await asyncio.sleep(0.05)
+            os.kill(rank, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            # Resumed only once every stream ended: the router's idle bound must end them.
+            await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_BOUND_S + 5)
+    assert_no_hang(results)
+    on_stalled = [r for r in results if r.decode_engine == "decode-0"]
+    assert on_stalled
+    for r in on_stalled:
+        assert not r.ok and r.error and "engine_timeout" in r.error, r.error
+        assert r.ended_at - stopped_at < DECODE_IDLE_TIMEOUT_S + FAULT_BOUND_S
+    assert all(r.ok for r in results if r.decode_engine == "decode-1")
+    idle = (
+        router_metric(stack, "pdserve_router_engine_timeouts_total", call="decode", bound="idle")
+        - idle_before
+    )
+    assert idle >= len(on_stalled)
+    wait_until(
+        lambda: router_errors(stack) - errors_before >= len(on_stalled),
+        5,
+        f"router counts the {len(on_stalled)} timed-out stream(s)",
+    )
+    # Resumed: the cancelled streams and the aborts reached decode-0, its pool is full again.
+    for name in ("decode-0", "decode-1", "prefill-0"):
+        await wait_pool_full(stack.engine(name)["grpc"])
+    async with client_of(stack) as client:
+        again = await asyncio.gather(
+            *(stream(client, f"after the decode stall {i} " * 3, 8) for i in range(4))
+        )
+    assert all(r.ok for r in again), [r.error for r in again]
+    assert any(r.decode_engine == "decode-0" for r in again)
 
 
 async def test_a_killed_decode_rank_ends_its_streams_with_an_error(stack: Stack) -> None:
