@@ -38,11 +38,13 @@ import httpx
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.config import ControlPlaneSettings
+from services.config.control_plane import split_url_password
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.serving.ready import parse_ready_line, pdserve_argv
 
 TINY_MODEL_DIR = "tiny-model"
+PASSWORD_ENV = "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD"
 _LOG_TAIL_LINES = 20
 
 
@@ -181,7 +183,10 @@ async def _run_system(
     stop: asyncio.Event,
 ) -> int:
     model = _model_dir(args)
-    common = ["--redis", control_plane.redis.url, "--namespace", control_plane.namespace]
+    # A password given in the URL travels in the children's environment, not their argv.
+    redis_url, password = split_url_password(control_plane.redis.url)
+    secrets = {} if password is None else {PASSWORD_ENV: password}
+    common = ["--redis", redis_url, "--namespace", control_plane.namespace]
     logs = args.work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     engines = _engine_children(args, model, common, logs)
@@ -189,13 +194,13 @@ async def _run_system(
     deadline = time.monotonic() + args.ready_timeout_s
     try:
         for child in engines:
-            await _spawn(child)
+            await _spawn(child, secrets)
         await _wait_ready(engines, stop, deadline)
         if stop.is_set():
             return 0
         router = _router_child(args, model, common, logs)
         children.append(router)
-        await _spawn(router)
+        await _spawn(router, secrets)
         await _wait_ready([router], stop, deadline)
         if stop.is_set():
             return 0
@@ -296,7 +301,7 @@ def _router_child(
     return Child("router", "router", argv, logs / "router.log")
 
 
-async def _spawn(child: Child) -> None:
+async def _spawn(child: Child, secrets: dict[str, str]) -> None:
     log = child.log_path.open("ab")
     # A session of its own: the terminal's Ctrl-C reaches only `pdserve up`, which stops the
     # children in order, and the group id lets it kill rank processes a child leaves behind.
@@ -305,7 +310,7 @@ async def _spawn(child: Child) -> None:
         stdout=asyncio.subprocess.PIPE,
         stderr=log,
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **secrets, "PYTHONUNBUFFERED": "1"},
     )
     log.close()
     child.reader = asyncio.create_task(_read_output(child))

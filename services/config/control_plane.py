@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -47,6 +47,10 @@ class RedisSettings(BaseModel):
             raise ValueError(
                 f"redis url must start with redis://, rediss:// or unix://: {redact_url(self.url)}"
             )
+        try:
+            urlsplit(self.url).port  # noqa: B018 (parsing is the check)
+        except ValueError:
+            raise ValueError(f"redis url is not a valid URL: {redact_url(self.url)}") from None
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.retry_backoff_max_s < self.retry_backoff_s:
@@ -64,17 +68,51 @@ class RedisSettings(BaseModel):
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its user-info part (``user:password@``) masked."""
+    """``url`` with its password (user-info ``user:password@`` or redis-py's ``?password=``
+    query option) masked as ``***``: the form to print or log."""
     try:
-        parts = urlsplit(url)
-        password = parts.password
+        return _rewrite_password(url, "***")[0]
     except ValueError:
         return "<unparseable url>"
+
+
+def split_url_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password (user-info or ``?password=``), and that password (``None``
+    when it has none): a child process gets the URL in its argv, where any local user can read
+    it, and the password in its environment (``PDSERVE_CONTROL_PLANE__REDIS__PASSWORD``)."""
+    return _rewrite_password(url, None)
+
+
+def _rewrite_password(url: str, replacement: str | None) -> tuple[str, str | None]:
+    """``url`` with its password replaced by ``replacement`` (dropped when ``None``), and the
+    password it had. The URL is untouched when it has none."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    in_query = [value for key, value in query if key == "password"]
+    password = parts.password or (in_query[-1] if in_query else None)
     if not password:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+        return url, None
+    netloc = parts.netloc
+    if parts.password:
+        user = parts.username or ""
+        host = netloc.rpartition("@")[2]
+        if replacement is not None:
+            netloc = f"{user}:{replacement}@{host}"
+        else:
+            netloc = f"{user}@{host}" if user else host
+    if in_query:
+        kept = [(key, value) for key, value in query if key != "password"]
+        if replacement is not None:
+            kept.append(("password", replacement))
+        query_text = urlencode(kept, safe="*")
+    else:
+        query_text = parts.query
+    rewritten = f"{parts.scheme}://{netloc}{parts.path}"
+    if query_text:
+        rewritten += f"?{query_text}"
+    if parts.fragment:
+        rewritten += f"#{parts.fragment}"
+    return rewritten, password
 
 
 class ControlPlaneSettings(BaseModel):
