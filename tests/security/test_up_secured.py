@@ -1,32 +1,42 @@
 """A secured ``pdserve up`` (reference engines, API key, Redis AUTH, DEBUG logs) end to end.
 
-One system on the tiny checkpoint against a password-protected Redis (``--redis`` plus
-``PDSERVE_CONTROL_PLANE__REDIS__PASSWORD``) with ``PDSERVE_ROUTER_API_KEYS`` set:
+One system on the tiny checkpoint against a password-protected Redis, the password given in the
+``--redis`` URL (the discouraged form: ``pdserve up`` must hand it to its children through
+their environment, never their argv), with ``PDSERVE_ROUTER_API_KEYS`` set:
 
 - API keys: a missing or wrong key gets 401 with the OpenAI envelope; ``/health`` and
   ``/metrics`` stay open (probes and Prometheus scrape without a key; they reveal no secret).
 - A client that disconnects from the router mid-stream: the request is cancelled on the decode
   engine (counted ``CANCELLED``), the router counts ``client_disconnected``, and both engines'
   KV pools return to full.
+- A client that disconnects before its first token, while the prefill engine still works on it
+  (its rank is held with SIGSTOP so the window is certain): the prefill is cancelled on the
+  prefill engine, the decode engine never sees the request, and the pools return to full.
 - Secrets: neither the API key nor the Redis password appears in any process's output (DEBUG
-  logs of router, engines and ``pdserve up``), in error bodies, or in ``pdserve status``.
+  logs of router, engines and ``pdserve up``), in error bodies, in ``pdserve status``, or in
+  the command line of any process ``pdserve up`` started (``/proc/<pid>/cmdline`` is readable
+  by every local user).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
-from tests.e2e.faults.probes import metric
+from tests.e2e.faults.probes import metric, rank_pids
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -53,9 +63,8 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis: LocalRedisServer) ->
         "--model",
         str(model_dir),
         "--redis",
-        redis.url,
+        redis.url.replace("redis://", f"redis://:{REDIS_PASSWORD}@"),
         env={
-            "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD": REDIS_PASSWORD,
             "PDSERVE_ROUTER_API_KEYS": json.dumps([API_KEY]),
             "PDSERVE_LOG_LEVEL": "DEBUG",
             "PDSERVE_ROUTER_LOG_LEVEL": "DEBUG",
@@ -156,9 +165,105 @@ def test_client_disconnecting_mid_stream_aborts_on_both_engines_and_frees_blocks
     assert set(pools) == {"prefill-0", "decode-0"}
 
 
+def test_client_disconnecting_during_the_prefill_cancels_it_before_any_decode(
+    system: UpSystem,
+) -> None:
+    _wait_pools_full(system)
+    router_metrics = system.endpoints["metrics"]["router"]
+    prefill_metrics = system.endpoints["metrics"]["prefill-0"]
+    decode_metrics = system.endpoints["metrics"]["decode-0"]
+
+    def prefill_cancelled() -> float:
+        return metric(
+            prefill_metrics, "pdserve_engine_requests_total", rpc="Prefill", outcome="CANCELLED"
+        )
+
+    def decodes() -> float:
+        return metric(decode_metrics, "pdserve_engine_requests_total", rpc="Decode")
+
+    def in_flight_on_prefill() -> float:
+        return metric(router_metrics, "pdserve_router_engine_inflight", engine="prefill-0")
+
+    cancelled_before, decodes_before = prefill_cancelled(), decodes()
+    disconnects_before = metric(
+        router_metrics, "pdserve_router_requests_total", outcome="client_disconnected"
+    )
+    ranks = rank_pids(int(system.endpoints["engines"]["prefill-0"]["pid"]))
+    assert len(ranks) == 1, ranks
+    body = {
+        "model": MODEL,
+        "prompt": "The client gives up while this prompt is still being prefilled",
+        "max_tokens": 50,
+        "stream": True,
+    }
+    payload = json.dumps(body).encode()
+    url = httpx.URL(system.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    os.kill(ranks[0], signal.SIGSTOP)
+    try:
+        # A raw connection: the request is sent, no answer can come while the rank is stopped,
+        # and closing the socket is the client hanging up.
+        with socket.create_connection((url.host, url.port), timeout=30) as connection:
+            connection.sendall(head + payload)
+            deadline = time.monotonic() + 30
+            while in_flight_on_prefill() < 1:
+                assert time.monotonic() < deadline, "the router never called the prefill engine"
+                time.sleep(0.05)
+            # The router has issued the Prefill call; give it a moment to reach the engine (the
+            # engine's host process runs, only its rank is stopped).
+            time.sleep(1.0)
+        # The router notices at once, stopped rank or not, and cancels its Prefill call.
+        deadline = time.monotonic() + 30
+        while (
+            metric(router_metrics, "pdserve_router_requests_total", outcome="client_disconnected")
+            <= disconnects_before
+        ):
+            assert time.monotonic() < deadline, "the router did not count the disconnect"
+            time.sleep(0.1)
+    finally:
+        os.kill(ranks[0], signal.SIGCONT)
+    # The engine aborts the request as soon as its (resumed) loop can, and counts it.
+    deadline = time.monotonic() + 30
+    while prefill_cancelled() <= cancelled_before:
+        assert time.monotonic() < deadline, "the prefill was not cancelled on the engine"
+        time.sleep(0.1)
+    assert in_flight_on_prefill() == 0
+    _wait_pools_full(system)
+    assert decodes() == decodes_before  # the decode engine never saw the request
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(child) for child in (task / "children").read_text().split()]
+                found.extend(children)
+                pending.extend(children)
+    return found
+
+
 def test_secrets_never_appear_in_logs_errors_or_status(
     system: UpSystem, redis: LocalRedisServer
 ) -> None:
+    processes = descendants(system.process.pid)
+    # The router, two engines and their ranks at least.
+    assert len(processes) >= 4, processes
+    command_lines = {}
+    for pid in processes:
+        with contextlib.suppress(OSError):
+            command_lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    assert any("--redis" in line for line in command_lines.values()), command_lines
+    for pid, line in command_lines.items():
+        assert REDIS_PASSWORD not in line, f"the Redis password is in the argv of {pid}"
+        assert API_KEY not in line, f"the API key is in the argv of {pid}"
     base = [sys.executable, "-m", "services.cli.main", "status", "--redis", redis.url]
     env = {**os.environ, "PDSERVE_CONTROL_PLANE__REDIS__RETRY_ATTEMPTS": "1"}
     authed = subprocess.run(
