@@ -8,14 +8,17 @@ prompt lengths, samples RSS again and stops the stack.
 
 Figures (JSON):
 
-- ``errors``: requests that did not end with a finish reason and ``[DONE]`` (HTTP error, error
-  event, truncated stream, client timeout); must be zero. ``error_samples`` shows a few.
+- ``errors``: requests that did not end with a finish reason, their usage and ``[DONE]``
+  (HTTP error, error event, truncated stream, client timeout); must be zero.
+  ``error_samples`` shows a few.
 - ``client_timeouts``: requests that hit the client-side bound (``--request-timeout-s``); a
   hang shows up here, never as a stuck benchmark.
 - ``ttft_ms`` / ``itl_ms``: client-side p50/p90/p99 of time to first token and of the gaps
-  between streamed tokens.
-- ``requests_per_s``, ``tokens_per_s`` over the measured phase; ``paths``: how the router ran
-  the requests (``x-pdserve-execution-path``).
+  between streamed chunks that carry text (a chunk is one token unless the engine held text
+  back: an incomplete UTF-8 character, a possible stop string).
+- ``requests_per_s``, ``tokens_per_s`` over the measured phase (tokens as the router's
+  ``usage.completion_tokens`` counts them, asked for with ``stream_options.include_usage``);
+  ``paths``: how the router ran the requests (``x-pdserve-execution-path``).
 - ``memory``: each process's RSS (MiB) before and after the measured phase, and the total
   growth. Rank processes are named ``<engine>/rank-<pid>``.
 
@@ -285,6 +288,7 @@ async def _stream(
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
     sent = time.perf_counter()
@@ -307,6 +311,10 @@ async def _stream(
             if "error" in event:
                 outcome.error = str(event["error"])[:300]
                 return outcome
+            if event.get("usage"):
+                # The router's count of generated tokens (a text chunk may hold several, or
+                # none while an incomplete character or a possible stop string is held back).
+                outcome.tokens = int(event["usage"]["completion_tokens"])
             for choice in event.get("choices", []):
                 now = time.perf_counter()
                 if choice.get("text"):
@@ -315,12 +323,12 @@ async def _stream(
                     else:
                         outcome.itls_s.append(now - last)
                     last = now
-                    outcome.tokens += 1
                 if choice.get("finish_reason"):
                     finished = True
-    outcome.ok = finished and done
+    outcome.ok = finished and done and outcome.tokens > 0
     if not outcome.ok:
-        outcome.error = f"stream ended without {'[DONE]' if finished else 'a finish reason'}"
+        missing = "a finish reason" if not finished else "[DONE]" if not done else "its usage"
+        outcome.error = f"stream ended without {missing}"
     return outcome
 
 
@@ -346,6 +354,7 @@ def summarize(
     growth = {
         name: round(after[name] - before[name], 1) for name in sorted(before) if name in after
     }
+    tokens = sum(o.tokens for o in outcomes)
     return {
         "engine": args.engine,
         "requests": len(outcomes),
@@ -357,9 +366,8 @@ def summarize(
         "error_samples": sorted({o.error or "" for o in errors})[:5],
         "duration_s": round(elapsed_s, 2),
         "requests_per_s": round(len(outcomes) / elapsed_s, 2) if elapsed_s else None,
-        "tokens_per_s": round(sum(o.tokens for o in outcomes) / elapsed_s, 1)
-        if elapsed_s
-        else None,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed_s, 1) if elapsed_s else None,
         "ttft_ms": percentiles_ms([o.ttft_s for o in outcomes if o.ttft_s is not None]),
         "itl_ms": percentiles_ms([itl for o in outcomes for itl in o.itls_s]),
         "paths": paths,

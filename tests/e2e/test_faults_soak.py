@@ -37,6 +37,8 @@ def test_soak_has_no_errors_and_bounded_memory_growth(
     assert result["client_timeouts"] == 0
     assert result["ttft_ms"]["count"] == requests
     assert result["itl_ms"]["count"] > 0
+    # ignore_eos: every request generates exactly max_tokens tokens, as usage counts them.
+    assert result["tokens"] == requests * result["max_tokens"]
     assert result["paths"].get("disaggregated", 0) > 0
     memory = result["memory"]
     assert memory["processes_gone"] == []
