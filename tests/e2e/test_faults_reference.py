@@ -77,7 +77,7 @@ class Stack:
     work_dir: Path
     extra: list[ServiceProcess] = field(default_factory=list)
     held: PrefillResult | None = None
-    """A prefill of prefill-0's first generation whose KV handle test 3 holds for test 4."""
+    """A prefill of prefill-0's first generation whose KV handle scenario 5 holds for scenario 6."""
 
     def engine(self, name: str) -> dict[str, str]:
         engine: dict[str, str] = self.up.endpoints["engines"][name]
@@ -433,7 +433,7 @@ async def test_a_killed_prefill_rank_is_retried_locally_or_fails_explicitly(
     stack: Stack,
 ) -> None:
     prefill = stack.engine("prefill-0")
-    # A KV handle of the current generation, held for test 4.
+    # A KV handle of the current generation, held for scenario 6 (the restart).
     client = EngineClient(prefill["grpc"])
     try:
         held = await client.prefill(
