@@ -23,8 +23,10 @@ class EngineConnector(abc.ABC):
     Errors: the classes of :mod:`services.engines.errors` (``InvalidRequest``,
     ``EngineOverloaded``, ``EngineDraining``, ``UnknownKVHandle``, ``KVLeaseExpired``,
     ``ProducerUnavailable``, ``KVTransferFailed``, ``EngineFailed``...) as the engine raised
-    them, ``services.serving.errors.EngineUnreachable`` when the engine cannot be reached, and
-    ``TimeoutError`` past ``timeout_s``. The router translates them (see
+    them, and ``services.serving.errors.EngineUnreachable`` when the engine cannot be reached
+    or the call outlives ``timeout_s`` (the transport's deadline). The router times its calls
+    itself, with ``timeout_s`` as a backstop a little later, so that its own
+    ``TimeoutError`` names the bound that tripped; it translates all of them (see
     :func:`services.router.execution.engine_error`).
     """
 
