@@ -17,10 +17,9 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from services.control_plane import ControlPlane, ControlPlaneError
 from services.engines.backend import FinishReason, KVHandle, TokenDelta, Usage
 from services.engines.errors import EngineFailed, RequestError
-from services.engines.producer_check import control_plane_refusal, producer_refusal
+from services.engines.producer_check import ProducerViews
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.serving import convert
 from services.serving.servicer import ServingState
@@ -30,19 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 class ProducerGate:
-    """Refuses handles whose producer is not READY at the handle's generation (see module)."""
+    """Refuses handles whose producer is not READY at the handle's generation (see module);
+    reads producers through the host's :class:`ProducerViews` (which ride out a short
+    control-plane outage on remembered views, counted)."""
 
-    def __init__(self, control_plane: ControlPlane, compat_hash: str) -> None:
-        self.control_plane = control_plane
+    def __init__(self, views: ProducerViews, compat_hash: str) -> None:
+        self.views = views
         self.compat_hash = compat_hash
 
     async def check(self, handle: KVHandle) -> None:
-        producer = handle.producer_engine_id
-        try:
-            view = await self.control_plane.get_engine(producer)
-        except ControlPlaneError as exc:
-            raise control_plane_refusal(producer, exc).exception() from exc
-        refusal = producer_refusal(view, handle, compat_hash=self.compat_hash)
+        refusal = await self.views.refusal(handle, compat_hash=self.compat_hash)
         if refusal is not None:
             raise refusal.exception()
 

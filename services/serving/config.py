@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.config import ControlPlaneSettings
+from services.engines.producer_check import STALE_FACTOR
 from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES
 from services.serving.tls import ServerTLS
 
@@ -76,3 +77,20 @@ class EngineServiceSettings(BaseSettings):
     """On SIGTERM, in-flight requests (and a prefill engine's held KV) get this long."""
     log_level: str = "WARNING"
     """Python logging level."""
+    producer_view_max_stale_s: float | None = Field(default=None, ge=0)
+    """A decode engine checks each KV handle's producer in the control plane; while the
+    control plane is unreachable it answers from the producer's view read at most this long
+    ago (counted in ``pdserve_engine_producer_check_fallbacks_total``) instead of refusing the
+    request. Unset: 3 x ``control_plane.lease_ttl_s``; 0 turns the fallback off
+    (``PDSERVE_PRODUCER_VIEW_MAX_STALE_S``; see ``ProducerViews``)."""
+    producer_view_retry_after_s: float = Field(default=1.0, ge=0)
+    """After a failed read of a producer's view, checks within this many seconds answer from
+    memory without asking the control plane (each would wait out the client's retries); the
+    first check after that asks again (``PDSERVE_PRODUCER_VIEW_RETRY_AFTER_S``)."""
+
+    @property
+    def producer_view_max_stale(self) -> float:
+        """``producer_view_max_stale_s`` with its default resolved."""
+        if self.producer_view_max_stale_s is not None:
+            return self.producer_view_max_stale_s
+        return STALE_FACTOR * self.control_plane.lease_ttl_s

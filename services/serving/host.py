@@ -58,6 +58,7 @@ from services.control_plane.wire import EngineLoad, EngineRole, EngineState
 from services.decode.servicer import DecodeServicer, ProducerGate
 from services.engines.backend import EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
+from services.engines.producer_check import ProducerViews, producer_check_settings
 from services.prefill.servicer import PrefillServicer
 from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
 from services.serving.client import server_options
@@ -100,6 +101,14 @@ class ReportsFailure(Protocol):
 
     @property
     def failure(self) -> EngineFailed | None: ...
+
+
+@runtime_checkable
+class UsesProducerViews(Protocol):
+    """A backend that checks its handles' producers itself (``checks_producers``): the host
+    hands it its :class:`ProducerViews` (the service's settings and metrics) before ``start``."""
+
+    def use_producer_views(self, views: ProducerViews) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -147,8 +156,20 @@ class EngineHost:
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = EngineServiceMetrics(self.registry, engine_id, role.value)
+        control_plane_metrics = ControlPlaneMetrics(self.registry)
         self.control_plane: ControlPlane = RedisControlPlane(
-            settings.control_plane, ControlPlaneMetrics(self.registry)
+            settings.control_plane, control_plane_metrics
+        )
+        # Producer checks read through their own client, with a short retry budget: during an
+        # outage they answer from remembered views rather than wait (ProducerViews).
+        self._producer_check_plane: ControlPlane = RedisControlPlane(
+            producer_check_settings(settings.control_plane), control_plane_metrics
+        )
+        self.producer_views = ProducerViews(
+            self._producer_check_plane,
+            max_stale_s=settings.producer_view_max_stale,
+            retry_after_s=settings.producer_view_retry_after_s,
+            on_fallback=self.metrics.count_producer_check_fallback,
         )
         self._ready_output = ready_output if ready_output is not None else sys.stdout
         self._fatal: asyncio.Future[HostError | EngineFailed] | None = None
@@ -174,6 +195,8 @@ class EngineHost:
         )
         if isinstance(self.backend, ExportsMetrics):
             self.registry.register(self.backend.metrics_collector())
+        if isinstance(self.backend, UsesProducerViews):
+            self.backend.use_producer_views(self.producer_views)
         heartbeat: asyncio.Task[None] | None = None
         registered = False
         try:
@@ -324,6 +347,7 @@ class EngineHost:
             server.shutdown()  # type: ignore[attr-defined]
             server.server_close()  # type: ignore[attr-defined]
         await self.control_plane.close()
+        await self._producer_check_plane.close()
 
     # -- pieces --------------------------------------------------------------------------
 
@@ -335,7 +359,7 @@ class EngineHost:
         add_servicer(server, _ENGINE_SERVICE, EngineServicer(state), state)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.role is EngineRole.DECODE:
-            gate = ProducerGate(self.control_plane, compat_hash)
+            gate = ProducerGate(self.producer_views, compat_hash)
             add_servicer(server, _DECODE_SERVICE, DecodeServicer(state, gate), state)
         else:
             add_servicer(server, _PREFILL_SERVICE, PrefillServicer(state), state)

@@ -94,6 +94,14 @@ class EngineServiceMetrics:
             ("engine", "role", "reason"),
             registry=registry,
         )
+        self.producer_check_fallbacks = Counter(
+            "pdserve_engine_producer_check_fallbacks",
+            "Producer checks the control plane could not answer (Redis unavailable), by "
+            "outcome: last_known (answered from the producer's view read at most "
+            "producer_view_max_stale_s ago) or refused (no such view: ProducerUnavailable).",
+            ("engine", "role", "outcome"),
+            registry=registry,
+        )
 
     def observe_load(self, load: EngineLoad) -> None:
         labels = (self.engine_id, self.role)
@@ -119,3 +127,6 @@ class EngineServiceMetrics:
 
     def count_reregistration_failure(self, reason: str) -> None:
         self.reregistration_failures.labels(self.engine_id, self.role, reason).inc()
+
+    def count_producer_check_fallback(self, outcome: str) -> None:
+        self.producer_check_fallbacks.labels(self.engine_id, self.role, outcome).inc()

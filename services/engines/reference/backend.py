@@ -13,7 +13,9 @@ with a KV handle needs ``decode`` or ``both`` (the ranks pull it from the produc
 by PeerSync when the producer turned READY).
 
 Before a pull the backend checks the handle against the control plane
-(:func:`~services.engines.producer_check.producer_refusal`): the producer must be READY at the
+(:func:`~services.engines.producer_check.producer_refusal`, read through the host's
+:class:`~services.engines.producer_check.ProducerViews`, which ride out a short control-plane
+outage on remembered views): the producer must be READY at the
 handle's generation and of the same block size, else :class:`ProducerUnavailable`, and a
 compatible KV producer, else :class:`InvalidRequest`; a lease already past is
 :class:`KVLeaseExpired`. The backend declares ``checks_producers``, so the Decode RPC does not
@@ -36,7 +38,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from services.control_plane import ControlPlaneError, ControlPlaneMetrics, RedisControlPlane
+from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.wire import EngineLoad, compute_compat_hash
 from services.engines.backend import (
     BackendDescription,
@@ -55,7 +57,7 @@ from services.engines.errors import (
     KVLeaseExpired,
     UnknownKVHandle,
 )
-from services.engines.producer_check import control_plane_refusal, producer_refusal
+from services.engines.producer_check import ProducerViews, producer_check_settings
 from services.engines.reference.config import ModelConfig
 from services.engines.reference.engine import EngineLoop, LoadSnapshot
 from services.engines.reference.executor import RankGroup
@@ -121,9 +123,17 @@ class ReferenceBackend(EngineBackend):
         self.registration: EngineRegistration | None = None
         self._engine: EngineLoop | None = None
         self._control_plane: RedisControlPlane | None = None
+        self._producer_views: ProducerViews | None = None
         self._stopped = False
 
     # -- the seam ------------------------------------------------------------------------------
+
+    def use_producer_views(self, views: ProducerViews) -> None:
+        """Check handles' producers through ``views`` (the engine service's, with its
+        settings and metrics; see ``UsesProducerViews`` in the host); before :meth:`start`."""
+        if self._engine is not None:
+            raise EngineFailed("use_producer_views must be called before start()")
+        self._producer_views = views
 
     def describe(self) -> BackendDescription:
         config = self.config
@@ -171,9 +181,15 @@ class ReferenceBackend(EngineBackend):
             eos_token_ids=self.eos_token_ids,
             metrics=self.metrics,
         )
-        if registration.role.consumes_kv:
+        if registration.role.consumes_kv and self._producer_views is None:
+            # Not hosted by an engine service (tests, benchmarks): no service settings or
+            # metrics to count a fallback in, so none: an outage refuses, counted in kv_errors.
             self._control_plane = RedisControlPlane(
-                registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
+                producer_check_settings(registration.control_plane),
+                ControlPlaneMetrics(CollectorRegistry()),
+            )
+            self._producer_views = ProducerViews(
+                self._control_plane, max_stale_s=0.0, retry_after_s=0.0
             )
         self._engine = EngineLoop(
             group, scheduler, self.relay, stop_timeout_s=options.stop_timeout_s
@@ -441,16 +457,9 @@ class ReferenceBackend(EngineBackend):
                 "lease_expired",
                 f"the lease of {handle.request_id} on {handle.producer_engine_id} ran out",
             )
-        assert self._control_plane is not None  # consumer roles have one
-        producer = handle.producer_engine_id
-        try:
-            view = await self._control_plane.get_engine(producer)
-        except ControlPlaneError as exc:
-            failed = control_plane_refusal(producer, exc)
-            metrics.kv_error(failed.error.__name__, failed.reason)
-            raise failed.exception() from exc
-        refusal = producer_refusal(
-            view, handle, compat_hash=self.compat_hash, block_size=self.options.block_size
+        assert self._producer_views is not None  # consumer roles have them
+        refusal = await self._producer_views.refusal(
+            handle, compat_hash=self.compat_hash, block_size=self.options.block_size
         )
         if refusal is not None:
             metrics.kv_error(refusal.error.__name__, refusal.reason)
