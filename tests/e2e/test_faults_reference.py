@@ -15,7 +15,10 @@ run in file order and each leaves the stack in a known state for the next:
 4. kill -9 of decode-0's rank mid-stream: its streams end with an error event, decode-1 serves;
 5. kill -9 of prefill-0's rank under load: requests are retried/run locally or fail explicitly;
 6. prefill-0 restarted under the same id: a new generation, the old KV handle refused;
-7. Redis restarted (all keys lost): engines and router reconverge within the lease TTL.
+7. Redis down for a few seconds under load, then back empty (all keys lost): requests during
+   the outage still disaggregate (the decode engine checks producers against the views it
+   read last, counted) or fail explicitly; then engines and router reconverge within the
+   lease TTL.
 
 A stopped rank is a slow peer, not a dead one: its engine service keeps heartbeating, so only
 the router's own bounds end the requests waiting on it (the stack sets them to seconds).
@@ -67,6 +70,8 @@ DECODE_IDLE_TIMEOUT_S = 10.0
 """The stack's router decode idle bound (``PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S``)."""
 SHORT_STALL_S = 3.0
 """Scenario 1's stall: well under both router bounds, even on a loaded 2-core box."""
+REDIS_OUTAGE_S = 4.0
+"""Scenario 7's Redis outage: well under the lease TTL and the producer views' max age."""
 
 
 @dataclass
@@ -542,14 +547,52 @@ def engine_failures(metrics_url: str) -> float:
     return total - metric(metrics_url, "pdserve_engine_requests_total", rpc="Decode", outcome="ok")
 
 
-async def test_a_restarted_redis_loses_nothing_once_everyone_reconverges(stack: Stack) -> None:
+async def test_a_redis_outage_under_load_is_ridden_out_then_everyone_reconverges(
+    stack: Stack,
+) -> None:
     router = f"{stack.up.url}/metrics"
+    decode_metrics = stack.engine("decode-1")["metrics"]
     redis_errors_before = metric(router, "pdserve_control_plane_redis_errors_total") + metric(
         router, "pdserve_control_plane_watch_resyncs_total"
     )
+    remembered_before = metric(
+        decode_metrics, "pdserve_engine_producer_check_fallbacks_total", outcome="last_known"
+    )
     exits_before = stack.up.output().count(" exited with status")
-    stack.redis.restart()
-    restarted_at = time.monotonic()
+    times: dict[str, float] = {}
+    restarts: list[asyncio.Task[None]] = []
+
+    async def start_after_outage() -> None:
+        await asyncio.sleep(REDIS_OUTAGE_S)
+        await asyncio.to_thread(stack.redis.start)  # same port, no data: every key is lost
+        times["back"] = time.monotonic()
+
+    def outage() -> None:
+        stack.redis.stop(remove_data=False)
+        times["down"] = time.monotonic()
+        restarts.append(asyncio.create_task(start_after_outage()))
+
+    try:
+        results, _ = await under_load(stack, outage, after_s=REDIS_OUTAGE_S + 3)
+        await asyncio.wait_for(asyncio.gather(*restarts), FAULT_BOUND_S)
+    finally:
+        if not stack.redis.running:
+            stack.redis.start()  # every later step (and the teardown) needs it
+    assert_no_hang(results)
+    assert all(r.ok or r.error for r in results), "a request ended without saying how"
+    # Requests that ran entirely while Redis was down: disaggregated through the producer's
+    # remembered view (counted on the decode engine), or an explicit error.
+    during = [r for r in results if times["down"] < r.started_at and r.ended_at < times["back"]]
+    assert during, "no request ran during the outage"
+    completed = [r for r in during if r.ok]
+    assert len(completed) * 2 > len(during), [r.error for r in during if not r.ok]
+    assert [r for r in completed if r.path == "disaggregated"], "nothing disaggregated during it"
+    assert (
+        metric(
+            decode_metrics, "pdserve_engine_producer_check_fallbacks_total", outcome="last_known"
+        )
+        > remembered_before
+    )
 
     def serves() -> bool:
         async def once() -> bool:
@@ -569,7 +612,7 @@ async def test_a_restarted_redis_loses_nothing_once_everyone_reconverges(stack: 
         LEASE_TTL_S * 2,
         "engines READY again",
     )
-    assert time.monotonic() - restarted_at < LEASE_TTL_S * 2
+    assert time.monotonic() - times["back"] < LEASE_TTL_S * 2
     assert stack.up.output().count(" exited with status") == exits_before
     assert service_alive(stack)
     assert (
@@ -577,6 +620,8 @@ async def test_a_restarted_redis_loses_nothing_once_everyone_reconverges(stack: 
         + metric(router, "pdserve_control_plane_watch_resyncs_total")
         > redis_errors_before
     )
+    for target in (stack.extra[0].grpc, stack.engine("decode-1")["grpc"]):
+        await wait_pool_full(target)
 
 
 def service_alive(stack: Stack) -> bool:
