@@ -58,7 +58,11 @@ convention); nobody receives it."""
 T = TypeVar("T")
 
 
-def get_runtime(request: Request) -> RouterRuntime:
+# The dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in its
+# thread pool, two thread hand-offs per request for what is an attribute read and a compare.
+
+
+async def get_runtime(request: Request) -> RouterRuntime:
     runtime: RouterRuntime = request.app.state.runtime
     return runtime
 
@@ -66,7 +70,7 @@ def get_runtime(request: Request) -> RouterRuntime:
 Runtime = Annotated[RouterRuntime, Depends(get_runtime)]
 
 
-def require_api_key(request: Request, runtime: Runtime) -> None:
+async def require_api_key(request: Request, runtime: Runtime) -> None:
     """Check ``Authorization: Bearer <key>`` against the configured keys in constant time
     (every key is compared, whatever matches); no keys configured = open."""
     keys = runtime.api_keys
