@@ -47,8 +47,11 @@ import httpx
 
 from services.bench.stats import percentiles
 
-#: Prompt lengths in words, cycled through (the tiny model's context is 512 tokens).
-DEFAULT_PROMPT_WORDS = (6, 24, 64, 160)
+#: Prompt lengths in words, cycled through. The tiny model's context is 512 tokens and a word
+#: of these prompts is about 3 tokens, so the longest (~400 tokens) plus ``--max-tokens`` fits:
+#: every request generates exactly ``--max-tokens`` (160 words sometimes reached the context,
+#: and the engine ends a request at the context limit with ``length``).
+DEFAULT_PROMPT_WORDS = (6, 24, 64, 128)
 _SENTENCE = (
     "the prefill reads whole prompt at once and decode streams tokens one by one while blocks "
     "move between engines over the data plane under a lease"
