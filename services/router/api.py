@@ -266,21 +266,38 @@ async def _unless_client_leaves(http: Request, work: Coroutine[Any, Any, T]) -> 
 
     Until its response starts a request is only an awaited coroutine, and Starlette notices a
     disconnect only while it streams: without this a client that gives up during a long prefill
-    (or on a non-streaming request) would keep both engines busy to the end. Here ``work`` is
-    cancelled instead, which cancels the engine calls it awaits; each engine aborts the request
-    and frees its blocks."""
-    work_task = asyncio.ensure_future(work)
-    leaving = asyncio.ensure_future(_client_left(http))
+    (or on a non-streaming request) would keep both engines busy to the end. Here the request's
+    own task is cancelled instead, which cancels the engine calls ``work`` awaits; each engine
+    aborts the request and frees its blocks. ``work`` runs in this task (one extra task per
+    request, the watcher, not two: this is on every request's path)."""
+    task = asyncio.current_task()
+    assert task is not None
+    watching = True
+    left = False
+
+    def hang_up(watcher: asyncio.Task[None]) -> None:
+        nonlocal left
+        # ``watching``: the callback may run after ``work`` ended (it is scheduled, not called).
+        if watching and not watcher.cancelled() and watcher.exception() is None:
+            left = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(_client_left(http))
+    watcher.add_done_callback(hang_up)
     try:
-        await asyncio.wait((work_task, leaving), return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except BaseException:
+        if left:  # whatever ``work`` made of the cancellation, the client is gone
+            task.uncancel()
+            raise ClientDisconnected from None
+        raise
     finally:
-        leaving.cancel()
-        if not work_task.done():
-            work_task.cancel()
-            await asyncio.wait((work_task,))  # let its clean-up reach the engines
-    if work_task.cancelled():
+        watching = False
+        watcher.cancel()
+    if left:  # ``work`` swallowed the cancellation
+        task.uncancel()
         raise ClientDisconnected
-    return work_task.result()
+    return result
 
 
 async def _collect(run: AsyncGenerator[Chunk, None]) -> tuple[str, FinishReason]:
