@@ -4,18 +4,15 @@ point at a local HF checkpoint (e.g. Qwen2.5-0.5B-Instruct) on a node with at le
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from services.config import ControlPlaneSettings
-from services.control_plane import RedisControlPlane
-from services.control_plane.wire import EngineRole, EngineState
-from services.engines.backend import DecodeRequest, EngineRegistration, SamplingParams
+from services.control_plane.wire import EngineRole
+from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -30,52 +27,28 @@ def _model_dir() -> Path:
     return Path(value)
 
 
-@contextlib.asynccontextmanager
-async def running_vllm(
-    control_plane: RedisControlPlane,
-    settings: ControlPlaneSettings,
-    backend: VllmBackend,
-    engine_id: str,
-    role: EngineRole,
-) -> AsyncIterator[VllmBackend]:
-    """Registered, heartbeaten (as the engine host does: vLLM loads for longer than a lease),
-    started and READY; stopped and deregistered afterwards, also when it never got READY."""
-    record = await control_plane.register(backend.describe().spec(engine_id, role, "127.0.0.1:0"))
-
-    async def heartbeat() -> None:
-        while True:
-            await asyncio.sleep(settings.heartbeat_interval_s)
-            await control_plane.heartbeat(engine_id, record.generation, backend.load())
-
-    beating = asyncio.create_task(heartbeat())
-    try:
-        await backend.start(EngineRegistration(engine_id, record.generation, role, settings))
-        async with control_plane.watch() as watcher:
-            await watcher.wait_for(
-                engine_id, EngineState.READY, READY_TIMEOUT_S, generation=record.generation
-            )
-        yield backend
-    finally:
-        await backend.stop()
-        beating.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await beating
-        with contextlib.suppress(Exception):
-            await control_plane.deregister(engine_id, record.generation)
-
-
 async def test_pp2_prefill_hands_kv_to_pp1_decode_with_greedy_parity(
-    control_plane: RedisControlPlane, cp_settings: ControlPlaneSettings
+    cp_settings: ControlPlaneSettings,
 ) -> None:
     model = _model_dir()
     prefill_backend = VllmBackend(VllmEngineOptions(model, pp_size=2, gpu_memory_utilization=0.3))
     decode_backend = VllmBackend(VllmEngineOptions(model, pp_size=1, gpu_memory_utilization=0.3))
     async with (
-        running_vllm(
-            control_plane, cp_settings, prefill_backend, "vllm-prefill", EngineRole.PREFILL
+        # Registered and heartbeaten as the engine host does (vLLM loads for longer than a
+        # lease), started and READY; stopped and deregistered afterwards.
+        registered_engine(
+            cp_settings,
+            prefill_backend,
+            engine_id="vllm-prefill",
+            role=EngineRole.PREFILL,
+            ready_timeout_s=READY_TIMEOUT_S,
         ) as prefill,
-        running_vllm(
-            control_plane, cp_settings, decode_backend, "vllm-decode", EngineRole.DECODE
+        registered_engine(
+            cp_settings,
+            decode_backend,
+            engine_id="vllm-decode",
+            role=EngineRole.DECODE,
+            ready_timeout_s=READY_TIMEOUT_S,
         ) as decode,
     ):
         prompt = list(range(100, 164))
