@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from services.bench.stats import percentiles
+from services.serving.ready import pdserve_argv
 
 #: Prompt lengths in words, cycled through. The tiny model's context is 512 tokens and a word
 #: of these prompts is about 3 tokens, so the longest (~400 tokens) plus ``--max-tokens`` fits:
@@ -120,10 +121,7 @@ def _run_in(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 def start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
     """``pdserve up`` in a session of its own (its output in ``<work_dir>/up.out``)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        sys.executable,
-        "-m",
-        "services.cli.main",
+    argv = pdserve_argv(
         "up",
         "--work-dir",
         str(work_dir),
@@ -136,7 +134,7 @@ def start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes
         "--decode-tp",
         str(args.decode_tp),
         *(["--model", str(args.model)] if args.model is not None else []),
-    ]
+    )
     with (work_dir / "up.out").open("wb") as output:
         return subprocess.Popen(
             argv,

@@ -10,12 +10,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from services.serving.ready import pdserve_argv
 
 START_TIMEOUT_S = 240.0
 
@@ -42,17 +43,7 @@ class UpSystem:
         work_dir.mkdir(parents=True, exist_ok=True)
         self._output = self.output_path.open("wb")
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli.main",
-                "up",
-                "--work-dir",
-                str(work_dir),
-                "--port",
-                "0",
-                *args,
-            ],
+            pdserve_argv("up", "--work-dir", str(work_dir), "--port", "0", *args),
             stdout=self._output,
             stderr=subprocess.STDOUT,
             env={**inherited, "PYTHONUNBUFFERED": "1", **(env or {})},

@@ -12,13 +12,13 @@ import os
 import selectors
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.serving.host import ServingEndpoints, parse_ready_line
+from services.serving.ready import pdserve_argv
 
 
 @dataclass
@@ -97,10 +97,7 @@ def start_service(
     stderr_path = work_dir / f"{engine_id}.stderr"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PDSERVE_GPU_TESTS", None)
-    command = [
-        sys.executable,
-        "-m",
-        "services.cli.main",
+    command = pdserve_argv(
         "--log-level",
         "INFO",
         role,
@@ -113,7 +110,7 @@ def start_service(
         "--listen",
         "127.0.0.1:0",
         *args,
-    ]
+    )
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen(
             command,
