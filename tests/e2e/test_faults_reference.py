@@ -131,7 +131,6 @@ class Result:
     started_at: float = 0.0
     ended_at: float = 0.0
     timed_out: bool = False
-    first_token: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 async def stream(
@@ -177,7 +176,6 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, resul
             for choice in event.get("choices", []):
                 if choice.get("text"):
                     result.tokens += 1
-                    result.first_token.set()
                 finished = finished or bool(choice.get("finish_reason"))
         result.ok = finished
         if not finished:
@@ -213,6 +211,24 @@ async def under_load(
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_BOUND_S + 5)
     return results, fault_at
+
+
+async def streams_reaching_decode_0(
+    client: httpx.AsyncClient, label: str, *, min_tokens: int
+) -> tuple[list[Result], list[asyncio.Task[Result]]]:
+    """Six long streams (400 tokens each); returns once one of those the router sent to
+    decode-0 has streamed ``min_tokens`` tokens, with every result and task."""
+    results = [Result(ok=False) for _ in range(6)]
+    prompts = [f"{label} stream {i} " + "decode keeps going " * 4 for i in range(6)]
+    tasks = [
+        asyncio.create_task(stream(client, prompt, 400, result))
+        for prompt, result in zip(prompts, results, strict=True)
+    ]
+    deadline = time.monotonic() + FAULT_BOUND_S
+    while not any(r.decode_engine == "decode-0" and r.tokens >= min_tokens for r in results):
+        assert time.monotonic() < deadline, f"no stream got {min_tokens} token(s) from decode-0"
+        await asyncio.sleep(0.05)
+    return results, tasks
 
 
 def assert_no_hang(results: list[Result]) -> None:
@@ -344,19 +360,10 @@ async def test_a_decode_rank_stalled_mid_stream_ends_its_streams_within_the_idle
         stack, "pdserve_router_engine_timeouts_total", call="decode", bound="idle"
     )
     errors_before = router_errors(stack)
-    results = [Result(ok=False) for _ in range(6)]
     with resumed_at_exit(rank):
         async with client_of(stack) as client:
-            prompts = [f"stalled stream {i} " + "decode keeps going " * 4 for i in range(6)]
-            tasks = [
-                asyncio.create_task(stream(client, prompt, 400, result))
-                for prompt, result in zip(prompts, results, strict=True)
-            ]
-            deadline = time.monotonic() + FAULT_BOUND_S
             # Mid-stream: decode-0 itself has sent tokens (the first one is the prefill's).
-            while not any(r.decode_engine == "decode-0" and r.tokens >= 3 for r in results):
-                assert time.monotonic() < deadline, "no stream got tokens from decode-0"
-                await asyncio.sleep(0.05)
+            results, tasks = await streams_reaching_decode_0(client, "stalled", min_tokens=3)
             os.kill(rank, signal.SIGSTOP)
             stopped_at = time.monotonic()
             # Resumed only once every stream ended: the router's idle bound must end them.
@@ -398,17 +405,8 @@ async def test_a_decode_rank_stalled_mid_stream_ends_its_streams_within_the_idle
 async def test_a_killed_decode_rank_ends_its_streams_with_an_error(stack: Stack) -> None:
     errors_before = router_errors(stack)
     decode_rank = only_rank(int(stack.engine("decode-0")["pid"]))
-    results = [Result(ok=False) for _ in range(6)]
     async with client_of(stack) as client:
-        prompts = [f"long stream {i} " + "decode keeps going " * 4 for i in range(6)]
-        tasks = [
-            asyncio.create_task(stream(client, prompt, 400, result))
-            for prompt, result in zip(prompts, results, strict=True)
-        ]
-        deadline = time.monotonic() + FAULT_BOUND_S
-        while not any(r.decode_engine == "decode-0" and r.first_token.is_set() for r in results):
-            assert time.monotonic() < deadline, "no stream reached decode-0"
-            await asyncio.sleep(0.05)
+        results, tasks = await streams_reaching_decode_0(client, "long", min_tokens=1)
         os.kill(decode_rank, signal.SIGKILL)
         killed_at = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_BOUND_S + 5)
