@@ -68,7 +68,7 @@ class TinyModelSpec:
     hidden_size: int = 64
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 64
     intermediate_size: int = 128
     vocab_size: int = 384
     max_position_embeddings: int = 512
