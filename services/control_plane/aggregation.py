@@ -26,7 +26,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.control_plane.errors import RecordDecodeError
-from services.control_plane.wire import EngineRecord, EngineState, HandshakeRecord, decode
+from services.control_plane.wire import (
+    KV_REGIONS_PER_LAYER,
+    EngineRecord,
+    EngineState,
+    HandshakeRecord,
+    decode,
+    kv_block_len,
+)
 from services.topology import EngineLayout, Range, WorkerShard
 from services.topology.ranges import RankKey
 
@@ -125,16 +132,20 @@ _MAX_INTERLEAVED = 8
 def geometry_errors(record: HandshakeRecord) -> list[str]:
     """Why a record's regions cannot be read safely; empty when they can.
 
-    Besides self-consistency (one region per layer and K/V, HND block length), every region
+    Besides self-consistency (the layout's regions per layer and block length), every region
     ``[base, base + (num_blocks - 1) * block_stride + block_len)`` must stay below 2**64 (the
     descriptor arithmetic is unsigned 64-bit and would wrap) and regions must not overlap. A
     record that passes may still point outside what the producer registered with NIXL: the
     consumer's NIXL agent refuses those descriptors when they are prepared, before any read.
     """
     errors = []
-    if len(record.region_base_addrs) != 2 * len(record.layers):
+    per_layer = KV_REGIONS_PER_LAYER.get(record.kv_layout)
+    if per_layer is None:
+        return [f"unsupported KV layout {record.kv_layout!r}"]
+    if len(record.region_base_addrs) != per_layer * len(record.layers):
         errors.append(
-            f"{len(record.region_base_addrs)} regions for {len(record.layers)} layers (K and V)"
+            f"{len(record.region_base_addrs)} regions for {len(record.layers)} layers "
+            f"({per_layer} per layer in {record.kv_layout})"
         )
     if any(addr <= 0 for addr in record.region_base_addrs):
         errors.append("region base address <= 0")
@@ -150,12 +161,19 @@ def geometry_errors(record: HandshakeRecord) -> list[str]:
     element = DTYPE_BYTES.get(record.dtype)
     if element is None:
         errors.append(f"unknown dtype {record.dtype!r}")
-    elif record.kv_layout == "HND":
-        expected = len(record.kv_heads) * record.block_size * record.head_size * element
-        if record.block_len != expected:
-            errors.append(f"block_len {record.block_len} != heads x block x head_size = {expected}")
     else:
-        errors.append(f"unsupported KV layout {record.kv_layout!r}")
+        expected = kv_block_len(
+            record.kv_layout,
+            heads=len(record.kv_heads),
+            block_size=record.block_size,
+            head_size=record.head_size,
+            element=element,
+        )
+        if record.block_len != expected:
+            errors.append(
+                f"block_len {record.block_len} != {expected} (heads x block x head_size in "
+                f"{record.kv_layout})"
+            )
     return errors
 
 

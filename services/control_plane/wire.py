@@ -120,16 +120,35 @@ class EngineRecord:
         return self.pp_size * self.tp_size
 
 
+KV_LAYOUT_HND = "HND"
+"""K and V in separate regions, two per layer ``(layer0 K, layer0 V, layer1 K, ...)``; a block
+is ``[kv_heads, block_size, head_size]`` (pdserve's reference engine)."""
+KV_LAYOUT_HNC = "HNC"
+"""K and V in one region per layer; a block is ``[kv_heads, block_size, C]`` where ``C`` holds a
+head's K and V (vLLM 0.32's ``LBHNC``: on CPUs each head's K rows then its V rows)."""
+KV_REGIONS_PER_LAYER = {KV_LAYOUT_HND: 2, KV_LAYOUT_HNC: 1}
+"""The layouts a record may name (any other is refused by aggregation): regions per layer.
+Both keep a head's part of a block contiguous, which is what a head-sliced read needs."""
+
+
+def kv_block_len(
+    kv_layout: str, *, heads: int, block_size: int, head_size: int, element: int
+) -> int:
+    """The bytes of one block of one region in ``kv_layout`` (raises ``KeyError`` for others)."""
+    per_region = 2 // KV_REGIONS_PER_LAYER[kv_layout]
+    return per_region * heads * block_size * head_size * element
+
+
 @dataclass(frozen=True)
 class HandshakeRecord:
     """The KV-transfer metadata of one ``(pp_rank, tp_rank)`` worker of one engine generation.
 
-    The worker's KV lives in ``2 * len(layers)`` registered regions, ordered
-    ``(layer0 K, layer0 V, layer1 K, ...)`` with ``region_base_addrs`` giving each base. Every
-    region holds ``num_blocks`` blocks of ``block_len`` bytes, ``block_stride`` bytes apart. In
-    the ``HND`` layout a block is ``[kv_heads, block_size, head_size]``, so a head slice of one
-    block of one layer is one contiguous range: head ``h`` (local) starts at
-    ``h * block_len // len(kv_heads)``.
+    The worker's KV lives in ``KV_REGIONS_PER_LAYER[kv_layout] * len(layers)`` registered
+    regions, in layer order (``HND``: K then V of each layer; ``HNC``: one per layer), with
+    ``region_base_addrs`` giving each base. Every region holds ``num_blocks`` blocks of
+    ``block_len`` bytes, ``block_stride`` bytes apart (:func:`kv_block_len`). A block is
+    head-major, so a head slice of one block of one region is one contiguous range: head ``h``
+    (local) starts at ``h * block_len // len(kv_heads)``.
     """
 
     engine_id: EngineId
@@ -365,6 +384,9 @@ def _convert(expected: Any, value: Any, name: str) -> Any:
 
 
 __all__ = [
+    "KV_LAYOUT_HNC",
+    "KV_LAYOUT_HND",
+    "KV_REGIONS_PER_LAYER",
     "MAX_RECORD_BYTES",
     "PROTOCOL_VERSION",
     "EngineId",
@@ -380,5 +402,6 @@ __all__ = [
     "compute_compat_hash",
     "decode",
     "encode",
+    "kv_block_len",
     "validate_identifier",
 ]

@@ -5,7 +5,8 @@ Mapping (one :class:`HandshakeRecord` per ``(pp_rank, tp_rank)`` of the vLLM eng
 - the record's geometry describes the rank's KV shard as pdserve's aggregation checks it: the
   layer range vLLM gives the stage (:func:`~services.engines.vllm.layouts.vllm_layer_ranges`),
   the KV-head range of the TP rank, block size, dtype, head size, and the NIXL regions vLLM
-  registered (two per layer, K and V; ``HND`` per block, which is vLLM's ``LBHNC`` page);
+  registered: one per layer with K and V packed in each head's page (``HNC``, vLLM 0.32's
+  ``LBHNC``, what its CPU and GPU attention backends use), or two per layer (``HND``);
 - ``agent_metadata`` is the rank's NIXL agent blob; ``extra`` is :class:`VllmHandshakeExtra`:
   vLLM's own encoded ``NixlHandshakePayload`` (its compatibility hash and full agent metadata,
   decoded by the peer exactly as the ZMQ side channel would have delivered it), the transfer
@@ -39,11 +40,13 @@ from services.control_plane.aggregation import DTYPE_BYTES, EngineTopology
 from services.control_plane.base import EngineView
 from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import (
+    KV_REGIONS_PER_LAYER,
     EngineId,
     EngineRecord,
     EngineStatus,
     Generation,
     HandshakeRecord,
+    kv_block_len,
 )
 from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
 from services.topology import Range, kv_head_range
@@ -252,17 +255,19 @@ def build_records(
             )
         layers = geometry.layer_ranges[pp_rank]
         heads = kv_head_range(geometry.num_kv_heads, engine.tp_size, tp_rank)
-        expected_len = len(heads) * info.block_size * geometry.head_size * element
         where = f"rank ({pp_rank}, {tp_rank})"
-        if len(info.region_base_addrs) != 2 * len(layers):
-            raise UnsupportedVllmLayout(
-                f"{where}: vLLM registered {len(info.region_base_addrs)} KV regions for "
-                f"{len(layers)} layers; pdserve's connector needs separate K and V per layer"
-            )
+        kv_layout = _kv_layout(len(info.region_base_addrs), len(layers), where)
+        expected_len = kv_block_len(
+            kv_layout,
+            heads=len(heads),
+            block_size=info.block_size,
+            head_size=geometry.head_size,
+            element=element,
+        )
         if info.block_len != expected_len:
             raise UnsupportedVllmLayout(
-                f"{where}: vLLM block length {info.block_len} bytes != heads x block x "
-                f"head_size x dtype = {expected_len}: not a per-head (HND) page"
+                f"{where}: vLLM block length {info.block_len} bytes != {expected_len} (heads x "
+                f"block x head_size x dtype in {kv_layout}): not a head-major page"
             )
         extra = VllmHandshakeExtra(info.nixl_payload, transfer_mode, perf_s, wall_s)
         records.append(
@@ -284,7 +289,7 @@ def build_records(
                 block_size=info.block_size,
                 dtype=geometry.dtype,
                 head_size=geometry.head_size,
-                kv_layout="HND",
+                kv_layout=kv_layout,
                 layers=layers,
                 kv_heads=heads,
                 compat_hash=engine.compat_hash,
@@ -292,6 +297,18 @@ def build_records(
             )
         )
     return records
+
+
+def _kv_layout(num_regions: int, num_layers: int, where: str) -> str:
+    """The record layout of what vLLM registered: one region per layer (vLLM 0.32's packed
+    ``LBHNC``) or two (K and V apart)."""
+    for layout, per_layer in KV_REGIONS_PER_LAYER.items():
+        if num_regions == per_layer * num_layers:
+            return layout
+    raise UnsupportedVllmLayout(
+        f"{where}: vLLM registered {num_regions} KV regions for {num_layers} layers; pdserve's "
+        "connector describes one region per layer (K and V packed) or two (K and V apart)"
+    )
 
 
 def resolve_extras(
