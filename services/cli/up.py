@@ -76,6 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill engines' TP size")
     parser.add_argument("--decode-pp", type=int, default=1, help="decode engines' PP size")
     parser.add_argument("--decode-tp", type=int, default=1, help="decode engines' TP size")
+    parser.add_argument("--block-size", type=int, default=None, help="engines' KV block size")
+    parser.add_argument(
+        "--dtype", default=None, help="engines' dtype (float32, bfloat16...; default: engine's)"
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every pdserve prefill/decode (repeatable)",
+    )
     parser.add_argument("--prefill-replicas", type=int, default=1, help="prefill engines")
     parser.add_argument("--decode-replicas", type=int, default=1, help="decode engines")
     parser.add_argument(
@@ -279,6 +290,9 @@ def _engine_children(
                 "--metrics-port",
                 "0",
                 *(["--model", str(model)] if model is not None else []),
+                *(["--block-size", str(args.block_size)] if args.block_size else []),
+                *(["--dtype", args.dtype] if args.dtype else []),
+                *args.engine_arg,
             )
             children.append(Child(name, role, argv, logs / f"{name}.log"))
     return children

