@@ -83,6 +83,72 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def _log_through_vllm() -> None:
+    """pdserve's loggers in vLLM's processes write where vLLM's do.
+
+    vLLM configures only its own ``vllm`` logger in EngineCore and worker processes, so
+    pdserve's messages there (publication, pre-warm, invalidation) would be dropped by the
+    unconfigured root logger. Done once, at import, only when nothing configured ``services``.
+    """
+    ours = logging.getLogger("services")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+_log_through_vllm()
+
+CPU_IDLE_STEP_S = 0.005
+"""On CPUs: the pause of an engine step that computed nothing (see :func:`_calm_idle_polling`)."""
+CPU_READER_PAUSE_S = 0.001
+"""On CPUs: a worker's pause between polls of its step queue, instead of ``sched_yield``."""
+
+
+def _calm_idle_polling() -> None:
+    """Stop vLLM's transfer waits from spinning every core of a CPU machine (CPU only).
+
+    While a request waits for KV (a consumer waiting for its transfer, a producer holding blocks
+    for its lease), vLLM 0.32.0's EngineCore steps every millisecond with nothing to compute
+    (``EngineCore._process_engine_step``: ``time.sleep(0.001)``), and each step keeps every
+    worker in the busy window of its step queue, where it spins on ``sched_yield``
+    (``shm_broadcast.SpinCondition.wait``). On GPUs that costs one idle host core; on a CPU
+    machine those spinning processes are the machine, and the peer that must move the KV, the
+    control plane and the services starve (measured: 100% system time on 2 cores, Redis
+    replies after 5-17 s, leases lost). So, on CPUs only: a worker pauses
+    :data:`CPU_READER_PAUSE_S` instead of yielding, a step that computed nothing is followed by
+    :data:`CPU_IDLE_STEP_S` of sleep (:meth:`_PdserveConnectorBase.build_connector_meta`), and
+    NIXL agents run without their progress thread (``base_worker.nixl_agent_config``; it spins
+    a core per worker): transfers are noticed within a few milliseconds, which is noise next to
+    a CPU forward pass.
+    """
+    if not current_platform.is_cpu():
+        return
+    from vllm.distributed.device_communicators import shm_broadcast  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: PLC0415
+
+    def pause() -> None:
+        time.sleep(CPU_READER_PAUSE_S)
+
+    shm_broadcast.sched_yield = pause
+    make_config = base_worker.nixl_agent_config
+    if make_config is not None:
+
+        def without_progress_thread(*args: Any, **kwargs: Any) -> Any:
+            # NIXL's UCX progress thread spins a core for as long as the agent lives; vLLM's
+            # worker drives progress itself on every step (transfer checks, notifications).
+            return make_config(*args, **{**kwargs, "enable_prog_thread": False})
+
+        base_worker.nixl_agent_config = without_progress_thread
+
+
+_calm_idle_polling()
+_IS_CPU = current_platform.is_cpu()
+
 CONTROL_PLANE_HOST = "pdserve-control-plane"
 """What ``remote_host`` says in kv_transfer_params: there is no side channel to dial."""
 
@@ -126,6 +192,22 @@ def model_geometry(vllm_config: VllmConfig) -> ModelGeometry:
             parse_layer_partition(envs.VLLM_PP_LAYER_PARTITION),
         ),
     )
+
+
+def clip_to_producer(local: Any, producer: Any) -> Any:
+    """The consumer's block ids per KV group cut to the producer's count in that group (see
+    :meth:`_PushScheduler.update_state_after_alloc`); a flat list is one group."""
+    grouped = bool(local) and isinstance(local[0], (list, tuple))
+    local_groups = local if grouped else [local]
+    producer_groups = (
+        producer if producer and isinstance(producer[0], (list, tuple)) else [producer]
+    )
+    clipped = [
+        list(group)[: len(theirs)]
+        for group, theirs in zip(local_groups, producer_groups, strict=False)
+    ]
+    clipped.extend(list(group) for group in local_groups[len(clipped) :])
+    return type(local)(clipped) if grouped else clipped[0]
 
 
 def rank_transfer_info(payload: NixlHandshakePayload) -> RankTransferInfo:
@@ -235,7 +317,28 @@ class _SchedulerHandshake(_ControlPlaneClient):
 
 
 class _PushScheduler(_SchedulerHandshake, NixlPushConnectorScheduler):
-    pass
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's registration, clipped to the blocks the producer holds.
+
+        pdserve's decode request is the prompt plus the producer's first token (the consumer
+        continues after it), so when the prompt fills its last block exactly the consumer
+        allocates one block more than the producer computed. vLLM 0.32.0 sends all of them in
+        the push registration, and the producer's writer asserts equal block counts and drops
+        the push ("nixl-push-writer error; continuing"): the request hangs. The extra block
+        holds only the first token, which vLLM recomputes locally anyway (a request whose
+        tokens are all external recomputes the last one), so it is left out of the
+        registration."""
+        params = request.kv_transfer_params or {}
+        producer_blocks = (
+            params.get("remote_block_ids") if params.get("do_remote_prefill") else None
+        )
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = self._push_pending_registrations.get(request.request_id)
+        if registration is None or not producer_blocks:
+            return
+        registration["local_block_ids"] = clip_to_producer(
+            registration["local_block_ids"], producer_blocks
+        )
 
 
 class _PullScheduler(_SchedulerHandshake, NixlPullConnectorScheduler):
@@ -487,6 +590,13 @@ class _PdserveConnectorBase(NixlBaseConnector):
         else:
             raise ValueError(f"unsupported KV connector role {role}")
         logger.info("pdserve connector %s active: %s", self.engine_id, layout.describe())
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's metadata; on CPUs, a step that computes nothing pauses first
+        (:func:`_calm_idle_polling`)."""
+        if _IS_CPU and scheduler_output.total_num_scheduled_tokens == 0:
+            time.sleep(CPU_IDLE_STEP_S)
+        return super().build_connector_meta(scheduler_output)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """vLLM's results with each id passed once per worker and direction (see contracts)."""
