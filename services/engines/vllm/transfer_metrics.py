@@ -1,0 +1,80 @@
+"""vLLM's NIXL transfer statistics as pdserve's ``pdserve_kv_transfer_*`` series.
+
+vLLM's NIXL workers time every transfer they initiate (push: the prefill's WRITEs; pull: the
+decode's READs) in ``NixlKVConnectorStats``; EngineCore aggregates the workers' stats each step
+and hands them, as the dict ``SchedulerStats.kv_connector_stats``, to the stat loggers of the
+process hosting ``AsyncLLM``. :class:`VllmTransferExporter` turns that dict into the same series
+the reference engine emits (docs/metrics.md), so the KV-transfer dashboard charts vLLM engines.
+
+vLLM aggregates over peers and ranks, so the peer side of a pair is labelled ``unknown`` and
+ranks ``all``: latency, bytes, descriptors, failures and expiries are exact per engine, not per
+rank pair. Pure code over plain data: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.control_plane.wire import EngineId
+from services.kv_transfer.metrics import KVTransferMetrics
+
+UNKNOWN_PEER = "unknown"
+ALL_RANKS = "all"
+_FAILURE_KEYS = {
+    "num_failed_transfers": "vllm_transfer_failed",
+    "num_failed_notifications": "vllm_notification_failed",
+    "num_failed_handshakes": "vllm_handshake_failed",
+}
+
+
+class VllmTransferExporter:
+    """Records one engine's ``kv_connector_stats`` dicts (see the module docstring)."""
+
+    def __init__(self, metrics: KVTransferMetrics, engine_id: EngineId, *, producer: bool) -> None:
+        self.metrics = metrics
+        self.engine_id = engine_id
+        self.producer = producer
+        self.transfers = 0
+        """Transfers recorded so far (successful ones)."""
+
+    def _pair(self) -> dict[str, str]:
+        own, peer = self.engine_id, UNKNOWN_PEER
+        producer, consumer = (own, peer) if self.producer else (peer, own)
+        return {
+            "producer_engine": producer,
+            "consumer_engine": consumer,
+            "producer_rank": ALL_RANKS,
+            "consumer_rank": ALL_RANKS,
+        }
+
+    def record(self, stats: Mapping[str, Any] | None) -> None:
+        """Add one step's aggregated stats (``None`` or an empty dict: nothing happened)."""
+        if not stats:
+            return
+        pair = self._pair()
+        durations = _floats(stats.get("transfer_duration"))
+        sizes = _floats(stats.get("bytes_transferred"))
+        descriptors = _floats(stats.get("num_descriptors"))
+        for index, seconds in enumerate(durations):
+            self.metrics.transfer_latency.labels(**pair).observe(seconds)
+            if index < len(sizes):
+                self.metrics.transferred_bytes.labels(**pair).inc(sizes[index])
+            if index < len(descriptors):
+                self.metrics.descriptors.labels(**pair).observe(descriptors[index])
+        self.transfers += len(durations)
+        for key, reason in _FAILURE_KEYS.items():
+            failed = len(stats.get(key) or ())
+            if failed:
+                self.metrics.failures.labels(**pair, reason=reason).inc(failed)
+        expired = len(stats.get("num_kv_expired_reqs") or ())
+        if expired and self.producer:
+            self.metrics.expired_leases.labels(
+                producer_engine=self.engine_id,
+                consumer_engine=UNKNOWN_PEER,
+                producer_rank=ALL_RANKS,
+            ).inc(expired)
+
+
+def _floats(values: Sequence[Any] | None) -> list[float]:
+    return [float(value) for value in values or ()]
