@@ -33,9 +33,8 @@ from services.control_plane.local_redis import free_port
 
 logger = logging.getLogger(__name__)
 
-RULES_FILE = (
-    Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve" / "rules" / "pdserve.rules.yaml"
-)
+CHART_DIR = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
+RULES_FILE = CHART_DIR / "rules" / "pdserve.rules.yaml"
 """The chart's recording and alert rules (also rendered into its ``PrometheusRule``)."""
 
 INSTALL_HINT = (
