@@ -4,7 +4,10 @@
 ``promtool`` are on ``PATH`` or already under ``DEST``; otherwise it fetches Debian's
 ``prometheus`` package with ``apt-get download`` (no root needed: it only writes the ``.deb``
 into a temporary folder), unpacks it with ``dpkg -x`` and keeps the two static binaries as
-``DEST/bin/prometheus`` and ``DEST/bin/promtool``.
+``DEST/bin/prometheus`` and ``DEST/bin/promtool``. Best effort, it also unpacks the web UI's
+templates and the JavaScript packages they link to (``libjs-*``) into ``DEST/web``, which
+:class:`~services.observability.local_prometheus.LocalPrometheus` passes as
+``--web.local-assets`` (the HTTP API works without them; the UI pages do not).
 
 Where the package cannot be fetched (no ``apt-get``, no Debian mirror) it prints why and how to
 install Prometheus by hand and exits 0: ``make test`` goes on, and the tests that need Prometheus
@@ -24,6 +27,20 @@ from pathlib import Path
 
 PACKAGE = "prometheus"
 BINARIES = ("prometheus", "promtool")
+UI_PACKAGES = (
+    "fonts-glyphicons-halflings",
+    "libjs-bootstrap4",
+    "libjs-d3",
+    "libjs-eonasdan-bootstrap-datetimepicker",
+    "libjs-jquery",
+    "libjs-jquery-hotkeys",
+    "libjs-moment",
+    "libjs-moment-timezone",
+    "libjs-mustache",
+    "libjs-popper.js",
+    "libjs-rickshaw",
+)
+"""What the package's ``usr/share/prometheus/web/static`` links to (its ``Depends``)."""
 
 
 class InstallFailed(Exception):
@@ -58,6 +75,34 @@ def install(dest: Path) -> None:
                 raise InstallFailed(f"{debs[-1].name} has no usr/bin/{name}")
             shutil.copy2(source, dest / "bin" / name)
         (dest / "VERSION").write_text(debs[-1].name + "\n")
+        try:
+            _install_web(folder, unpacked, dest)
+        except (InstallFailed, OSError) as exc:
+            print(f"note: Prometheus's web UI not installed ({exc}); its HTTP API works")
+
+
+def _install_web(folder: Path, unpacked: Path, dest: Path) -> None:
+    _run(["apt-get", "download", *UI_PACKAGES], folder)
+    for deb in sorted(folder.glob("*.deb")):
+        if not deb.name.startswith(f"{PACKAGE}_"):
+            _run(["dpkg", "-x", str(deb), str(unpacked)], folder)
+    source = unpacked / "usr" / "share" / "prometheus" / "web"
+    web = dest / "web"
+    if web.exists():
+        shutil.rmtree(web)
+    shutil.copytree(source, web, symlinks=True)
+    # The static folder links (relatively) into usr/share/javascript: copy what they point at.
+    # (copytree(symlinks=False) cannot: it checks relative links against the working folder.)
+    for link in sorted(path for path in web.rglob("*") if path.is_symlink()):
+        target = (source / link.relative_to(web)).resolve()
+        if not target.is_relative_to(unpacked.resolve()) or not target.exists():
+            raise InstallFailed(f"{link.relative_to(web)} links to {target}, not unpacked")
+        link.unlink()
+        if target.is_dir():
+            # moment-timezone's raw tz database (200 MB) is not what the UI loads.
+            shutil.copytree(target, link, ignore=shutil.ignore_patterns("data"))
+        else:
+            shutil.copy2(target, link)
 
 
 def _run(argv: list[str], cwd: Path) -> None:

@@ -159,6 +159,9 @@ class LocalPrometheus:
             "--storage.tsdb.retention.time=1d",
             "--log.level=warn",
         ]
+        web = self.binary.parent.parent / "web"
+        if (web / "templates").is_dir():  # the UI unpacked next to the binary by make test
+            argv.append(f"--web.local-assets={web}/")
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
