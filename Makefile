@@ -40,8 +40,17 @@ UP_ARGS ?= --prefill-pp 2 --decode-tp 2
 run: $(STAMP)
 	$(BIN)/pdserve up --work-dir $(RUN_DIR) $(UP_ARGS)
 
+## prometheus: Prometheus and promtool for the observability tests, unpacked from Debian's package
+# into .venv/prometheus/bin when none is on PATH (no root; a warning, not a failure, when it cannot
+# be fetched: the tests that need it then fail saying how to install it; see README).
+PROMETHEUS_BIN := $(VENV)/prometheus/bin/prometheus
+$(PROMETHEUS_BIN): $(STAMP)
+	$(BIN)/python -m services.devtools.install_prometheus $(VENV)/prometheus
+.PHONY: prometheus
+prometheus: $(PROMETHEUS_BIN)
+
 ## test: linters, type checker and the full test suite (what CI runs).
-test: $(STAMP) lint
+test: $(STAMP) $(PROMETHEUS_BIN) lint
 	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
 
 ## test-fast: unit tests only.

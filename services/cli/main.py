@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from services.cli import bench, status, up
+from services.cli import bench, status, up, up_args
 from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up_parser = commands.add_parser("up", help="the whole system on this machine")
     add_control_plane_flags(up_parser)
-    up.add_arguments(up_parser)
+    up_args.add_arguments(up_parser)
 
     tiny = commands.add_parser(
         "make-tiny-model",

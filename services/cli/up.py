@@ -10,7 +10,10 @@ generated into ``<work-dir>/tiny-model`` (no downloads).
 While it runs: every engine's per-rank readiness grid is printed as it changes; each child's
 output goes to ``<work-dir>/logs/<name>.log``. Once the router's ``/health`` answers 200,
 ``<work-dir>/endpoints.json`` names the router URL and every ``/metrics`` URL, and the URL and
-an example ``curl`` are printed.
+an example ``curl`` are printed. ``--prometheus`` also starts a local Prometheus (a ``prometheus``
+on ``PATH`` or in the virtual environment; without one it exits before starting anything) that
+scrapes every ``/metrics`` URL of ``endpoints.json`` and loads the chart's recording and alert
+rules; its URL is printed and written to ``endpoints.json`` (``"prometheus"``).
 
 Ctrl-C (or SIGTERM): the router, then decode engines, then prefill engines get SIGTERM and are
 waited for (bounded by ``--stop-timeout-s``); whatever is left of a child's process group
@@ -37,81 +40,16 @@ import httpx
 
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
+from services.cli.up_args import TINY_MODEL_DIR
 from services.config import ControlPlaneSettings
 from services.config.control_plane import split_url_password
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+from services.observability.local_prometheus import RULES_FILE, LocalPrometheus, PrometheusError
 from services.serving.ready import parse_ready_line, pdserve_argv
 
-TINY_MODEL_DIR = "tiny-model"
 PASSWORD_ENV = "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD"
 _LOG_TAIL_LINES = 20
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--work-dir", type=Path, default=Path(".run"), help="where run-time files go"
-    )
-    parser.add_argument(
-        "--redis-port", type=int, default=None, help="port of the embedded Redis (default: free)"
-    )
-    parser.add_argument(
-        "--exit-after", type=float, default=None, help="stop after this many seconds (tests)"
-    )
-    parser.add_argument(
-        "--no-engines",
-        action="store_true",
-        help="start the control plane and the readiness display only",
-    )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help=f"model folder (default: the tiny checkpoint, made in WORK_DIR/{TINY_MODEL_DIR})",
-    )
-    parser.add_argument(
-        "--engine", default="reference", help="engine backend: reference (CPU), vllm or stub"
-    )
-    parser.add_argument("--prefill-pp", type=int, default=1, help="prefill engines' PP size")
-    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill engines' TP size")
-    parser.add_argument("--decode-pp", type=int, default=1, help="decode engines' PP size")
-    parser.add_argument("--decode-tp", type=int, default=1, help="decode engines' TP size")
-    parser.add_argument("--block-size", type=int, default=None, help="engines' KV block size")
-    parser.add_argument(
-        "--dtype", default=None, help="engines' dtype (float32, bfloat16...; default: engine's)"
-    )
-    parser.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for every pdserve prefill/decode (repeatable)",
-    )
-    parser.add_argument("--prefill-replicas", type=int, default=1, help="prefill engines")
-    parser.add_argument("--decode-replicas", type=int, default=1, help="decode engines")
-    parser.add_argument(
-        "--colocated",
-        action="store_true",
-        help="no disaggregation: decode engines serve whole requests (for comparison)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
-    parser.add_argument("--port", type=int, default=8000, help="router port (0: a free one)")
-    parser.add_argument(
-        "--router-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for pdserve router (repeatable)",
-    )
-    parser.add_argument(
-        "--ready-timeout-s",
-        type=float,
-        default=600.0,
-        help="bound of the start-up (model loading included)",
-    )
-    parser.add_argument(
-        "--stop-timeout-s", type=float, default=30.0, help="bound of each child's clean stop"
-    )
 
 
 @dataclass
@@ -143,6 +81,17 @@ class StartupFailed(Exception):
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    prometheus: LocalPrometheus | None = None
+    if args.prometheus:
+        try:
+            prometheus = LocalPrometheus(
+                args.work_dir / "prometheus",
+                scrape_interval_s=args.prometheus_scrape_interval_s,
+                rule_files=[RULES_FILE],
+            )
+        except PrometheusError as exc:
+            print(f"pdserve up: --prometheus: {exc}", file=sys.stderr, flush=True)
+            return 2
     redis_server: LocalRedisServer | None = None
     control_plane = settings.control_plane
     if args.redis is None:
@@ -156,14 +105,20 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     print(f"  inspect it with:  pdserve status --redis {url}")
     print("  Ctrl-C stops everything this command started.", flush=True)
     try:
-        return asyncio.run(_up(args, control_plane))
+        return asyncio.run(_up(args, control_plane, prometheus))
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         if redis_server is not None:
             redis_server.stop()
             print("pdserve up: stopped the embedded Redis", flush=True)
 
 
-async def _up(args: argparse.Namespace, control_plane: ControlPlaneSettings) -> int:
+async def _up(
+    args: argparse.Namespace,
+    control_plane: ControlPlaneSettings,
+    prometheus: LocalPrometheus | None,
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -175,7 +130,7 @@ async def _up(args: argparse.Namespace, control_plane: ControlPlaneSettings) -> 
     status = 0
     try:
         if not args.no_engines:
-            status = await _run_system(args, control_plane, children, stop)
+            status = await _run_system(args, control_plane, children, stop, prometheus)
         else:
             await stop.wait()
     finally:
@@ -192,6 +147,7 @@ async def _run_system(
     control_plane: ControlPlaneSettings,
     children: list[Child],
     stop: asyncio.Event,
+    prometheus: LocalPrometheus | None,
 ) -> int:
     model = _model_dir(args)
     # A password given in the URL travels in the children's environment, not their argv.
@@ -219,10 +175,13 @@ async def _run_system(
         await _wait_healthy(router_url, children, stop, deadline)
         if stop.is_set():
             return 0
+        endpoints = _endpoints(control_plane, children, router_url)
+        if prometheus is not None:
+            endpoints["prometheus"] = await _start_prometheus(prometheus, endpoints)
     except StartupFailed as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 1
-    endpoints = _write_endpoints(args.work_dir, control_plane, children, router_url)
+    _write_endpoints(args.work_dir, endpoints)
     _print_welcome(router_url, await _served_model(router_url), endpoints, args.work_dir)
     return await _supervise(children, stop)
 
@@ -248,6 +207,16 @@ async def _supervise(children: list[Child], stop: asyncio.Event) -> int:
         return 0
     finally:
         waiter.cancel()
+
+
+async def _start_prometheus(prometheus: LocalPrometheus, endpoints: dict[str, Any]) -> str:
+    try:
+        prometheus.write_targets(endpoints)
+        await asyncio.to_thread(prometheus.start)
+    except PrometheusError as exc:
+        raise StartupFailed(f"Prometheus: {exc}") from exc
+    print(f"pdserve up: Prometheus at {prometheus.url} (logs: {prometheus.log_path})", flush=True)
+    return prometheus.url
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
@@ -381,8 +350,8 @@ async def _still_starting(
     return True
 
 
-def _write_endpoints(
-    work_dir: Path, control_plane: ControlPlaneSettings, children: list[Child], router_url: str
+def _endpoints(
+    control_plane: ControlPlaneSettings, children: list[Child], router_url: str
 ) -> dict[str, Any]:
     metrics = {"router": f"{router_url}/metrics"}
     engines: dict[str, dict[str, Any]] = {}
@@ -398,18 +367,20 @@ def _write_endpoints(
             "grpc": announced.get("grpc"),
             "metrics": announced.get("metrics"),
         }
-    endpoints = {
+    return {
         "router": router_url,
         "redis": control_plane.redis.display_url,
         "namespace": control_plane.namespace,
         "metrics": metrics,
         "engines": engines,
     }
+
+
+def _write_endpoints(work_dir: Path, endpoints: dict[str, Any]) -> None:
     path = work_dir / "endpoints.json"
     temporary = path.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(endpoints, indent=2) + "\n")
     temporary.replace(path)
-    return endpoints
 
 
 async def _served_model(router_url: str) -> str:
@@ -425,6 +396,8 @@ def _print_welcome(router_url: str, model: str, endpoints: dict[str, Any], work_
     print(f"\npdserve up: ready. OpenAI-compatible endpoint: {router_url}/v1", flush=True)
     print(f"  model {model!r} on {len(endpoints['engines'])} engine(s)")
     print(f"  endpoints (router, every /metrics): {work_dir / 'endpoints.json'}")
+    if "prometheus" in endpoints:
+        print(f"  Prometheus (every /metrics, alert rules loaded): {endpoints['prometheus']}")
     print(
         f"  try:  curl -s {router_url}/v1/completions "
         f"-H 'Content-Type: application/json' -d '{request}'",

@@ -63,7 +63,7 @@ def dashboard_queries(dashboard: Mapping[str, Any]) -> list[DashboardQuery]:
     """
     title = str(dashboard.get("title", "?"))
     queries: list[DashboardQuery] = []
-    for panel in _panels(dashboard.get("panels", [])):
+    for panel in iter_panels(dashboard.get("panels", [])):
         for target in panel.get("targets", []):
             expr = target.get("expr")
             if expr:
@@ -74,19 +74,22 @@ def dashboard_queries(dashboard: Mapping[str, Any]) -> list[DashboardQuery]:
             continue
         query = variable.get("query")
         text = query.get("query", "") if isinstance(query, Mapping) else str(query or "")
-        selector = _label_values_selector(text)
+        selector = label_values_selector(text)
         if selector:
             queries.append(DashboardQuery(title, f"variable {variable.get('name')}", selector))
     return queries
 
 
-def _panels(panels: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+def iter_panels(panels: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    """Every panel, rows' nested panels included, in dashboard order."""
     for panel in panels:
         yield panel
-        yield from _panels(panel.get("panels", []))
+        yield from iter_panels(panel.get("panels", []))
 
 
-def _label_values_selector(text: str) -> str | None:
+def label_values_selector(text: str) -> str | None:
+    """The selector of a ``label_values(selector, label)`` variable query (``None`` for
+    ``label_values(label)``); :class:`PromQLError` for any other kind of query."""
     match = _LABEL_VALUES.match(text)
     if match is None:
         if text.strip():

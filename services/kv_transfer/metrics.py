@@ -168,6 +168,17 @@ class KVTransferMetrics:
     def observe_notification(self, pair: RankPair, outcome: str) -> None:
         self.notifications.labels(**pair.labels(), outcome=outcome).inc()
 
+    def declare_producer(self, producer_engine: EngineId, producer_rank: RankKey) -> None:
+        """Export the expired-lease series of a producer worker at 0 before its first expiry
+        (the usual one: no consumer ever read, ``consumer_engine="unknown"``), so that
+        ``increase()`` and the lease alert see the first expiry as a change, not as a new series
+        that starts at 1."""
+        self.expired_leases.labels(
+            producer_engine=producer_engine,
+            consumer_engine="unknown",
+            producer_rank=rank_label(producer_rank),
+        )
+
     def observe_expired(
         self, producer_engine: EngineId, producer_rank: RankKey, consumer_engine: EngineId | None
     ) -> None:

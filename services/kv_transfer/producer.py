@@ -53,6 +53,8 @@ class KVProducer:
         self.leases = ProducerLeases(
             transport.pool.allocator, default_lease_s=default_lease_s, clock=clock
         )
+        if metrics is not None:
+            metrics.declare_producer(transport.identity.engine_id, transport.identity.rank)
 
     def hold(
         self,

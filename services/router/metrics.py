@@ -28,6 +28,10 @@ _LATENCY_BUCKETS = (
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
+FALLBACK_REASONS = ("no_prefill_engine", "prefill_failed")
+"""Every ``reason`` of ``pdserve_router_fallbacks_total``."""
+
+
 class RouterMetrics:
     """``pdserve_router_*``; see docs/metrics.md for names and labels."""
 
@@ -55,6 +59,10 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        # Exported at 0 from the start: the first fallback is then an increase that rate(),
+        # increase() and the PdserveRouterFallbacks alert see (a series born at 1 is not).
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason=reason)
         self.prefill_retries = Counter(
             "pdserve_router_prefill_retries_total",
             "Prefill attempts that failed and were retried on another engine, by reason.",

@@ -54,7 +54,7 @@ from services.control_plane import (
     RedisControlPlane,
     StaleGenerationError,
 )
-from services.control_plane.wire import EngineLoad, EngineRole, EngineState
+from services.control_plane.wire import EngineLoad, EngineRole, EngineState, EngineStatus
 from services.decode.servicer import DecodeServicer, ProducerGate
 from services.engines.backend import EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
@@ -157,6 +157,7 @@ class EngineHost:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = EngineServiceMetrics(self.registry, engine_id, role.value)
         control_plane_metrics = ControlPlaneMetrics(self.registry)
+        self._control_plane_metrics = control_plane_metrics
         self.control_plane: ControlPlane = RedisControlPlane(
             settings.control_plane, control_plane_metrics
         )
@@ -554,6 +555,14 @@ class EngineHost:
             lost_generation,
         )
 
+    def _observe_readiness(self, status: EngineStatus | None) -> None:
+        """Count the READY latency here: the process that completed the grid (a rank process,
+        or vLLM's scheduler) exports nothing of the control plane's, the engine service does."""
+        if status is not None and status.ready_latency_ms >= 0:
+            self._control_plane_metrics.readiness_latency.labels(engine=self.engine_id).observe(
+                status.ready_latency_ms / 1000
+            )
+
     async def _wait_ready(self, generation: int) -> None:
         deadline = time.monotonic() + self.settings.ready_timeout_s
         while True:
@@ -574,6 +583,7 @@ class EngineHost:
                 for pp_rank, tp_rank in aggregation.records:
                     self.metrics.rank_published(pp_rank, tp_rank)
             if view.state is EngineState.READY:
+                self._observe_readiness(view.status)
                 return
             if view.state is EngineState.INVALID:
                 problems = "; ".join(view.status.problems if view.status else ()) or "unknown"

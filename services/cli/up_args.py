@@ -1,0 +1,82 @@
+"""The command line of ``pdserve up`` (see :mod:`services.cli.up` for what it does)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+TINY_MODEL_DIR = "tiny-model"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path(".run"), help="where run-time files go"
+    )
+    parser.add_argument(
+        "--redis-port", type=int, default=None, help="port of the embedded Redis (default: free)"
+    )
+    parser.add_argument(
+        "--exit-after", type=float, default=None, help="stop after this many seconds (tests)"
+    )
+    parser.add_argument(
+        "--no-engines",
+        action="store_true",
+        help="start the control plane and the readiness display only",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"model folder (default: the tiny checkpoint, made in WORK_DIR/{TINY_MODEL_DIR})",
+    )
+    parser.add_argument(
+        "--engine", default="reference", help="engine backend: reference (CPU), vllm or stub"
+    )
+    parser.add_argument("--prefill-pp", type=int, default=1, help="prefill engines' PP size")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill engines' TP size")
+    parser.add_argument("--decode-pp", type=int, default=1, help="decode engines' PP size")
+    parser.add_argument("--decode-tp", type=int, default=1, help="decode engines' TP size")
+    parser.add_argument("--prefill-replicas", type=int, default=1, help="prefill engines")
+    parser.add_argument("--decode-replicas", type=int, default=1, help="decode engines")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no disaggregation: decode engines serve whole requests (for comparison)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
+    parser.add_argument("--port", type=int, default=8000, help="router port (0: a free one)")
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for pdserve router (repeatable)",
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="engines' KV block size")
+    parser.add_argument(
+        "--dtype", default=None, help="engines' dtype (float32, bfloat16...; default: engine's)"
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every pdserve prefill/decode (repeatable)",
+    )
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also run a local Prometheus scraping every process, with the alert rules",
+    )
+    parser.add_argument(
+        "--prometheus-scrape-interval-s", type=float, default=2.0, help="its scrape interval"
+    )
+    parser.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=600.0,
+        help="bound of the start-up (model loading included)",
+    )
+    parser.add_argument(
+        "--stop-timeout-s", type=float, default=30.0, help="bound of each child's clean stop"
+    )

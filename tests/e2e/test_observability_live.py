@@ -1,0 +1,251 @@
+"""Every dashboard panel shows data from a real Prometheus scraping a running ``pdserve up``.
+
+One stack per engine backend (``ENGINES``; the vLLM engine joins once its end-to-end path runs
+here): ``pdserve up --prometheus`` with prefill PP=2 and decode TP=2, a 1 s scrape interval and
+a short KV lease. The test then makes every panel have something to show:
+
+1. traffic through the router (completions and a streamed chat), all disaggregated;
+2. a KV lease expiry: a prefill asked of prefill-0 directly over gRPC whose KV no decode engine
+   ever reads (the lease is ``LEASE_S``);
+3. a forced fallback: prefill-0's ranks stopped (SIGSTOP) longer than the router's prefill
+   deadline, so one request runs locally on the decode engine (``prefill_failed``), then
+   resumed;
+4. more traffic, and a wait until Prometheus has scraped the fallback and the expiry.
+
+Then every panel of both dashboards is evaluated through Prometheus's HTTP API over the test's
+time range with Grafana's variables substituted (services/devtools/panels.py); every panel not
+listed in ``EXPECTED_EMPTY`` (with why) must come back non-empty, the failure panels must show a
+non-zero value, and the fallback and lease-expiry alerts must fire. Prometheus is stopped with
+the stack (its port answers no more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from services.devtools.panels import PanelResult, PrometheusAPI, evaluate_dashboard
+from services.engines.backend import SamplingParams
+from services.observability.local_prometheus import find_binary
+from services.serving.client import EngineClient
+from tests.deploy.chart import DASHBOARDS
+from tests.e2e.faults.probes import metric, rank_pids, wait_until
+from tests.e2e.up_system import UpSystem
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ENGINES = ["reference"]
+"""Engine backends the stack runs (``pdserve up --engine``)."""
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+SCRAPE_INTERVAL_S = 1.0
+GRAFANA_SCRAPE_INTERVAL_S = 5.0
+"""The data source's "scrape interval" Grafana derives ``$__rate_interval`` from (4 x this). Set
+above the real 1 s: a loaded 2-core machine answers some scrapes after their 1 s timeout, and a
+4 s rate window with one sample in it is empty (Grafana's own default is 15 s)."""
+STEP_S = 2.0
+LEASE_S = 10.0
+"""Prefill engines' KV lease: long enough for every routed hand-off on a loaded machine."""
+PREFILL_TIMEOUT_S = 4.0
+"""The router's prefill deadline: the stopped prefill trips it, and the request runs locally."""
+
+EXPECTED_EMPTY = {
+    "Recomputes after a failed pull": "no KV read fails (the recompute policy is not in use)",
+    "Failed KV transfers by reason": "no KV read fails in this run",
+    "Requests aborted by a drain": "no engine drains while serving",
+}
+"""Panels this traffic does not light up, and why; every other panel must show data."""
+
+MUST_MOVE = {
+    "Router fallbacks and prefill retries": "the forced fallback",
+    "Expired KV leases": "the KV lease left to expire",
+}
+"""Failure panels whose largest value must be above 0, not only present."""
+
+FIRING = {"PdserveRouterFallbacks", "PdserveKVLeasesExpiring"}
+
+
+@dataclass
+class Observed:
+    engine: str
+    up: UpSystem
+    prometheus: str
+    started_at: float
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def observed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Observed]:
+    find_binary("prometheus")  # PrometheusError says how to install it
+    engine = str(request.param)
+    started_at = time.time()
+    up = UpSystem(
+        tmp_path_factory.mktemp(f"observed-{engine}"),
+        "--engine",
+        engine,
+        "--prefill-pp",
+        "2",
+        "--decode-tp",
+        "2",
+        "--prometheus",
+        "--prometheus-scrape-interval-s",
+        str(SCRAPE_INTERVAL_S),
+        f"--engine-arg=--kv-lease-s={LEASE_S}",
+        scrub_env=True,
+        env={
+            "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
+            # Repeated prompts stay disaggregated (no local run for cached blocks).
+            "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",
+        },
+    )
+    try:
+        up.wait_ready(timeout_s=START_TIMEOUT_S)
+        prometheus = up.endpoints.get("prometheus")
+        assert isinstance(prometheus, str), f"no prometheus in endpoints.json: {up.endpoints}"
+        yield Observed(engine, up, prometheus, started_at)
+    finally:
+        up.stop()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{prometheus}/-/ready", timeout=5)
+
+
+def completion(client: httpx.Client, router: str, model: str, prompt: str) -> httpx.Response:
+    return client.post(
+        f"{router}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0},
+    )
+
+
+def send_traffic(
+    client: httpx.Client, router: str, model: str, rounds: int, *, disaggregated: bool
+) -> None:
+    """``rounds`` completions and one streamed chat; ``disaggregated``: each must have been."""
+    for index in range(rounds):
+        reply = completion(client, router, model, f"Request {index}: the capital of France is")
+        assert reply.status_code == 200, reply.text
+        if disaggregated:
+            assert reply.headers["x-pdserve-execution-path"] == "disaggregated", reply.headers
+    with client.stream(
+        "POST",
+        f"{router}/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "Count to three."}],
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as stream:
+        assert stream.status_code == 200
+        body = "".join(stream.iter_text())
+    assert body.rstrip().endswith("data: [DONE]"), body[-200:]
+
+
+async def hold_a_prefill(grpc_target: str) -> None:
+    """A prefill whose KV nobody reads: its lease expires after ``LEASE_S``."""
+    client = EngineClient(grpc_target)
+    try:
+        held = await client.prefill(
+            "left-to-expire", tuple(range(10, 60)), SamplingParams(max_tokens=4), timeout_s=60
+        )
+    finally:
+        await client.close()
+    assert held.kv_handle is not None
+
+
+def force_fallback(client: httpx.Client, router: str, model: str, prefill_pid: int) -> None:
+    """Stop prefill-0's ranks past the router's prefill deadline for one request."""
+    ranks = rank_pids(prefill_pid)
+    assert len(ranks) == 2, f"prefill PP=2 has two rank processes, got {ranks}"
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        reply = completion(client, router, model, "While prefill is stopped, one, two, three,")
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-pdserve-execution-path"] == "local", reply.headers
+
+
+def firing(api: PrometheusAPI) -> set[str]:
+    return {str(a["labels"]["alertname"]) for a in api.alerts() if a["state"] == "firing"}
+
+
+def prometheus_value(api: PrometheusAPI, expr: str) -> float:
+    return sum(float(sample["value"][1]) for sample in api.query(expr))
+
+
+def describe(results: list[PanelResult]) -> str:
+    return "\n".join(
+        f"  {r.dashboard} | {r.title}: {'EMPTY' if r.empty else r.series} <- {r.queries[0]}"
+        for r in results
+    )
+
+
+@pytest.mark.timeout(600)
+def test_every_dashboard_panel_shows_data_and_failure_alerts_fire(
+    observed: Observed,
+) -> None:
+    up, endpoints = observed.up, observed.up.endpoints
+    router = str(endpoints["router"])
+    prefill = endpoints["engines"]["prefill-0"]
+    api = PrometheusAPI(observed.prometheus)
+    try:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            model = client.get(f"{router}/v1/models").json()["data"][0]["id"]
+            send_traffic(client, router, model, rounds=6, disaggregated=True)
+            asyncio.run(hold_a_prefill(str(prefill["grpc"])))
+            force_fallback(client, router, model, int(prefill["pid"]))
+            # The router may keep prefill-0 out for a moment after its timeout: any path will do.
+            send_traffic(client, router, model, rounds=4, disaggregated=False)
+        wait_until(
+            lambda: metric(str(prefill["metrics"]), "pdserve_kv_transfer_expired_leases_total") > 0,
+            LEASE_S + 60,
+            "prefill-0 counts the expired KV lease",
+        )
+        # Scraped and evaluated by the rules: both alerts fire.
+        wait_until(
+            lambda: firing(api) >= FIRING,
+            60,
+            f"alerts {sorted(FIRING)} firing (log: {up.work_dir}/prometheus/prometheus.log)",
+        )
+        assert prometheus_value(api, "sum(pdserve_router_fallbacks_total)") >= 1
+        # The alerts fire on the scrape that saw the expiry: let the panels' last steps cover it.
+        time.sleep(2 * STEP_S + SCRAPE_INTERVAL_S)
+        results: list[PanelResult] = []
+        offered: dict[str, list[str]] = {}
+        end = time.time()
+        for path in DASHBOARDS:
+            panels, variables = evaluate_dashboard(
+                json.loads(path.read_text()),
+                api,
+                start=observed.started_at,
+                end=end,
+                step_s=STEP_S,
+                scrape_interval_s=GRAFANA_SCRAPE_INTERVAL_S,
+            )
+            results += panels
+            offered |= {f"{path.name}: ${name}": values for name, values in variables.items()}
+    finally:
+        api.close()
+
+    assert all(offered.values()), f"template variables with no values: {offered}"
+    stale = set(EXPECTED_EMPTY) - {r.title for r in results}
+    assert not stale, f"EXPECTED_EMPTY names panels no dashboard has: {stale}"
+    empty = [r for r in results if r.empty and r.title not in EXPECTED_EMPTY]
+    assert not empty, (
+        f"{observed.engine}: panels with no data (of {len(results)}):\n{describe(empty)}"
+    )
+    flat = [r for r in results if r.title in MUST_MOVE and not r.max_value > 0]
+    assert not flat, f"failure panels that never went above 0:\n{describe(flat)}"
+    assert {r.title for r in results} >= set(MUST_MOVE)
