@@ -54,7 +54,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from services.control_plane.base import EngineView
 from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import EngineId, EngineRole
-from services.engines.vllm.contracts import FinishedOnce, decide_model_runner
+from services.engines.vllm.contracts import FinishedOnce, clip_to_producer, decide_model_runner
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     ControlPlaneBridge,
@@ -192,22 +192,6 @@ def model_geometry(vllm_config: VllmConfig) -> ModelGeometry:
             parse_layer_partition(envs.VLLM_PP_LAYER_PARTITION),
         ),
     )
-
-
-def clip_to_producer(local: Any, producer: Any) -> Any:
-    """The consumer's block ids per KV group cut to the producer's count in that group (see
-    :meth:`_PushScheduler.update_state_after_alloc`); a flat list is one group."""
-    grouped = bool(local) and isinstance(local[0], (list, tuple))
-    local_groups = local if grouped else [local]
-    producer_groups = (
-        producer if producer and isinstance(producer[0], (list, tuple)) else [producer]
-    )
-    clipped = [
-        list(group)[: len(theirs)]
-        for group, theirs in zip(local_groups, producer_groups, strict=False)
-    ]
-    clipped.extend(list(group) for group in local_groups[len(clipped) :])
-    return type(local)(clipped) if grouped else clipped[0]
 
 
 def rank_transfer_info(payload: NixlHandshakePayload) -> RankTransferInfo:

@@ -22,6 +22,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +106,23 @@ def decide_model_runner(
         f"KV connector {kv_connector} ({kv_role}) active with speculative decoding: V1 runner, "
         "which finalizes KV saves after the drafter",
     )
+
+
+def clip_to_producer(local: Any, producer: Any) -> Any:
+    """The consumer's block ids per KV group cut to the producer's count in that group.
+
+    A push registration must name no more blocks than the producer computed: pdserve's decode
+    request is the prompt plus the first token, one block more when the prompt fills its last
+    block (``_connector_impl._PushScheduler.update_state_after_alloc``). A flat list is one
+    group."""
+    grouped = bool(local) and isinstance(local[0], (list, tuple))
+    local_groups = local if grouped else [local]
+    producer_groups = (
+        producer if producer and isinstance(producer[0], (list, tuple)) else [producer]
+    )
+    clipped = [
+        list(group)[: len(theirs)]
+        for group, theirs in zip(local_groups, producer_groups, strict=False)
+    ]
+    clipped.extend(list(group) for group in local_groups[len(clipped) :])
+    return type(local)(clipped) if grouped else clipped[0]

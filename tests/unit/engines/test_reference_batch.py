@@ -60,9 +60,9 @@ def test_allocated_cache_is_hnd_with_each_blocks_head_slice_contiguous(tiny_llam
     cache = PagedKVCache.allocate(config, geometry, num_blocks=6, block_size=4)
 
     assert cache.num_layers == 3
-    assert (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim) == (6, 1, 4, 16)
+    assert (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim) == (6, 1, 4, 64)
     for tensor in (*cache.keys, *cache.values):
-        assert tensor.shape == (6, 1, 4, 16)
+        assert tensor.shape == (6, 1, 4, 64)
         assert tensor.is_contiguous()
         assert tensor[3].is_contiguous()
 

@@ -119,7 +119,8 @@ def test_llama3_rope_frequencies_match_transformers(tiny_llama):
 
     torch.testing.assert_close(ours, expected.to(torch.float32))
     # The tiny model's settings put frequencies in all three bands (kept, smoothed, scaled).
-    plain = 1.0 / (config.rope_theta ** (torch.arange(0, 16, 2).float() / 16))
+    dim = config.head_dim
+    plain = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
     ratio = plain / ours
     assert ratio.min() == pytest.approx(1.0)
     assert ratio.max() == pytest.approx(8.0)

@@ -71,12 +71,13 @@ def test_shard_loads_only_its_rows_and_columns(tiny_llama):
     full = dict(whole.named_parameters())
     part = dict(rank1.named_parameters())
     # Global layer 5 is local layer 1 of the [4, 7) stage; rank 1 of 2 holds the second half
-    # of the query heads (rows 32:64), KV head 1 (rows 16:32) and MLP columns 64:128.
+    # of the query heads (rows 128:256 at head_dim 64), KV head 1 (rows 64:128) and MLP
+    # columns 64:128.
     for local_name, rows, cols in [
-        ("self_attn.q_proj.weight", slice(32, 64), slice(None)),
-        ("self_attn.k_proj.weight", slice(16, 32), slice(None)),
-        ("self_attn.v_proj.weight", slice(16, 32), slice(None)),
-        ("self_attn.o_proj.weight", slice(None), slice(32, 64)),
+        ("self_attn.q_proj.weight", slice(128, 256), slice(None)),
+        ("self_attn.k_proj.weight", slice(64, 128), slice(None)),
+        ("self_attn.v_proj.weight", slice(64, 128), slice(None)),
+        ("self_attn.o_proj.weight", slice(None), slice(128, 256)),
         ("mlp.gate_proj.weight", slice(64, 128), slice(None)),
         ("mlp.down_proj.weight", slice(None), slice(64, 128)),
         ("input_layernorm.weight", slice(None), None),

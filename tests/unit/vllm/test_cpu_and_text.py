@@ -1,0 +1,103 @@
+"""The vLLM backend's pure helpers: CPU thread binding, the push-registration clip, the
+detokenizer priming after a first token that ends mid-character, and the transfer exporter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.vllm.contracts import clip_to_producer
+from services.engines.vllm.detokenizer import PrimedDecodeStream
+from services.engines.vllm.platform import THREADS_BIND_ENV, cpu_environment, cpu_thread_binding
+from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.kv_transfer.metrics import KVTransferMetrics
+
+
+def test_thread_binding_splits_cores_or_shares_them_round_robin() -> None:
+    assert cpu_thread_binding(1, [0, 1]) == "0,1"
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
+    assert cpu_thread_binding(3, [0, 1]) == "0|1|0"
+    with pytest.raises(ValueError, match="world_size"):
+        cpu_thread_binding(0, [0])
+
+
+def test_an_operators_binding_wins() -> None:
+    assert cpu_environment(2, {THREADS_BIND_ENV: "nobind"}) == {}
+    assert THREADS_BIND_ENV in cpu_environment(2, {})
+
+
+def test_push_registration_is_clipped_to_the_producers_blocks() -> None:
+    # A 33-token decode prompt at block size 32: two consumer blocks, one producer block.
+    assert clip_to_producer(([7, 8],), [[1]]) == ([7],)
+    assert clip_to_producer([7, 8], [1]) == [7]
+    assert clip_to_producer(([7, 8], [9, 10]), [[1, 2], [3]]) == ([7, 8], [9])
+    assert clip_to_producer(([7],), [[1]]) == ([7],)  # nothing to cut
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    model = make_tiny_model(tmp_path_factory.mktemp("tok") / "m")
+    return Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+
+
+def test_a_prompt_ending_mid_character_does_not_leak_into_the_text(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("The quick brown fox jumps").ids
+    partial = next(
+        t for t in range(tokenizer.get_vocab_size()) if "\ufffd" in tokenizer.decode([t])
+    )
+    following = tokenizer.encode(" gives").ids[-1]
+    # What tokenizers' native priming returns (the bug), and the text after the prompt.
+    native = DecodeStream(ids=[*prompt, partial], skip_special_tokens=True)
+    assert "quick brown" in (native.step(tokenizer, following) or "")
+    expected = tokenizer.decode([*prompt, partial, following])[len(tokenizer.decode(prompt)) :]
+    primed = PrimedDecodeStream(ids=[*prompt, partial], skip_special_tokens=True)
+    text = primed.step(tokenizer, following) or ""
+    assert "quick brown" not in text
+    assert expected.endswith(text) and text
+
+
+def test_a_complete_prompt_keeps_the_native_priming(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Hello, world! How are you").ids
+    nxt = tokenizer.encode(" today").ids[-1]
+    native = DecodeStream(ids=prompt, skip_special_tokens=True).step(tokenizer, nxt)
+    assert PrimedDecodeStream(ids=prompt, skip_special_tokens=True).step(tokenizer, nxt) == native
+
+
+def test_vllm_stats_become_pdserve_transfer_series() -> None:
+    registry = CollectorRegistry()
+    exporter = VllmTransferExporter(KVTransferMetrics(registry), "prefill-0", producer=True)
+    exporter.record(None)
+    exporter.record(
+        {
+            "transfer_duration": [0.002, 0.004],
+            "bytes_transferred": [1024, 2048],
+            "num_descriptors": [7, 7],
+            "num_failed_transfers": [1],
+            "num_kv_expired_reqs": [1, 1],
+        }
+    )
+    pair = {
+        "producer_engine": "prefill-0",
+        "consumer_engine": "unknown",
+        "producer_rank": "all",
+        "consumer_rank": "all",
+    }
+    value = registry.get_sample_value
+    assert value("pdserve_kv_transfer_latency_seconds_count", pair) == 2
+    assert value("pdserve_kv_transfer_bytes_total", pair) == 3072
+    assert (
+        value("pdserve_kv_transfer_failures_total", {**pair, "reason": "vllm_transfer_failed"}) == 1
+    )
+    expired = {"producer_engine": "prefill-0", "consumer_engine": "unknown", "producer_rank": "all"}
+    assert value("pdserve_kv_transfer_expired_leases_total", expired) == 2
+    assert exporter.transfers == 2
+    consumer = VllmTransferExporter(
+        KVTransferMetrics(CollectorRegistry()), "decode-0", producer=False
+    )
+    assert consumer._pair()["consumer_engine"] == "decode-0"
