@@ -159,7 +159,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
             )
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     request = _generation_request(
-        "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
+        "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival, body.stream
     )
     return await _serve(runtime, http, COMPLETIONS, request, body.stream, _include_usage(body))
 
@@ -177,7 +177,7 @@ async def chat_completions(
         body.max_completion_tokens or body.max_tokens or runtime.settings.default_max_tokens
     )
     request = _generation_request(
-        "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
+        "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival, body.stream
     )
     return await _serve(runtime, http, CHAT, request, body.stream, _include_usage(body))
 
@@ -237,7 +237,12 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
 
 
 def _generation_request(
-    prefix: str, model: str, token_ids: list[int], sampling: SamplingParams, arrival_s: float
+    prefix: str,
+    model: str,
+    token_ids: list[int],
+    sampling: SamplingParams,
+    arrival_s: float,
+    stream: bool,
 ) -> GenerationRequest:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -247,6 +252,7 @@ def _generation_request(
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
         arrival_s=arrival_s,
+        stream=stream,
     )
 
 

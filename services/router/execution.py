@@ -51,6 +51,12 @@ from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 logger = logging.getLogger(__name__)
 
+COALESCE_FRACTION = 0.25
+"""A non-streamed request's decode engine holds steps for at most this fraction of the idle
+bound (``DecodeRequest.coalesce_s`` in decode.proto), so a live engine still answers well
+within it and a stalled one still trips it. Fewer messages per request: each costs the router
+a gRPC read."""
+
 BACKSTOP_GRACE_S = 5.0
 """The gRPC deadline of an engine call is the router's own bound plus this, so the router's
 timer trips first (and names the bound) while the engine still learns its deadline."""
@@ -66,6 +72,9 @@ class GenerationRequest:
     sampling: SamplingParams
     arrival_s: float
     """``time.perf_counter()`` when the HTTP request arrived."""
+    stream: bool = True
+    """Whether the client receives tokens as they come. A request that is not streamed asks
+    the decode engine to coalesce the steps after its first (see :data:`COALESCE_FRACTION`)."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +292,12 @@ class Executor:
         started = time.perf_counter()
         whole_s = self._settings.decode_timeout_s
         idle_s = self._settings.decode_idle_timeout_s
-        stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
+        coalescing = not request.stream
+        stream = slot.connector.decode(
+            decode_request,
+            timeout_s=whole_s + BACKSTOP_GRACE_S,
+            coalesce_s=idle_s * COALESCE_FRACTION if coalescing else None,
+        )
         first = True
         previous = started
         try:
@@ -315,7 +329,7 @@ class Executor:
                 if first:
                     self._observe_first_delta(request, prefilled, delta, now - started, info)
                     first = False
-                else:
+                elif not coalescing:  # a coalesced message's gap is not one token's
                     self._metrics.itl.observe(now - previous)
                 previous = now
                 if delta.finish_reason is FinishReason.ERROR:

@@ -95,7 +95,8 @@ class RouterMetrics:
         )
         self.itl = Histogram(
             "pdserve_router_itl_seconds",
-            "Time between two streamed token deltas of one request.",
+            "Time between two token deltas of one request (a non-streamed request: only the "
+            "prefill's token to the decode engine's first; its later steps come coalesced).",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

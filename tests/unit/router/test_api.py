@@ -14,6 +14,7 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
+from services.router.execution import COALESCE_FRACTION
 from services.router.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view
@@ -59,6 +60,17 @@ async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, fac
     assert (
         sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
     )
+
+
+async def test_only_a_non_streamed_request_asks_the_decode_engine_to_coalesce(client, factory, rt):
+    await client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    stream = await client.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=4, stream=True
+    )
+    text = "".join([chunk.choices[0].text async for chunk in stream])
+    assert text == " w0 w1 w2 w3"
+    idle_s = rt.settings.decode_idle_timeout_s
+    assert factory.engines["d1"].coalesce == [idle_s * COALESCE_FRACTION, None]
 
 
 async def test_chat_stream_with_usage_ends_with_done(rt):
