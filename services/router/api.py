@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.engines.backend import FinishReason, SamplingParams
 from services.engines.errors import InvalidRequest, TokenizerError
+from services.router.direct_route import DirectRoute
 from services.router.errors import (
     AuthenticationError,
     EngineRequestFailed,
@@ -90,7 +91,14 @@ async def require_api_key(request: Request, runtime: Runtime) -> None:
         raise AuthenticationError("invalid API key")
 
 
+class _GenerationRoute(DirectRoute):
+    key_check = require_api_key
+
+
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+generation = APIRouter(prefix="/v1", route_class=_GenerationRoute)
+"""The two generation endpoints: :class:`DirectRoute` runs the key check and the body
+validation itself (no per-request dependency solving); their signatures document them."""
 ops = APIRouter()
 
 
@@ -141,7 +149,7 @@ CHAT = _Output(
 )
 
 
-@v1.post("/completions")
+@generation.post("/completions")
 async def completions(body: CompletionRequest, runtime: Runtime, http: Request) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
@@ -164,7 +172,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
     return await _serve(runtime, http, COMPLETIONS, request, body.stream, _include_usage(body))
 
 
-@v1.post("/chat/completions")
+@generation.post("/chat/completions")
 async def chat_completions(
     body: ChatCompletionRequest, runtime: Runtime, http: Request
 ) -> Response:
@@ -528,7 +536,7 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
         return InvalidRequestError(
             f"unsupported parameter {param!r}", param=param, code="unsupported_parameter"
         )
-    if kind in ("json_invalid", "model_attributes_type", "dict_type"):
+    if kind in ("json_invalid", "model_attributes_type", "model_type", "dict_type"):
         return InvalidRequestError(
             f"the body must be a JSON object: {first.get('msg', '')}", code="invalid_json"
         )

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
-from services.router.api import install_error_handlers, ops, v1
+from services.router.api import generation, install_error_handlers, ops, v1
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, GrpcConnectorFactory
 from services.router.metrics import RouterMetrics
@@ -82,6 +82,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    app.include_router(generation)
     app.include_router(v1)
     app.include_router(ops)
     install_error_handlers(app)
