@@ -17,9 +17,10 @@ Figures, per system:
   CPU per request is reported beside it (``stub_cpu_ms_per_request``) so unequal stub work
   shows;
 - ``added_latency_ms``: p50/p99 of requests through the router, one at a time, minus the p50
-  of the **same client** calling an instant HTTP server directly (``baseline_latency_ms``,
-  one number for both systems): what a client pays for routing over talking to an engine that
-  costs nothing, the router's two engine calls included;
+  of the **same client** calling the same instant HTTP server directly
+  (``baseline_latency_ms``, measured right before, so both see the same machine): what a
+  client pays for routing over talking to an engine that costs nothing, the router's two
+  engine calls and the stubs' answers included;
 - ``load``: for each concurrency, a closed loop of that many keep-alive connections for
   ``--duration-s``: requests/s, p50/p99, errors, and the cores the router used;
   ``max_sustained_rps`` is the best rate at a concurrency with no error.
@@ -271,14 +272,19 @@ async def _load(
 
 async def _measure(
     target: Target,
-    baseline_p50_ms: float,
+    instant: Target,
     args: argparse.Namespace,
     placement: Placement,
     log_dir: Path,
 ) -> dict[str, Any]:
+    """The baseline (the same client, one at a time, against the instant server) right before
+    the same through the router, so both see the same machine; then the load levels."""
+    direct = await _load(instant, 1, args.latency_s, args, placement, log_dir)
+    baseline = direct.pop("_latencies_us")
+    (baseline_p50_us,) = percentiles(baseline, (50,))
     one = await _load(target, 1, args.latency_s, args, placement, log_dir)
     routed = one.pop("_latencies_us")
-    added = [int(sample - baseline_p50_ms * 1e3) for sample in routed]
+    added = [int(sample - baseline_p50_us) for sample in routed]
     load = []
     for level in args.concurrency.split(","):
         if level.strip():
@@ -288,6 +294,7 @@ async def _measure(
     clean = [entry for entry in load if entry["errors"] == 0]
     best = max(clean, key=lambda entry: entry["requests_per_s"]) if clean else None
     return {
+        "baseline_latency_ms": _percentiles_us(baseline),
         "router_latency_ms": _percentiles_us(routed),
         "added_latency_ms": _percentiles_us(added),
         "router_cpu_ms_per_request": best["router_cpu_ms_per_request"] if best else None,
@@ -299,11 +306,9 @@ async def _measure(
     }
 
 
-async def _load_generator_figures(
-    args: argparse.Namespace, placement: Placement, log_dir: Path
-) -> dict[str, Any]:
-    """The client against an instant server: the baseline latency (one at a time) and the load
-    generator's ceiling (the highest concurrency)."""
+async def _start_instant(placement: Placement, log_dir: Path) -> tuple[Service, Target]:
+    """The instant HTTP server of the baselines and of the load generator's ceiling, on the
+    router's core (where a router under test would be)."""
     port = free_port()
     server = await start(
         "instant",
@@ -311,18 +316,21 @@ async def _load_generator_figures(
         log_dir,
         cores=placement.router,
     )
-    try:
-        await _wait_http(f"http://127.0.0.1:{port}/v1/completions", "POST", {})
-        target = Target(f"http://127.0.0.1:{port}/v1/completions", router=[server])
-        one = await _load(target, 1, args.latency_s, args, placement, log_dir)
-        top = max(int(level) for level in args.concurrency.split(",") if level.strip())
-        ceiling = await _load(target, top, args.duration_s, args, placement, log_dir)
-    finally:
-        await server.stop()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    await _wait_http(url, "POST", {}, service=server)
+    return server, Target(url, router=[server])
+
+
+async def _load_generator_figures(
+    instant: Target, args: argparse.Namespace, placement: Placement, log_dir: Path
+) -> dict[str, Any]:
+    """The load generator against the instant server at the highest concurrency: its
+    ceiling and its own CPU per request."""
+    top = max(int(level) for level in args.concurrency.split(",") if level.strip())
+    ceiling = await _load(instant, top, args.duration_s, args, placement, log_dir)
     return {
         "kind": "services.bench.loadgen (raw HTTP/1.1 keep-alive, asyncio)",
         "processes": args.load_processes,
-        "baseline_latency_ms": _percentiles_us(one["_latencies_us"]),
         "ceiling": {
             "concurrency": top,
             "requests_per_s": ceiling["requests_per_s"],
@@ -333,16 +341,27 @@ async def _load_generator_figures(
     }
 
 
-async def _wait_http(url: str, method: str = "GET", body: Any = None) -> None:
+async def _wait_http(
+    url: str, method: str = "GET", body: Any = None, *, service: Service | None = None
+) -> None:
+    """Until ``url`` answers 200; fails at once, with the end of its log, if ``service``
+    exits first."""
     deadline = time.monotonic() + START_TIMEOUT_S
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
+            if service is not None and service.process.returncode is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with status {service.process.returncode} before "
+                    f"{url} answered; the end of its stderr ({service.log_path}):\n"
+                    f"{service.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 response = await client.request(method, url, json=body)
                 if response.status_code == 200:
                     return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S}s")
+    tail = f"; the end of its stderr:\n{service.log_tail()}" if service is not None else ""
+    raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S}s{tail}")
 
 
 # -- the two systems ------------------------------------------------------------------------------
@@ -351,7 +370,7 @@ async def _wait_http(url: str, method: str = "GET", body: Any = None) -> None:
 async def _bench_pdserve(
     args: argparse.Namespace,
     settings: ControlPlaneSettings,
-    baseline_p50_ms: float,
+    instant: Target,
     placement: Placement,
     log_dir: Path,
 ) -> dict[str, Any]:
@@ -376,9 +395,9 @@ async def _bench_pdserve(
         services.append(router)
         assert router.announced is not None
         url = str(router.announced["url"])
-        await _wait_http(f"{url}/health")
+        await _wait_http(f"{url}/health", service=router)
         target = Target(f"{url}/v1/completions", router=[router], stubs=services[:2])
-        return await _measure(target, baseline_p50_ms, args, placement, log_dir)
+        return await _measure(target, instant, args, placement, log_dir)
     finally:
         for service in reversed(services):
             await service.stop()
@@ -393,7 +412,7 @@ def _vllm_router_binary() -> str | None:
 async def _bench_vllm_router(
     args: argparse.Namespace,
     binary: str,
-    baseline_p50_ms: float,
+    instant: Target,
     placement: Placement,
     log_dir: Path,
 ) -> dict[str, Any]:
@@ -406,8 +425,8 @@ async def _bench_vllm_router(
                 str(ports[role]),
             ]  # fmt: skip
             services.append(await start(f"stub-{role}", argv, log_dir, cores=placement.others))
-        for role in ("prefill", "decode"):
-            await _wait_http(f"http://127.0.0.1:{ports[role]}/health")
+        for role, stub in zip(("prefill", "decode"), services, strict=True):
+            await _wait_http(f"http://127.0.0.1:{ports[role]}/health", service=stub)
         router_argv = [
             binary, "--vllm-pd-disaggregation",
             "--prefill", f"http://127.0.0.1:{ports['prefill']}",
@@ -418,9 +437,9 @@ async def _bench_vllm_router(
         router = await start("vllm-router", router_argv, log_dir, cores=placement.router)
         services.append(router)
         url = f"http://127.0.0.1:{ports['router']}"
-        await _wait_http(f"{url}/v1/completions", "POST", json.loads(BODY))
+        await _wait_http(f"{url}/v1/completions", "POST", json.loads(BODY), service=router)
         target = Target(f"{url}/v1/completions", router=[router], stubs=services[:2])
-        return await _measure(target, baseline_p50_ms, args, placement, log_dir)
+        return await _measure(target, instant, args, placement, log_dir)
     finally:
         for service in reversed(services):
             await service.stop()
@@ -432,20 +451,23 @@ async def _run(
     router_cores, other_cores = core_split()
     placement = Placement(None, None) if args.no_pin else Placement(router_cores, other_cores)
     load_before = load_average()
-    generator = await _load_generator_figures(args, placement, log_dir)
-    baseline_p50 = generator["baseline_latency_ms"]["p50_ms"]
-    pdserve = await _bench_pdserve(args, settings, baseline_p50, placement, log_dir)
-    binary = _vllm_router_binary()
-    reference: dict[str, Any]
-    if args.skip_vllm_router:
-        reference = {"skipped": True}
-    elif binary is None:
-        reference = {
-            "error": f"vllm-router is not installed: pip install '{VLLM_ROUTER_REQUIREMENT}' "
-            "(the project's dev extra installs it; `make test` sets it up)"
-        }
-    else:
-        reference = await _bench_vllm_router(args, binary, baseline_p50, placement, log_dir)
+    server, instant = await _start_instant(placement, log_dir)
+    try:
+        generator = await _load_generator_figures(instant, args, placement, log_dir)
+        pdserve = await _bench_pdserve(args, settings, instant, placement, log_dir)
+        binary = _vllm_router_binary()
+        reference: dict[str, Any]
+        if args.skip_vllm_router:
+            reference = {"skipped": True}
+        elif binary is None:
+            reference = {
+                "error": f"vllm-router is not installed: pip install '{VLLM_ROUTER_REQUIREMENT}' "
+                "(the project's dev extra installs it; `make test` sets it up)"
+            }
+        else:
+            reference = await _bench_vllm_router(args, binary, instant, placement, log_dir)
+    finally:
+        await server.stop()
     return {
         "benchmark": "router",
         "machine": {
@@ -457,7 +479,6 @@ async def _run(
         },
         "request": {"endpoint": "/v1/completions", "max_tokens": MAX_TOKENS, "stream": False},
         "load_generator": generator,
-        "baseline_latency_ms": generator["baseline_latency_ms"],
         "pdserve": pdserve,
         "vllm_router": reference,
         **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
