@@ -64,14 +64,20 @@ def load_average() -> list[float]:
     return list(os.getloadavg())
 
 
-def core_split() -> tuple[set[int], set[int]]:
+PIN_MIN_CORES = 4
+"""Pinning by default needs this many cores: with fewer, the stubs and the load generator
+crowded onto what the router leaves wait on anything else the machine runs (on a shared
+2-core machine pinning tripled the sequential latency of both systems)."""
+
+
+def core_split(cores: int | None = None) -> tuple[set[int], set[int]] | None:
     """``(router cores, everything else's cores)``: the first allowed core for the router under
-    test and the rest for the load generator and the stub engines, when there are two or more;
-    otherwise everything shares the one core."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return set(cores), set(cores)
-    return {cores[0]}, set(cores[1:])
+    test and the rest for the load generator and the stub engines; ``None`` (no pinning) with
+    fewer than ``PIN_MIN_CORES`` allowed cores, or fewer than 2 when ``cores`` forces it."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < (cores or PIN_MIN_CORES) or len(allowed) < 2:
+        return None
+    return {allowed[0]}, set(allowed[1:])
 
 
 @dataclass

@@ -27,10 +27,10 @@ Figures, per system:
 
 The load generator is :mod:`services.bench.loadgen` (raw HTTP/1.1, ``--load-processes``
 processes), the same for both systems. Its own ceiling against an instant server and its CPU
-per request are measured in the same run (``load_generator``). With two or more cores the router
-under test runs pinned to the first core and the stubs and load generator to the others
-(``machine.pinning``), so the router never competes with its own load; the machine's load
-average before and after says what else ran.
+per request are measured in the same run (``load_generator``). With four or more cores (or
+``--pin yes``) the router under test runs pinned to the first core and the stubs and load
+generator to the others (``machine.pinning``), so the router never competes with its own load;
+the machine's load average before and after says what else ran.
 """
 
 from __future__ import annotations
@@ -91,7 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="load generator processes (each runs its share of the connections)",
     )
     parser.add_argument(
-        "--no-pin", action="store_true", help="do not pin the router and its load to cores"
+        "--pin",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="pin the router to one core and its stubs and load to the others (auto: with 4 "
+        "or more cores)",
     )
     parser.add_argument(
         "--skip-vllm-router", action="store_true", help="measure pdserve only (no reference)"
@@ -448,8 +452,8 @@ async def _bench_vllm_router(
 async def _run(
     args: argparse.Namespace, settings: ControlPlaneSettings, log_dir: Path
 ) -> dict[str, Any]:
-    router_cores, other_cores = core_split()
-    placement = Placement(None, None) if args.no_pin else Placement(router_cores, other_cores)
+    split = None if args.pin == "no" else core_split(2 if args.pin == "yes" else None)
+    placement = Placement(*split) if split else Placement(None, None)
     load_before = load_average()
     server, instant = await _start_instant(placement, log_dir)
     try:
