@@ -38,43 +38,6 @@ _LATENCY_BUCKETS = (
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
-class Children(Generic[M]):
-    """A metric's children by label values (in the declared order), each made once: the
-    request path calls this instead of ``labels()``, which validates and locks on every call.
-    Only for metrics whose children are never removed and whose label values are bounded."""
-
-    def __init__(self, metric: M) -> None:
-        self._metric: M = metric
-        self._children: dict[tuple[str, ...], M] = {}
-
-    def __call__(self, *values: str) -> M:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
-
-
-class InflightGauge(Collector):
-    """``pdserve_router_engine_inflight``, read from the engine pool when scraped (a request
-    updates a plain counter on its engine slot, no metric)."""
-
-    NAME = "pdserve_router_engine_inflight"
-    DOCUMENTATION = "Requests this router has in flight on each engine (its reservations)."
-
-    def __init__(self) -> None:
-        self._source: InflightSamples = tuple
-
-    def read_from(self, source: InflightSamples) -> None:
-        """Set by the engine pool when it is built."""
-        self._source = source
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(self.NAME, self.DOCUMENTATION, labels=("engine", "role"))
-        for engine, role, inflight in self._source():
-            family.add_metric((engine, role), inflight)
-        yield family
-
-
 class RouterMetrics:
     """``pdserve_router_*``; see docs/metrics.md for names and labels."""
 
@@ -186,3 +149,40 @@ class RouterMetrics:
         self.ttft_by = Children(self.ttft)
         self.ttft_phase_by = Children(self.ttft_phase)
         self.e2e_by = Children(self.e2e)
+
+
+class Children(Generic[M]):
+    """A metric's children by label values (in the declared order), each made once: the
+    request path calls this instead of ``labels()``, which validates and locks on every call.
+    Only for metrics whose children are never removed and whose label values are bounded."""
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
+class InflightGauge(Collector):
+    """``pdserve_router_engine_inflight``, read from the engine pool when scraped (a request
+    updates a plain counter on its engine slot, no metric)."""
+
+    NAME = "pdserve_router_engine_inflight"
+    DOCUMENTATION = "Requests this router has in flight on each engine (its reservations)."
+
+    def __init__(self) -> None:
+        self._source: InflightSamples = tuple
+
+    def read_from(self, source: InflightSamples) -> None:
+        """Set by the engine pool when it is built."""
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.DOCUMENTATION, labels=("engine", "role"))
+        for engine, role, inflight in self._source():
+            family.add_metric((engine, role), inflight)
+        yield family
