@@ -4,23 +4,33 @@ Two systems, each a router in front of one instant prefill and one instant decod
 
 - **pdserve**: ``pdserve router`` (subprocess) over the control plane (embedded Redis) and two
   ``pdserve prefill|decode --engine stub`` engines (gRPC, no model: tokens are instant);
-- **vllm-router**: ``vllm-router --vllm-pd-disaggregation`` (the Rust router from PyPI) over
-  two minimal OpenAI-compatible HTTP stubs served by this module (:func:`stub_app`), which
-  answer instantly as a vLLM prefill (``max_tokens=1``, ``kv_transfer_params`` back) and a
-  vLLM decode would.
+- **vllm-router**: ``vllm-router --vllm-pd-disaggregation`` (the Rust router from PyPI, in the
+  ``dev`` extra) over two minimal OpenAI-compatible HTTP stubs served by this module
+  (:func:`stub_app`), which answer instantly as a vLLM prefill (``max_tokens=1``,
+  ``kv_transfer_params`` back) and a vLLM decode would.
 
 Figures, per system:
 
-- ``added_latency_ms``: p50/p99 of a request through the router minus the p50 of the same
-  engine calls made directly by the client (prefill then decode: gRPC ``EngineClient`` for
-  pdserve, HTTP for the stubs), one request at a time;
-- ``load``: for each concurrency, a closed loop of that many clients for ``--duration-s``:
-  completed requests/s, p50/p99 latency, errors; ``max_sustained_rps`` is the highest rate at a
-  concurrency with no error.
+- ``router_cpu_ms_per_request``: CPU time (user + system, every thread and child process) of
+  the router's processes over a measured window, read from ``/proc``, divided by the requests
+  answered in it: the figure that does not depend on who else is on the machine. The stubs'
+  CPU per request is reported beside it (``stub_cpu_ms_per_request``) so unequal stub work
+  shows;
+- ``added_latency_ms``: p50/p99 of requests through the router, one at a time, minus the p50
+  of the **same client** calling the same instant HTTP server directly
+  (``baseline_latency_ms``, measured right before, so both see the same machine): what a
+  client pays for routing over talking to an engine that costs nothing, the router's two
+  engine calls and the stubs' answers included;
+- ``load``: for each concurrency, a closed loop of that many keep-alive connections for
+  ``--duration-s``: requests/s, p50/p99, errors, and the cores the router used;
+  ``max_sustained_rps`` is the best rate at a concurrency with no error.
 
-The load generator is this process (``httpx``, one event loop), the same for both systems, and
-everything shares this machine's cores: the figures compare the routers under equal
-conditions; they are not what either reaches on dedicated hardware. ``machine`` says what ran.
+The load generator is :mod:`services.bench.loadgen` (raw HTTP/1.1, ``--load-processes``
+processes), the same for both systems. Its own ceiling against an instant server and its CPU
+per request are measured in the same run (``load_generator``). With four or more cores (or
+``--pin yes``) the router under test runs pinned to the first core and the stubs and load
+generator to the others (``machine.pinning``), so the router never competes with its own load;
+the machine's load average before and after says what else ran.
 """
 
 from __future__ import annotations
@@ -32,7 +42,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -44,18 +53,25 @@ from typing import Any
 
 import httpx
 
+from services.bench.procs import (
+    START_TIMEOUT_S,
+    Service,
+    core_split,
+    cpu_seconds,
+    load_average,
+    start,
+)
 from services.bench.stats import percentiles
 from services.config import ControlPlaneSettings
 from services.control_plane.local_redis import LocalRedisServer, free_port
-from services.engines.backend import DecodeRequest, SamplingParams
-from services.serving.ready import parse_ready_line, pdserve_argv
+from services.serving.ready import pdserve_argv
 
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 4
-START_TIMEOUT_S = 120.0
-LOG_TAIL_LINES = 20
-
-Send = Callable[[], Awaitable[None]]
+VLLM_ROUTER_REQUIREMENT = "vllm-router==0.1.17"
+BODY = json.dumps({"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+SPAWN_MARGIN_S = 1.0
+"""Load processes start this long before their window (Python start-up) and warm up in it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration-s", type=float, default=3.0, help="measured seconds per concurrency"
     )
     parser.add_argument(
-        "--latency-requests", type=int, default=200, help="sequential requests for latency"
+        "--latency-s", type=float, default=3.0, help="seconds of one-at-a-time requests"
+    )
+    parser.add_argument(
+        "--load-processes",
+        type=int,
+        default=2,
+        help="load generator processes (each runs its share of the connections)",
+    )
+    parser.add_argument(
+        "--pin",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="pin the router to one core and its stubs and load to the others (auto: with 4 "
+        "or more cores)",
     )
     parser.add_argument(
         "--skip-vllm-router", action="store_true", help="measure pdserve only (no reference)"
@@ -151,226 +180,228 @@ def _serve_stub(role: str, port: int) -> None:
     uvicorn.run(stub_app(role), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-# -- processes ------------------------------------------------------------------------------------
+# -- measuring ------------------------------------------------------------------------------------
 
 
 @dataclass
-class Service:
-    name: str
-    process: asyncio.subprocess.Process
-    log_path: Path
-    """Its stderr."""
-    announced: dict[str, Any] | None = None
+class Placement:
+    """Which cores the router under test and everything else (stubs, load) run on."""
 
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), 15)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                await self.process.wait()
+    router: set[int] | None
+    others: set[int] | None
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        with contextlib.suppress(OSError):
-            text = self.log_path.read_text(errors="replace")
-            return "\n".join(f"    {line}" for line in text.splitlines()[-lines:])
-        return "    (no log)"
+    def describe(self) -> dict[str, Any]:
+        if self.router is None:
+            return {"pinned": False}
+        return {
+            "pinned": True,
+            "router_cores": sorted(self.router),
+            "stubs_and_load_cores": sorted(self.others or ()),
+        }
 
 
-async def _start(
-    name: str, argv: Sequence[str], log_dir: Path, *, wait_ready_line: bool
-) -> Service:
-    """Start ``argv`` (its own process group; stderr to ``log_dir/<name>.log``); with
-    ``wait_ready_line``, wait up to ``START_TIMEOUT_S`` for its ``PDSERVE_READY`` line."""
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as log:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE if wait_ready_line else asyncio.subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+@dataclass
+class Target:
+    """What one load run measures: the URL, and whose CPU is charged to it."""
+
+    url: str
+    router: Sequence[Service]
+    stubs: Sequence[Service] = ()
+
+
+def _percentiles_us(samples: Sequence[int]) -> dict[str, float]:
+    p50, p99 = percentiles(samples, (50, 99))
+    return {"p50_ms": p50 / 1e3, "p99_ms": p99 / 1e3}
+
+
+async def _load(
+    target: Target,
+    connections: int,
+    duration_s: float,
+    args: argparse.Namespace,
+    placement: Placement,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """One closed-loop window of ``connections`` connections over up to ``--load-processes``
+    load processes; CPU of the router, the stubs and the load processes over the window."""
+    processes = max(1, min(args.load_processes, connections))
+    shares = [connections // processes + (i < connections % processes) for i in range(processes)]
+    start_at = time.time() + SPAWN_MARGIN_S + min(1.0, duration_s / 3)
+    stop_at = start_at + duration_s
+    generators = [
+        await start(
+            f"loadgen-{i}",
+            [
+                sys.executable, "-m", "services.bench.loadgen", "run",
+                target.url, BODY, str(share), repr(start_at), repr(stop_at),
+            ],
+            log_dir,
+            cores=placement.others,
+            capture_stdout=True,
         )
-    service = Service(name, process, log_path)
-    if not wait_ready_line:
-        return service
-    with contextlib.suppress(TimeoutError):
-        service.announced = await asyncio.wait_for(_ready_line(process), START_TIMEOUT_S)
-    if service.announced is None:
-        await service.stop()
-        raise RuntimeError(
-            f"{name} did not announce itself within {START_TIMEOUT_S}s (exit status "
-            f"{process.returncode}); the end of its stderr ({log_path}):\n{service.log_tail()}"
-        )
-    return service
+        for i, share in enumerate(shares)
+    ]  # fmt: skip
+    outputs = [asyncio.ensure_future(g.process.communicate()) for g in generators]
+    try:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        router_pids = [pid for service in target.router for pid in service.pids]
+        stub_pids = [pid for service in target.stubs for pid in service.pids]
+        load_pids = [g.process.pid for g in generators]
+        before = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
+        await asyncio.sleep(max(0.0, stop_at - time.time()))
+        after = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
+        results = [json.loads(stdout) for stdout, _ in await asyncio.gather(*outputs)]
+    finally:
+        for generator in generators:
+            await generator.stop()
+    latencies = [sample for result in results for sample in result["latencies_us"]]
+    completed = len(latencies)
+    errors = sum(result["errors"] for result in results)
+    router_s, stub_s, load_s = (b - a for a, b in zip(before, after, strict=True))
+    per_request = 1e3 / completed if completed else float("nan")
+    return {
+        "concurrency": connections,
+        "requests_per_s": completed / duration_s,
+        "errors": errors,
+        "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
+        **_percentiles_us(latencies),
+        "router_cpu_ms_per_request": router_s * per_request,
+        "router_cores_used": router_s / duration_s,
+        "stub_cpu_ms_per_request": stub_s * per_request,
+        "load_generator_cpu_ms_per_request": load_s * per_request,
+        "load_generator_processes": processes,
+        "_latencies_us": latencies,
+    }
 
 
-async def _ready_line(process: asyncio.subprocess.Process) -> dict[str, Any] | None:
-    """The payload of the process's ready line; ``None`` if its stdout ends first."""
-    assert process.stdout is not None
-    while line := await process.stdout.readline():
-        announced = parse_ready_line(line.decode(errors="replace"))
-        if announced is not None:
-            return announced
-    return None
+async def _measure(
+    target: Target,
+    instant: Target,
+    args: argparse.Namespace,
+    placement: Placement,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """The baseline (the same client, one at a time, against the instant server) right before
+    the same through the router, so both see the same machine; then the load levels."""
+    direct = await _load(instant, 1, args.latency_s, args, placement, log_dir)
+    baseline = direct.pop("_latencies_us")
+    (baseline_p50_us,) = percentiles(baseline, (50,))
+    one = await _load(target, 1, args.latency_s, args, placement, log_dir)
+    routed = one.pop("_latencies_us")
+    added = [int(sample - baseline_p50_us) for sample in routed]
+    load = []
+    for level in args.concurrency.split(","):
+        if level.strip():
+            entry = await _load(target, int(level), args.duration_s, args, placement, log_dir)
+            entry.pop("_latencies_us")
+            load.append(entry)
+    clean = [entry for entry in load if entry["errors"] == 0]
+    best = max(clean, key=lambda entry: entry["requests_per_s"]) if clean else None
+    return {
+        "baseline_latency_ms": _percentiles_us(baseline),
+        "router_latency_ms": _percentiles_us(routed),
+        "added_latency_ms": _percentiles_us(added),
+        "router_cpu_ms_per_request": best["router_cpu_ms_per_request"] if best else None,
+        "router_cpu_ms_per_request_sequential": one["router_cpu_ms_per_request"],
+        "stub_cpu_ms_per_request": best["stub_cpu_ms_per_request"] if best else None,
+        "load": load,
+        "max_sustained_rps": best["requests_per_s"] if best else 0.0,
+        "best_concurrency": best["concurrency"] if best else None,
+    }
 
 
-async def _wait_http(url: str, method: str = "GET", body: Any = None) -> None:
+async def _start_instant(placement: Placement, log_dir: Path) -> tuple[Service, Target]:
+    """The instant HTTP server of the baselines and of the load generator's ceiling, on the
+    router's core (where a router under test would be)."""
+    port = free_port()
+    server = await start(
+        "instant",
+        [sys.executable, "-m", "services.bench.loadgen", "serve", str(port)],
+        log_dir,
+        cores=placement.router,
+    )
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    await _wait_http(url, "POST", {}, service=server)
+    return server, Target(url, router=[server])
+
+
+async def _load_generator_figures(
+    instant: Target, args: argparse.Namespace, placement: Placement, log_dir: Path
+) -> dict[str, Any]:
+    """The load generator against the instant server at the highest concurrency: its
+    ceiling and its own CPU per request."""
+    top = max(int(level) for level in args.concurrency.split(",") if level.strip())
+    ceiling = await _load(instant, top, args.duration_s, args, placement, log_dir)
+    return {
+        "kind": "services.bench.loadgen (raw HTTP/1.1 keep-alive, asyncio)",
+        "processes": args.load_processes,
+        "ceiling": {
+            "concurrency": top,
+            "requests_per_s": ceiling["requests_per_s"],
+            "errors": ceiling["errors"],
+            "cpu_ms_per_request": ceiling["load_generator_cpu_ms_per_request"],
+            "instant_server_cpu_ms_per_request": ceiling["router_cpu_ms_per_request"],
+        },
+    }
+
+
+async def _wait_http(
+    url: str, method: str = "GET", body: Any = None, *, service: Service | None = None
+) -> None:
+    """Until ``url`` answers 200; fails at once, with the end of its log, if ``service``
+    exits first."""
     deadline = time.monotonic() + START_TIMEOUT_S
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
+            if service is not None and service.process.returncode is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with status {service.process.returncode} before "
+                    f"{url} answered; the end of its stderr ({service.log_path}):\n"
+                    f"{service.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 response = await client.request(method, url, json=body)
                 if response.status_code == 200:
                     return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S}s")
+    tail = f"; the end of its stderr:\n{service.log_tail()}" if service is not None else ""
+    raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S}s{tail}")
 
 
-# -- measuring ------------------------------------------------------------------------------------
-
-
-def _percentiles(samples: Sequence[float]) -> dict[str, float]:
-    p50, p99 = percentiles(samples, (50, 99))
-    return {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
-
-
-async def _sequential(send: Send, count: int) -> list[float]:
-    for _ in range(min(20, count)):  # warm connections and caches
-        await send()
-    samples = []
-    for _ in range(count):
-        started = time.perf_counter()
-        await send()
-        samples.append(time.perf_counter() - started)
-    return samples
-
-
-async def _closed_loop(send: Send, concurrency: int, duration_s: float) -> dict[str, Any]:
-    latencies: list[float] = []
-    errors = 0
-    stop_at = 0.0
-
-    async def client() -> None:
-        nonlocal errors
-        while time.perf_counter() < stop_at:
-            started = time.perf_counter()
-            try:
-                await send()
-            except Exception:
-                errors += 1
-                continue
-            latencies.append(time.perf_counter() - started)
-
-    stop_at = time.perf_counter() + min(1.0, duration_s / 3)  # warm-up
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    latencies.clear()
-    errors = 0
-    started = time.perf_counter()
-    stop_at = started + duration_s
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    return {
-        "concurrency": concurrency,
-        "requests_per_s": len(latencies) / elapsed,
-        "errors": errors,
-        **_percentiles(latencies),
-    }
-
-
-def _http_sender(client: httpx.AsyncClient, url: str) -> Send:
-    body = {"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
-
-    async def send() -> None:
-        response = await client.post(url, json=body)
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
-
-    return send
-
-
-async def _measure(
-    router_send: Send, direct_send: Send, args: argparse.Namespace
-) -> dict[str, Any]:
-    direct = await _sequential(direct_send, args.latency_requests)
-    routed = await _sequential(router_send, args.latency_requests)
-    (direct_p50,) = percentiles(direct, (50,))
-    added = [sample - direct_p50 for sample in routed]
-    load = [
-        await _closed_loop(router_send, int(level), args.duration_s)
-        for level in args.concurrency.split(",")
-        if level.strip()
-    ]
-    clean = [entry["requests_per_s"] for entry in load if entry["errors"] == 0]
-    return {
-        "direct_latency_ms": _percentiles(direct),
-        "router_latency_ms": _percentiles(routed),
-        "added_latency_ms": _percentiles(added),
-        "load": load,
-        "max_sustained_rps": max(clean) if clean else 0.0,
-    }
+# -- the two systems ------------------------------------------------------------------------------
 
 
 async def _bench_pdserve(
-    args: argparse.Namespace, settings: ControlPlaneSettings, log_dir: Path
+    args: argparse.Namespace,
+    settings: ControlPlaneSettings,
+    instant: Target,
+    placement: Placement,
+    log_dir: Path,
 ) -> dict[str, Any]:
-    # Imported here: the gRPC client is only needed for the direct baseline.
-    from services.serving.client import EngineClient  # noqa: PLC0415
-
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
     services: list[Service] = []
     try:
         for role in ("prefill", "decode"):
+            argv = pdserve_argv(
+                role, *cp, "--engine", "stub", "--engine-id", f"bench-{role}",
+                "--listen", "127.0.0.1:0",
+            )  # fmt: skip
             services.append(
-                await _start(
-                    role,
-                    pdserve_argv(
-                        role,
-                        *cp,
-                        "--engine",
-                        "stub",
-                        "--engine-id",
-                        f"bench-{role}",
-                        "--listen",
-                        "127.0.0.1:0",
-                    ),
-                    log_dir,
-                    wait_ready_line=True,
-                )
+                await start(role, argv, log_dir, cores=placement.others, wait_ready_line=True)
             )
-        router = await _start(
+        router = await start(
             "router",
             pdserve_argv("router", *cp, "--port", "0", "--policy", "least_loaded"),
             log_dir,
+            cores=placement.router,
             wait_ready_line=True,
         )
         services.append(router)
         assert router.announced is not None
         url = str(router.announced["url"])
-        await _wait_http(f"{url}/health")
-        prefill = EngineClient(str((services[0].announced or {})["grpc"]))
-        decode = EngineClient(str((services[1].announced or {})["grpc"]))
-        tokens = [1 + (byte % 250) for byte in PROMPT.encode()]
-        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-
-        async def direct() -> None:
-            request_id = uuid.uuid4().hex
-            result = await prefill.prefill(request_id, tokens, sampling)
-            request = DecodeRequest(
-                request_id, tuple(tokens), sampling, result.kv_handle, result.first_token_id
-            )
-            async for _ in decode.decode(request):
-                pass
-
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
-            result = await _measure(_http_sender(client, f"{url}/v1/completions"), direct, args)
-        await prefill.close()
-        await decode.close()
-        return result
+        await _wait_http(f"{url}/health", service=router)
+        target = Target(f"{url}/v1/completions", router=[router], stubs=services[:2])
+        return await _measure(target, instant, args, placement, log_dir)
     finally:
         for service in reversed(services):
             await service.stop()
@@ -383,48 +414,101 @@ def _vllm_router_binary() -> str | None:
 
 
 async def _bench_vllm_router(
-    args: argparse.Namespace, binary: str, log_dir: Path
+    args: argparse.Namespace,
+    binary: str,
+    instant: Target,
+    placement: Placement,
+    log_dir: Path,
 ) -> dict[str, Any]:
     ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
     services: list[Service] = []
     try:
         for role in ("prefill", "decode"):
             argv = [
-                sys.executable,
-                "-m",
-                "services.bench.router",
-                "--serve-stub",
-                role,
+                sys.executable, "-m", "services.bench.router", "--serve-stub", role,
                 str(ports[role]),
-            ]
-            services.append(await _start(f"stub-{role}", argv, log_dir, wait_ready_line=False))
-        for role in ("prefill", "decode"):
-            await _wait_http(f"http://127.0.0.1:{ports[role]}/health")
-        prefill_url = f"http://127.0.0.1:{ports['prefill']}"
-        decode_url = f"http://127.0.0.1:{ports['decode']}"
+            ]  # fmt: skip
+            services.append(await start(f"stub-{role}", argv, log_dir, cores=placement.others))
+        for role, stub in zip(("prefill", "decode"), services, strict=True):
+            await _wait_http(f"http://127.0.0.1:{ports[role]}/health", service=stub)
         router_argv = [
             binary, "--vllm-pd-disaggregation",
-            "--prefill", prefill_url, "--decode", decode_url,
+            "--prefill", f"http://127.0.0.1:{ports['prefill']}",
+            "--decode", f"http://127.0.0.1:{ports['decode']}",
             "--host", "127.0.0.1", "--port", str(ports["router"]),
             "--policy", "round_robin", "--log-level", "warning",
         ]  # fmt: skip
-        services.append(await _start("vllm-router", router_argv, log_dir, wait_ready_line=False))
+        router = await start("vllm-router", router_argv, log_dir, cores=placement.router)
+        services.append(router)
         url = f"http://127.0.0.1:{ports['router']}"
-        body = {"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
-        await _wait_http(f"{url}/v1/completions", "POST", body)
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
-            prefill_send = _http_sender(client, f"{prefill_url}/v1/completions")
-            decode_send = _http_sender(client, f"{decode_url}/v1/completions")
-
-            async def direct() -> None:
-                await prefill_send()
-                await decode_send()
-
-            return await _measure(_http_sender(client, f"{url}/v1/completions"), direct, args)
+        await _wait_http(f"{url}/v1/completions", "POST", json.loads(BODY), service=router)
+        target = Target(f"{url}/v1/completions", router=[router], stubs=services[:2])
+        return await _measure(target, instant, args, placement, log_dir)
     finally:
         for service in reversed(services):
             await service.stop()
+
+
+async def _run(
+    args: argparse.Namespace, settings: ControlPlaneSettings, log_dir: Path
+) -> dict[str, Any]:
+    split = None if args.pin == "no" else core_split(2 if args.pin == "yes" else None)
+    placement = Placement(*split) if split else Placement(None, None)
+    load_before = load_average()
+    server, instant = await _start_instant(placement, log_dir)
+    try:
+        generator = await _load_generator_figures(instant, args, placement, log_dir)
+        pdserve = await _bench_pdserve(args, settings, instant, placement, log_dir)
+        binary = _vllm_router_binary()
+        reference: dict[str, Any]
+        if args.skip_vllm_router:
+            reference = {"skipped": True}
+        elif binary is None:
+            reference = {
+                "error": f"vllm-router is not installed: pip install '{VLLM_ROUTER_REQUIREMENT}' "
+                "(the project's dev extra installs it; `make test` sets it up)"
+            }
+        else:
+            reference = await _bench_vllm_router(args, binary, instant, placement, log_dir)
+    finally:
+        await server.stop()
+    return {
+        "benchmark": "router",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+            "pinning": placement.describe(),
+        },
+        "request": {"endpoint": "/v1/completions", "max_tokens": MAX_TOKENS, "stream": False},
+        "load_generator": generator,
+        "pdserve": pdserve,
+        "vllm_router": reference,
+        **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
+    }
+
+
+def _comparison(pdserve: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    def both(key: str, inner: str | None = None) -> dict[str, Any]:
+        def pick(result: dict[str, Any]) -> Any:
+            return result[key][inner] if inner else result[key]
+
+        return {"pdserve": pick(pdserve), "vllm_router": pick(reference)}
+
+    return {
+        "rps_ratio": pdserve["max_sustained_rps"] / reference["max_sustained_rps"]
+        if reference["max_sustained_rps"]
+        else None,
+        "router_cpu_ms_per_request": both("router_cpu_ms_per_request"),
+        "router_cpu_ratio": pdserve["router_cpu_ms_per_request"]
+        / reference["router_cpu_ms_per_request"]
+        if pdserve["router_cpu_ms_per_request"] and reference["router_cpu_ms_per_request"]
+        else None,
+        "added_p50_ms": both("added_latency_ms", "p50_ms"),
+        "added_p99_ms": both("added_latency_ms", "p99_ms"),
+        "max_sustained_rps": both("max_sustained_rps"),
+    }
 
 
 def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> dict[str, Any]:
@@ -438,38 +522,11 @@ def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> dict[str, A
     # Every child's stderr; kept when the run fails (errors name the files), removed after.
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
     try:
-        pdserve = asyncio.run(_bench_pdserve(args, settings, log_dir))
-        binary = _vllm_router_binary()
-        reference: dict[str, Any]
-        if args.skip_vllm_router:
-            reference = {"skipped": True}
-        elif binary is None:
-            reference = {"error": "vllm-router is not installed: pip install -e '.[bench]'"}
-        else:
-            reference = asyncio.run(_bench_vllm_router(args, binary, log_dir))
+        result = asyncio.run(_run(args, settings, log_dir))
         shutil.rmtree(log_dir, ignore_errors=True)
     finally:
         if local is not None:
             local.stop()
-    result: dict[str, Any] = {
-        "benchmark": "router",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "request": {"endpoint": "/v1/completions", "max_tokens": MAX_TOKENS, "stream": False},
-        "pdserve": pdserve,
-        "vllm_router": reference,
-    }
-    if "added_latency_ms" in reference:
-        result["comparison"] = {
-            "added_p50_ms": {
-                "pdserve": pdserve["added_latency_ms"]["p50_ms"],
-                "vllm_router": reference["added_latency_ms"]["p50_ms"],
-            },
-            "added_p50_no_worse": pdserve["added_latency_ms"]["p50_ms"]
-            <= reference["added_latency_ms"]["p50_ms"],
-            "rps_ratio": pdserve["max_sustained_rps"] / reference["max_sustained_rps"]
-            if reference["max_sustained_rps"]
-            else None,
-        }
     return result
 
 

@@ -12,6 +12,7 @@ addresses); a decode engine or an incompatible one is INVALID_ARGUMENT
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -62,6 +63,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state = self.state
         async with state.rpc("Decode", context) as outcome:
             parsed = convert.decode_request_from_proto(request, state.limits)
+            coalesce_s = convert.coalesce_from_proto(request)
             if parsed.kv_handle is not None and not state.backend.checks_producers:
                 await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
@@ -76,6 +78,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 last = first
                 failure_code = grpc.StatusCode.INTERNAL  # a backend's own ERROR finish
                 yield convert.delta_to_proto(first)
+                held: list[TokenDelta] = []
+                sent_at = time.monotonic()
                 while last.finish_reason is None:
                     try:
                         last = await anext(stream)
@@ -84,7 +88,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     except (RequestError, EngineFailed) as exc:
                         last = self._failed(parsed.prompt_token_ids, exc)
                         failure_code = status_for(exc)[0]
+                    if coalesce_s:
+                        # Held steps go out with the finish, or once coalesce_s passed.
+                        held.append(last)
+                        now = time.monotonic()
+                        if last.finish_reason is None and now - sent_at < coalesce_s:
+                            continue
+                        last = convert.merge_deltas(held)
+                        held.clear()
+                        sent_at = now
                     yield convert.delta_to_proto(last)
+                if held:  # the stream ended without a finish: what was held still goes out
+                    yield convert.delta_to_proto(convert.merge_deltas(held))
                 # Outcome labels as in docs/metrics.md: ok, aborted, or a status code name.
                 if last.finish_reason is FinishReason.ABORT:
                     outcome.label = "aborted"

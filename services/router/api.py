@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.engines.backend import FinishReason, SamplingParams
 from services.engines.errors import InvalidRequest, TokenizerError
+from services.router.direct_route import DirectRoute
 from services.router.errors import (
     AuthenticationError,
     EngineRequestFailed,
@@ -90,7 +91,14 @@ async def require_api_key(request: Request, runtime: Runtime) -> None:
         raise AuthenticationError("invalid API key")
 
 
+class _GenerationRoute(DirectRoute):
+    key_check = require_api_key
+
+
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+generation = APIRouter(prefix="/v1", route_class=_GenerationRoute)
+"""The two generation endpoints: :class:`DirectRoute` runs the key check and the body
+validation itself (no per-request dependency solving); their signatures document them."""
 ops = APIRouter()
 
 
@@ -141,7 +149,7 @@ CHAT = _Output(
 )
 
 
-@v1.post("/completions")
+@generation.post("/completions")
 async def completions(body: CompletionRequest, runtime: Runtime, http: Request) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
@@ -159,12 +167,12 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
             )
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     request = _generation_request(
-        "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
+        "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival, body.stream
     )
     return await _serve(runtime, http, COMPLETIONS, request, body.stream, _include_usage(body))
 
 
-@v1.post("/chat/completions")
+@generation.post("/chat/completions")
 async def chat_completions(
     body: ChatCompletionRequest, runtime: Runtime, http: Request
 ) -> Response:
@@ -177,7 +185,7 @@ async def chat_completions(
         body.max_completion_tokens or body.max_tokens or runtime.settings.default_max_tokens
     )
     request = _generation_request(
-        "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival
+        "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival, body.stream
     )
     return await _serve(runtime, http, CHAT, request, body.stream, _include_usage(body))
 
@@ -237,7 +245,12 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
 
 
 def _generation_request(
-    prefix: str, model: str, token_ids: list[int], sampling: SamplingParams, arrival_s: float
+    prefix: str,
+    model: str,
+    token_ids: list[int],
+    sampling: SamplingParams,
+    arrival_s: float,
+    stream: bool,
 ) -> GenerationRequest:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -247,6 +260,7 @@ def _generation_request(
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
         arrival_s=arrival_s,
+        stream=stream,
     )
 
 
@@ -522,7 +536,7 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
         return InvalidRequestError(
             f"unsupported parameter {param!r}", param=param, code="unsupported_parameter"
         )
-    if kind in ("json_invalid", "model_attributes_type", "dict_type"):
+    if kind in ("json_invalid", "model_attributes_type", "model_type", "dict_type"):
         return InvalidRequestError(
             f"the body must be a JSON object: {first.get('msg', '')}", code="invalid_json"
         )

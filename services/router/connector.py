@@ -43,9 +43,15 @@ class EngineConnector(abc.ABC):
 
     @abc.abstractmethod
     def decode(
-        self, request: DecodeRequest, *, timeout_s: float | None = None
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream the request's tokens; closing the iterator early aborts the request."""
+        """Stream the request's tokens; closing the iterator early aborts the request. With
+        ``coalesce_s`` the engine may send the steps after the first together, at most that
+        long after its previous message (for a caller that does not stream them on)."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:
@@ -83,9 +89,13 @@ class GrpcConnector(EngineConnector):
         )
 
     def decode(
-        self, request: DecodeRequest, *, timeout_s: float | None = None
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        return self._client.decode(request, timeout_s=timeout_s)
+        return self._client.decode(request, timeout_s=timeout_s, coalesce_s=coalesce_s)
 
     async def abort(self, request_id: str) -> bool:
         return await self._client.abort(request_id)

@@ -51,6 +51,12 @@ from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 logger = logging.getLogger(__name__)
 
+COALESCE_FRACTION = 0.25
+"""A non-streamed request's decode engine holds steps for at most this fraction of the idle
+bound (``DecodeRequest.coalesce_s`` in decode.proto), so a live engine still answers well
+within it and a stalled one still trips it. Fewer messages per request: each costs the router
+a gRPC read."""
+
 BACKSTOP_GRACE_S = 5.0
 """The gRPC deadline of an engine call is the router's own bound plus this, so the router's
 timer trips first (and names the bound) while the engine still learns its deadline."""
@@ -66,6 +72,9 @@ class GenerationRequest:
     sampling: SamplingParams
     arrival_s: float
     """``time.perf_counter()`` when the HTTP request arrived."""
+    stream: bool = True
+    """Whether the client receives tokens as they come. A request that is not streamed asks
+    the decode engine to coalesce the steps after its first (see :data:`COALESCE_FRACTION`)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,7 @@ class Executor:
         with self._pool.reserve(plan.decode):
             if plan.prefill is None:
                 info.path = "local"
-                self._metrics.execution_path.labels(path="local").inc()
+                self._metrics.execution_path_by("local").inc()
                 async for chunk in self._decode(request, plan.decode, None, info):
                     yield chunk
                 return
@@ -171,11 +180,11 @@ class Executor:
             if result is None:
                 info.path = "local"
                 info.prefill_engine = None
-                self._metrics.execution_path.labels(path="local").inc()
+                self._metrics.execution_path_by("local").inc()
                 async for chunk in self._decode(request, plan.decode, None, info):
                     yield chunk
                 return
-            self._metrics.execution_path.labels(path=info.path).inc()
+            self._metrics.execution_path_by(str(info.path)).inc()
             info.cached_tokens = result.usage.cached_tokens
             info.completion_tokens = 1
             self._observe_ttft(request, info)
@@ -262,7 +271,7 @@ class Executor:
             elapsed = time.perf_counter() - started
             info.engine_wait_s += elapsed
             info.path = "retried" if attempt > 1 else "disaggregated"
-            self._metrics.ttft_phase.labels(phase="prefill").observe(elapsed)
+            self._metrics.ttft_phase_by("prefill").observe(elapsed)
             return result, slot
 
     async def _decode(
@@ -283,7 +292,12 @@ class Executor:
         started = time.perf_counter()
         whole_s = self._settings.decode_timeout_s
         idle_s = self._settings.decode_idle_timeout_s
-        stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
+        coalescing = not request.stream
+        stream = slot.connector.decode(
+            decode_request,
+            timeout_s=whole_s + BACKSTOP_GRACE_S,
+            coalesce_s=idle_s * COALESCE_FRACTION if coalescing else None,
+        )
         first = True
         previous = started
         try:
@@ -315,7 +329,7 @@ class Executor:
                 if first:
                     self._observe_first_delta(request, prefilled, delta, now - started, info)
                     first = False
-                else:
+                elif not coalescing:  # a coalesced message's gap is not one token's
                     self._metrics.itl.observe(now - previous)
                 previous = now
                 if delta.finish_reason is FinishReason.ERROR:
@@ -365,21 +379,19 @@ class Executor:
             self._observe_ttft(request, info)
             return
         handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
-        self._metrics.ttft_phase.labels(phase="handoff").observe(handoff)
-        self._metrics.ttft_phase.labels(phase="first_decode_token").observe(
-            max(waited_s - handoff, 0.0)
-        )
+        self._metrics.ttft_phase_by("handoff").observe(handoff)
+        self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff, 0.0))
         # The prefill's token went out first; the gap to the decode's first is an ITL.
         self._metrics.itl.observe(waited_s)
 
     def _observe_ttft(self, request: GenerationRequest, info: RunInfo) -> None:
-        self._metrics.ttft.labels(path=info.path).observe(time.perf_counter() - request.arrival_s)
+        self._metrics.ttft_by(str(info.path)).observe(time.perf_counter() - request.arrival_s)
 
     def observe_end(
         self, request_arrival_s: float, endpoint: str, outcome: str, info: RunInfo | None
     ) -> None:
         """Count the answered request and its end-to-end latency and router overhead."""
-        self._metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self._metrics.requests_by(endpoint, outcome).inc()
         self.observe_latency(request_arrival_s, endpoint, info)
 
     def observe_latency(
@@ -388,7 +400,7 @@ class Executor:
         """The request's end-to-end latency and router overhead, without counting it (an
         error raised to the HTTP layer is counted by its handler)."""
         elapsed = time.perf_counter() - request_arrival_s
-        self._metrics.e2e.labels(endpoint=endpoint).observe(elapsed)
+        self._metrics.e2e_by(endpoint).observe(elapsed)
         if info is not None and info.path is not None:
             self._metrics.overhead.observe(max(elapsed - info.engine_wait_s, 0.0))
 

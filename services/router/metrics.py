@@ -5,7 +5,17 @@ Created per instance with an injectable ``CollectorRegistry``: tests pass a fres
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+M = TypeVar("M", Counter, Histogram)
+
+InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
+"""``(engine, role, requests in flight)`` of every READY engine, read at scrape time."""
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -103,7 +113,8 @@ class RouterMetrics:
         )
         self.itl = Histogram(
             "pdserve_router_itl_seconds",
-            "Time between two streamed token deltas of one request.",
+            "Time between two token deltas of one request (a non-streamed request: only the "
+            "prefill's token to the decode engine's first; its later steps come coalesced).",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -126,12 +137,8 @@ class RouterMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
-        self.engine_inflight = Gauge(
-            "pdserve_router_engine_inflight",
-            "Requests this router has in flight on each engine (its reservations).",
-            ["engine", "role"],
-            registry=r,
-        )
+        self.engine_inflight = InflightGauge()
+        r.register(self.engine_inflight)
         self.engine_load = Gauge(
             "pdserve_router_engine_load",
             "Load each engine last reported through the control plane.",
@@ -144,3 +151,46 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        # The request path's children (see Children).
+        self.requests_by = Children(self.requests)
+        self.execution_path_by = Children(self.execution_path)
+        self.ttft_by = Children(self.ttft)
+        self.ttft_phase_by = Children(self.ttft_phase)
+        self.e2e_by = Children(self.e2e)
+
+
+class Children(Generic[M]):
+    """A metric's children by label values (in the declared order), each made once: the
+    request path calls this instead of ``labels()``, which validates and locks on every call.
+    Only for metrics whose children are never removed and whose label values are bounded."""
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
+class InflightGauge(Collector):
+    """``pdserve_router_engine_inflight``, read from the engine pool when scraped (a request
+    updates a plain counter on its engine slot, no metric)."""
+
+    NAME = "pdserve_router_engine_inflight"
+    DOCUMENTATION = "Requests this router has in flight on each engine (its reservations)."
+
+    def __init__(self) -> None:
+        self._source: InflightSamples = tuple
+
+    def read_from(self, source: InflightSamples) -> None:
+        """Set by the engine pool when it is built."""
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.DOCUMENTATION, labels=("engine", "role"))
+        for engine, role, inflight in self._source():
+            family.add_metric((engine, role), inflight)
+        yield family

@@ -67,6 +67,7 @@ class EnginePool:
         self._registered_models: dict[EngineId, str] = {}
         self._synced = asyncio.Event()
         self._closers: set[asyncio.Task[None]] = set()
+        metrics.engine_inflight.read_from(self._inflight_samples)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -99,20 +100,16 @@ class EnginePool:
     def reserve(self, slot: EngineSlot) -> Iterator[EngineSlot]:
         """Count a request in flight on ``slot`` for the duration of the block."""
         slot.inflight += 1
-        self._set_inflight(slot)
         try:
             yield slot
         finally:
             slot.inflight -= 1
-            self._set_inflight(slot)
             if slot.retired and slot.inflight == 0:
                 self._close_later(slot.connector)
 
-    def _set_inflight(self, slot: EngineSlot) -> None:
-        if self._slots.get(slot.engine_id) is slot:
-            self._metrics.engine_inflight.labels(engine=slot.engine_id, role=slot.role.value).set(
-                slot.inflight
-            )
+    def _inflight_samples(self) -> list[tuple[str, str, int]]:
+        """``pdserve_router_engine_inflight``, read when scraped (READY engines only)."""
+        return [(s.engine_id, s.role.value, s.inflight) for s in list(self._slots.values())]
 
     # -- following the control plane ------------------------------------------------------------
 
@@ -143,7 +140,6 @@ class EnginePool:
                 record.generation,
                 record.endpoint,
             )
-            self._set_inflight(current)
         self._export_load(current)
         self._export_ready()
 
@@ -152,8 +148,6 @@ class EnginePool:
         slot.retired = True
         logger.info("engine %s left the pool", slot.engine_id)
         role = slot.role.value
-        with contextlib.suppress(KeyError):
-            self._metrics.engine_inflight.remove(slot.engine_id, role)
         for kind in _LOAD_KINDS:
             with contextlib.suppress(KeyError):
                 self._metrics.engine_load.remove(slot.engine_id, role, kind)

@@ -144,13 +144,19 @@ class EngineClient:
         return convert.prefill_result_from_proto(response)
 
     async def decode(
-        self, request: DecodeRequest, *, timeout_s: float | None = None
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Errors before the first delta raise; closing the
         iterator early (``aclose``, ``break`` in ``async for`` then garbage collection, or the
-        consuming task being cancelled) cancels the call and the engine aborts the request."""
+        consuming task being cancelled) cancels the call and the engine aborts the request.
+        ``coalesce_s``: see ``DecodeRequest.coalesce_s`` in decode.proto."""
         stubs = self._connect()
-        call = stubs.decode.Decode(convert.decode_request_to_proto(request), timeout=timeout_s)
+        message = convert.decode_request_to_proto(request, coalesce_s=coalesce_s)
+        call = stubs.decode.Decode(message, timeout=timeout_s)
         try:
             with self._translated("Decode"):
                 async for chunk in call:

@@ -276,7 +276,15 @@ def _handle_as_sent(message: types_pb2.KVHandle) -> KVHandle:
 # -- decode --------------------------------------------------------------------------------
 
 
-def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeRequest:
+MAX_COALESCE_S = 3600.0
+"""Bound of ``DecodeRequest.coalesce_s``."""
+
+
+def decode_request_to_proto(
+    request: DecodeRequest, *, coalesce_s: float | None = None
+) -> decode_pb2.DecodeRequest:
+    """``coalesce_s``: a transport choice of the caller, not part of the request (see
+    decode.proto)."""
     message = decode_pb2.DecodeRequest(
         request_id=request.request_id,
         token_ids=list(request.prompt_token_ids),
@@ -286,7 +294,35 @@ def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeRequest:
         message.kv_handle.CopyFrom(handle_to_proto(request.kv_handle))
     if request.first_token_id is not None:
         message.first_token_id = request.first_token_id
+    if coalesce_s is not None:
+        message.coalesce_s = coalesce_s
     return message
+
+
+def coalesce_from_proto(message: decode_pb2.DecodeRequest) -> float:
+    """The request's ``coalesce_s`` (0 when unset: one message per step)."""
+    if not message.HasField("coalesce_s"):
+        return 0.0
+    value = message.coalesce_s
+    if not (math.isfinite(value) and 0 <= value <= MAX_COALESCE_S):
+        raise InvalidRequest(f"coalesce_s must be within [0, {MAX_COALESCE_S:g}], not {value}")
+    return value
+
+
+def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
+    """Several consecutive steps as one: ids and text joined; the finish, usage and error of
+    the last; the KV transfer time of the first that has one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return TokenDelta(
+        token_ids=tuple(token for delta in deltas for token in delta.token_ids),
+        text="".join(delta.text for delta in deltas),
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        error=last.error,
+        kv_transfer_s=next((d.kv_transfer_s for d in deltas if d.kv_transfer_s is not None), None),
+    )
 
 
 def decode_request_from_proto(

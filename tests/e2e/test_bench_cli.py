@@ -24,3 +24,41 @@ def test_bench_kv_prints_only_json_on_stdout() -> None:
     assert report["benchmark"] == "kv"
     assert report["results"]
     assert all(r["gbps"] > 0 for r in report["results"])
+
+
+def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
+    """A short ``pdserve bench router`` run: figures for both routers (vllm-router is in the
+    dev extra), the router CPU per request read from /proc, the load generator's ceiling, and
+    the comparison's keys. Figures are not judged here (benchmarks are measured, not asserted)."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "bench",
+            "router",
+            "--json",
+            "--concurrency",
+            "1,4",
+            "--duration-s",
+            "0.5",
+            "--latency-s",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=280,
+    )
+    report = json.loads(result.stdout)
+    assert report["benchmark"] == "router"
+    assert report["load_generator"]["ceiling"]["requests_per_s"] > 0
+    for system in ("pdserve", "vllm_router"):
+        figures = report[system]
+        assert [level["concurrency"] for level in figures["load"]] == [1, 4]
+        assert all(level["errors"] == 0 for level in figures["load"]), figures["load"]
+        assert figures["router_cpu_ms_per_request"] > 0
+    comparison = report["comparison"]
+    assert comparison["rps_ratio"] > 0
+    assert set(comparison["router_cpu_ms_per_request"]) == {"pdserve", "vllm_router"}
+    assert set(comparison["added_p50_ms"]) == {"pdserve", "vllm_router"}

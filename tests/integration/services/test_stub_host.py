@@ -452,3 +452,46 @@ async def test_engine_failure_mid_stream_stops_the_host_with_exit_code_1(
         assert await dec.exit_code() == 1
         assert await control_plane.get_engine("decode-j") is None
         await client.close()
+
+
+async def test_a_coalesced_decode_answers_in_two_messages_with_the_same_tokens(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    """``coalesce_s``: the first message alone (it times the first token), every later step in
+    one message with the finish; the same ids, text and usage as one message per step. A bad
+    value is INVALID_ARGUMENT."""
+    settings = service_settings(cp_settings)
+    async with (
+        hosted(settings, StubBackend(), engine_id="prefill-c", role=EngineRole.PREFILL) as pre,
+        hosted(settings, StubBackend(), engine_id="decode-c", role=EngineRole.DECODE) as dec,
+    ):
+        prefill, decode = EngineClient(pre.endpoints.grpc), EngineClient(dec.endpoints.grpc)
+        answers = []
+        for request_id, coalesce_s in (("per-step", None), ("coalesced", 60.0)):
+            prompt = (5, 6, 7)
+            sampling = SamplingParams(max_tokens=6)
+            result = await prefill.prefill(request_id, prompt, sampling)
+            request = DecodeRequest(
+                request_id, prompt, sampling, result.kv_handle, result.first_token_id
+            )
+            answers.append([d async for d in decode.decode(request, coalesce_s=coalesce_s)])
+        per_step, coalesced = answers
+        assert len(per_step) == 6  # five tokens, then the finish
+        assert len(coalesced) == 2
+        assert coalesced[0] == per_step[0]
+        assert [t for d in coalesced for t in d.token_ids] == [
+            t for d in per_step for t in d.token_ids
+        ]
+        assert "".join(d.text for d in coalesced) == "".join(d.text for d in per_step)
+        assert coalesced[-1].finish_reason is per_step[-1].finish_reason is FinishReason.LENGTH
+        assert coalesced[-1].usage == per_step[-1].usage
+        channel = grpc.aio.insecure_channel(dec.endpoints.grpc)
+        message = decode_pb2.DecodeRequest(request_id="bad", token_ids=[1], coalesce_s=-1.0)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(message):
+                pass
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "coalesce_s" in (caught.value.details() or "")
+        await channel.close()
+        await prefill.close()
+        await decode.close()

@@ -64,6 +64,8 @@ class FakeEngine(EngineConnector):
     cached_tokens: int = 0
     prefills: list[str] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
+    coalesce: list[float | None] = field(default_factory=list)
+    """The ``coalesce_s`` of each decode call."""
     aborted: list[str] = field(default_factory=list)
     closed: bool = False
 
@@ -99,9 +101,14 @@ class FakeEngine(EngineConnector):
         )
 
     async def decode(
-        self, request: DecodeRequest, *, timeout_s: float | None = None
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         self.decodes.append(request)
+        self.coalesce.append(coalesce_s)
         if self.decode_error is not None:
             raise self.decode_error
         start = 1 if request.kv_handle is not None else 0

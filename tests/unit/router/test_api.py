@@ -7,6 +7,7 @@ real processes is in tests/e2e/test_router*.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import openai
@@ -14,6 +15,7 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
+from services.router.execution import COALESCE_FRACTION
 from services.router.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view
@@ -59,6 +61,17 @@ async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, fac
     assert (
         sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
     )
+
+
+async def test_only_a_non_streamed_request_asks_the_decode_engine_to_coalesce(client, factory, rt):
+    await client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    stream = await client.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=4, stream=True
+    )
+    text = "".join([chunk.choices[0].text async for chunk in stream])
+    assert text == " w0 w1 w2 w3"
+    idle_s = rt.settings.decode_idle_timeout_s
+    assert factory.engines["d1"].coalesce == [idle_s * COALESCE_FRACTION, None]
 
 
 async def test_chat_stream_with_usage_ends_with_done(rt):
@@ -266,6 +279,43 @@ async def test_api_keys_are_required_when_configured(factory):
         assert missing.status_code == 401
         assert missing.json()["error"]["code"] == "missing_api_key"
         assert (await transport.get("/health")).status_code == 200
+
+
+async def test_generation_routes_check_the_key_then_the_body_as_fastapi_did(factory):
+    """The generation endpoints skip FastAPI's dependency solving (DirectRoute): the key is
+    still checked first, and bodies are refused with the same codes and params."""
+    keyed = prepared(factory, ("both", EngineRole.BOTH), api_keys=["k"])
+    async with http(keyed) as transport:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            unkeyed = await transport.post(path, content=b"{nope")
+            assert unkeyed.status_code == 401
+            assert unkeyed.json()["error"]["code"] == "missing_api_key"
+    rt = prepared(FakeFactory(), ("both", EngineRole.BOTH))
+    good = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    async with http(rt) as transport:
+
+        async def post(content: bytes, content_type: str | None = "application/json") -> dict:
+            headers = {"content-type": content_type} if content_type else {}
+            response = await transport.post("/v1/completions", content=content, headers=headers)
+            assert response.status_code == 400, response.text
+            return response.json()["error"]
+
+        assert (await post(b""))["message"] == "missing required parameter None"
+        assert (await post(b"[1]"))["code"] == "invalid_json"
+        assert (await post(json.dumps(good).encode(), "text/plain"))["code"] == "invalid_json"
+        extra = await post(json.dumps({**good, "bogus": 1}).encode())
+        assert (extra["code"], extra["param"]) == ("unsupported_parameter", "bogus")
+        negative = await post(json.dumps({**good, "max_tokens": -1}).encode())
+        assert negative["param"] == "max_tokens"
+        missing = await post(json.dumps({"prompt": "hi"}).encode())
+        assert missing["message"] == "missing required parameter 'model'"
+        ok = await transport.post(
+            "/v1/completions",
+            content=json.dumps(good),
+            headers={"content-type": "application/json; charset=utf-8"},
+        )
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == " w0 w1"
 
 
 async def test_health_needs_a_ready_pair_and_models_lists_ready_models(factory):

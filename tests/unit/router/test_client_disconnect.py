@@ -49,7 +49,11 @@ class SlowEngine(FakeEngine):
         raise AssertionError("unreachable")
 
     async def decode(
-        self, request: DecodeRequest, *, timeout_s: float | None = None
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         self.decodes.append(request)
         yield TokenDelta((100,), " w0", None)

@@ -30,9 +30,18 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     KV_HANDLE_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    COALESCE_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     """The producer's first token (required with kv_handle; not repeated in the stream)."""
+    coalesce_s: _builtins.float
+    """When set and > 0, messages after the first may carry several steps: the engine holds
+    steps and sends them together once this many seconds passed since its last message, or
+    with the finish. The first message is never held (it times the first token). A caller
+    that does not stream to its client (a non-streamed completion) sets it to answer in two
+    messages instead of one per token; the tokens, text and usage are the same. At most
+    3600; negative or not finite is INVALID_ARGUMENT.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -47,13 +56,19 @@ class DecodeRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         kv_handle: _types_pb2.KVHandle | None = ...,
         first_token_id: _builtins.int | None = ...,
+        coalesce_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__coalesce_s: _TypeAlias = _typing.Literal["coalesce_s"]  # noqa: Y015
+    _WhichOneofArgType__coalesce_s: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s"]  # noqa: Y015
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__coalesce_s) -> _WhichOneofReturnType__coalesce_s | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_id) -> _WhichOneofReturnType__first_token_id | None: ...
 
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
