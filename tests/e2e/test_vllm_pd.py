@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
 from tests.e2e.up_system import UpSystem
+from tests.integration.services.processes import start_service
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -155,15 +158,32 @@ def prewarm_lines(system: UpSystem) -> tuple[list[str], list[str]]:
     return pattern.findall(log_of(system, "decode-0")), pattern.findall(log_of(system, "prefill-0"))
 
 
-def wait_prewarmed(system: UpSystem, timeout_s: float = 120.0) -> None:
-    """Both sides logged their pre-warm (before any request was sent)."""
+def wait_prewarmed(system: UpSystem, *, push: bool, timeout_s: float = 120.0) -> None:
+    """The decode engine (and in push mode the prefill engine, which WRITEs into it) logged
+    its pre-warm handshake, before any request was sent."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         decode, prefill = prewarm_lines(system)
-        if decode and prefill:
+        if decode and (prefill or not push):
             return
         time.sleep(1.0)
     raise AssertionError(f"no pre-warm logged within {timeout_s}s:\n{system.output()}")
+
+
+def fresh_prompts(count: int, tag: str) -> list[str]:
+    """Prompts no engine has seen: repeated ones move no KV, the decode engine's prefix cache
+    already holds them (vLLM then registers no block for the push)."""
+    return [f"Request {tag}-{n}: " + " ".join(WORDS) for n in range(count)]
+
+
+def pd_stack(work_dir: Path, model: Path, *args: str, push: bool) -> Iterator[UpSystem]:
+    """A PD stack for a test class: started, pre-warmed, stopped cleanly afterwards."""
+    system = start(work_dir, model, *args)
+    try:
+        wait_prewarmed(system, push=push)
+        yield system
+    finally:
+        assert system.stop() == 0, system.output()
 
 
 def assert_pd_equals_colocated(
@@ -191,14 +211,14 @@ class TestPushPrefillPP2:
 
     @pytest.fixture(scope="class")
     def system(
-        self, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+        self,
+        tmp_path_factory: pytest.TempPathFactory,
+        model_dir: Path,
+        colocated: dict[str, tuple[str, str | None, int]],
     ) -> Iterator[UpSystem]:
-        system = start(tmp_path_factory.mktemp("vllm-push"), model_dir, "--prefill-pp", "2")
-        try:
-            wait_prewarmed(system)
-            yield system
-        finally:
-            assert system.stop() == 0, system.output()
+        """Started after the colocated reference ran and stopped (one vLLM stack at a time)."""
+        work_dir = tmp_path_factory.mktemp("vllm-push")
+        yield from pd_stack(work_dir, model_dir, "--prefill-pp", "2", push=True)
 
     def test_handshakes_prewarmed_through_the_control_plane(self, system: UpSystem) -> None:
         decode, prefill = prewarm_lines(system)
@@ -224,13 +244,14 @@ class TestPushPrefillPP2:
     ) -> None:
         assert_pd_equals_colocated(system, prompts, colocated)
 
-    def test_kv_was_pushed_not_recomputed(self, system: UpSystem, prompts: list[str]) -> None:
+    def test_kv_was_pushed_not_recomputed(self, system: UpSystem) -> None:
         client = client_of(system)
         count = "pdserve_kv_transfer_latency_seconds_count"
         before = engine_metric(system, "prefill-0", count)
-        for prompt in prompts[:3]:
+        for prompt in fresh_prompts(3, "push"):
             greedy(client, prompt)
-        transfers = flushed(system, "prefill-0", count, before + 2 * 3, client, prompts)
+        flush = fresh_prompts(6, "push-flush")
+        transfers = flushed(system, "prefill-0", count, before + 2 * 3, client, flush)
         # Every request's KV is written by both prefill stages (a transfer each at least).
         assert transfers - before >= 2 * 3
         assert (
@@ -283,22 +304,82 @@ class TestPushPrefillPP2:
             results = list(pool.map(lambda p: greedy(client, p), prompts))
         assert results == [colocated[prompt] for prompt in prompts]
 
+    def test_prefill_killed_under_load_then_restarted_under_the_same_id(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+        model_dir: Path,
+        tmp_path: Path,
+    ) -> None:
+        """kill -9 of the whole prefill service (host, EngineCore, workers) under load: every
+        request in flight completes (disaggregated before the kill, or locally after it, counted)
+        or fails explicitly, none hangs; the decode engine survives, drops the dead
+        generation's agents, and serves through the restarted engine's new generation."""
+        client = client_of(system)
+        engines = system.endpoints["engines"]
+        fallbacks_before = engine_metric(system, "router", "pdserve_router_fallbacks_total")
+
+        def one(prompt: str) -> tuple[str, str | None, int] | int:
+            try:
+                return greedy(client, prompt)
+            except openai.APIStatusError as exc:  # an explicit error, never a silent one
+                return exc.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(one, prompt) for prompt in prompts[:8]]
+            time.sleep(1.0)
+            os.killpg(engines["prefill-0"]["pid"], signal.SIGKILL)
+            outcomes = [future.result(timeout=300) for future in futures]  # none hangs
+        for prompt, outcome in zip(prompts[:8], outcomes, strict=True):
+            assert outcome == colocated[prompt] or (isinstance(outcome, int) and outcome >= 500)
+        os.kill(engines["decode-0"]["pid"], 0)  # the decode service did not crash
+        after_kill = [one(prompt) for prompt in prompts[:2]]  # local on the decode engine
+        assert after_kill == [colocated[prompt] for prompt in prompts[:2]]
+        assert engine_metric(system, "router", "pdserve_router_fallbacks_total") > fallbacks_before
+
+        service = start_service(
+            "prefill",
+            engine_id="prefill-0",
+            redis_url=system.endpoints["redis"],
+            namespace=str(system.endpoints["namespace"]),
+            work_dir=tmp_path,
+            args=[
+                *("--engine", "vllm", "--model", str(model_dir), "--pp", "2"),
+                *("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--metrics-port", "0"),
+            ],
+        )
+        try:
+            service.wait_ready(START_TIMEOUT_S)
+            end = time.monotonic() + 120
+            while system.metric("pdserve_router_ready_engines", role="prefill") < 1:
+                assert time.monotonic() < end, "the router never saw the restarted prefill-0"
+                time.sleep(1.0)
+            raw = client.completions.with_raw_response.create(
+                model="tiny-model", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0
+            )
+            assert raw.headers["x-pdserve-execution-path"] == "disaggregated"
+            assert raw.parse().choices[0].text == colocated[prompts[0]][0]
+            decode_log = log_of(system, "decode-0")
+            assert "left the control plane; invalidating its agents" in decode_log
+            assert len(set(prewarm_lines(system)[0])) == 2  # both generations pre-warmed
+        finally:
+            service.kill_tree()
+
 
 class TestPullPP1:
     """Decode PP=1 reads (pulls) the KV of a prefill PP=1 engine."""
 
     @pytest.fixture(scope="class")
     def system(
-        self, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+        self,
+        tmp_path_factory: pytest.TempPathFactory,
+        model_dir: Path,
+        colocated: dict[str, tuple[str, str | None, int]],
     ) -> Iterator[UpSystem]:
-        system = start(
-            tmp_path_factory.mktemp("vllm-pull"), model_dir, "--engine-arg=--transfer-mode=pull"
-        )
-        try:
-            wait_prewarmed(system)
-            yield system
-        finally:
-            assert system.stop() == 0, system.output()
+        """Started after the colocated reference ran and stopped (one vLLM stack at a time)."""
+        pull = "--engine-arg=--transfer-mode=pull"
+        yield from pd_stack(tmp_path_factory.mktemp("vllm-pull"), model_dir, pull, push=False)
 
     def test_greedy_pd_equals_colocated_and_kv_was_pulled(
         self,
@@ -309,7 +390,8 @@ class TestPullPP1:
         assert_pd_equals_colocated(system, prompts, colocated)
         count = "pdserve_kv_transfer_latency_seconds_count"
         client = client_of(system)
-        pulled = flushed(system, "decode-0", count, len(prompts), client, prompts)
+        flush = fresh_prompts(6, "pull-flush")
+        pulled = flushed(system, "decode-0", count, len(prompts), client, flush)
         assert pulled >= len(prompts)  # one READ per request at least (PP=1, TP=1)
         assert engine_metric(system, "decode-0", count, consumer_engine="decode-0") == pulled
         assert engine_metric(system, "decode-0", "pdserve_kv_transfer_failures_total") == 0
