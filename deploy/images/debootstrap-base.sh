@@ -26,9 +26,23 @@ debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootst
     echo "debootstrap-base.sh: debootstrap failed (log above)" >&2
     exit 1
 }
-# What the official slim image drops too: package lists, caches, logs.
-rm -rf "$work/rootfs"/var/lib/apt/lists/* "$work/rootfs"/var/cache/apt/*.bin \
+# What the official slim image drops too: documentation, manuals, translations (also for packages
+# installed later), package lists, caches, logs.
+cat >"$work/rootfs/etc/dpkg/dpkg.cfg.d/slim" <<'CFG'
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+CFG
+echo 'Acquire::Languages "none";' >"$work/rootfs/etc/apt/apt.conf.d/99no-languages"
+find "$work/rootfs/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete
+rm -rf "$work/rootfs"/usr/share/man/* "$work/rootfs"/usr/share/info/* \
+    "$work/rootfs"/var/lib/apt/lists/* "$work/rootfs"/var/cache/apt/*.bin \
     "$work/rootfs"/var/cache/apt/archives/*.deb "$work/rootfs"/var/log/*.log
+find "$work/rootfs/usr/share/locale" -mindepth 1 -maxdepth 1 -not -name locale.alias \
+    -exec rm -rf {} +
 tar -C "$work/rootfs" --numeric-owner -cf "$work/rootfs.tar" .
 
 case "$(basename "$builder")" in

@@ -7,6 +7,7 @@ here, else ``podman run`` / ``docker run`` with the host's network."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -182,6 +184,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def pdserve_up_in(process: subprocess.Popen[bytes]) -> psutil.Process:
+    """The container's ``pdserve up``: buildah runs it as a descendant of ``buildah run``, and
+    kills it outright when ``buildah run`` itself is signalled, so Ctrl-C goes to it directly."""
+    for child in psutil.Process(process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.cmdline()[1:3] == ["/opt/pdserve/bin/pdserve", "up"]:
+                return child
+    raise AssertionError("no pdserve up process under the container runner")
+
+
 @pytest.mark.timeout(BUILD_TIMEOUT_S + READY_TIMEOUT_S + 300)
 def test_pdserve_up_in_the_image_serves_a_completion(container: Container, tmp_path: Path) -> None:
     port = free_port()
@@ -194,6 +206,7 @@ def test_pdserve_up_in_the_image_serves_a_completion(container: Container, tmp_p
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+    spawned: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
@@ -205,6 +218,7 @@ def test_pdserve_up_in_the_image_serves_a_completion(container: Container, tmp_p
             except httpx.TransportError:
                 pass
             time.sleep(2)
+        spawned = psutil.Process(process.pid).children(recursive=True)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
         raw = client.completions.with_raw_response.create(
             model="tiny-model",
@@ -219,13 +233,23 @@ def test_pdserve_up_in_the_image_serves_a_completion(container: Container, tmp_p
         assert completion.choices[0].text
         assert raw.headers["x-pdserve-execution-path"] == "disaggregated"
         assert raw.headers["x-pdserve-prefill-engine"]
-        os.killpg(process.pid, signal.SIGINT)
+        if container.tool == "buildah":
+            pdserve_up_in(process).send_signal(signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGINT)  # podman/docker run pass it on
         assert process.wait(timeout=120) == 0, log_path.read_text()[-5000:]
+        _, alive = psutil.wait_procs(spawned, timeout=60)
+        assert alive == [], f"left running after pdserve up stopped: {alive}"
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert "ready" in log_path.read_text().lower()
+        for leftover in spawned:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()
+    text = log_path.read_text()
+    assert "pdserve up: ready" in text
+    assert "stopped the embedded Redis" in text
 
 
 def test_build_with_an_unreachable_index_fails_at_that_step_and_tags_nothing(
