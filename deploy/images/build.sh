@@ -12,7 +12,7 @@
 #   BUILDER_FLAGS     global flags for the builder, e.g. "--storage-driver vfs"
 #   IMAGE             full name to tag (default: pdserve/pdserve-cpu:<appVersion> for cpu,
 #                     pdserve/pdserve:<appVersion> for gpu; the Helm chart's names)
-#   BASE_IMAGE        the CPU image's base (default docker.io/library/debian:bookworm-slim); when
+#   BASE_IMAGE        the images' base (default docker.io/library/debian:bookworm-slim); when
 #                     it cannot be pulled, a bookworm base is made with debootstrap instead
 #                     (localhost/pdserve-base:bookworm), as `make image-base` does
 #   TORCH_WHEEL_DIR   a folder holding torch-2.13.0+cpu-*.whl: install torch from it instead of
@@ -102,18 +102,18 @@ fi
 
 image_present() { b image inspect "$1" >/dev/null 2>&1; }
 
-if [ "$variant" = cpu ]; then
-    base=${BASE_IMAGE:-docker.io/library/debian:bookworm-slim}
-    if ! image_present "$base" && ! b pull "$base" >/dev/null 2>&1; then
-        if [ -n "${BASE_IMAGE:-}" ]; then
-            die "BASE_IMAGE=$base is neither here nor pullable"
-        fi
-        base=localhost/pdserve-base:bookworm
-        log "cannot pull docker.io/library/debian:bookworm-slim: using $base (debootstrap)"
-        image_present "$base" || "$images/debootstrap-base.sh" "$base" "$builder" "${flags[@]}"
+base=${BASE_IMAGE:-docker.io/library/debian:bookworm-slim}
+if ! image_present "$base" && ! b pull "$base" >/dev/null 2>&1; then
+    if [ -n "${BASE_IMAGE:-}" ]; then
+        die "BASE_IMAGE=$base is neither here nor pullable"
     fi
-    build_args+=(--build-arg "BASE_IMAGE=$base")
+    base=localhost/pdserve-base:bookworm
+    log "cannot pull docker.io/library/debian:bookworm-slim: using $base (debootstrap)"
+    image_present "$base" || "$images/debootstrap-base.sh" "$base" "$builder" "${flags[@]}"
+fi
+build_args+=(--build-arg "BASE_IMAGE=$base")
 
+if [ "$variant" = cpu ]; then
     # TORCH_WHEEL_DIR set but empty: no local wheel, the index only.
     wheel_dir=${TORCH_WHEEL_DIR-${PIP_FIND_LINKS:-$(pip config get global.find-links 2>/dev/null || true)}}
     wheels=()
