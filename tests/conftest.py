@@ -18,12 +18,20 @@ from tests.security.pki import make_pki
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests run only with PDSERVE_GPU_TESTS=1 (``make gpu-test`` on a GPU machine)."""
+    """GPU tests run only with PDSERVE_GPU_TESTS=1 (``make gpu-test`` on a GPU machine). Image
+    tests (build the container image, minutes) are deselected unless PDSERVE_IMAGE_TESTS=1
+    (``make image-test``)."""
+    if os.environ.get("PDSERVE_IMAGE_TESTS") != "1":
+        deselected = [item for item in items if item.get_closest_marker("image")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("image")]
     if os.environ.get("PDSERVE_GPU_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="needs a GPU: run `make gpu-test` with PDSERVE_GPU_TESTS=1")
     for item in items:
-        if "gpu" in item.keywords:
+        # The marker, not the keyword: a parameter id "gpu" is a keyword too.
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 

@@ -11,7 +11,7 @@ template receives (dict "root" $ "role" "prefill"|"decode" "member" "single"|"le
 {{/* GPUs one pod of this role requests. */}}
 {{- define "pdserve.engine.gpusPerPod" -}}
 {{- $r := index .root.Values .role }}
-{{- if ne $r.engine "vllm" }}0
+{{- if or (ne $r.engine "vllm") (and (hasKey $r.gpu "enabled") (not $r.gpu.enabled)) }}0
 {{- else if $r.multiNode.enabled }}{{ div (mul (int $r.pp) (int $r.tp)) (int $r.multiNode.nodes) }}
 {{- else }}{{ mul (int $r.pp) (int $r.tp) }}
 {{- end }}
