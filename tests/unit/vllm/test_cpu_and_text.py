@@ -32,12 +32,16 @@ def test_an_operators_binding_wins() -> None:
     assert THREADS_BIND_ENV in cpu_environment(2, {})
 
 
-def test_push_registration_is_clipped_to_the_producers_blocks() -> None:
+def test_consumer_blocks_past_the_producers_are_dropped_from_the_end() -> None:
     # A 33-token decode prompt at block size 32: two consumer blocks, one producer block.
-    assert clip_to_producer(([7, 8],), [[1]]) == ([7],)
-    assert clip_to_producer([7, 8], [1]) == [7]
-    assert clip_to_producer(([7, 8], [9, 10]), [[1, 2], [3]]) == ([7, 8], [9])
-    assert clip_to_producer(([7],), [[1]]) == ([7],)  # nothing to cut
+    assert clip_to_producer(([7, 8],), [[1]], [2]) == ([7],)
+    assert clip_to_producer([7, 8], [1], [2]) == [7]
+    # One cached block on the consumer: its 3 uncached blocks stand for positions 1..3; the
+    # producer's 3 blocks cover 0..2, so position 3 goes (vLLM aligns the rest from the end).
+    assert clip_to_producer(([11, 12, 13],), [[0, 1, 2]], [4]) == ([11, 12],)
+    assert clip_to_producer(([7, 8], [9, 10]), [[1, 2], [3]], [2, 2]) == ([7, 8], [9])
+    assert clip_to_producer(([7],), [[1]], [1]) == ([7],)  # nothing to cut
+    assert clip_to_producer((), [[1]], [1]) == ()  # a full prefix-cache hit moves nothing
 
 
 @pytest.fixture(scope="module")
