@@ -30,7 +30,6 @@ from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
 from tests.e2e.up_system import UpSystem
-from tests.integration.services.processes import start_service
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -356,20 +355,27 @@ class TestPushPrefillPP2:
         assert after_kill == [colocated[prompt] for prompt in prompts[:2]]
         assert engine_metric(system, "router", "pdserve_router_fallbacks_total") > fallbacks_before
 
-        service = start_service(
-            "prefill",
-            engine_id="prefill-0",
-            redis_url=system.endpoints["redis"],
-            namespace=str(system.endpoints["namespace"]),
-            work_dir=tmp_path,
-            args=[
-                *("--engine", "vllm", "--model", str(model_dir), "--pp", "2"),
-                *("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--metrics-port", "0"),
-            ],
-        )
+        log_path = tmp_path / "prefill-0-restarted.log"
+        with log_path.open("wb") as log:
+            restarted = subprocess.Popen(
+                pdserve_argv(
+                    "prefill",
+                    *("--redis", system.endpoints["redis"]),
+                    *("--namespace", str(system.endpoints["namespace"])),
+                    *("--engine-id", "prefill-0", "--listen", "127.0.0.1:0"),
+                    *("--engine", "vllm", "--model", str(model_dir), "--pp", "2"),
+                    *("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--metrics-port", "0"),
+                ),
+                stdout=log,  # a file, not a pipe: vLLM writes more than a pipe holds
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
-            service.wait_ready(START_TIMEOUT_S)
-            end = time.monotonic() + 120
+            end = time.monotonic() + START_TIMEOUT_S
+            while "PDSERVE_READY" not in log_path.read_text(errors="replace"):
+                assert restarted.poll() is None, log_path.read_text(errors="replace")[-4000:]
+                assert time.monotonic() < end, "the restarted prefill-0 never became READY"
+                time.sleep(1.0)
             while system.metric("pdserve_router_ready_engines", role="prefill") < 1:
                 assert time.monotonic() < end, "the router never saw the restarted prefill-0"
                 time.sleep(1.0)
@@ -382,7 +388,8 @@ class TestPushPrefillPP2:
             assert "left the control plane; invalidating its agents" in decode_log
             assert len(set(prewarm_lines(system)[0])) == 2  # both generations pre-warmed
         finally:
-            service.kill_tree()
+            os.killpg(restarted.pid, signal.SIGKILL)
+            restarted.wait(60)
 
 
 class TestPullPP1:
