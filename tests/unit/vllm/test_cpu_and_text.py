@@ -80,6 +80,7 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
     exporter.record(
         {
             "transfer_duration": [0.002, 0.004],
+            "post_duration": [0.0001, 0.0002],
             "bytes_transferred": [1024, 2048],
             "num_descriptors": [7, 7],
             "num_failed_transfers": [1],
@@ -95,12 +96,14 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
     value = registry.get_sample_value
     assert value("pdserve_kv_transfer_latency_seconds_count", pair) == 2
     assert value("pdserve_kv_transfer_bytes_total", pair) == 3072
+    assert value("pdserve_kv_transfer_descriptor_prep_seconds_count", pair) == 2
     assert (
         value("pdserve_kv_transfer_failures_total", {**pair, "reason": "vllm_transfer_failed"}) == 1
     )
     expired = {"producer_engine": "prefill-0", "consumer_engine": "unknown", "producer_rank": "all"}
     assert value("pdserve_kv_transfer_expired_leases_total", expired) == 2
     assert exporter.transfers == 2
+    assert exporter.transfer_seconds == pytest.approx(0.006)
     consumer = VllmTransferExporter(
         KVTransferMetrics(CollectorRegistry()), "decode-0", producer=False
     )
