@@ -327,6 +327,16 @@ class _Worker:
             finished = self.consumer.poll()
         return int(self.consumer.pending())
 
+    def progress_step(self) -> None:
+        """One poll of the consumer side, as a rank's loop does every few milliseconds: the
+        NIXL agent progresses, so notifications queued in UCX (e.g. "notify only" messages to
+        replicas nobody read) reach their producers."""
+        if self.consumer is not None:
+            self.consumer.poll()
+
+    def noop(self) -> None:
+        """Answers nothing: ends a ``progress`` command (see :meth:`WorkerProcess.progress`)."""
+
     # -- both ----------------------------------------------------------------------------------
 
     def pool_status(self) -> tuple[int, int]:
@@ -358,6 +368,11 @@ def _worker_main(conn: Connection) -> None:
             worker.close()
             conn.send(("ok", None))
             return
+        if command == "progress":  # poll until the parent's next command arrives
+            while not conn.poll(0.001):
+                worker.progress_step()
+            conn.send(("ok", None))
+            continue
         try:
             conn.send(("ok", getattr(worker, command)(**kwargs)))
         except Exception:
@@ -377,9 +392,12 @@ class WorkerProcess:
         self.process.start()
         child.close()
         self.outstanding = 0
+        self.progressing = False
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Collect answers a failed test left unread, so the next command pairs up."""
+        if self.progressing:
+            self.settle()
         while self.outstanding > 0:
             with contextlib.suppress(WorkerError):
                 self.recv(timeout_s)
@@ -400,6 +418,18 @@ class WorkerProcess:
     def call(self, command: str, timeout_s: float = 60.0, **kwargs: Any) -> Any:
         self.send(command, **kwargs)
         return self.recv(timeout_s)
+
+    def progress(self) -> None:
+        """Keep this worker's consumer progressing (as real ranks do) until :meth:`settle`."""
+        self.send("progress")
+        self.progressing = True
+
+    def settle(self) -> None:
+        """End :meth:`progress`: any command stops it; ``noop`` then answers too."""
+        self.progressing = False
+        self.send("noop")
+        self.recv()
+        self.recv()
 
     def kill(self) -> None:
         if self.process.is_alive():

@@ -155,7 +155,9 @@ def test_unresponsive_producer_times_out_and_its_lease_ends(workers):
     summary = pull(consumer, "stuck", PRODUCER, blocks, 3, pull_timeout_s=0.5)
     assert summary["reasons"] == ["timeout"]
     assert 0.5 <= summary["seconds"] < 2.0
-    assert producer.call("serve", request_ids=["stuck"])["stuck"] in {"released", "expired"}
+    # The consumer's failure notice cannot arrive: the connection never formed (the producer
+    # did not progress before the consumer gave the read up), so the lease expires.
+    assert producer.call("serve", request_ids=["stuck"]) == {"stuck": "expired"}
 
 
 def test_pending_pull_fails_when_the_producer_restarts_with_a_new_generation(workers):
@@ -216,4 +218,5 @@ def test_cancelled_pull_is_reported_as_cancelled(workers):
     connect(consumer, PRODUCER, record)  # not polling: the read stays pending until cancelled
     summary = pull(consumer, "abort-me", PRODUCER, blocks, 8, cancel=True)
     assert summary["reasons"] == ["cancelled"]
-    assert producer.call("serve", request_ids=["abort-me"])["abort-me"] in {"released", "expired"}
+    # Nor can its cancel notice: the connection never formed, so the lease expires.
+    assert producer.call("serve", request_ids=["abort-me"]) == {"abort-me": "expired"}

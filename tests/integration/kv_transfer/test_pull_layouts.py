@@ -59,7 +59,13 @@ def run_pulls(
                 seed=seed,
             )
         summaries.extend(worker.recv() for worker in consumers)
+    # Consumers keep progressing, as real ranks do, until every producer rank has reported:
+    # a notification to a replica nobody read may still sit in UCX when the pull returns.
+    for worker in consumers:
+        worker.progress()
     ended = [worker.recv() for worker in producers]
+    for worker in consumers:
+        worker.settle()
     return {"summaries": summaries, "ended": ended}
 
 
