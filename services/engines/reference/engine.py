@@ -213,7 +213,7 @@ class EngineLoop:
     def _run_step(self, step: PlannedStep) -> None:
         self._step_id += 1
         step_id = self._step_id
-        self.group.broadcast(StepPlan(step_id, step.chunks))
+        self.group.broadcast(StepPlan(step_id, step.chunks, step.all_tokens))
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while True:
             logits = None
