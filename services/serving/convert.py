@@ -145,9 +145,7 @@ def sampling_from_proto(
         presence_penalty=_float32(message.presence_penalty),
         frequency_penalty=_float32(message.frequency_penalty),
         repetition_penalty=(
-            _float32(message.repetition_penalty)
-            if message.HasField("repetition_penalty")
-            else 1.0
+            _float32(message.repetition_penalty) if message.HasField("repetition_penalty") else 1.0
         ),
         min_p=_float32(message.min_p),
         min_tokens=message.min_tokens,
@@ -156,9 +154,7 @@ def sampling_from_proto(
             for token, bias in sorted(message.logit_bias.items())
         ),
         logprobs=message.logprobs if message.HasField("logprobs") else None,
-        prompt_logprobs=(
-            message.prompt_logprobs if message.HasField("prompt_logprobs") else None
-        ),
+        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
         include_stop_str_in_output=message.include_stop_str_in_output,
         skip_special_tokens=(
             message.skip_special_tokens if message.HasField("skip_special_tokens") else True

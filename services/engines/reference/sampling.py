@@ -67,9 +67,12 @@ def process_logits(
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         if prompt:
-            seen |= torch.bincount(torch.tensor(list(prompt), dtype=torch.long), minlength=vocab)[
-                :vocab
-            ] > 0
+            seen |= (
+                torch.bincount(torch.tensor(list(prompt), dtype=torch.long), minlength=vocab)[
+                    :vocab
+                ]
+                > 0
+            )
         penalty = params.repetition_penalty
         penalized = torch.where(processed > 0, processed / penalty, processed * penalty)
         processed = torch.where(seen, penalized, processed)

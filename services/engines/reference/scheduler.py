@@ -378,9 +378,7 @@ class Scheduler:
                     if sampling.ignore_eos
                     else (*sampling.stop_token_ids, *self._eos)
                 )
-                processed = process_logits(
-                    last, sampling, request.prompt, request.output, stop_ids
-                )
+                processed = process_logits(last, sampling, request.prompt, request.output, stop_ids)
                 token = sample_token(processed, sampling, generator)
                 logprobs = (
                     token_logprobs(last, token, sampling.logprobs)
@@ -433,9 +431,7 @@ class Scheduler:
         if request.kind == "prefill":
             self._finish_prefill(request, token, text, finish, logprobs)
             return
-        self._emit(
-            request, returned, text, finish, (logprobs,) if logprobs and returned else ()
-        )
+        self._emit(request, returned, text, finish, (logprobs,) if logprobs and returned else ())
 
     def _usage(self, request: EngineRequest) -> Usage:
         return Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output))
