@@ -159,6 +159,8 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
     prompts = [_prompt_ids(runtime, prompt, body.add_special_tokens) for prompt in body.prompts()]
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     echo = bool(body.echo)
+    if max_tokens == 0 and not echo:  # vLLM's rule: 0 only scores an echoed prompt
+        raise InvalidRequestError("max_tokens must be at least 1, got 0.", param="max_tokens")
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and echo:
         prompt_logprobs = body.logprobs

@@ -232,8 +232,6 @@ class CompletionRequest(_SamplingFields):
         return value
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.max_tokens == 0 and not self.echo:
-            return "max_tokens", "max_tokens must be at least 1, got 0."
         if self.best_of not in (None, 1, self.n):
             return "best_of", "best_of other than n is not supported by pdserve"
         if self.suffix:
