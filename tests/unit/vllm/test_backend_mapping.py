@@ -121,8 +121,6 @@ def test_handshake_extra_round_trips_and_rejects_garbage() -> None:
 def test_vllm_sampling_parameters_map_to_vllm_sampling_params() -> None:
     from vllm.sampling_params import SamplingParams as VllmSamplingParams  # noqa: PLC0415
 
-    from services.engines.backend import KVHandle  # noqa: PLC0415
-
     sampling = SamplingParams(
         max_tokens=8,
         temperature=0.7,
@@ -147,7 +145,9 @@ def test_vllm_sampling_parameters_map_to_vllm_sampling_params() -> None:
     assert (prefill.logprobs, prefill.prompt_logprobs) == (2, 1)
     assert prefill.include_stop_str_in_output
     assert not prefill.skip_special_tokens and not prefill.spaces_between_special_tokens
-    handle = KVHandle("p", 1, "r", (0,), 4, 0.0, b"{}")
+    handle = encode_handle(
+        PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
+    )
     local = VllmSamplingParams(**decode_sampling(sampling, None))
     assert (local.max_tokens, local.min_tokens, local.prompt_logprobs) == (8, 3, 1)
     remote = decode_sampling(sampling, handle)
