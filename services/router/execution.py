@@ -170,7 +170,10 @@ class Executor:
     ) -> AsyncGenerator[Chunk, None]:
         """Run ``request``; see the module docstring. ``info`` is filled as it goes."""
         info.prompt_tokens = len(request.prompt_token_ids)
-        prompt = PromptInfo(request.prompt_token_ids)
+        prompt = PromptInfo(
+            request.prompt_token_ids,
+            context_tokens=len(request.prompt_token_ids) + request.sampling.max_tokens,
+        )
         plan = self._scheduler.plan(request.model, prompt)
         self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
