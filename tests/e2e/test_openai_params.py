@@ -310,6 +310,24 @@ def test_streamed_logprobs_equal_non_streamed(client: openai.OpenAI) -> None:
     assert all(top and 1 <= len(top) <= 3 for top in whole.top_logprobs)
 
 
+def test_prefix_cache_serves_a_repeated_prompt_with_the_same_output(
+    client: openai.OpenAI,
+) -> None:
+    prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens: " * 2
+    kwargs = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    first = client.completions.create(**kwargs)  # type: ignore[arg-type]
+    second = client.completions.create(**kwargs)  # type: ignore[arg-type]
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+
+
 def test_context_limit_is_a_400(pd: UpSystem, model_dir: Path) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000}
     response = httpx.post(f"{pd.url}/v1/completions", json=body, timeout=60)

@@ -261,7 +261,7 @@ class EngineLoop:
             queue_depth=s.queue_depth,
             running=s.running_count,
             in_flight=s.in_flight,
-            free_blocks=s.allocator.free_count,
+            free_blocks=s.free_blocks(),
             total_blocks=s.limits.num_blocks,
         )
 

@@ -64,6 +64,7 @@ from services.engines.reference.messages import (
     ReleaseKV,
 )
 from services.engines.reference.metrics import ReferenceEngineMetrics
+from services.engines.reference.prefix_cache import PrefixCache
 from services.engines.reference.sampling import (
     OutputText,
     make_generator,
@@ -113,6 +114,7 @@ class SchedulerLimits:
     kv_lease_s: float
     kv_pull_timeout_s: float
     producer_connect_wait_s: float
+    prefix_caching: bool = False
 
 
 @dataclass(eq=False)
@@ -143,6 +145,8 @@ class EngineRequest:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """With ``sampling.prompt_logprobs``: prompt tokens 1.. as their chunks are computed."""
     prompt_logprobs_sent: bool = False
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -203,6 +207,9 @@ class Scheduler:
         self.generation = generation
         self.limits = limits
         self.allocator = BlockAllocator(limits.num_blocks)
+        self.prefix_cache = (
+            PrefixCache(self.allocator, limits.block_size) if limits.prefix_caching else None
+        )
         self.outbox: list[HostCommand] = []
         """Commands for every rank, in order; the engine loop sends and clears them."""
         self.deliveries: list[tuple[RequestSink, SinkItem]] = []
@@ -334,14 +341,35 @@ class Scheduler:
             budget -= take
         return PlannedStep(tuple(entries)) if entries else None
 
+    def free_blocks(self) -> int:
+        """Blocks an admission may use (evictable prefix-cache blocks included)."""
+        cache = self.prefix_cache
+        return self.allocator.free_count if cache is None else cache.free_count()
+
     def _admit(self) -> None:
+        cache = self.prefix_cache
         while self._waiting and self.running_count < self.limits.max_running:
             request = self._waiting[0]
             needed = self._blocks_needed(request.kind, len(request.prompt), request.sampling)
-            if needed > self.allocator.free_count:
+            cached: list[int] = []
+            if (
+                cache is not None
+                and request.kind != "remote"
+                and request.sampling.prompt_logprobs is None
+            ):
+                cached = cache.match(request.prompt)
+            if needed - len(cached) > self.free_blocks():
+                if cached:
+                    self.allocator.free(cached)
                 return  # head of line waits for blocks
             self._waiting.popleft()
-            request.block_ids = list(self.allocator.allocate(needed))
+            fresh = (
+                cache.allocate(needed - len(cached))
+                if cache is not None
+                else list(self.allocator.allocate(needed))
+            )
+            request.block_ids = [*cached, *fresh]
+            request.num_computed = request.cached_tokens = len(cached) * self.limits.block_size
             request.admitted_at = self._clock()
             if request.kind == "remote":
                 self._start_pull(request)
@@ -365,6 +393,8 @@ class Scheduler:
                 self._add_prompt_logprobs(request, entry.chunk.num_cached, rows)
             request.num_computed += length
             if request.pending_tokens == 0:
+                if not request.output and self.prefix_cache is not None:
+                    self.prefix_cache.insert(request.prompt, request.block_ids)
                 sampling = request.sampling
                 seed = sampling.seed
                 generator = (
@@ -434,7 +464,11 @@ class Scheduler:
         self._emit(request, returned, text, finish, (logprobs,) if logprobs and returned else ())
 
     def _usage(self, request: EngineRequest) -> Usage:
-        return Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output))
+        return Usage(
+            prompt_tokens=len(request.prompt),
+            completion_tokens=len(request.output),
+            cached_tokens=request.cached_tokens,
+        )
 
     def _emit(
         self,
@@ -581,6 +615,8 @@ class Scheduler:
         request.kv_transfer_s = self._clock() - request.pull_started_at
         request.num_computed = len(request.prompt)
         request.output = [request.first_token_id]
+        if self.prefix_cache is not None:  # the pulled blocks hold the prompt's KV
+            self.prefix_cache.insert(request.prompt, request.block_ids)
         request.phase = Phase.RUNNING
         self._running.append(request)
         if len(request.output) >= request.sampling.max_tokens:
