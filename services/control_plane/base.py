@@ -60,6 +60,8 @@ class EngineSpec:
     endpoint: str
     pp_aware: bool = True
     engine_kind: str = "reference"
+    max_model_len: int = 0
+    """The engine's context in tokens (0 = unknown)."""
 
 
 @dataclass(frozen=True)

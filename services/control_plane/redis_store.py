@@ -114,6 +114,7 @@ class RedisControlPlane(ControlPlane):
             lease_ttl_ms=self.lease_ttl_ms,
             registered_at_ms=now,
             engine_kind=spec.engine_kind,
+            max_model_len=spec.max_model_len,
         )
         status = EngineStatus(
             spec.engine_id,

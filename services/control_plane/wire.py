@@ -28,7 +28,9 @@ from services.control_plane.errors import RecordDecodeError
 from services.topology import Range
 
 # Protocol history:
-#   1: first version (engine record, handshake record, status, load, event).
+#   1: first version (engine record, handshake record, status, load, event); the engine
+#      record's max_model_len was added later with a default (0 = unknown), so records
+#      written before it still decode.
 PROTOCOL_VERSION = 1
 
 MAX_RECORD_BYTES = 4 * 1024 * 1024
@@ -114,6 +116,9 @@ class EngineRecord:
     registered_at_ms: int
     engine_kind: str = "reference"
     """The engine backend (``reference`` or ``vllm``), for operators."""
+    max_model_len: int = 0
+    """The engine's context (prompt + output tokens); 0 = unknown (the router then cannot
+    check a request's length against it)."""
 
     @property
     def world_size(self) -> int:

@@ -40,6 +40,10 @@ from services.engines.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20
+"""Most top logprobs per token (``logprobs`` / ``prompt_logprobs``), vLLM's default
+``max_logprobs``."""
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,15 @@ class SamplingParams:
     when the detokenized output contains one (the stop string is not returned);
     ``stop_token_ids`` end it on those ids (the id is not returned); EOS ends it unless
     ``ignore_eos``.
+
+    The rest follow vLLM's ``SamplingParams``: ``presence_penalty`` / ``frequency_penalty``
+    (OpenAI's, over the output so far) and ``repetition_penalty`` (over prompt and output;
+    1 = off) apply before temperature; ``min_p`` drops tokens below ``min_p`` times the top
+    probability; EOS and ``stop_token_ids`` cannot end generation before ``min_tokens``
+    tokens; ``logit_bias`` adds to the raw logits. ``logprobs``: return the sampled token's
+    logprob and the ``logprobs`` most likely (of the distribution before penalties and
+    temperature, as vLLM's default ``raw_logprobs``); ``prompt_logprobs`` likewise for every
+    prompt token after the first.
     """
 
     max_tokens: int = 16
@@ -61,6 +74,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs, bias clamped to [-100, 100] as vLLM does."""
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def validate(self, *, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad field."""
@@ -80,6 +105,38 @@ class SamplingParams:
             raise InvalidRequest(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
+        for token, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise InvalidRequest(f"logit_bias: token id {token} outside [0, {vocab_size})")
+            if not math.isfinite(bias):
+                raise InvalidRequest(f"logit_bias: the bias of token {token} is not finite")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and not 0 <= count <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {count}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +202,18 @@ class KVHandle:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs: the chosen (sampled or prompt) token's and the ``top`` most
+    likely ``(token id, logprob)`` pairs, most likely first (empty when 0 were asked)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1-based rank of ``token_id`` in the distribution (vLLM's ``rank``)."""
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -169,6 +238,10 @@ class PrefillResult:
     prefill_s: float = 0.0
     """Engine time from admission to the first token (queue time excluded)."""
     queue_s: float = 0.0
+    logprobs: TokenLogprobs | None = None
+    """The first token's, when ``sampling.logprobs`` is set."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """Prompt tokens 1.. (the first has none), when ``sampling.prompt_logprobs`` is set."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +260,11 @@ class TokenDelta:
     """Set with ``FinishReason.ERROR``: what went wrong, for the client."""
     kv_transfer_s: float | None = None
     """On the first delta of a disaggregated request: time spent pulling the KV."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per id of ``token_ids``, when ``sampling.logprobs`` is set."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """On the first delta of a local request with ``sampling.prompt_logprobs``: prompt
+    tokens 1.. (a disaggregated request gets them from its prefill)."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +326,7 @@ class BackendDescription:
             endpoint=endpoint,
             pp_aware=self.pp_aware,
             engine_kind=self.engine_kind,
+            max_model_len=self.max_model_len,
         )
 
 

@@ -13,6 +13,7 @@ locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -30,6 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.engines.backend import FinishReason, SamplingParams
 from services.engines.errors import InvalidRequest, TokenizerError
+from services.router import params
+from services.router.choices import Choice, serve_choices
 from services.router.direct_route import DirectRoute
 from services.router.errors import (
     AuthenticationError,
@@ -153,23 +156,51 @@ CHAT = _Output(
 async def completions(body: CompletionRequest, runtime: Runtime, http: Request) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        token_ids = runtime.tokenizer.encode(prompt, add_special_tokens=True)
-    else:
-        token_ids = prompt
-        vocab = runtime.tokenizer.vocab_size
-        if any(token >= vocab for token in token_ids):
-            raise InvalidRequestError(
-                f"prompt token ids must be below the vocabulary size {vocab}", param="prompt"
-            )
-    max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    request = _generation_request(
-        "cmpl", body.model, token_ids, _sampling(body, max_tokens), arrival, body.stream
+    prompts = [_prompt_ids(runtime, prompt, body.add_special_tokens) for prompt in body.prompts()]
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    echo = bool(body.echo)
+    if max_tokens == 0 and not echo:  # vLLM's rule: 0 only scores an echoed prompt
+        raise InvalidRequestError("max_tokens must be at least 1, got 0.", param="max_tokens")
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and echo:
+        prompt_logprobs = body.logprobs
+    sampling = params.sampling_of(
+        body, max(max_tokens, 1), logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
-    return await _serve(runtime, http, COMPLETIONS, request, body.stream, _include_usage(body))
+    stream = bool(body.stream)
+    if len(prompts) == 1 and body.n == 1 and not echo and params.plain(sampling):
+        request = _generation_request("cmpl", body.model, prompts[0], sampling, arrival, stream)
+        _check_engines(runtime, request)
+        return await _serve(runtime, http, COMPLETIONS, request, stream, _include_usage(body))
+    base = f"cmpl-{uuid.uuid4().hex}"
+    choices: list[Choice] = []
+    for prompt_index, token_ids in enumerate(prompts):
+        echo_text = runtime.tokenizer.decode(token_ids) if echo else ""
+        for i in range(body.n):
+            request = _generation_request(
+                "cmpl", body.model, token_ids, _nth(sampling, i), arrival, stream
+            )
+            request = dataclasses.replace(request, request_id=f"{base}-{len(choices)}")
+            _check_engines(runtime, request)
+            choices.append(
+                Choice(
+                    len(choices),
+                    prompt_index,
+                    request,
+                    echo_text=echo_text,
+                    echo_only=echo and max_tokens == 0,
+                    logprobs=body.logprobs,
+                )
+            )
+    return await serve_choices(
+        runtime,
+        "completion",
+        COMPLETIONS.endpoint,
+        choices,
+        stream,
+        _include_usage(body),
+        lambda work: _unless_client_leaves(http, work),
+    )
 
 
 @generation.post("/chat/completions")
@@ -184,10 +215,64 @@ async def chat_completions(
     max_tokens = (
         body.max_completion_tokens or body.max_tokens or runtime.settings.default_max_tokens
     )
-    request = _generation_request(
-        "chatcmpl", body.model, token_ids, _sampling(body, max_tokens), arrival, body.stream
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = params.sampling_of(
+        body, max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs
     )
-    return await _serve(runtime, http, CHAT, request, body.stream, _include_usage(body))
+    stream = bool(body.stream)
+    if body.n == 1 and params.plain(sampling):
+        request = _generation_request("chatcmpl", body.model, token_ids, sampling, arrival, stream)
+        _check_engines(runtime, request)
+        return await _serve(runtime, http, CHAT, request, stream, _include_usage(body))
+    base = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = []
+    for i in range(body.n):
+        request = _generation_request(
+            "chatcmpl", body.model, token_ids, _nth(sampling, i), arrival, stream
+        )
+        request = dataclasses.replace(request, request_id=f"{base}-{i}")
+        _check_engines(runtime, request)
+        choices.append(Choice(i, 0, request, logprobs=top))
+    return await serve_choices(
+        runtime,
+        "chat",
+        CHAT.endpoint,
+        choices,
+        stream,
+        _include_usage(body),
+        lambda work: _unless_client_leaves(http, work),
+    )
+
+
+def _prompt_ids(runtime: RouterRuntime, prompt: str | list[int], special: bool | None) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return runtime.tokenizer.encode(prompt, add_special_tokens=special is not False)
+    vocab = runtime.tokenizer.vocab_size
+    if any(token >= vocab for token in prompt):
+        raise InvalidRequestError(
+            f"prompt token ids must be below the vocabulary size {vocab}", param="prompt"
+        )
+    return prompt
+
+
+def _nth(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: with a seed, ``seed + index`` (vLLM's rule)."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) & params.SEED_MASK)
+
+
+def _check_engines(runtime: RouterRuntime, request: GenerationRequest) -> None:
+    """Parameters every engine of the model can honour; a context that fits one of them."""
+    records = [slot.record for slot in runtime.pool.slots() if slot.record.model == request.model]
+    try:
+        request.sampling.validate(vocab_size=runtime.tokenizer.vocab_size)
+    except InvalidRequest as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    params.check_engines(records, request.sampling)
+    params.check_context(records, len(request.prompt_token_ids), request.sampling.max_tokens)
 
 
 @v1.get("/models")
@@ -228,20 +313,6 @@ def _reject_unsupported(problem: tuple[str, str] | None) -> None:
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
-
-
-def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),
-        seed=body.seed,
-        stop=body.stop_strings(),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-    )
-    return sampling
 
 
 def _generation_request(

@@ -40,6 +40,7 @@ from services.engines.backend import (
     PrefillResult,
     SamplingParams,
     TokenDelta,
+    TokenLogprobs,
 )
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, InvalidRequestError, RouterError
@@ -84,6 +85,10 @@ class Chunk:
     text: str
     num_tokens: int
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token, when the request asked for logprobs."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """On the first chunk, when the request asked for prompt logprobs (tokens 1..)."""
 
 
 @dataclass
@@ -165,7 +170,10 @@ class Executor:
     ) -> AsyncGenerator[Chunk, None]:
         """Run ``request``; see the module docstring. ``info`` is filled as it goes."""
         info.prompt_tokens = len(request.prompt_token_ids)
-        prompt = PromptInfo(request.prompt_token_ids)
+        prompt = PromptInfo(
+            request.prompt_token_ids,
+            context_tokens=len(request.prompt_token_ids) + request.sampling.max_tokens,
+        )
         plan = self._scheduler.plan(request.model, prompt)
         self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
@@ -188,12 +196,19 @@ class Executor:
             info.cached_tokens = result.usage.cached_tokens
             info.completion_tokens = 1
             self._observe_ttft(request, info)
+            first_logprobs = (result.logprobs,) if result.logprobs is not None else ()
             if result.finish_reason is not None or result.kv_handle is None:
-                yield Chunk(result.text, 1, result.finish_reason or FinishReason.STOP)
+                yield Chunk(
+                    result.text,
+                    1,
+                    result.finish_reason or FinishReason.STOP,
+                    first_logprobs,
+                    result.prompt_logprobs,
+                )
                 return
             handed_off = False
             try:
-                yield Chunk(result.text, 1)
+                yield Chunk(result.text, 1, None, first_logprobs, result.prompt_logprobs)
                 async for chunk in self._decode(request, plan.decode, result, info):
                     handed_off = True
                     yield chunk
@@ -341,7 +356,13 @@ class Executor:
                 info.completion_tokens += len(delta.token_ids)
                 if prefilled is None and delta.usage is not None:
                     info.cached_tokens = delta.usage.cached_tokens
-                yield Chunk(delta.text, len(delta.token_ids), delta.finish_reason)
+                yield Chunk(
+                    delta.text,
+                    len(delta.token_ids),
+                    delta.finish_reason,
+                    delta.logprobs,
+                    delta.prompt_logprobs,
+                )
                 if delta.finish_reason is not None:
                     return
         finally:

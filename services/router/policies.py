@@ -57,6 +57,13 @@ class PromptInfo:
 
     token_ids: tuple[int, ...]
     _hashes: dict[int, list[int]] = field(default_factory=dict)
+    context_tokens: int = 0
+    """Prompt + ``max_tokens``: the scheduler skips engines whose ``max_model_len`` (when
+    published) is smaller."""
+
+    def fits(self, max_model_len: int) -> bool:
+        """Whether an engine with this context (0 = unknown) can hold the request."""
+        return not max_model_len or self.context_tokens <= max_model_len
 
     def block_hashes(self, block_size: int) -> list[int]:
         hashes = self._hashes.get(block_size)

@@ -1,10 +1,15 @@
 """OpenAI request models (pydantic, at the HTTP edge) and the response bodies.
 
-Requests forbid unknown fields: a parameter the router does not implement is a 400 naming it,
-never silently ignored. Parameters OpenAI defines that the router accepts only at their
-neutral value (``n``, ``echo``, ``logprobs``, penalties...) are declared and checked so the
-message says exactly what is unsupported. Responses are plain dicts built here (no response
-validation on the hot path).
+The request models declare every field of vLLM 0.32's OpenAI server
+(``vllm/entrypoints/openai/{completion,chat_completion}/protocol.py``) with vLLM's defaults, so
+a request that a vLLM client fills with defaults (``"repetition_penalty": 1.0``,
+``"logprobs": null``...) is accepted. Fields pdserve carries to the engines (sampling, logprobs,
+``n``, ``echo``...) are typed; the vLLM extensions pdserve does not implement are declared in
+:data:`NEUTRAL_EXTENSIONS` and accepted only at their default value (a 400 naming the
+parameter otherwise, never silently ignored). Unknown fields are still refused. Whether an
+engine can honour a carried parameter is checked against the engines' kinds
+(:mod:`services.router.params`). Responses are plain dicts (no response validation on the hot
+path).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from pydantic import (
     model_validator,
 )
 
-from services.engines.backend import MAX_STOP_STRINGS
+from services.engines.backend import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 MAX_PROMPT_TOKEN_IDS = 1_000_000
+MAX_BATCH_PROMPTS = 64
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**32)]
 
 
@@ -35,8 +41,82 @@ class StreamOptions(BaseModel):
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
 
 
+NEUTRAL_EXTENSIONS: dict[str, Any] = {
+    "use_beam_search": False,
+    "watermarking": None,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "truncation_side": None,
+    "allowed_token_ids": None,
+    "logprob_token_ids": None,
+    "bad_words": [],
+    "prompt_embeds": None,
+    "response_format": None,
+    "structured_outputs": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": None,
+    "return_token_ids": None,
+    "routed_experts_prompt_start": 0,
+    "return_token_offsets": False,
+    "mm_payload": "tensors",
+    "return_mm_kwargs": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "vllm_xargs": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+    "stream_interval": None,
+    # chat only
+    "tools": None,
+    "tool_choice": "none",
+    "reasoning_effort": None,
+    "include_reasoning": True,
+    "parallel_tool_calls": True,
+    "continue_final_message": False,
+    "documents": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "media_io_kwargs": None,
+    "mm_processor_kwargs": None,
+    "return_prompt_text": None,
+}
+"""vLLM request fields pdserve does not implement, with vLLM's defaults: accepted only at the
+default (``response_format`` also as ``{"type": "text"}``). ``request_id`` and ``session_id``
+are accepted and ignored (pdserve names its own requests)."""
+
+_CHAT_ONLY = {
+    "tools",
+    "tool_choice",
+    "reasoning_effort",
+    "include_reasoning",
+    "parallel_tool_calls",
+    "continue_final_message",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "return_prompt_text",
+}
+
+
+def _neutral_problem(body: BaseModel, names: list[str]) -> tuple[str, str] | None:
+    for name in names:
+        value = getattr(body, name)
+        default = NEUTRAL_EXTENSIONS[name]
+        if value == default or (value is None and default in ([], False)):
+            continue
+        if name == "response_format" and value == {"type": "text"}:
+            continue
+        if name == "tool_choice" and value in ("none", "auto") and not body.tools:  # type: ignore[attr-defined]
+            continue
+        return name, f"{name} is not supported by pdserve (only its default {default!r})"
+    return None
+
+
 class _SamplingFields(BaseModel):
-    """Fields common to completions and chat completions."""
+    """Fields common to completions and chat completions (vLLM's names and defaults)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,34 +125,69 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=1_000_000)
     """vLLM's extension: -1 or 0 disables it."""
-    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     """vLLM's extension: end on these ids."""
     ignore_eos: bool = False
     """vLLM's extension: do not stop at EOS."""
     n: StrictInt = Field(default=1, ge=1, le=128)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool | None = None
+    """Completions: default true; chat: default false (the template adds them)."""
     user: StrictStr | None = Field(default=None, max_length=256)
     """Accepted and ignored (an end-user id for abuse monitoring)."""
+    request_id: StrictStr | None = Field(default=None, max_length=256)
+    session_id: StrictStr | None = Field(default=None, max_length=256)
+
+    # vLLM extensions accepted only at their default (NEUTRAL_EXTENSIONS).
+    use_beam_search: bool = False
+    watermarking: Any = None
+    length_penalty: Any = 1.0
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    allowed_token_ids: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    priority: Any = 0
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    routed_experts_prompt_start: Any = 0
+    return_token_offsets: Any = False
+    mm_payload: Any = "tensors"
+    return_mm_kwargs: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first parameter set to a value the router does not
-        implement, or ``None``."""
-        if self.n != 1:
-            return "n", "n > 1 is not supported: send one request per choice"
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return param, f"{param} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        implement (or that vLLM refuses in this combination), or ``None``."""
         if self.stream_options is not None and not self.stream:
-            return "stream_options", "stream_options is only allowed with stream=true"
-        return None
+            return "stream_options", "Stream options can only be defined when `stream=True`."
+        if self.prompt_logprobs and self.stream:
+            return "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
+        names = [
+            n for n in NEUTRAL_EXTENSIONS if n not in _CHAT_ONLY and n in type(self).model_fields
+        ]
+        return _neutral_problem(self, names)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -91,11 +206,13 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string or a list of token ids (one prompt)."""
 
     prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
-    echo: bool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=1_000_000)
+    """``None`` reads as 16; 0 only with ``echo`` (score the prompt, generate nothing)."""
+    echo: bool | None = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = Field(default=None, ge=1, le=128)
     suffix: StrictStr | None = None
+    prompt_embeds: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -115,33 +232,37 @@ class CompletionRequest(_SamplingFields):
         return value
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of > 1 is not supported"
+        if self.best_of not in (None, 1, self.n):
+            return "best_of", "best_of other than n is not supported by pdserve"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        prompt = self.prompt
-        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-        if batched and len(prompt) != 1:
-            return "prompt", "batched prompts are not supported: send one per request"
+        if self.prompt_embeds is not None:
+            return "prompt_embeds", "prompt_embeds is not supported by pdserve"
+        if len(self.prompts()) > MAX_BATCH_PROMPTS:
+            return "prompt", f"at most {MAX_BATCH_PROMPTS} prompts per request"
         return super().unsupported()
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (text or token ids); several for a batch."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
-            return []
+            return [[]]
         first = prompt[0]
-        if isinstance(first, list):
-            return list(first)
-        if isinstance(first, str):
-            return first
-        return [int(token) for token in prompt if isinstance(token, int)]
+        if isinstance(first, int):
+            return [[int(token) for token in prompt if isinstance(token, int)]]
+        prompts: list[str | list[int]] = []
+        for item in prompt:
+            if isinstance(item, str):
+                prompts.append(item)
+            elif isinstance(item, list):
+                prompts.append(list(item))
+        return prompts
+
+    def single_prompt(self) -> str | list[int]:
+        """The first prompt (text or token ids)."""
+        return self.prompts()[0]
 
 
 class TextContentPart(BaseModel):
@@ -172,15 +293,31 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
-    logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: bool | None = False
+    top_logprobs: StrictInt | None = Field(default=0, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     """vLLM's extension: end the rendered prompt with the assistant header."""
+    echo: bool = False
+    tools: Any = None
+    tool_choice: Any = "none"
+    reasoning_effort: Any = None
+    include_reasoning: Any = True
+    parallel_tool_calls: Any = True
+    continue_final_message: Any = False
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs is not supported"
-        return super().unsupported()
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
+        if self.echo:
+            return "echo", "echo is not supported by pdserve on chat completions"
+        problem = _neutral_problem(self, sorted(_CHAT_ONLY))
+        return problem or super().unsupported()
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

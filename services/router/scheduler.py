@@ -73,9 +73,18 @@ class Scheduler:
             if model not in self._pool.registered_models():
                 raise ModelNotFound(f"the model {model!r} does not exist", param="model")
             raise NoEngineAvailable(f"no READY decode engine serves {model!r}")
+        decodes = [s for s in decodes if prompt.fits(s.record.max_model_len)]
+        if not decodes:
+            raise NoEngineAvailable(
+                f"no READY decode engine of {model!r} holds {prompt.context_tokens} tokens"
+            )
         if self._settings.colocated:
             return self._local(decodes, prompt, "colocated")
-        prefills = [s for s in self._pool.slots(PREFILL_ROLES) if s.record.model == model]
+        prefills = [
+            s
+            for s in self._pool.slots(PREFILL_ROLES)
+            if s.record.model == model and prompt.fits(s.record.max_model_len)
+        ]
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
         if not paired:
             colocated = [s for s in decodes if s.role is EngineRole.BOTH]
@@ -111,7 +120,9 @@ class Scheduler:
         candidates = [
             s
             for s in self._pool.slots(PREFILL_ROLES)
-            if s.engine_id not in tried and s.compatible_with(decode)
+            if s.engine_id not in tried
+            and s.compatible_with(decode)
+            and prompt.fits(s.record.max_model_len)
         ]
         if not candidates:
             return None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from services.control_plane.wire import EngineLoad, validate_identifier
 from services.engines.backend import (
+    MAX_LOGIT_BIAS,
     DecodeRequest,
     FinishReason,
     KVHandle,
@@ -25,6 +26,7 @@ from services.engines.backend import (
     RequestLimits,
     SamplingParams,
     TokenDelta,
+    TokenLogprobs,
     Usage,
     validate_prompt,
 )
@@ -100,9 +102,25 @@ def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        min_p=sampling.min_p,
+        min_tokens=sampling.min_tokens,
+        logit_bias=dict(sampling.logit_bias),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
+    if sampling.repetition_penalty != 1.0:
+        message.repetition_penalty = sampling.repetition_penalty
+    if sampling.logprobs is not None:
+        message.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        message.prompt_logprobs = sampling.prompt_logprobs
+    if not sampling.skip_special_tokens:
+        message.skip_special_tokens = False
+    if not sampling.spaces_between_special_tokens:
+        message.spaces_between_special_tokens = False
     return message
 
 
@@ -112,6 +130,8 @@ def sampling_from_proto(
     """Validated :class:`SamplingParams`; ``top_p == 0`` is read as 1 (the proto's default)."""
     if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if len(message.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
     # float32 on the wire: round to the nearest short decimal so 0.7 stays 0.7.
     sampling = SamplingParams(
         max_tokens=message.max_tokens,
@@ -122,6 +142,28 @@ def sampling_from_proto(
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        presence_penalty=_float32(message.presence_penalty),
+        frequency_penalty=_float32(message.frequency_penalty),
+        repetition_penalty=(
+            _float32(message.repetition_penalty) if message.HasField("repetition_penalty") else 1.0
+        ),
+        min_p=_float32(message.min_p),
+        min_tokens=message.min_tokens,
+        logit_bias=tuple(
+            (token, max(-100.0, min(100.0, _float32(bias))))
+            for token, bias in sorted(message.logit_bias.items())
+        ),
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        skip_special_tokens=(
+            message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+        ),
+        spaces_between_special_tokens=(
+            message.spaces_between_special_tokens
+            if message.HasField("spaces_between_special_tokens")
+            else True
+        ),
     )
     sampling.validate(vocab_size=limits.vocab_size if limits else None)
     return sampling
@@ -131,6 +173,28 @@ def _float32(value: float) -> float:
     if not math.isfinite(value):
         return value
     return float(f"{value:.7g}")
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        rank=entry.rank,
+        top_token_ids=[token for token, _ in entry.top],
+        top_logprobs=[logprob for _, logprob in entry.top],
+    )
+
+
+def logprobs_from_proto(message: types_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=message.token_id,
+        logprob=message.logprob,
+        rank=message.rank,
+        top=tuple(zip(message.top_token_ids, message.top_logprobs, strict=False)),
+    )
 
 
 # -- KV handle -----------------------------------------------------------------------------
@@ -241,9 +305,12 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         usage=usage_to_proto(result.usage),
         prefill_s=result.prefill_s,
         queue_s=result.queue_s,
+        prompt_logprobs=[logprobs_to_proto(entry) for entry in result.prompt_logprobs],
     )
     if result.kv_handle is not None:
         response.kv_handle.CopyFrom(handle_to_proto(result.kv_handle))
+    if result.logprobs is not None:
+        response.logprobs.CopyFrom(logprobs_to_proto(result.logprobs))
     return response
 
 
@@ -257,6 +324,8 @@ def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillRe
         usage=usage_from_proto(message.usage),
         prefill_s=message.prefill_s,
         queue_s=message.queue_s,
+        logprobs=logprobs_from_proto(message.logprobs) if message.HasField("logprobs") else None,
+        prompt_logprobs=tuple(logprobs_from_proto(entry) for entry in message.prompt_logprobs),
     )
 
 
@@ -322,6 +391,8 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
         usage=last.usage,
         error=last.error,
         kv_transfer_s=next((d.kv_transfer_s for d in deltas if d.kv_transfer_s is not None), None),
+        logprobs=tuple(entry for delta in deltas for entry in delta.logprobs),
+        prompt_logprobs=tuple(entry for delta in deltas for entry in delta.prompt_logprobs),
     )
 
 
@@ -369,6 +440,8 @@ def delta_to_proto(delta: TokenDelta) -> decode_pb2.DecodeChunk:
         text=delta.text,
         finish_reason=finish_to_proto(delta.finish_reason),
         error=delta.error or "",
+        logprobs=[logprobs_to_proto(entry) for entry in delta.logprobs],
+        prompt_logprobs=[logprobs_to_proto(entry) for entry in delta.prompt_logprobs],
     )
     if delta.usage is not None:
         chunk.usage.CopyFrom(usage_to_proto(delta.usage))
@@ -385,6 +458,8 @@ def delta_from_proto(chunk: decode_pb2.DecodeChunk) -> TokenDelta:
         usage=usage_from_proto(chunk.usage) if chunk.HasField("usage") else None,
         error=chunk.error or None,
         kv_transfer_s=chunk.kv_transfer_s if chunk.HasField("kv_transfer_s") else None,
+        logprobs=tuple(logprobs_from_proto(entry) for entry in chunk.logprobs),
+        prompt_logprobs=tuple(logprobs_from_proto(entry) for entry in chunk.prompt_logprobs),
     )
 
 

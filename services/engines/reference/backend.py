@@ -176,6 +176,7 @@ class ReferenceBackend(EngineBackend):
                 kv_lease_s=options.kv_lease_s,
                 kv_pull_timeout_s=options.kv_pull_timeout_s,
                 producer_connect_wait_s=options.producer_connect_wait_s,
+                prefix_caching=options.prefix_caching,
             ),
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,

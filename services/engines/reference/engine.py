@@ -213,7 +213,7 @@ class EngineLoop:
     def _run_step(self, step: PlannedStep) -> None:
         self._step_id += 1
         step_id = self._step_id
-        self.group.broadcast(StepPlan(step_id, step.chunks))
+        self.group.broadcast(StepPlan(step_id, step.chunks, step.all_tokens))
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while True:
             logits = None
@@ -261,7 +261,7 @@ class EngineLoop:
             queue_depth=s.queue_depth,
             running=s.running_count,
             in_flight=s.in_flight,
-            free_blocks=s.allocator.free_count,
+            free_blocks=s.free_blocks(),
             total_blocks=s.limits.num_blocks,
         )
 

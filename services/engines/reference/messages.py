@@ -39,6 +39,8 @@ class StepPlan:
 
     step_id: int
     chunks: tuple[SequenceChunk, ...]
+    all_tokens: bool = False
+    """Return every new token's logits (``[T, vocab]``), not each sequence's last."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class RankReady:
 
 @dataclass(frozen=True)
 class StepLogits:
-    """``[S, vocab]`` float32 logits of each sequence's last new token, in chunk order."""
+    """``[S, vocab]`` float32 logits of each sequence's last new token, in chunk order
+    (``[T, vocab]``, every new token's, when the plan asked for ``all_tokens``)."""
 
     step_id: int
     logits: torch.Tensor

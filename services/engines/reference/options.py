@@ -45,6 +45,9 @@ class ReferenceEngineOptions:
     """How long a prefill engine holds a request's KV for its consumer."""
     kv_pull_timeout_s: float = 30.0
     """A pull not finished after this long fails with reason ``timeout``."""
+    prefix_caching: bool = True
+    """Reuse the KV of full prompt blocks across requests (``usage.cached_tokens``); see
+    :mod:`~services.engines.reference.prefix_cache`."""
     producer_connect_wait_s: float = 5.0
     """How long a decode rank waits for its pre-warm (PeerSync) to reach a producer that the
     control plane already shows READY, before failing the pull ``producer_unavailable``."""

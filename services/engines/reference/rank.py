@@ -364,7 +364,8 @@ class RankWorker:
         if not geometry.is_last_stage:
             dist.send(hidden.contiguous(), dst=global_rank((pp + 1, tp), options.tp_size))
         elif tp == 0:
-            logits = self.model.compute_logits(hidden, batch.last_token_indices)
+            indices = None if plan.all_tokens else batch.last_token_indices
+            logits = self.model.compute_logits(hidden, indices)
             self._send(StepLogits(plan.step_id, logits.to(torch.float32)))
 
     # -- KV data plane -------------------------------------------------------------------------

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from services.engines.backend import SamplingParams
+from services.engines.backend import SamplingParams, TokenLogprobs
 from services.engines.reference.tokenizer import Tokenizer
 
 
@@ -35,8 +35,68 @@ def token_generator(seed: int, position: int) -> torch.Generator:
     return generator
 
 
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    stop_ids: Iterable[int],
+) -> torch.Tensor:
+    """The ``[vocab]`` logits the token is picked from, in vLLM's order: ``logit_bias``,
+    ``min_tokens`` (``stop_ids``, EOS included, masked while fewer than ``min_tokens`` were
+    generated), then the repetition (prompt and output), frequency and presence (output)
+    penalties. ``output``: every output token so far, a producer's first token included, so
+    a disaggregated request is penalized exactly as a colocated one."""
+    processed = logits.to(torch.float32)
+    if params.logit_bias:
+        processed = processed.clone()
+        ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long)
+        biases = torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32)
+        processed.index_add_(0, ids, biases)
+    if len(output) < params.min_tokens:
+        blocked = sorted(set(stop_ids))
+        if blocked:
+            if processed is logits:
+                processed = processed.clone()
+            processed[torch.tensor(blocked, dtype=torch.long)] = float("-inf")
+    if not params.penalized:
+        return processed
+    vocab = processed.shape[-1]
+    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=vocab)[:vocab]
+    processed = processed.clone()
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt:
+            seen |= (
+                torch.bincount(torch.tensor(list(prompt), dtype=torch.long), minlength=vocab)[
+                    :vocab
+                ]
+                > 0
+            )
+        penalty = params.repetition_penalty
+        penalized = torch.where(processed > 0, processed / penalty, processed * penalty)
+        processed = torch.where(seen, penalized, processed)
+    processed -= params.frequency_penalty * counts.to(torch.float32)
+    processed -= params.presence_penalty * (counts > 0).to(torch.float32)
+    return processed
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s logprob in the raw ``[vocab]`` logits (before any processing: vLLM's
+    default ``raw_logprobs``), its rank and the ``top`` most likely."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = float(logprobs[token])
+    rank = int((logprobs > logprobs[token]).sum()) + 1
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        best = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+    return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=best)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick one token from ``[vocab]`` logits: greedy, or temperature -> top-k -> top-p.
+    """Pick one token from ``[vocab]`` (processed) logits: greedy, or temperature -> min-p ->
+    top-k -> top-p.
 
     Exactly one draw from ``generator`` per sampled token (none when greedy), so a seeded
     request is reproducible token by token.
@@ -44,6 +104,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.greedy:
         return int(torch.argmax(logits))
     scaled = logits.to(torch.float32) / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -67,13 +130,22 @@ class OutputText:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, stop: Iterable[str], *, already_released: Iterable[int] = ()
+        self,
+        tokenizer: Tokenizer,
+        stop: Iterable[str],
+        *,
+        already_released: Iterable[int] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         """``already_released``: tokens another engine already added (a producer's first token).
         They are replayed through :meth:`add`, so text it held back (an incomplete character, a
         possible stop-string prefix) is released here exactly as a colocated engine would."""
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
+        """Stop strings count only once more than this many tokens were added (vLLM's rule)."""
         self._ids: list[int] = []
         self._released = 0
         self.stopped = False
@@ -90,11 +162,12 @@ class OutputText:
         """Append one token; the newly releasable text."""
         self._ids.append(token_id)
         full = self._text()
-        for stop in self._stop:
+        checking = len(self._ids) > self._min_tokens
+        for stop in self._stop if checking else ():
             at = full.find(stop, max(self._released - len(stop) + 1, 0))
             if at != -1:
                 self.stopped = True
-                return self._release(full, at)
+                return self._release(full, at + len(stop) if self._include_stop else at)
         end = len(full)
         while end > self._released and full[end - 1] == "\ufffd":
             end -= 1

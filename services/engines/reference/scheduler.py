@@ -40,6 +40,7 @@ from services.engines.backend import (
     PrefillResult,
     SamplingParams,
     TokenDelta,
+    TokenLogprobs,
     Usage,
 )
 from services.engines.errors import (
@@ -63,11 +64,14 @@ from services.engines.reference.messages import (
     ReleaseKV,
 )
 from services.engines.reference.metrics import ReferenceEngineMetrics
+from services.engines.reference.prefix_cache import PrefixCache
 from services.engines.reference.sampling import (
     OutputText,
     make_generator,
+    process_logits,
     sample_token,
     token_generator,
+    token_logprobs,
 )
 from services.engines.reference.tokenizer import Tokenizer
 from services.kv_transfer.allocator import BlockAllocator
@@ -110,6 +114,7 @@ class SchedulerLimits:
     kv_lease_s: float
     kv_pull_timeout_s: float
     producer_connect_wait_s: float
+    prefix_caching: bool = False
 
 
 @dataclass(eq=False)
@@ -137,6 +142,20 @@ class EngineRequest:
     lease_reports: dict[RankKey, str] = field(default_factory=dict)
     cancelled: bool = False
     """Aborted while ranks still work on its blocks (pull or lease): freed when they report."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """With ``sampling.prompt_logprobs``: prompt tokens 1.. as their chunks are computed."""
+    prompt_logprobs_sent: bool = False
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the next step must return every new token's logits (prompt logprobs)."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and self.kind != "remote"
+            and self.num_computed < len(self.prompt)
+        )
 
     @property
     def tokens(self) -> list[int]:
@@ -161,6 +180,12 @@ class PlannedStep:
     def chunks(self) -> tuple[SequenceChunk, ...]:
         return tuple(entry.chunk for entry in self.entries)
 
+    @property
+    def all_tokens(self) -> bool:
+        """Whether the ranks return logits for every new token (``[T, vocab]``) instead of
+        each sequence's last: some request wants its prompt's logprobs."""
+        return any(entry.request.wants_prompt_logprobs for entry in self.entries)
+
 
 class Scheduler:
     """See the module docstring. Not thread-safe: the engine loop's thread owns it."""
@@ -182,6 +207,9 @@ class Scheduler:
         self.generation = generation
         self.limits = limits
         self.allocator = BlockAllocator(limits.num_blocks)
+        self.prefix_cache = (
+            PrefixCache(self.allocator, limits.block_size) if limits.prefix_caching else None
+        )
         self.outbox: list[HostCommand] = []
         """Commands for every rank, in order; the engine loop sends and clears them."""
         self.deliveries: list[tuple[RequestSink, SinkItem]] = []
@@ -266,7 +294,13 @@ class Scheduler:
             prompt=tuple(prompt),
             sampling=sampling,
             sink=sink,
-            text=OutputText(self._tokenizer, sampling.stop, already_released=released),
+            text=OutputText(
+                self._tokenizer,
+                sampling.stop,
+                already_released=released,
+                include_stop=sampling.include_stop_str_in_output,
+                min_tokens=sampling.min_tokens,
+            ),
             generator=make_generator(sampling.seed),
             handle=handle,
             first_token_id=first_token_id,
@@ -307,14 +341,35 @@ class Scheduler:
             budget -= take
         return PlannedStep(tuple(entries)) if entries else None
 
+    def free_blocks(self) -> int:
+        """Blocks an admission may use (evictable prefix-cache blocks included)."""
+        cache = self.prefix_cache
+        return self.allocator.free_count if cache is None else cache.free_count()
+
     def _admit(self) -> None:
+        cache = self.prefix_cache
         while self._waiting and self.running_count < self.limits.max_running:
             request = self._waiting[0]
             needed = self._blocks_needed(request.kind, len(request.prompt), request.sampling)
-            if needed > self.allocator.free_count:
+            cached: list[int] = []
+            if (
+                cache is not None
+                and request.kind != "remote"
+                and request.sampling.prompt_logprobs is None
+            ):
+                cached = cache.match(request.prompt)
+            if needed - len(cached) > self.free_blocks():
+                if cached:
+                    self.allocator.free(cached)
                 return  # head of line waits for blocks
             self._waiting.popleft()
-            request.block_ids = list(self.allocator.allocate(needed))
+            fresh = (
+                cache.allocate(needed - len(cached))
+                if cache is not None
+                else list(self.allocator.allocate(needed))
+            )
+            request.block_ids = [*cached, *fresh]
+            request.num_computed = request.cached_tokens = len(cached) * self.limits.block_size
             request.admitted_at = self._clock()
             if request.kind == "remote":
                 self._start_pull(request)
@@ -323,31 +378,74 @@ class Scheduler:
                 self._running.append(request)
 
     def complete_step(self, step: PlannedStep, logits: torch.Tensor) -> None:
-        """Apply a step's ``[S, vocab]`` logits: advance each sequence, sample where due."""
+        """Apply a step's logits (``[S, vocab]``, or ``[T, vocab]`` when
+        :attr:`PlannedStep.all_tokens`): advance each sequence, sample where due."""
+        all_tokens = step.all_tokens
+        row = 0
         for index, entry in enumerate(step.entries):
             request = entry.request
+            length = len(entry.chunk.token_ids)
+            rows = logits[row : row + length] if all_tokens else logits[index : index + 1]
+            row += length
             if request.phase is not Phase.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed += len(entry.chunk.token_ids)
+            if all_tokens and request.wants_prompt_logprobs:
+                self._add_prompt_logprobs(request, entry.chunk.num_cached, rows)
+            request.num_computed += length
             if request.pending_tokens == 0:
-                seed = request.sampling.seed
+                if not request.output and self.prefix_cache is not None:
+                    self.prefix_cache.insert(request.prompt, request.block_ids)
+                sampling = request.sampling
+                seed = sampling.seed
                 generator = (
                     request.generator
                     if seed is None
                     else token_generator(seed, len(request.output))
                 )
-                token = sample_token(logits[index], request.sampling, generator)
-                self._on_token(request, token)
+                last = rows[-1]
+                stop_ids = (
+                    sampling.stop_token_ids
+                    if sampling.ignore_eos
+                    else (*sampling.stop_token_ids, *self._eos)
+                )
+                processed = process_logits(last, sampling, request.prompt, request.output, stop_ids)
+                token = sample_token(processed, sampling, generator)
+                logprobs = (
+                    token_logprobs(last, token, sampling.logprobs)
+                    if sampling.logprobs is not None
+                    else None
+                )
+                self._on_token(request, token, logprobs)
+
+    def _add_prompt_logprobs(self, request: EngineRequest, start: int, rows: torch.Tensor) -> None:
+        """Row ``j`` of a prompt chunk starting at ``start`` predicts prompt token
+        ``start + j + 1``."""
+        top = request.sampling.prompt_logprobs or 0
+        prompt = request.prompt
+        for j in range(rows.shape[0]):
+            position = start + j + 1
+            if position < len(prompt):
+                request.prompt_logprobs.append(token_logprobs(rows[j], prompt[position], top))
+
+    def _take_prompt_logprobs(self, request: EngineRequest) -> tuple[TokenLogprobs, ...]:
+        """The prompt logprobs, once (on the request's first result)."""
+        if request.prompt_logprobs_sent or request.sampling.prompt_logprobs is None:
+            return ()
+        request.prompt_logprobs_sent = True
+        return tuple(request.prompt_logprobs)
 
     # -- tokens and finishing ----------------------------------------------------------------
 
-    def _on_token(self, request: EngineRequest, token: int) -> None:
+    def _on_token(
+        self, request: EngineRequest, token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
         request.output.append(token)
         sampling = request.sampling
         finish: FinishReason | None = None
         returned: tuple[int, ...] = (token,)
         text = ""
-        if token in sampling.stop_token_ids or (token in self._eos and not sampling.ignore_eos):
+        stops = token in sampling.stop_token_ids or (token in self._eos and not sampling.ignore_eos)
+        if stops and len(request.output) > sampling.min_tokens:
             finish, returned = FinishReason.STOP, ()
             text = request.text.flush()
         else:
@@ -361,12 +459,16 @@ class Scheduler:
                 finish = FinishReason.LENGTH
                 text += request.text.flush()
         if request.kind == "prefill":
-            self._finish_prefill(request, token, text, finish)
+            self._finish_prefill(request, token, text, finish, logprobs)
             return
-        self._emit(request, returned, text, finish)
+        self._emit(request, returned, text, finish, (logprobs,) if logprobs and returned else ())
 
     def _usage(self, request: EngineRequest) -> Usage:
-        return Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output))
+        return Usage(
+            prompt_tokens=len(request.prompt),
+            completion_tokens=len(request.output),
+            cached_tokens=request.cached_tokens,
+        )
 
     def _emit(
         self,
@@ -374,19 +476,29 @@ class Scheduler:
         token_ids: tuple[int, ...],
         text: str,
         finish: FinishReason | None,
+        logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         kv_s, request.kv_transfer_s = request.kv_transfer_s, None
-        if finish is None:
-            self._deliver(request.sink, TokenDelta(token_ids, text, kv_transfer_s=kv_s))
-            return
-        self._deliver(
-            request.sink,
-            TokenDelta(token_ids, text, finish, self._usage(request), kv_transfer_s=kv_s),
+        delta = TokenDelta(
+            token_ids,
+            text,
+            finish,
+            self._usage(request) if finish is not None else None,
+            kv_transfer_s=kv_s,
+            logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(request),
         )
-        self._retire(request, finish)
+        self._deliver(request.sink, delta)
+        if finish is not None:
+            self._retire(request, finish)
 
     def _finish_prefill(
-        self, request: EngineRequest, token: int, text: str, finish: FinishReason | None
+        self,
+        request: EngineRequest,
+        token: int,
+        text: str,
+        finish: FinishReason | None,
+        logprobs: TokenLogprobs | None,
     ) -> None:
         now = self._clock()
         handle = None
@@ -416,6 +528,8 @@ class Scheduler:
                 usage=self._usage(request),
                 prefill_s=now - request.admitted_at,
                 queue_s=request.admitted_at - request.arrived_at,
+                logprobs=logprobs,
+                prompt_logprobs=self._take_prompt_logprobs(request),
             ),
         )
         if finish is not None:
@@ -501,6 +615,8 @@ class Scheduler:
         request.kv_transfer_s = self._clock() - request.pull_started_at
         request.num_computed = len(request.prompt)
         request.output = [request.first_token_id]
+        if self.prefix_cache is not None:  # the pulled blocks hold the prompt's KV
+            self.prefix_cache.insert(request.prompt, request.block_ids)
         request.phase = Phase.RUNNING
         self._running.append(request)
         if len(request.output) >= request.sampling.max_tokens:

@@ -44,6 +44,7 @@ from services.engines.backend import (
     PrefillResult,
     SamplingParams,
     TokenDelta,
+    TokenLogprobs,
     Usage,
 )
 from services.engines.errors import (
@@ -62,6 +63,7 @@ from services.engines.vllm.layouts import (
     VllmLayout,
     check_local_layout,
 )
+from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
 from services.kv_transfer.metrics import KVTransferMetrics
@@ -209,6 +211,17 @@ def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
         "stop": list(sampling.stop),
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "min_p": sampling.min_p,
+        "min_tokens": sampling.min_tokens,
+        "logit_bias": dict(sampling.logit_bias) or None,
+        "logprobs": sampling.logprobs,
+        "prompt_logprobs": sampling.prompt_logprobs,
+        "include_stop_str_in_output": sampling.include_stop_str_in_output,
+        "skip_special_tokens": sampling.skip_special_tokens,
+        "spaces_between_special_tokens": sampling.spaces_between_special_tokens,
     }
 
 
@@ -219,6 +232,7 @@ def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
     hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
     only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out."""
     kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
+    kwargs["min_tokens"] = min(sampling.min_tokens, 1)  # vLLM: min_tokens <= max_tokens
     if sampling.max_tokens > 1:
         kwargs["extra_args"] = {"kv_transfer_params": {"do_remote_decode": True}}
     return kwargs
@@ -227,9 +241,14 @@ def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
 def decode_sampling(sampling: SamplingParams, handle: KVHandle | None) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments of a decode, pulling ``handle``'s KV if given.
 
-    The producer already produced the first token, so the decode generates one fewer."""
+    The producer already produced the first token, so the decode generates one fewer (and
+    needs one fewer for ``min_tokens``); its prompt logprobs came from the producer. vLLM
+    sees the producer's token as part of the prompt: the repetition penalty covers it, the
+    frequency and presence penalties (output only) do not."""
     kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
     if handle is not None:
+        kwargs["min_tokens"] = max(0, sampling.min_tokens - 1)
+        kwargs["prompt_logprobs"] = None
         params = decode_handle(handle)
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False
@@ -476,10 +495,14 @@ class VllmBackend(EngineBackend):
             raise InvalidRequest("prompt_token_ids must not be empty")
         started = time.monotonic()
         final: Any = None
+        prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         async for output in self._generate(
             request_id, prompt_token_ids, prefill_sampling(sampling)
         ):
             final = output
+            prompt_logprobs = prompt_logprobs or prompt_logprobs_of(
+                prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs
+            )
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             raise EngineFailed(f"vLLM returned no token for {request_id}")
         completion = final.outputs[0]
@@ -497,6 +520,7 @@ class VllmBackend(EngineBackend):
                 num_tokens=len(prompt_token_ids),
                 lease_s=self.options.kv_lease_s,
             )
+        firsts = output_logprobs(completion.token_ids, completion.logprobs, sampling.logprobs)
         return PrefillResult(
             request_id=request_id,
             first_token_id=token,
@@ -505,6 +529,8 @@ class VllmBackend(EngineBackend):
             finish_reason=None if handle is not None else (reason or FinishReason.LENGTH),
             usage=Usage(len(prompt_token_ids), 1, int(final.num_cached_tokens or 0)),
             prefill_s=time.monotonic() - started,
+            logprobs=firsts[-1] if firsts else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
@@ -514,6 +540,8 @@ class VllmBackend(EngineBackend):
             prompt.append(request.first_token_id)  # vLLM continues after the producer's token
         kwargs = decode_sampling(request.sampling, request.kv_handle)
         produced = 1 if request.kv_handle is not None else 0
+        first = True
+        sampling = request.sampling
         async for output in self._generate(request.request_id, prompt, kwargs):
             completion = output.outputs[0]
             produced += len(completion.token_ids)
@@ -523,7 +551,16 @@ class VllmBackend(EngineBackend):
                 text=completion.text,
                 finish_reason=reason,
                 usage=Usage(len(request.prompt_token_ids), produced) if reason else None,
+                logprobs=output_logprobs(
+                    completion.token_ids, completion.logprobs, sampling.logprobs
+                ),
+                prompt_logprobs=(
+                    prompt_logprobs_of(prompt, output.prompt_logprobs, kwargs["prompt_logprobs"])
+                    if first
+                    else ()
+                ),
             )
+            first = False
 
     async def abort(self, request_id: str) -> bool:
         if self._engine is None or request_id not in self._running:

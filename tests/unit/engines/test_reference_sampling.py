@@ -85,3 +85,46 @@ def test_token_generator_depends_on_seed_and_position_only() -> None:
     assert draws == [sample_token(logits, params, token_generator(5, i)) for i in range(8)]
     assert len(set(draws)) > 1  # positions differ
     assert draws != [sample_token(logits, params, token_generator(6, i)) for i in range(8)]
+
+
+def test_penalties_bias_and_min_tokens_follow_vllm() -> None:
+    import torch  # noqa: PLC0415
+
+    from services.engines.backend import SamplingParams  # noqa: PLC0415
+    from services.engines.reference.sampling import process_logits  # noqa: PLC0415
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    params = SamplingParams(
+        max_tokens=8,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=2.0,
+        logit_bias=((4, 1.5),),
+        min_tokens=3,
+    )
+    out = process_logits(logits, params, prompt=[1], output=[0, 0, 2], stop_ids=[3])
+    # bias: token 4 + 1.5; min_tokens: stop id 3 masked (3 outputs is not yet > 3... < 3 false)
+    expected = torch.tensor(
+        [
+            2.0 / 2 - 0.25 * 2 - 0.5,  # in output twice: repetition, frequency x2, presence
+            -1.0 * 2,  # in the prompt: repetition only (negative logit is multiplied)
+            0.5 / 2 - 0.25 - 0.5,
+            3.0,  # min_tokens reached (3 outputs): not masked
+            2.5,
+        ]
+    )
+    torch.testing.assert_close(out, expected)
+    early = process_logits(logits, params, prompt=[1], output=[0], stop_ids=[3])
+    assert early[3] == float("-inf")
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    import torch  # noqa: PLC0415
+
+    from services.engines.backend import SamplingParams  # noqa: PLC0415
+    from services.engines.reference.sampling import make_generator, sample_token  # noqa: PLC0415
+
+    logits = torch.tensor([5.0, 0.0, 4.9, -3.0])
+    params = SamplingParams(temperature=1.0, min_p=0.5)
+    picks = {sample_token(logits, params, make_generator(seed)) for seed in range(200)}
+    assert picks == {0, 2}

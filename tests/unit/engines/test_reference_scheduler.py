@@ -25,7 +25,7 @@ class ListSink:
         self.items.append(item)
 
 
-def make(**limits: int) -> Scheduler:
+def make(*, prefix_caching: bool = False, **limits: int) -> Scheduler:
     values = {
         "num_blocks": 16,
         "block_size": 4,
@@ -40,7 +40,11 @@ def make(**limits: int) -> Scheduler:
         generation=1,
         world_ranks=RANKS,
         limits=SchedulerLimits(
-            **values, kv_lease_s=5.0, kv_pull_timeout_s=5.0, producer_connect_wait_s=1.0
+            **values,
+            kv_lease_s=5.0,
+            kv_pull_timeout_s=5.0,
+            producer_connect_wait_s=1.0,
+            prefix_caching=prefix_caching,
         ),
         tokenizer=ByteTokenizer(),
         eos_token_ids=frozenset(),
@@ -116,3 +120,37 @@ def test_prefill_holds_blocks_until_every_rank_ends_its_lease() -> None:
     assert scheduler.allocator.free_count == 14  # one rank still reads
     scheduler.on_lease_ended(LeaseEnded((1, 0), "p", "aborted"))
     assert scheduler.allocator.free_count == 16 and scheduler.in_flight == 0
+
+
+def run_to_end(scheduler: Scheduler, sink: ListSink) -> TokenDelta:
+    while not any(isinstance(i, TokenDelta) and i.finish_reason for i in sink.items):
+        run_step(scheduler)
+    return next(i for i in sink.items if isinstance(i, TokenDelta) and i.finish_reason)
+
+
+def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
+    scheduler = make(prefix_caching=True, max_batch_tokens=64)
+    prompt = list(range(10))  # blocks of 4: two full blocks, then 2 tokens
+    first = ListSink()
+    scheduler.submit("a", "generate", prompt, SamplingParams(max_tokens=2), first)
+    assert run_to_end(scheduler, first).usage.cached_tokens == 0  # type: ignore[union-attr]
+    cache = scheduler.prefix_cache
+    assert cache is not None and cache.num_cached == 2
+    # Cached blocks nobody uses count as free.
+    assert scheduler.free_blocks() == 16 and scheduler.allocator.free_count == 14
+    again = ListSink()
+    scheduler.submit("b", "generate", [*prompt, 99], SamplingParams(max_tokens=2), again)
+    step = scheduler.schedule()
+    assert step is not None and step.chunks[0].num_cached == 8  # only the 3 new tokens
+    scheduler.complete_step(step, logits_for(65, 1))
+    scheduler.deliver_all()
+    assert run_to_end(scheduler, again).usage.cached_tokens == 8  # type: ignore[union-attr]
+    # A prompt of exactly two blocks reuses one (its last token is always computed).
+    exact = ListSink()
+    scheduler.submit("c", "generate", prompt[:8], SamplingParams(max_tokens=1), exact)
+    assert run_to_end(scheduler, exact).usage.cached_tokens == 4  # type: ignore[union-attr]
+    # Filling the pool evicts the unused cached blocks instead of refusing.
+    big = ListSink()
+    scheduler.submit("d", "generate", list(range(100, 160)), SamplingParams(max_tokens=4), big)
+    assert run_to_end(scheduler, big).finish_reason is FinishReason.LENGTH
+    assert scheduler.in_flight == 0 and scheduler.free_blocks() == 16

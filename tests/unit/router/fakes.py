@@ -181,6 +181,7 @@ def view(
     generation: int = 1,
     state: EngineState = EngineState.READY,
     load: EngineLoad | None = None,
+    max_model_len: int = 0,
 ) -> EngineView:
     record = EngineRecord(
         engine_id=engine_id,
@@ -197,6 +198,7 @@ def view(
         pp_aware=True,
         lease_ttl_ms=5000,
         registered_at_ms=0,
+        max_model_len=max_model_len,
     )
     status = EngineStatus(engine_id, generation, state, (), 1, 0)
     return EngineView(engine_id, record, status, load or EngineLoad())

@@ -232,3 +232,25 @@ def test_plan_does_not_hash_the_prompt_for_a_policy_without_a_prefix_index():
     plan = rt.scheduler.plan("tiny", prompt)
     assert plan.prefill is not None
     assert prompt._hashes == {}
+
+
+def test_plan_picks_only_engines_whose_context_holds_the_request():
+    rt = runtime()
+    pool_of(
+        rt,
+        view("p-short", PREFILL, max_model_len=64),
+        view("p-long", PREFILL, max_model_len=1024),
+        view("d-short", DECODE, max_model_len=64),
+        view("d-long", DECODE, max_model_len=1024),
+    )
+    for _ in range(4):
+        plan = rt.scheduler.plan("tiny", PromptInfo(tuple(range(10)), context_tokens=200))
+        assert plan.prefill is not None and plan.prefill.engine_id == "p-long"
+        assert plan.decode.engine_id == "d-long"
+    chosen = {
+        rt.scheduler.plan("tiny", PromptInfo(tuple(range(10)), context_tokens=20)).decode.engine_id
+        for _ in range(4)
+    }
+    assert "d-short" in chosen  # a request that fits is not kept off the short engines
+    with pytest.raises(NoEngineAvailable, match="holds 2000 tokens"):
+        rt.scheduler.plan("tiny", PromptInfo(tuple(range(10)), context_tokens=2000))

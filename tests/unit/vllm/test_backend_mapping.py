@@ -116,3 +116,56 @@ def test_handshake_extra_round_trips_and_rejects_garbage() -> None:
     assert extra.clock_offset(now_perf=52.0, now_wall=1002.0) == pytest.approx(50.0)
     with pytest.raises(HandshakeResolutionError):
         VllmHandshakeExtra.decode(b"\x93\x01\x02")
+
+
+def test_vllm_sampling_parameters_map_to_vllm_sampling_params() -> None:
+    from vllm.sampling_params import SamplingParams as VllmSamplingParams  # noqa: PLC0415
+
+    sampling = SamplingParams(
+        max_tokens=8,
+        temperature=0.7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=3,
+        logit_bias=((5, 2.0), (9, -100.0)),
+        logprobs=2,
+        prompt_logprobs=1,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+    )
+    prefill = VllmSamplingParams(**prefill_sampling(sampling))
+    assert prefill.max_tokens == 1
+    assert (prefill.presence_penalty, prefill.frequency_penalty) == (0.5, -0.25)
+    # One token on the prefill: min_tokens is capped there (vLLM: min_tokens <= max_tokens).
+    assert (prefill.repetition_penalty, prefill.min_p, prefill.min_tokens) == (1.2, 0.1, 1)
+    assert prefill.logit_bias == {5: 2.0, 9: -100.0}
+    assert (prefill.logprobs, prefill.prompt_logprobs) == (2, 1)
+    assert prefill.include_stop_str_in_output
+    assert not prefill.skip_special_tokens and not prefill.spaces_between_special_tokens
+    handle = encode_handle(
+        PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
+    )
+    local = VllmSamplingParams(**decode_sampling(sampling, None))
+    assert (local.max_tokens, local.min_tokens, local.prompt_logprobs) == (8, 3, 1)
+    remote = decode_sampling(sampling, handle)
+    # The producer made the first token (and the prompt's logprobs).
+    assert (remote["max_tokens"], remote["min_tokens"], remote["prompt_logprobs"]) == (7, 2, None)
+    neutral = VllmSamplingParams(**prefill_sampling(SamplingParams()))
+    assert neutral.logit_bias is None and neutral.logprobs is None
+
+
+def test_vllm_logprobs_map_to_token_logprobs() -> None:
+    from vllm.logprobs import Logprob  # noqa: PLC0415
+
+    from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of  # noqa: PLC0415
+
+    step = {7: Logprob(-2.5, 3, "x"), 1: Logprob(-0.5, 1, "a"), 2: Logprob(-1.0, 2, "b")}
+    (entry,) = output_logprobs([7], [step], 2)
+    assert (entry.token_id, entry.logprob, entry.rank) == (7, -2.5, 3)
+    assert entry.top == ((1, -0.5), (2, -1.0))
+    assert output_logprobs([7], [step], None) == ()
+    prompt = prompt_logprobs_of([4, 7], [None, step], 0)
+    assert [(e.token_id, e.top) for e in prompt] == [(7, ())]

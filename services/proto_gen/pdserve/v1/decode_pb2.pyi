@@ -83,6 +83,8 @@ class DecodeChunk(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_S_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text completed by these tokens (may lag the ids)."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -96,6 +98,14 @@ class DecodeChunk(_message.Message):
     def usage(self) -> _types_pb2.Usage:
         """On the last chunk."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]:
+        """With sampling.logprobs: one per token id of this chunk."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]:
+        """On the first chunk of a local request with sampling.prompt_logprobs: prompt tokens 1.."""
+
     def __init__(
         self,
         *,
@@ -105,10 +115,12 @@ class DecodeChunk(_message.Message):
         usage: _types_pb2.Usage | None = ...,
         error: _builtins.str = ...,
         kv_transfer_s: _builtins.float | None = ...,
+        logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "kv_transfer_s", b"kv_transfer_s", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "error", b"error", "finish_reason", b"finish_reason", "kv_transfer_s", b"kv_transfer_s", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "error", b"error", "finish_reason", b"finish_reason", "kv_transfer_s", b"kv_transfer_s", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__kv_transfer_s: _TypeAlias = _typing.Literal["kv_transfer_s"]  # noqa: Y015
     _WhichOneofArgType__kv_transfer_s: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s"]  # noqa: Y015

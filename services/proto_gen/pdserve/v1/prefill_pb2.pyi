@@ -60,6 +60,8 @@ class PrefillResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     PREFILL_S_FIELD_NUMBER: _builtins.int
     QUEUE_S_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     text: _builtins.str
@@ -74,6 +76,14 @@ class PrefillResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> _types_pb2.Usage: ...
+    @_builtins.property
+    def logprobs(self) -> _types_pb2.TokenLogprobs:
+        """With sampling.logprobs: the first token's logprobs."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]:
+        """With sampling.prompt_logprobs: prompt tokens 1.. (the first has none)."""
+
     def __init__(
         self,
         *,
@@ -85,10 +95,12 @@ class PrefillResponse(_message.Message):
         usage: _types_pb2.Usage | None = ...,
         prefill_s: _builtins.float = ...,
         queue_s: _builtins.float = ...,
+        logprobs: _types_pb2.TokenLogprobs | None = ...,
+        prompt_logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "logprobs", b"logprobs", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "prefill_s", b"prefill_s", "queue_s", b"queue_s", "request_id", b"request_id", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "logprobs", b"logprobs", "prefill_s", b"prefill_s", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id", "text", b"text", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,99 @@
+"""The reference engine's prefix cache: full prompt blocks reused across requests.
+
+A block is keyed by the chained hash of the tokens up to its end (block ``i``'s key covers
+tokens ``0 .. (i + 1) * block_size``), so a hit on block ``i`` implies the whole prefix matches.
+Only full blocks of a prompt are cached, once the prompt's KV has been computed (or pulled): a
+cached block is never written again (a request writes its new tokens after its prompt, into
+its own blocks). The cache holds one reference on every cached block (in the scheduler's
+:class:`~services.kv_transfer.allocator.BlockAllocator`); a cached block no request uses is
+*evictable*: it counts as free and is evicted least recently used first when blocks run out.
+
+At most ``len(prompt) - 1`` tokens are served from the cache: the last prompt token is always
+computed, because its logits give the first token. Requests that want prompt logprobs bypass
+the cache (as in vLLM): their logits are needed at every prompt position.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from services.kv_transfer.allocator import BlockAllocator
+
+
+def block_keys(tokens: Sequence[int], block_size: int, limit: int) -> list[int]:
+    """Chained keys of the full blocks among ``tokens[:limit]``."""
+    keys: list[int] = []
+    key = 0
+    for start in range(0, limit - block_size + 1, block_size):
+        key = hash((key, tuple(tokens[start : start + block_size])))
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    """See the module docstring. Not thread-safe (the scheduler's thread owns it)."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self._allocator = allocator
+        self._block_size = block_size
+        self._blocks: dict[int, int] = {}
+        """Key -> block."""
+        self._keys: OrderedDict[int, int] = OrderedDict()
+        """Block -> key, least recently used first."""
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._keys)
+
+    def evictable(self) -> int:
+        """Cached blocks that only the cache holds (they count as free)."""
+        return sum(1 for block in self._keys if self._allocator.refcount(block) == 1)
+
+    def free_count(self) -> int:
+        """Blocks an allocation may use: free ones plus evictable cached ones."""
+        return self._allocator.free_count + self.evictable()
+
+    def match(self, prompt: Sequence[int]) -> list[int]:
+        """The cached blocks of ``prompt``'s longest cached prefix (at most ``len - 1``
+        tokens), each with one more reference for the caller (who frees them like its own)."""
+        self.queries += 1
+        found: list[int] = []
+        for key in block_keys(prompt, self._block_size, len(prompt) - 1):
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        if found:
+            self.hits += 1
+            self._allocator.incref(found)
+            for block in found:
+                self._keys.move_to_end(block)
+        return found
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` blocks with one owner each, evicting least recently used cached blocks
+        that nobody uses when the free list is short. Raises ``PoolExhaustedError``."""
+        short = count - self._allocator.free_count
+        if short > 0:
+            victims = [b for b in self._keys if self._allocator.refcount(b) == 1][:short]
+            for block in victims:
+                del self._blocks[self._keys.pop(block)]
+            if victims:
+                self._allocator.free(victims)
+        return list(self._allocator.allocate(count))
+
+    def insert(self, prompt: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Cache ``prompt``'s full blocks (their KV is computed), unless already cached."""
+        keys = block_keys(prompt, self._block_size, len(prompt))
+        added: list[int] = []
+        for key, block in zip(keys, block_ids, strict=False):
+            if key in self._blocks or block in self._keys:
+                continue
+            self._blocks[key] = block
+            self._keys[block] = key
+            added.append(block)
+        if added:
+            self._allocator.incref(added)
