@@ -9,6 +9,11 @@ Two systems, each a router in front of one instant prefill and one instant decod
   (:func:`stub_app`), which answer instantly as a vLLM prefill (``max_tokens=1``,
   ``kv_transfer_params`` back) and a vLLM decode would.
 
+Equal stub work: for a non-streamed request each router makes one prefill call answered in one
+message and one decode call answered in one message (pdserve's decode is coalesced with
+``coalesce_first``); pdserve's decode engine checks the KV handle's producer against its
+watcher's cached view (no Redis read per call), as vllm-router's stubs read nothing.
+
 Figures, per system:
 
 - ``router_cpu_ms_per_request``: CPU time (user + system, every thread and child process) of
@@ -99,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-vllm-router", action="store_true", help="measure pdserve only (no reference)"
+    )
+    parser.add_argument(
+        "--router-workers",
+        default="1",
+        help="comma-separated pdserve router process counts (pdserve router --workers), each "
+        "measured in turn; the first is the one compared with vllm-router (default 1)",
     )
 
 
@@ -377,6 +388,7 @@ async def _bench_pdserve(
     instant: Target,
     placement: Placement,
     log_dir: Path,
+    workers: int = 1,
 ) -> dict[str, Any]:
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
     services: list[Service] = []
@@ -389,9 +401,10 @@ async def _bench_pdserve(
             services.append(
                 await start(role, argv, log_dir, cores=placement.others, wait_ready_line=True)
             )
+        router_flags = ["--port", "0", "--policy", "least_loaded", "--workers", str(workers)]
         router = await start(
             "router",
-            pdserve_argv("router", *cp, "--port", "0", "--policy", "least_loaded"),
+            pdserve_argv("router", *cp, *router_flags),
             log_dir,
             cores=placement.router,
             wait_ready_line=True,
@@ -401,7 +414,10 @@ async def _bench_pdserve(
         url = str(router.announced["url"])
         await _wait_http(f"{url}/health", service=router)
         target = Target(f"{url}/v1/completions", router=[router], stubs=services[:2])
-        return await _measure(target, instant, args, placement, log_dir)
+        return {
+            "router_workers": workers,
+            **await _measure(target, instant, args, placement, log_dir),
+        }
     finally:
         for service in reversed(services):
             await service.stop()
@@ -458,7 +474,12 @@ async def _run(
     server, instant = await _start_instant(placement, log_dir)
     try:
         generator = await _load_generator_figures(instant, args, placement, log_dir)
-        pdserve = await _bench_pdserve(args, settings, instant, placement, log_dir)
+        counts = [int(n) for n in str(args.router_workers).split(",") if n.strip()] or [1]
+        by_workers = {
+            str(n): await _bench_pdserve(args, settings, instant, placement, log_dir, n)
+            for n in counts
+        }
+        pdserve = by_workers[str(counts[0])]
         binary = _vllm_router_binary()
         reference: dict[str, Any]
         if args.skip_vllm_router:
@@ -484,9 +505,27 @@ async def _run(
         "request": {"endpoint": "/v1/completions", "max_tokens": MAX_TOKENS, "stream": False},
         "load_generator": generator,
         "pdserve": pdserve,
+        **({"pdserve_by_workers": _by_workers(by_workers)} if len(by_workers) > 1 else {}),
         "vllm_router": reference,
         **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
     }
+
+
+def _by_workers(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each worker count's result, and its best rate and router CPU per request next to the
+    first count's (``rps_ratio``: does adding workers lose throughput?)."""
+    first = next(iter(results.values()))
+    summary = {
+        count: {
+            "max_sustained_rps": result["max_sustained_rps"],
+            "router_cpu_ms_per_request": result["router_cpu_ms_per_request"],
+            "rps_ratio": result["max_sustained_rps"] / first["max_sustained_rps"]
+            if first["max_sustained_rps"]
+            else None,
+        }
+        for count, result in results.items()
+    }
+    return {"summary": summary, "results": results}
 
 
 def _comparison(pdserve: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from services.cli.settings import ToolSettings
 from services.router.config import PolicyName, RouterSettings
 from services.router.main import serve
+from services.router.workers import serve_workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +40,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="no disaggregation: every request runs on a decode engine alone",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="router processes sharing the port (SO_REUSEPORT; default 1)",
+    )
+    parser.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        help="with --workers > 1: worker i serves its own /metrics on this port + i "
+        "(default 0: free ports, listed in the PDSERVE_READY line)",
+    )
 
 
 def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSettings:
     """Environment settings with the flags on top."""
     overrides: dict[str, object] = {"control_plane": tools.control_plane}
-    for name in ("host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated"):
+    names = (
+        "host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated",
+        "workers", "worker_metrics_port",
+    )  # fmt: skip
+    for name in names:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -60,5 +76,7 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
     except ValidationError as exc:
         print(f"pdserve router: invalid settings: {exc}")
         return 2
+    if settings.workers > 1:
+        return serve_workers(settings)
     asyncio.run(serve(settings))
     return 0

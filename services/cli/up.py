@@ -279,6 +279,7 @@ def _router_child(
         str(args.port),
         *(["--tokenizer", str(model)] if model is not None else []),
         *(["--colocated"] if args.colocated else []),
+        *(["--workers", str(args.router_workers)] if args.router_workers != 1 else []),
         *args.router_arg,
     )
     return Child("router", "router", argv, logs / "router.log")
@@ -355,9 +356,20 @@ def _endpoints(
 ) -> dict[str, Any]:
     metrics = {"router": f"{router_url}/metrics"}
     engines: dict[str, dict[str, Any]] = {}
+    workers: list[dict[str, Any]] = []
     for child in children:
         announced = child.announced or {}
         if child.kind == "router":
+            # Several workers: each one's own /metrics (the shared port answers one of them).
+            urls = announced.get("metrics_urls") or []
+            pids = announced.get("pids") or []
+            if len(urls) > 1:
+                del metrics["router"]
+                for index, url in enumerate(urls):
+                    metrics[f"router-{index}"] = str(url)
+                workers = [
+                    {"pid": pid, "metrics": url} for pid, url in zip(pids, urls, strict=False)
+                ]
             continue
         if announced.get("metrics"):
             metrics[child.name] = str(announced["metrics"])
@@ -373,6 +385,7 @@ def _endpoints(
         "namespace": control_plane.namespace,
         "metrics": metrics,
         "engines": engines,
+        **({"router_workers": workers} if workers else {}),
     }
 
 

@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
     parser.add_argument("--port", type=int, default=8000, help="router port (0: a free one)")
     parser.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        help="router processes sharing the port (pdserve router --workers; default 1)",
+    )
+    parser.add_argument(
         "--router-arg",
         action="append",
         default=[],

@@ -75,11 +75,24 @@ class EngineWatcher:
         self._changes: asyncio.Queue[EngineChange] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self._live = False
+        """Subscribed and re-read since the last lost connection (the snapshot follows Redis)."""
 
     @property
     def snapshot(self) -> dict[EngineId, EngineView]:
         """The latest view of every live engine."""
         return dict(self._snapshot)
+
+    def view(self, engine_id: EngineId) -> EngineView | None:
+        """The latest view of ``engine_id`` (no copy of the snapshot), ``None`` if not live."""
+        return self._snapshot.get(engine_id)
+
+    @property
+    def live(self) -> bool:
+        """True while subscribed and re-read since the last lost connection: the snapshot
+        then trails Redis by the events in flight (and by at most ``resync_interval_s`` for
+        leases that expire without an event); while reconnecting it may be older."""
+        return self._live
 
     async def __aenter__(self) -> EngineWatcher:
         self._task = asyncio.create_task(self._run(), name="pdserve-engine-watcher")
@@ -143,6 +156,7 @@ class EngineWatcher:
             try:
                 await pubsub.subscribe(self._cp.keys.events)
                 await self._resync(cause)
+                self._live = True
                 self._synced.set()
                 backoff = self._cp.settings.redis.retry_backoff_s
                 await self._listen(pubsub)
@@ -159,6 +173,7 @@ class EngineWatcher:
                     "engine watcher lost Redis (%s); reconnecting in %.2fs", exc, backoff
                 )
             finally:
+                self._live = False
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             cause = "reconnect"

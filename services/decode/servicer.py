@@ -68,6 +68,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
             stream = state.backend.decode(parsed)
+            called_at = time.monotonic()
             try:
                 # Pull errors come before the first delta: they become the call's status.
                 first = await anext(stream)
@@ -77,9 +78,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     )
                 last = first
                 failure_code = grpc.StatusCode.INTERNAL  # a backend's own ERROR finish
-                yield convert.delta_to_proto(first)
                 held: list[TokenDelta] = []
-                sent_at = time.monotonic()
+                if (
+                    coalesce_s
+                    and request.coalesce_first
+                    and first.finish_reason is None
+                    and time.monotonic() - called_at < coalesce_s
+                ):
+                    held.append(first)  # goes out with the next message
+                    sent_at = called_at
+                else:
+                    yield convert.delta_to_proto(first)
+                    sent_at = time.monotonic()
                 while last.finish_reason is None:
                     try:
                         last = await anext(stream)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from services.config import ControlPlaneSettings
 from services.control_plane.base import ControlPlane, EngineView
 from services.control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
+from services.control_plane.watch import EngineWatcher
 from services.control_plane.wire import EngineId
 from services.engines.backend import KVHandle
 from services.engines.errors import InvalidRequest, ProducerUnavailable, RequestError
@@ -167,6 +168,18 @@ class ProducerViews:
     counted by the data plane), so a stale view can cost a failed request, never wrong data.
     ``max_stale_s`` bounds how long this knowledge is trusted (default
     :data:`STALE_FACTOR` lease TTLs); 0 turns the fallback off.
+
+    Cached view: while :meth:`follow` runs (the host runs it for consumer engines), a live
+    :class:`~services.control_plane.watch.EngineWatcher` keeps every engine's view, and a
+    handle that view *accepts* is accepted without a Redis read (one round trip less per
+    Decode). Only acceptances come from the watcher: a view it would refuse (unknown, another
+    generation, not READY, ...) may be the watcher lagging a re-registration, so that check
+    reads Redis as above and refuses only on what Redis says. The watcher trails Redis by the
+    events in flight (milliseconds) and, for a lease that expires without an event, by its
+    resync interval; in that window a handle of a producer that just died is accepted and its
+    pull fails (``KVTransferFailed``), the same bound as the outage argument above: a failed
+    request, never wrong data. A watcher that lost Redis is not used until it re-read
+    everything.
     """
 
     def __init__(
@@ -196,6 +209,7 @@ class ProducerViews:
         self._skip_until = 0.0
         """Until then reads do not ask the control plane (the fast path during an outage)."""
         self._outage: _Outage | None = None
+        self._watcher: EngineWatcher | None = None
 
     async def refusal(
         self, handle: KVHandle, *, compat_hash: str, block_size: int | None = None
@@ -204,6 +218,15 @@ class ProducerViews:
         failed read is a :func:`control_plane_refusal` unless a remembered view answers.
         Never raises a control-plane error."""
         producer = handle.producer_engine_id
+        watcher = self._watcher
+        if watcher is not None and watcher.live:
+            cached = watcher.view(producer)
+            if (
+                cached is not None
+                and producer_refusal(cached, handle, compat_hash=compat_hash, block_size=block_size)
+                is None
+            ):
+                return None
         now = self._clock()
         if now < self._skip_until:
             assert self._outage is not None  # set together with _skip_until
@@ -222,6 +245,18 @@ class ProducerViews:
         self._outage_over()
         self._remember(producer, view)
         return producer_refusal(view, handle, compat_hash=compat_hash, block_size=block_size)
+
+    async def follow(self, control_plane: ControlPlane) -> None:
+        """Keep a watcher of ``control_plane`` for the cached view (see the class docstring)
+        until cancelled. ``control_plane`` should have its own metrics registry: the watcher
+        exports the state of every engine it sees on it."""
+        async with control_plane.watch() as watcher:
+            self._watcher = watcher
+            try:
+                async for _ in watcher:  # drained: only the snapshot is read
+                    pass
+            finally:
+                self._watcher = None
 
     def remembered(self, producer: EngineId) -> tuple[float, EngineView] | None:
         """``(read at, view)`` of ``producer`` as remembered (for tests and diagnostics)."""

@@ -118,6 +118,18 @@ class RouterSettings(BaseSettings):
     prefix_load_slack: int = Field(default=4, ge=0)
     """``prefix_aware`` prefers the best-cached prefill engine only while its load is within
     this many requests of the least-loaded one (no herding on a hot prefix)."""
+    workers: int = Field(default=1, ge=1, le=64)
+    """Router processes serving ``port`` together (``SO_REUSEPORT``: the kernel spreads
+    connections over them). Each follows the control plane and reserves engines on its own,
+    like separate router replicas (see ``services/router/workers.py``)."""
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    """With ``workers`` > 1: worker ``i`` also serves its own ``/metrics`` on this port + ``i``
+    (0: free ports), listed in the ``PDSERVE_READY`` line as ``metrics_urls``; the shared
+    port's ``/metrics`` answers only the worker that took the connection."""
+    reuse_port: bool = False
+    """Bind ``port`` with ``SO_REUSEPORT`` (set for each worker by the supervisor)."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Also serve ``/metrics`` on this port (0: a free one); ``None``: only on ``port``."""
     log_level: str = "WARNING"
     """Python logging level."""
 
@@ -125,4 +137,6 @@ class RouterSettings(BaseSettings):
     def _check(self) -> RouterSettings:
         if any(not key.get_secret_value() for key in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")
+        if self.worker_metrics_port and self.worker_metrics_port + self.workers - 1 > 65535:
+            raise ValueError("worker_metrics_port + workers - 1 must be a port (<= 65535)")
         return self

@@ -53,8 +53,9 @@ from services.serving.errors import EngineUnreachable, ProtocolMismatch
 logger = logging.getLogger(__name__)
 
 COALESCE_FRACTION = 0.25
-"""A non-streamed request's decode engine holds steps for at most this fraction of the idle
-bound (``DecodeRequest.coalesce_s`` in decode.proto), so a live engine still answers well
+"""A non-streamed request's decode engine holds steps, the first included, for at most this
+fraction of the idle bound (``DecodeRequest.coalesce_s`` and ``coalesce_first`` in
+decode.proto), so a live engine still answers well
 within it and a stalled one still trips it. Fewer messages per request: each costs the router
 a gRPC read."""
 
@@ -342,7 +343,9 @@ class Executor:
                 now = time.perf_counter()
                 info.engine_wait_s += now - waited
                 if first:
-                    self._observe_first_delta(request, prefilled, delta, now - started, info)
+                    self._observe_first_delta(
+                        request, prefilled, delta, now - started, info, coalesced=coalescing
+                    )
                     first = False
                 elif not coalescing:  # a coalesced message's gap is not one token's
                     self._metrics.itl.observe(now - previous)
@@ -395,12 +398,18 @@ class Executor:
         delta: TokenDelta,
         waited_s: float,
         info: RunInfo,
+        *,
+        coalesced: bool = False,
     ) -> None:
+        """``coalesced``: the first message may hold the whole answer (``coalesce_first``),
+        so its wait times no first token and no inter-token gap."""
         if prefilled is None:
             self._observe_ttft(request, info)
             return
         handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
         self._metrics.ttft_phase_by("handoff").observe(handoff)
+        if coalesced:
+            return
         self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff, 0.0))
         # The prefill's token went out first; the gap to the decode's first is an ITL.
         self._metrics.itl.observe(waited_s)

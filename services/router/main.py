@@ -12,11 +12,14 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.router.api import generation, install_error_handlers, ops, v1
@@ -27,6 +30,15 @@ from services.router.runtime import RouterRuntime
 from services.serving.ready import format_ready_line
 
 logger = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 2048
+"""Accept queue of a worker's ``SO_REUSEPORT`` socket (uvicorn's default backlog)."""
+
+METRICS_READ_TIMEOUT_S = 10.0
+"""How long a worker's own metrics listener waits for a request's headers."""
+
+PARENT_POLL_S = 1.0
+"""How often a worker checks that its supervisor is alive."""
 
 GC_THRESHOLDS = (20_000, 20, 20)
 """The collector's thresholds once the router serves (Python's are (700, 10, 10)): a request
@@ -91,8 +103,63 @@ def create_app(
     return app
 
 
-async def serve(settings: RouterSettings, *, connectors: ConnectorFactory | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn's graceful shutdown)."""
+def reuse_port_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A TCP socket on ``host:port`` with ``SO_REUSEPORT``, listening unless ``listen`` is
+    false: several processes bind the same port and the kernel spreads new connections over
+    the listening ones' accept queues (no thundering herd: each connection wakes one
+    process)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
+    """A minimal HTTP/1.0-style listener answering ``GET /metrics`` from ``registry`` on the
+    event loop (one request per connection; any other path is 404): a worker's own series
+    when several workers share the API port."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), METRICS_READ_TIMEOUT_S)
+            parts = head.split(b" ", 2)
+            if len(parts) > 1 and parts[1].split(b"?")[0] == b"/metrics":
+                status, body = b"200 OK", generate_latest(registry)
+                kind = CONTENT_TYPE_LATEST.encode()
+            else:
+                status, body, kind = b"404 Not Found", b"not found\n", b"text/plain"
+            writer.write(
+                b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (status, kind, len(body), body)
+            )
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+async def serve(
+    settings: RouterSettings,
+    *,
+    connectors: ConnectorFactory | None = None,
+    ready: Callable[[dict[str, Any]], None] | None = None,
+    parent_pid: int | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn's graceful shutdown). ``ready`` receives the
+    ``PDSERVE_READY`` payload instead of stdout; with ``parent_pid`` the router also stops
+    when that process is gone (a worker whose supervisor was killed)."""
     app = create_app(settings, connectors=connectors)
     config = uvicorn.Config(
         app,
@@ -104,16 +171,53 @@ async def serve(settings: RouterSettings, *, connectors: ConnectorFactory | None
         timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+    sockets = [reuse_port_socket(settings.host, settings.port)] if settings.reuse_port else None
+    task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
         if task.done():
             await task
             return
         await asyncio.sleep(0.02)
-    freeze_startup_objects()
-    port = server.servers[0].sockets[0].getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    url = f"http://{host}:{port}"
-    ready = {"service": "router", "url": url, "port": port, "metrics_url": f"{url}/metrics"}
-    print(format_ready_line(ready), flush=True)
-    await task
+    metrics_server: asyncio.Server | None = None
+    watch: asyncio.Task[None] | None = None
+    try:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://{host}:{port}"
+        payload: dict[str, Any] = {
+            "service": "router",
+            "url": url,
+            "port": port,
+            "metrics_url": f"{url}/metrics",
+            "pid": os.getpid(),
+        }
+        if settings.metrics_port is not None:
+            runtime: RouterRuntime = app.state.runtime
+            metrics_server = await serve_metrics(
+                runtime.metrics.registry, settings.host, settings.metrics_port
+            )
+            metrics_port = metrics_server.sockets[0].getsockname()[1]
+            payload["metrics_url"] = f"http://{host}:{metrics_port}/metrics"
+        if parent_pid is not None:
+            watch = asyncio.create_task(_exit_without(parent_pid, server))
+        freeze_startup_objects()
+        if ready is not None:
+            ready(payload)
+        else:
+            print(format_ready_line(payload), flush=True)
+        await task
+    finally:
+        if watch is not None:
+            watch.cancel()
+        if metrics_server is not None:
+            metrics_server.close()
+        server.should_exit = True
+        await task
+
+
+async def _exit_without(parent_pid: int, server: uvicorn.Server) -> None:
+    """Stop ``server`` (gracefully) once ``parent_pid`` is no longer this process's parent."""
+    while os.getppid() == parent_pid:  # noqa: ASYNC110 - no event says a parent died
+        await asyncio.sleep(PARENT_POLL_S)
+    logger.warning("router supervisor %d is gone; this worker stops", parent_pid)
+    server.should_exit = True

@@ -113,8 +113,8 @@ class RouterMetrics:
         )
         self.itl = Histogram(
             "pdserve_router_itl_seconds",
-            "Time between two token deltas of one request (a non-streamed request: only the "
-            "prefill's token to the decode engine's first; its later steps come coalesced).",
+            "Time between two token deltas of one streamed request (a non-streamed one's "
+            "decode answers in one coalesced message: no gaps).",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -112,20 +112,22 @@ def load_score(slot: EngineSlot) -> int:
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """The lowest :func:`load_score`; ties rotate so equal engines share a burst."""
+    """The lowest :func:`load_score`; ties rotate, per stage, so equal engines share a burst
+    (one rotation for every stage put a request's prefill and decode on alternate turns: with
+    two engines of each role, prefills went to the first and decodes to the second)."""
 
     def __init__(self) -> None:
-        self._tie_breaker = itertools.count()
+        self._tie_breakers = {stage: itertools.count() for stage in Stage}
 
     def choose(
         self, candidates: Sequence[EngineSlot], prompt: PromptInfo, stage: Stage
     ) -> EngineSlot:
-        return self._least_loaded(candidates)
+        return self._least_loaded(candidates, stage)
 
-    def _least_loaded(self, candidates: Sequence[EngineSlot]) -> EngineSlot:
+    def _least_loaded(self, candidates: Sequence[EngineSlot], stage: Stage) -> EngineSlot:
         best = min(load_score(slot) for slot in candidates)
         tied = [slot for slot in candidates if load_score(slot) == best]
-        return tied[next(self._tie_breaker) % len(tied)]
+        return tied[next(self._tie_breakers[stage]) % len(tied)]
 
 
 class PrefixIndex:
@@ -174,7 +176,7 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         self, candidates: Sequence[EngineSlot], prompt: PromptInfo, stage: Stage
     ) -> EngineSlot:
         if stage is Stage.DECODE:
-            return self._least_loaded(candidates)
+            return self._least_loaded(candidates, stage)
         least = min(load_score(slot) for slot in candidates)
         best_slot: EngineSlot | None = None
         best_blocks = 0
@@ -184,7 +186,7 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
             blocks = self.cached_blocks(slot, prompt)
             if blocks > best_blocks:
                 best_slot, best_blocks = slot, blocks
-        return best_slot if best_slot is not None else self._least_loaded(candidates)
+        return best_slot if best_slot is not None else self._least_loaded(candidates, stage)
 
     def routed(self, slot: EngineSlot, prompt: PromptInfo) -> None:
         self._index.add(slot, prompt.block_hashes(slot.record.block_size))

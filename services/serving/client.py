@@ -153,7 +153,8 @@ class EngineClient:
         """Stream the request's tokens. Errors before the first delta raise; closing the
         iterator early (``aclose``, ``break`` in ``async for`` then garbage collection, or the
         consuming task being cancelled) cancels the call and the engine aborts the request.
-        ``coalesce_s``: see ``DecodeRequest.coalesce_s`` in decode.proto."""
+        ``coalesce_s``: see ``DecodeRequest.coalesce_s`` in decode.proto; the first message
+        may be held too (``coalesce_first``), so a short answer is one message."""
         stubs = self._connect()
         message = convert.decode_request_to_proto(request, coalesce_s=coalesce_s)
         call = stubs.decode.Decode(message, timeout=timeout_s)

@@ -353,7 +353,7 @@ def decode_request_to_proto(
     request: DecodeRequest, *, coalesce_s: float | None = None
 ) -> decode_pb2.DecodeRequest:
     """``coalesce_s``: a transport choice of the caller, not part of the request (see
-    decode.proto)."""
+    decode.proto); set, it asks for the first message to be held too (``coalesce_first``)."""
     message = decode_pb2.DecodeRequest(
         request_id=request.request_id,
         token_ids=list(request.prompt_token_ids),
@@ -365,6 +365,7 @@ def decode_request_to_proto(
         message.first_token_id = request.first_token_id
     if coalesce_s is not None:
         message.coalesce_s = coalesce_s
+        message.coalesce_first = True
     return message
 
 

@@ -172,6 +172,8 @@ class EngineHost:
             retry_after_s=settings.producer_view_retry_after_s,
             on_fallback=self.metrics.count_producer_check_fallback,
         )
+        self._producer_follower: asyncio.Task[None] | None = None
+        """Consumer engines: keeps the producer views' watcher (their cached view)."""
         self._ready_output = ready_output if ready_output is not None else sys.stdout
         self._fatal: asyncio.Future[HostError | EngineFailed] | None = None
         self._server: grpc.aio.Server | None = None
@@ -198,6 +200,10 @@ class EngineHost:
             self.registry.register(self.backend.metrics_collector())
         if isinstance(self.backend, UsesProducerViews):
             self.backend.use_producer_views(self.producer_views)
+        if self.role.consumes_kv:
+            self._producer_follower = asyncio.create_task(
+                self._follow_producers(), name="pdserve-producer-views"
+            )
         heartbeat: asyncio.Task[None] | None = None
         registered = False
         try:
@@ -338,7 +344,26 @@ class EngineHost:
             except Exception:
                 logger.exception("stopping the backend of %s failed", self.engine_id)
 
+    async def _follow_producers(self) -> None:
+        """The producer views' watcher, on a plane of its own (its engine-state gauges stay out
+        of this engine's metrics). Failing only costs the cached view: checks read Redis."""
+        plane = RedisControlPlane(self.settings.control_plane, ControlPlaneMetrics())
+        try:
+            await self.producer_views.follow(plane)
+        except Exception:
+            logger.exception(
+                "producer views of %s stopped following the control plane", self.engine_id
+            )
+        finally:
+            await plane.close()
+
     async def _close(self) -> None:
+        follower = self._producer_follower
+        if follower is not None:
+            self._producer_follower = None
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
         if self._server is not None:
             await self._server.stop(None)
             self._server = None

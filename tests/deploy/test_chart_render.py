@@ -243,3 +243,28 @@ def test_values_schema_is_shipped_not_ignored() -> None:
     with helm.Chart.load(CHART_DIR) as loaded:
         assert loaded.schema is not None
         assert loaded.schema["additionalProperties"] is False
+
+
+def test_router_workers_share_the_port_and_each_is_scraped_on_its_own(chart: helm.Chart) -> None:
+    single = find(render(chart), "Deployment", "-router").body["spec"]["template"]
+    assert "--workers" not in container(single)["args"]
+    values: dict[str, Any] = {"router": {"workers": 3, "workerMetricsPort": 9400}}
+    manifests = render(chart, values)
+    pod = find(manifests, "Deployment", "-router").body["spec"]["template"]
+    router = container(pod)
+    args = router["args"]
+    assert args[args.index("--workers") + 1] == "3"
+    assert args[args.index("--worker-metrics-port") + 1] == "9400"
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports == {"http": 8000, "metrics-w0": 9400, "metrics-w1": 9401, "metrics-w2": 9402}
+    service = find(manifests, "Service", "-router").body
+    assert {p["name"] for p in service["spec"]["ports"]} == set(ports)
+    for manifest in manifests:
+        assert validate_manifest(manifest) == []
+    # Every worker scraped on its own port; not the shared one (it would count one twice).
+    for monitor, key in (("podMonitor", "podMetricsEndpoints"), ("serviceMonitor", "endpoints")):
+        kind = monitor[0].upper() + monitor[1:]
+        found = find(render(chart, {**values, "metrics": {monitor: {"enabled": True}}}), kind)
+        assert validate_manifest(found) == []
+        scraped = {e["port"] for e in found.body["spec"][key]}
+        assert scraped == {"metrics", "metrics-w0", "metrics-w1", "metrics-w2"}

@@ -8,6 +8,7 @@ outage against a real Redis and real engines is scenario 7 of tests/e2e/test_fau
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import cast
 
@@ -260,3 +261,72 @@ async def test_an_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     assert len(caplog.records) == 2
     assert "available again" in caplog.records[1].getMessage()
     assert "20 checks were answered" in caplog.records[1].getMessage()
+
+
+class FakeWatcher:
+    """What :meth:`ProducerViews.follow` reads of an ``EngineWatcher``: ``live``, ``view``; it
+    yields no change until the test ends it."""
+
+    def __init__(self) -> None:
+        self.live = True
+        self.views: dict[str, EngineView] = {}
+        self.ended = asyncio.Event()
+
+    def view(self, engine_id: str) -> EngineView | None:
+        return self.views.get(engine_id)
+
+    async def __aenter__(self) -> FakeWatcher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def __aiter__(self) -> FakeWatcher:
+        return self
+
+    async def __anext__(self) -> None:
+        await self.ended.wait()
+        raise StopAsyncIteration
+
+
+class WatchedPlane(FakeControlPlane):
+    def __init__(self, watcher: FakeWatcher) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def watch(self) -> FakeWatcher:
+        return self.watcher
+
+
+async def test_a_followed_view_that_accepts_answers_without_a_read_and_refusals_read() -> None:
+    harness = Harness()
+    watcher = FakeWatcher()
+    following = asyncio.create_task(harness.views.follow(cast(ControlPlane, WatchedPlane(watcher))))
+    await asyncio.sleep(0)  # follow() enters the watcher
+    # The watcher's READY view at the handle's generation: no read.
+    watcher.views["prefill-a"] = view()
+    assert await harness.check() is None
+    assert harness.plane.reads == 0
+    # The watcher lags (an older generation, or not READY yet): Redis decides.
+    for lagging in (view(generation=2), view(state=EngineState.PENDING)):
+        watcher.views["prefill-a"] = lagging
+        reads = harness.plane.reads
+        assert await harness.check() is None  # Redis says READY at generation 3
+        assert harness.plane.reads == reads + 1
+    # Redis refuses: refused, whatever the watcher said.
+    harness.plane.answer = view(state=EngineState.INVALID)
+    refusal = await harness.check()
+    assert refusal is not None and refusal.reason == "not_ready"
+    # A watcher that lost Redis is not used.
+    watcher.views["prefill-a"] = view()
+    watcher.live = False
+    refusal = await harness.check()
+    assert refusal is not None and refusal.reason == "not_ready"
+    # Once the watcher ends, every check reads Redis again.
+    watcher.live = True
+    watcher.ended.set()
+    await following
+    reads = harness.plane.reads
+    assert (await harness.check()) is not None
+    assert harness.plane.reads == reads + 1
+    assert harness.fallbacks == []

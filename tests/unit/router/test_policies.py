@@ -67,6 +67,25 @@ def test_least_loaded_spreads_a_burst_through_reservations():
     assert all(s.inflight == 0 for s in pool.slots())
 
 
+def test_least_loaded_ties_rotate_per_stage_so_prefill_and_decode_both_spread():
+    """Requests that finish before the next one (no reservation left): each stage's ties rotate
+    on their own, so alternating prefill and decode picks still spread over both engines of
+    each role (one shared rotation sent every prefill to the first and every decode to the
+    second)."""
+    rt = runtime()
+    pool = pool_of(
+        rt, view("p1", PREFILL), view("p2", PREFILL), view("d1", DECODE), view("d2", DECODE)
+    )
+    prefills = [s for s in pool.slots() if s.engine_id.startswith("p")]
+    decodes = [s for s in pool.slots() if s.engine_id.startswith("d")]
+    for policy in (LeastLoadedPolicy(), PrefixAwarePolicy(64, 4)):
+        chosen = []
+        for _ in range(4):
+            chosen.append(policy.choose(prefills, PromptInfo((1,)), Stage.PREFILL).engine_id)
+            chosen.append(policy.choose(decodes, PromptInfo((1,)), Stage.DECODE).engine_id)
+        assert sorted(chosen) == ["d1", "d1", "d2", "d2", "p1", "p1", "p2", "p2"]
+
+
 def test_least_loaded_counts_the_queue_engines_report():
     rt = runtime()
     pool = pool_of(

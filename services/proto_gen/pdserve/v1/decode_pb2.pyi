@@ -31,16 +31,24 @@ class DecodeRequest(_message.Message):
     KV_HANDLE_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     COALESCE_S_FIELD_NUMBER: _builtins.int
+    COALESCE_FIRST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     """The producer's first token (required with kv_handle; not repeated in the stream)."""
     coalesce_s: _builtins.float
     """When set and > 0, messages after the first may carry several steps: the engine holds
     steps and sends them together once this many seconds passed since its last message, or
-    with the finish. The first message is never held (it times the first token). A caller
-    that does not stream to its client (a non-streamed completion) sets it to answer in two
-    messages instead of one per token; the tokens, text and usage are the same. At most
+    with the finish. The first message is not held (it times the first token) unless
+    coalesce_first. A caller that does not stream to its client (a non-streamed completion)
+    sets both to answer in one message instead of one per token; the tokens, text and usage
+    are the same. At most
     3600; negative or not finite is INVALID_ARGUMENT.
+    """
+    coalesce_first: _builtins.bool
+    """With coalesce_s > 0: the first message may be held as well (from the start of the call,
+    at most coalesce_s), so an answer that ends within coalesce_s comes as one message. For a
+    caller that needs neither the first token's time nor its text before the end (a
+    non-streamed completion). Ignored without coalesce_s.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -57,10 +65,11 @@ class DecodeRequest(_message.Message):
         kv_handle: _types_pb2.KVHandle | None = ...,
         first_token_id: _builtins.int | None = ...,
         coalesce_s: _builtins.float | None = ...,
+        coalesce_first: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_first", b"coalesce_first", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__coalesce_s: _TypeAlias = _typing.Literal["coalesce_s"]  # noqa: Y015
     _WhichOneofArgType__coalesce_s: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s"]  # noqa: Y015
