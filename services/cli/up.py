@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,12 @@ from services.config import ControlPlaneSettings
 from services.config.control_plane import split_url_password
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+from services.engines.vllm.platform import (
+    THREADS_BIND_ENV,
+    Platform,
+    installed_platform,
+    shared_cpu_bindings,
+)
 from services.observability.local_prometheus import RULES_FILE, LocalPrometheus, PrometheusError
 from services.serving.ready import parse_ready_line, pdserve_argv
 
@@ -65,6 +71,8 @@ class Child:
     announced: dict[str, Any] | None = None
     """The payload of its ready line; ``None`` until it printed one."""
     reader: asyncio.Task[None] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """Set in its environment on top of ``pdserve up``'s own."""
 
     def describe_exit(self) -> str:
         code = self.process.returncode if self.process else None
@@ -264,7 +272,20 @@ def _engine_children(
                 *args.engine_arg,
             )
             children.append(Child(name, role, argv, logs / f"{name}.log"))
+    if args.engine == "vllm":
+        _bind_vllm_cpu_threads(children, [pp * tp for _, n, pp, tp in layouts for _ in range(n)])
     return children
+
+
+def _bind_vllm_cpu_threads(engines: list[Child], world_sizes: list[int]) -> None:
+    """vLLM for CPU: share this machine's cores among every engine's ranks
+    (:func:`~services.engines.vllm.platform.shared_cpu_bindings`), unless the operator set
+    ``VLLM_CPU_OMP_THREADS_BIND`` (then each engine derives nothing and uses theirs)."""
+    if installed_platform() is not Platform.CPU or os.environ.get(THREADS_BIND_ENV):
+        return
+    bindings = shared_cpu_bindings(world_sizes, sorted(os.sched_getaffinity(0)))
+    for child, binding in zip(engines, bindings, strict=True):
+        child.env[THREADS_BIND_ENV] = binding
 
 
 def _router_child(
@@ -294,7 +315,7 @@ async def _spawn(child: Child, secrets: dict[str, str]) -> None:
         stdout=asyncio.subprocess.PIPE,
         stderr=log,
         start_new_session=True,
-        env={**os.environ, **secrets, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **secrets, **child.env, "PYTHONUNBUFFERED": "1"},
     )
     log.close()
     child.reader = asyncio.create_task(_read_output(child))

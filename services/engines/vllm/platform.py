@@ -66,6 +66,23 @@ def cpu_thread_binding(world_size: int, cpus: Sequence[int]) -> str:
     return "|".join(groups)
 
 
+def shared_cpu_bindings(world_sizes: Sequence[int], cpus: Sequence[int]) -> list[str]:
+    """One ``VLLM_CPU_OMP_THREADS_BIND`` per engine for engines sharing ``cpus`` (``pdserve
+    up`` on one machine): every rank of every engine gets its own cores when there are enough
+    (``[2, 1]`` over 4 cores: ``"0,1|2"``, ``"3"``), else one core each, reused round-robin
+    across engines (``[2, 1]`` over 2 cores: ``"0|1"``, ``"0"``). Each engine binding all the
+    machine's cores instead puts two engines' OpenMP teams on the same cores, whose barriers
+    then wait on threads the other engine preempted: measured here, a tiny model decoded 5x
+    slower on two cores shared that way than on one core of its own."""
+    groups = cpu_thread_binding(sum(world_sizes), cpus).split("|")
+    bindings = []
+    start = 0
+    for size in world_sizes:
+        bindings.append("|".join(groups[start : start + size]))
+        start += size
+    return bindings
+
+
 def cpu_environment(world_size: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a CPU vLLM engine of ``world_size`` ranks is started with: a thread
     binding over the cores this process may run on, unless ``environ`` already sets one."""

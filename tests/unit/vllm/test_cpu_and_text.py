@@ -13,7 +13,12 @@ from tokenizers.decoders import DecodeStream
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.vllm.contracts import clip_to_producer
 from services.engines.vllm.detokenizer import PrimedDecodeStream
-from services.engines.vllm.platform import THREADS_BIND_ENV, cpu_environment, cpu_thread_binding
+from services.engines.vllm.platform import (
+    THREADS_BIND_ENV,
+    cpu_environment,
+    cpu_thread_binding,
+    shared_cpu_bindings,
+)
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
 from services.kv_transfer.metrics import KVTransferMetrics
 
@@ -21,6 +26,11 @@ from services.kv_transfer.metrics import KVTransferMetrics
 def test_thread_binding_splits_cores_or_shares_them_round_robin() -> None:
     assert cpu_thread_binding(1, [0, 1]) == "0,1"
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    # Engines sharing a machine: their own cores when there are enough, else one core per rank.
+    assert shared_cpu_bindings([2, 1], [0, 1, 2, 3]) == ["0,1|2", "3"]
+    assert shared_cpu_bindings([2, 1], [0, 1]) == ["0|1", "0"]
+    assert shared_cpu_bindings([2, 2], [0, 1]) == ["0|1", "0|1"]
+    assert shared_cpu_bindings([1], [0, 1]) == [cpu_thread_binding(1, [0, 1])]
     assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
     assert cpu_thread_binding(3, [0, 1]) == "0|1|0"
     with pytest.raises(ValueError, match="world_size"):
