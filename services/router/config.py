@@ -118,6 +118,16 @@ class RouterSettings(BaseSettings):
     prefix_load_slack: int = Field(default=4, ge=0)
     """``prefix_aware`` prefers the best-cached prefill engine only while its load is within
     this many requests of the least-loaded one (no herding on a hot prefix)."""
+    max_migrations: int = Field(default=2, ge=0)
+    """How many times one request may move to another engine pair after its decode engine
+    failed or stalled (prompt plus the tokens so far re-prefilled, the stream goes on); 0
+    ends such a request with the error instead. Counted in
+    ``pdserve_router_migrations_total``."""
+    circuit_backoff_s: float = Field(default=5.0, gt=0)
+    """How long an engine whose call failed through its own fault is left out of the
+    router's choices before one probe request may try it (``services.router.health``)."""
+    circuit_max_backoff_s: float = Field(default=60.0, gt=0)
+    """The back-off doubles after each failed probe, up to this."""
     log_level: str = "WARNING"
     """Python logging level."""
 

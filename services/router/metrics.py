@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.router.health import CircuitGauge
+
 M = TypeVar("M", Counter, Histogram)
 
 InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
@@ -75,8 +77,10 @@ class RouterMetrics:
             self.fallbacks.labels(reason=reason)
         self.prefill_retries = Counter(
             "pdserve_router_prefill_retries_total",
-            "Prefill attempts that failed and were retried on another engine, by reason.",
-            ["reason"],
+            "Prefill attempts that failed and were retried on another engine, by phase "
+            "(connect, prefill: the Prefill call; kv_wait: the producer was gone before the "
+            "decode engine pulled; kv_pull: the pull itself failed) and reason (the error code).",
+            ["phase", "reason"],
             registry=r,
         )
         self.engine_timeouts = Counter(
@@ -151,6 +155,23 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations_total",
+            "Requests whose decode continued on another engine pair after tokens had gone "
+            "out (prompt plus the tokens so far re-prefilled), by reason (the decode error "
+            "code).",
+            ["reason"],
+            registry=r,
+        )
+        self.circuit_trips = Counter(
+            "pdserve_router_circuit_trips_total",
+            "Circuit breakers opened: an engine's call failed through the engine's fault and "
+            "the router stopped choosing it, by engine and role.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.circuit_state = CircuitGauge()
+        r.register(self.circuit_state)
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)

@@ -20,6 +20,12 @@ and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
    then a compatible decode engine; if that decode engine likely holds at least
    ``local_cached_fraction`` of the prompt's blocks, the request runs there locally.
 
+Health (``services.router.health``): engines whose circuit breaker is open are not chosen; a
+request that failed over or migrated also names engines to ``avoid``. When every decode engine
+of the model has an open breaker (and none is avoided), they are chosen anyway: a decode engine
+has no fallback, and refusing every request during a back-off after one failed call would turn
+one error into many. Prefill engines have the local fallback instead.
+
 Fallback counting happens here and in the executor (:mod:`services.router.execution`).
 """
 
@@ -65,17 +71,35 @@ class Scheduler:
         self._settings = settings
         self._metrics = metrics
 
-    def plan(self, model: str, prompt: PromptInfo) -> Plan:
-        """Choose engines for a request of ``model``; raises ``ModelNotFound`` or
-        ``NoEngineAvailable``. Fallbacks decided here are counted here."""
-        decodes = [s for s in self._pool.slots(DECODE_ROLES) if s.record.model == model]
+    def plan(
+        self,
+        model: str,
+        prompt: PromptInfo,
+        *,
+        avoid_prefill: Collection[EngineId] = (),
+        avoid_decode: Collection[EngineId] = (),
+    ) -> Plan:
+        """Choose engines for a request of ``model``, never one in ``avoid_*`` (engines this
+        request already failed on); raises ``ModelNotFound`` or ``NoEngineAvailable``.
+        Fallbacks decided here are counted here."""
+        decodes = [
+            s
+            for s in self._pool.slots(DECODE_ROLES)
+            if s.record.model == model and s.engine_id not in avoid_decode
+        ]
         if not decodes:
             if model not in self._pool.registered_models():
                 raise ModelNotFound(f"the model {model!r} does not exist", param="model")
-            raise NoEngineAvailable(f"no READY decode engine serves {model!r}")
+            other = " other than " + ", ".join(sorted(avoid_decode)) if avoid_decode else ""
+            raise NoEngineAvailable(f"no READY decode engine{other} serves {model!r}")
+        decodes = [s for s in decodes if s.health.available()] or decodes
         if self._settings.colocated:
             return self._local(decodes, prompt, "colocated")
-        prefills = [s for s in self._pool.slots(PREFILL_ROLES) if s.record.model == model]
+        prefills = [
+            s
+            for s in self._pool.slots(PREFILL_ROLES)
+            if s.record.model == model and s.engine_id not in avoid_prefill and s.health.available()
+        ]
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
         if not paired:
             colocated = [s for s in decodes if s.role is EngineRole.BOTH]
@@ -111,7 +135,7 @@ class Scheduler:
         candidates = [
             s
             for s in self._pool.slots(PREFILL_ROLES)
-            if s.engine_id not in tried and s.compatible_with(decode)
+            if s.engine_id not in tried and s.compatible_with(decode) and s.health.available()
         ]
         if not candidates:
             return None
