@@ -13,7 +13,8 @@ and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
    READY or not, serves the model); with ``colocated`` set, local on a decode engine, always;
 2. no prefill engine compatible with any decode engine -> local on a ``both`` engine
    (colocated deployment, not a fallback); with only ``decode`` engines it is a fallback
-   (``no_prefill_engine``, counted) when ``local_fallback`` allows it, else 503;
+   (``no_prefill_engine``, counted; ``prefill_circuit_open`` when compatible prefill engines
+   exist but every one's circuit breaker is open) when ``local_fallback`` allows it, else 503;
 3. a prompt of at most ``local_max_prompt_tokens`` -> local on a decode engine (conditional
    disaggregation: moving its KV costs more than computing it);
 4. otherwise the policy picks a prefill engine among those with a compatible decode engine,
@@ -98,19 +99,23 @@ class Scheduler:
         prefills = [
             s
             for s in self._pool.slots(PREFILL_ROLES)
-            if s.record.model == model and s.engine_id not in avoid_prefill and s.health.available()
+            if s.record.model == model and s.engine_id not in avoid_prefill
         ]
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
-        if not paired:
+        healthy = [p for p in paired if p.health.available()]
+        if not healthy:
             colocated = [s for s in decodes if s.role is EngineRole.BOTH]
             if colocated:
                 return self._local(colocated, prompt, "colocated")
             if not self._settings.local_fallback:
                 raise NoEngineAvailable(
                     f"no READY prefill engine compatible with a decode engine of {model!r}"
+                    + (" whose circuit is closed" if paired else "")
                 )
-            self._metrics.fallbacks.labels(reason="no_prefill_engine").inc()
-            return self._local(decodes, prompt, "no_prefill_engine")
+            reason = "prefill_circuit_open" if paired else "no_prefill_engine"
+            self._metrics.fallbacks.labels(reason=reason).inc()
+            return self._local(decodes, prompt, reason)
+        paired = healthy
         if len(prompt.token_ids) <= self._settings.local_max_prompt_tokens:
             return self._local(decodes, prompt, "short_prompt")
         prefill = self._policy.choose(paired, prompt, Stage.PREFILL)
