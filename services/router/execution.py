@@ -10,6 +10,9 @@ Disaggregated: Prefill on the prefill engine (retried on another compatible engi
 failure is the engine's, at most ``max_prefill_attempts`` in all, each retry counted), the first
 token goes out, then Decode with the KV handle on the decode engine. Local: Decode without a
 handle. A decode stream that ends without a finish reason is an error (``decode_truncated``).
+A request whose decode engine, or the producer of its KV, fails continues on other engines
+(:mod:`services.router.migration`: legs, prefill failover, migration); every engine call feeds
+the engine's circuit breaker (:mod:`services.router.health`).
 
 Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
 call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
@@ -32,10 +35,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from services.control_plane.wire import EngineId
-from services.engines import errors as engine_errors
 from services.engines.backend import (
     DecodeRequest,
     FinishReason,
@@ -45,13 +46,15 @@ from services.engines.backend import (
 )
 from services.engines.reference.tokenizer import ByteTokenizer, Tokenizer
 from services.router.config import RouterSettings
-from services.router.errors import EngineRequestFailed, InvalidRequestError, RouterError
+from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.metrics import RouterMetrics
 from services.router.migration import (
     PRODUCER_GONE,
-    Phase,
+    LegFailed,
+    NoContinuation,
     Progress,
     Step,
+    chain,
     is_engine_fault,
     is_migratable,
     prefill_phase,
@@ -59,11 +62,9 @@ from services.router.migration import (
 from services.router.policies import PromptInfo
 from services.router.pool import EnginePool, EngineSlot
 from services.router.scheduler import Plan, Scheduler
-from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 COALESCE_FRACTION = 0.25
 """A non-streamed request's decode engine holds steps for at most this fraction of the idle
@@ -100,35 +101,6 @@ class Chunk:
     finish_reason: FinishReason | None = None
 
 
-class _LegFailed(Exception):
-    """A leg broke where another leg may get past: ``phase`` set (``kv_wait``/``kv_pull``)
-    when the producer ``slot`` is to blame, ``None`` when the decode engine ``slot`` is."""
-
-    def __init__(self, error: RouterError, slot: EngineSlot, phase: Phase | None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.slot = slot
-        self.phase = phase
-
-
-class _NoContinuation(Exception):
-    """No engine left to continue a broken request on (``error``: the scheduler's)."""
-
-    def __init__(self, error: RouterError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-async def _chain(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-    """``first``, then ``rest`` (closed with this generator)."""
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
 @dataclass
 class RunInfo:
     """What a run decided and measured, filled as it goes (headers, usage, metrics)."""
@@ -142,51 +114,6 @@ class RunInfo:
     engine_wait_s: float = 0.0
     migrations: int = 0
     """Times the request moved to another engine pair mid-stream (services.router.migration)."""
-
-
-def engine_error(exc: Exception, *, stage: str) -> RouterError:
-    """Translate an engine call's exception into the router's error (the one table).
-
-    ``retryable`` marks the failures another engine may not have (overloaded, draining,
-    unreachable, failed, timed out); bad input is the client's (400) and never retried.
-    """
-    if isinstance(exc, RouterError):
-        return exc
-    message = f"{stage} failed: {exc}" if str(exc) else f"{stage} failed: {type(exc).__name__}"
-    if isinstance(exc, engine_errors.InvalidRequest):
-        return InvalidRequestError(str(exc))
-    if isinstance(exc, engine_errors.EngineOverloaded):
-        return EngineRequestFailed(
-            message, code="engine_overloaded", status_code=503, retryable=True
-        )
-    if isinstance(exc, engine_errors.EngineDraining):
-        return EngineRequestFailed(message, code="engine_draining", status_code=503, retryable=True)
-    if isinstance(exc, engine_errors.EngineFailed):
-        return EngineRequestFailed(message, code="engine_failed", retryable=True)
-    if isinstance(exc, TimeoutError):
-        return EngineRequestFailed(message, code="engine_timeout", status_code=504, retryable=True)
-    if isinstance(exc, engine_errors.UnknownKVHandle):
-        return EngineRequestFailed(message, code="kv_handle_unknown")
-    if isinstance(exc, engine_errors.KVLeaseExpired):
-        return EngineRequestFailed(message, code="kv_lease_expired")
-    if isinstance(exc, engine_errors.ProducerUnavailable):
-        return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
-    if isinstance(exc, engine_errors.KVTransferFailed):
-        return EngineRequestFailed(message, code="kv_transfer_failed")
-    if isinstance(exc, engine_errors.RequestAborted):
-        return EngineRequestFailed(message, code="request_cancelled", status_code=503)
-    if isinstance(exc, engine_errors.RequestError):
-        return EngineRequestFailed(message, code="engine_error")
-    if isinstance(exc, EngineUnreachable):
-        return EngineRequestFailed(
-            message, code="engine_unreachable", status_code=503, retryable=True
-        )
-    if isinstance(exc, ProtocolMismatch):
-        return EngineRequestFailed(message, code="protocol_mismatch", retryable=True)
-    # Anything else is a bug on our side of the connection; another engine may still work,
-    # but the message is kept for the operator.
-    logger.error("unexpected %s from an engine call: %s", type(exc).__name__, exc)
-    return EngineRequestFailed(message, code="engine_error", retryable=True)
 
 
 class Executor:
@@ -226,7 +153,7 @@ class Executor:
             try:
                 try:
                     first_step = await anext(leg)
-                except _NoContinuation as nowhere:
+                except NoContinuation as nowhere:
                     assert last_error is not None
                     # One replica of the role: the client gets the failure itself, at once.
                     raise EngineRequestFailed(
@@ -235,7 +162,7 @@ class Executor:
                         code=last_error.code,
                         status_code=last_error.status_code,
                     ) from last_error
-                leg = _chain(first_step, leg)
+                leg = chain(first_step, leg)
                 async for step in leg:
                     text, finish = progress.add(step)
                     info.completion_tokens = len(progress.generated)
@@ -243,7 +170,7 @@ class Executor:
                     if finish is not None:  # (a stop string found across a join ends the leg)
                         return
                 return
-            except _LegFailed as failure:
+            except LegFailed as failure:
                 error, slot = failure.error, failure.slot
                 last_error = error
                 if failure.phase is not None:
@@ -284,7 +211,7 @@ class Executor:
         avoid_decode: set[EngineId],
     ) -> AsyncGenerator[Step, None]:
         """One leg of ``request`` (see services.router.migration): plan, prefill, decode.
-        Raises :class:`_LegFailed` when another leg may succeed, the error itself otherwise."""
+        Raises :class:`LegFailed` when another leg may succeed, the error itself otherwise."""
         continuing = progress.continuing
         leg_request = request
         if continuing:
@@ -302,7 +229,7 @@ class Executor:
         except RouterError as exc:
             if not continuing:
                 raise
-            raise _NoContinuation(exc) from exc
+            raise NoContinuation(exc) from exc
         if not continuing:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
@@ -336,10 +263,10 @@ class Executor:
                 ):
                     handed_off = True
                     yield step
-            except _LegFailed as failure:
+            except LegFailed as failure:
                 if not handed_off and failure.error.code in PRODUCER_GONE:
                     # The decode engine could not get the KV: the producer is to blame.
-                    raise _LegFailed(
+                    raise LegFailed(
                         failure.error, prefill_slot, PRODUCER_GONE[failure.error.code]
                     ) from failure.error
                 raise
@@ -357,7 +284,7 @@ class Executor:
         progress: Progress,
     ) -> AsyncIterator[Step]:
         """:meth:`_decode` with the breaker fed; a failure another leg may get past is raised
-        as :class:`_LegFailed`."""
+        as :class:`LegFailed`."""
         self._pool.call_started(slot)
         got_delta = False
         try:
@@ -371,7 +298,7 @@ class Executor:
             if is_engine_fault(exc) and not producer_blamed:
                 self._pool.call_failed(slot)
             if producer_blamed or is_migratable(exc):
-                raise _LegFailed(exc, slot, None) from exc
+                raise LegFailed(exc, slot, None) from exc
             raise
 
     async def _prefill(

@@ -31,13 +31,17 @@ number of tokens the client received, ``prompt_tokens`` the original prompt.
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from services.engines.backend import FinishReason, SamplingParams
 from services.engines.reference.sampling import OutputText
 from services.engines.reference.tokenizer import Tokenizer
 from services.router.errors import EngineRequestFailed, RouterError
+from services.router.pool import EngineSlot
+
+T = TypeVar("T")
 
 Phase = Literal["connect", "prefill", "kv_wait", "kv_pull"]
 
@@ -156,3 +160,32 @@ class Progress:
         """Text still held when the request ends without another step (``max_tokens`` were
         all produced when the broken leg ended)."""
         return self._text.flush() if self._text is not None else ""
+
+
+class LegFailed(Exception):
+    """A leg broke where another leg may get past: ``phase`` set (``kv_wait``/``kv_pull``)
+    when the producer ``slot`` is to blame, ``None`` when the decode engine ``slot`` is."""
+
+    def __init__(self, error: RouterError, slot: EngineSlot, phase: Phase | None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.slot = slot
+        self.phase = phase
+
+
+class NoContinuation(Exception):
+    """No engine left to continue a broken request on (``error``: the scheduler's)."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def chain(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """``first``, then ``rest`` (closed with this generator)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
