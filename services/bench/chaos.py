@@ -3,7 +3,9 @@
 Starts ``pdserve up`` with two prefill and two decode engines (reference engine on the tiny
 checkpoint by default), sends ``--requests`` streaming greedy completions from
 ``--concurrency`` clients and, each time another ``requests / (faults + 1)`` requests have
-finished, injects the next fault of ``--faults`` (in order):
+finished, the previous fault is over and the target engine has requests in flight again (its
+circuit closed; ``target_busy`` says whether that happened within 60 s), injects the next fault
+of ``--faults`` (in order):
 
 - ``stop-decode``: SIGSTOP decode-0's rank for ``--idle-timeout-s`` + 3 s (past the router's
   idle bound, which the stack is started with), then SIGCONT;
@@ -179,31 +181,64 @@ async def _load(
         queue.put_nowait(prompt)
     outcomes: list[Outcome] = []
     every = max(args.requests // (len(faults) + 1), 1)
-    pending = list(faults)
     start = time.perf_counter()
-    tasks: set[asyncio.Task[None]] = set()
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=None)
+    progress = asyncio.Event()
+    limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=str(endpoints["router"]), limits=limits) as client:
 
         async def worker() -> None:
             while not queue.empty():
                 prompt = queue.get_nowait()
                 outcomes.append(await _request(client, model, prompt, args))
-                if pending and len(outcomes) >= every * (len(faults) - len(pending) + 1):
-                    fault = pending.pop(0)
-                    injected.append(
-                        {
-                            "fault": fault,
-                            "after_requests": len(outcomes),
-                            "at_s": round(time.perf_counter() - start, 2),
-                        }
-                    )
-                    task = asyncio.create_task(_inject(fault, endpoints, args.idle_timeout_s))
-                    tasks.add(task)
+                progress.set()
 
-        await asyncio.gather(*(worker() for _ in range(min(args.concurrency, args.requests))))
-        await asyncio.gather(*tasks)
+        async def driver() -> None:
+            """Each fault after its share of requests, once the previous one is over and the
+            target engine has requests in flight again (so it strikes mid-stream)."""
+            for index, fault in enumerate(faults):
+                while len(outcomes) < every * (index + 1) and not queue.empty():
+                    progress.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(progress.wait(), 1.0)
+                if queue.empty():
+                    injected.append({"fault": fault, "skipped": "the load ended first"})
+                    continue
+                target = "prefill-0" if fault == "kill-prefill" else "decode-0"
+                waited = await _until_busy(client, target, bound_s=60.0)
+                injected.append(
+                    {
+                        "fault": fault,
+                        "after_requests": len(outcomes),
+                        "at_s": round(time.perf_counter() - start, 2),
+                        "target_busy": waited,
+                    }
+                )
+                await _inject(fault, endpoints, args.idle_timeout_s)
+
+        workers = [worker() for _ in range(min(args.concurrency, args.requests))]
+        await asyncio.gather(driver(), *workers)
     return outcomes
+
+
+async def _until_busy(client: httpx.AsyncClient, engine: str, *, bound_s: float) -> bool:
+    """Wait (at most ``bound_s``) until the router has requests in flight on ``engine`` with
+    its circuit closed; whether that happened."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        text = (await client.get("/metrics")).text
+        busy = closed = False
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("engine") != engine:
+                    continue
+                if sample.name == "pdserve_router_engine_inflight":
+                    busy = sample.value > 0
+                elif sample.name == "pdserve_router_engine_circuit_state":
+                    closed = closed or (sample.labels["state"] == "closed" and sample.value == 1)
+        if busy and closed:
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def _request(
