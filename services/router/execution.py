@@ -269,6 +269,11 @@ class Executor:
                     raise LegFailed(
                         failure.error, prefill_slot, PRODUCER_GONE[failure.error.code]
                     ) from failure.error
+                if not handed_off and failure.error.code == "engine_timeout":
+                    # No first delta in time: the decode engine stalled, or its pull waits on
+                    # a stalled producer. The next leg avoids both (only the decode engine's
+                    # circuit opened: the producer's own next call decides on it).
+                    avoid_prefill.add(prefill_slot.engine_id)
                 raise
             finally:
                 if not handed_off:

@@ -7,7 +7,8 @@ The scenarios run in file order on one stack, each leaving it in a known state f
 0. a fault-free run gives the reference text of every prompt (streamed and not: the same);
 1. decode-0's rank stopped (SIGSTOP) past the router's idle bound mid-stream: its requests move
    to decode-1 (migrations counted), none fails; once resumed, decode-0's circuit closes again
-   after a probe and it serves;
+   after a probe and it serves; then prefill-0's rank stopped past the prefill deadline:
+   its prefills are retried on prefill-1 and pulls waiting on it continue elsewhere;
 2. decode-0's rank killed (SIGKILL) mid-stream: its streams continue on decode-1;
 3. prefill-0's rank killed under load: prefills and pulls in flight are retried on prefill-1
    (counted by phase), none fails;
@@ -301,6 +302,26 @@ async def test_1_a_decode_rank_stalled_past_the_idle_bound_migrates_its_requests
             await finished_after(load, 4)
     assert_lost_nothing(stack, load)
     assert stack.router("pdserve_router_circuit_trips_total", engine="decode-0") >= 1
+    await pools_full(stack, "prefill-0", "prefill-1", "decode-0", "decode-1")
+
+
+async def test_1b_a_prefill_rank_stalled_past_the_deadline_loses_nothing(stack: Stack) -> None:
+    """Prefills waiting on the stopped rank time out and run on prefill-1; pulls waiting on it
+    go on from a new prefill elsewhere (the decode engine's first delta never came)."""
+    assert stack.reference, "needs the fault-free run"
+    rank = stack.rank("prefill-0")
+    timeouts = "pdserve_router_engine_timeouts_total"
+    before = stack.router(timeouts)
+    with resumed_at_exit(rank):
+        async with steady_load(stack.up.url) as load:
+            await finished_after(load, 4)
+            os.kill(rank, signal.SIGSTOP)
+            await wait_for(lambda: stack.router(timeouts) > before, "a timed-out engine call")
+            await asyncio.sleep(max(STALL_S - IDLE_BOUND_S, 0))
+            os.kill(rank, signal.SIGCONT)
+            await finished_after(load, 8)
+    assert_lost_nothing(stack, load)
+    assert stack.router("pdserve_router_circuit_trips_total", engine="prefill-0") >= 1
     await pools_full(stack, "prefill-0", "prefill-1", "decode-0", "decode-1")
 
 
