@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from services.control_plane.wire import EngineId
@@ -143,13 +143,22 @@ class Executor:
         progress = Progress(request.prompt_token_ids, request.sampling)
         avoid_prefill: set[EngineId] = set()
         avoid_decode: set[EngineId] = set()
-        kv_failovers = 0
+        kv_failovers = migrations = 0
         last_error: RouterError | None = None
+        moving: str | None = None  # a migration's reason, counted once its leg has engines
+
+        def planned() -> None:
+            nonlocal moving
+            if moving is not None:
+                info.migrations += 1
+                self._metrics.migrations.labels(reason=moving).inc()
+                moving = None
+
         while True:
             if progress.left() <= 0:  # the broken leg had sent every token already
                 yield Chunk(progress.finish_text(), 0, FinishReason.LENGTH)
                 return
-            leg = self._leg(request, progress, info, avoid_prefill, avoid_decode)
+            leg = self._leg(request, progress, info, avoid_prefill, avoid_decode, planned)
             try:
                 try:
                     first_step = await anext(leg)
@@ -183,11 +192,11 @@ class Executor:
                     ).inc()
                     what = "re-prefilling elsewhere"
                 else:
-                    if not is_migratable(error) or info.migrations >= self._settings.max_migrations:
+                    if not is_migratable(error) or migrations >= self._settings.max_migrations:
                         raise error from failure
-                    info.migrations += 1
+                    migrations += 1
                     avoid_decode.add(slot.engine_id)
-                    self._metrics.migrations.labels(reason=error.code).inc()
+                    moving = error.code
                     what = "migrating"
                 logger.warning(
                     "request %s: %s on %s after %d token(s) (%s); %s",
@@ -209,9 +218,12 @@ class Executor:
         info: RunInfo,
         avoid_prefill: set[EngineId],
         avoid_decode: set[EngineId],
+        planned: Callable[[], None],
     ) -> AsyncGenerator[Step, None]:
-        """One leg of ``request`` (see services.router.migration): plan, prefill, decode.
-        Raises :class:`LegFailed` when another leg may succeed, the error itself otherwise."""
+        """One leg of ``request`` (see services.router.migration): plan (then ``planned()``),
+        prefill, decode. Raises :class:`LegFailed` when another leg may succeed,
+        :class:`NoContinuation` when a continuation finds no engines, the error itself
+        otherwise."""
         continuing = progress.continuing
         leg_request = request
         if continuing:
@@ -230,6 +242,7 @@ class Executor:
             if not continuing:
                 raise
             raise NoContinuation(exc) from exc
+        planned()
         if not continuing:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id

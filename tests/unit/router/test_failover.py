@@ -216,7 +216,8 @@ async def test_one_decode_engine_only_fails_explicitly_and_at_once(factory: Fake
     error = reply.json()["error"]
     assert error["code"] == "engine_failed"
     assert "could not continue elsewhere" in error["message"]
-    assert sample(rt, "pdserve_router_migrations_total", reason="engine_failed") == 1
+    # Nowhere to go: not counted as a migration.
+    assert sample(rt, "pdserve_router_migrations_total", reason="engine_failed") == 0
     assert sample(rt, "pdserve_router_circuit_trips_total", engine="d1", role="decode") == 1
 
 
