@@ -216,6 +216,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "2",
         env={
             "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
+            # Both prefill engines get requests (prefix-aware routing would keep each of the
+            # few prompts on one engine, maybe all on the same one).
+            "PDSERVE_ROUTER_POLICY": "round_robin",
             "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": str(IDLE_BOUND_S),
             "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(IDLE_BOUND_S),
             # A resumed engine is probed again within seconds, not after a minute.
