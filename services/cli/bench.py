@@ -47,6 +47,12 @@ BENCHMARKS = (
         "services.bench.soak",
         "thousands of requests through pdserve up: errors, TTFT/ITL, RSS growth",
     ),
+    Benchmark(
+        "chaos",
+        "services.bench.chaos",
+        "load through pdserve up (2 prefill, 2 decode) while engine processes fail: "
+        "failed, migrated, retried, added latency",
+    ),
 )
 _BY_NAME = {bench.name: bench for bench in BENCHMARKS}
 

@@ -1,4 +1,9 @@
-"""``pdserve status``: engines, roles, generations, leases and the (pp, tp) readiness grid."""
+"""``pdserve status``: engines, roles, generations, leases and the (pp, tp) readiness grid.
+
+With ``--router URL`` it also shows that router's view of each engine's health: the state of
+its circuit breaker (``closed``, ``open``, ``half_open``; services/router/health.py) and how
+often it opened, read from the router's ``/metrics``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ import json
 import time
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from services.config import ControlPlaneSettings
 from services.control_plane import EngineInspection, RedisControlPlane
 from services.control_plane.aggregation import rank_field
@@ -15,11 +23,24 @@ from services.control_plane.aggregation import rank_field
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--router",
+        metavar="URL",
+        help="also show this router's circuit-breaker state of each engine (its /metrics)",
+    )
 
 
 def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> int:
     inspections = asyncio.run(_collect(settings))
     report = [describe(item) for item in inspections]
+    if args.router:
+        try:
+            circuits = router_circuits(args.router)
+        except httpx.HTTPError as exc:
+            print(f"pdserve status: cannot read {args.router}/metrics: {exc}")
+            return 2
+        for entry in report:
+            entry["circuit"] = circuits.get(entry["engine_id"], {"state": "unknown", "trips": 0})
     if args.json:
         print(json.dumps({"namespace": settings.namespace, "engines": report}, indent=2))
     else:
@@ -38,6 +59,24 @@ async def _collect(settings: ControlPlaneSettings) -> list[EngineInspection]:
         return inspections
     finally:
         await control_plane.close()
+
+
+def router_circuits(url: str) -> dict[str, dict[str, Any]]:
+    """``{engine: {"state", "trips"}}`` from a router's /metrics (engines it sees READY)."""
+    text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).raise_for_status().text
+    circuits: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            engine = sample.labels.get("engine")
+            if engine is None:
+                continue
+            if sample.name == "pdserve_router_engine_circuit_state" and sample.value == 1:
+                circuits.setdefault(engine, {"trips": 0})["state"] = sample.labels["state"]
+            elif sample.name == "pdserve_router_circuit_trips_total":
+                circuits.setdefault(engine, {"state": "unknown"})["trips"] = int(sample.value)
+    for circuit in circuits.values():
+        circuit.setdefault("state", "unknown")
+    return circuits
 
 
 def describe(inspection: EngineInspection) -> dict[str, Any]:
@@ -104,6 +143,9 @@ def render_table(report: list[dict[str, Any]], namespace: str) -> str:
             f"TP={entry.get('tp_size', '?')}  {entry.get('model', '')}  "
             f"{entry.get('endpoint', '')}  lease {entry.get('lease_ttl_s', '?')}s"
         )
+        circuit = entry.get("circuit")
+        if circuit is not None:
+            lines.append(f"  router circuit {circuit['state']}, opened {circuit['trips']} time(s)")
         grid = entry.get("grid", {})
         for pp in range(entry.get("pp_size", 0)):
             cells = [

@@ -7,7 +7,10 @@ Every error, including FastAPI's validation errors and Starlette's 404/405, is a
 :func:`install_error_handlers`.
 
 Response headers of a generation: ``x-pdserve-prefill-engine`` (absent when the request ran
-locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-request-id``.
+locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-request-id``; on a
+non-streamed request that moved to another engine pair mid-way (services.router.migration),
+``x-pdserve-migrations``. The usage object of such a request (the response's, or the streamed
+``include_usage`` chunk's) carries ``pdserve_migrations`` too.
 """
 
 from __future__ import annotations
@@ -449,7 +452,7 @@ async def _serve(
         "created": now_s(),
         "model": request.model,
         "choices": [output.render_choice(text, _finish_text(finish))],
-        "usage": usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens),
+        "usage": _usage(info),
     }
     runtime.executor.observe_end(request.arrival_s, output.endpoint, "ok", info)
     return _json(200, body, headers)
@@ -494,7 +497,7 @@ async def _sse(
                 "created": created,
                 "model": request.model,
                 "choices": [],
-                "usage": usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens),
+                "usage": _usage(info),
             }
             yield b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
@@ -510,6 +513,13 @@ async def _sse(
     finally:
         await run.aclose()
         runtime.executor.observe_end(request.arrival_s, output.endpoint, outcome, info)
+
+
+def _usage(info: RunInfo) -> dict[str, Any]:
+    usage = usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens)
+    if info.migrations:
+        usage["pdserve_migrations"] = info.migrations
+    return usage
 
 
 def _error_event(error: RouterError) -> bytes:
@@ -532,6 +542,8 @@ def _headers(request: GenerationRequest, info: RunInfo) -> dict[str, str]:
         headers["x-pdserve-decode-engine"] = info.decode_engine
     if info.path is not None:
         headers["x-pdserve-execution-path"] = info.path
+    if info.migrations:
+        headers["x-pdserve-migrations"] = str(info.migrations)
     return headers
 
 

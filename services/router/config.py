@@ -130,6 +130,16 @@ class RouterSettings(BaseSettings):
     """Bind ``port`` with ``SO_REUSEPORT`` (set for each worker by the supervisor)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Also serve ``/metrics`` on this port (0: a free one); ``None``: only on ``port``."""
+    max_migrations: int = Field(default=2, ge=0)
+    """How many times one request may move to another engine pair after its decode engine
+    failed or stalled (prompt plus the tokens so far re-prefilled, the stream goes on); 0
+    ends such a request with the error instead. Counted in
+    ``pdserve_router_migrations_total``."""
+    circuit_backoff_s: float = Field(default=5.0, gt=0)
+    """How long an engine whose call failed through its own fault is left out of the
+    router's choices before one probe request may try it (``services.router.health``)."""
+    circuit_max_backoff_s: float = Field(default=60.0, gt=0)
+    """The back-off doubles after each failed probe, up to this."""
     log_level: str = "WARNING"
     """Python logging level."""
 

@@ -12,10 +12,17 @@
 
 ``code`` doubles as the ``outcome`` label of ``pdserve_router_requests_total``. Engine errors
 (:mod:`services.engines.errors`, ``services.serving.errors.EngineUnreachable``) are translated
-to these at one place, :func:`services.router.execution.engine_error`.
+to these at one place, :func:`engine_error`.
 """
 
 from __future__ import annotations
+
+import logging
+
+from services.engines import errors as engine_errors
+from services.serving.errors import EngineUnreachable, ProtocolMismatch
+
+logger = logging.getLogger(__name__)
 
 
 class RouterError(Exception):
@@ -87,3 +94,48 @@ class EngineRequestFailed(RouterError):
         if status_code is not None:
             self.status_code = status_code
         self.retryable = retryable
+
+
+def engine_error(exc: Exception, *, stage: str) -> RouterError:
+    """Translate an engine call's exception into the router's error (the one table).
+
+    ``retryable`` marks the failures another engine may not have (overloaded, draining,
+    unreachable, failed, timed out); bad input is the client's (400) and never retried.
+    """
+    if isinstance(exc, RouterError):
+        return exc
+    message = f"{stage} failed: {exc}" if str(exc) else f"{stage} failed: {type(exc).__name__}"
+    if isinstance(exc, engine_errors.InvalidRequest):
+        return InvalidRequestError(str(exc))
+    if isinstance(exc, engine_errors.EngineOverloaded):
+        return EngineRequestFailed(
+            message, code="engine_overloaded", status_code=503, retryable=True
+        )
+    if isinstance(exc, engine_errors.EngineDraining):
+        return EngineRequestFailed(message, code="engine_draining", status_code=503, retryable=True)
+    if isinstance(exc, engine_errors.EngineFailed):
+        return EngineRequestFailed(message, code="engine_failed", retryable=True)
+    if isinstance(exc, TimeoutError):
+        return EngineRequestFailed(message, code="engine_timeout", status_code=504, retryable=True)
+    if isinstance(exc, engine_errors.UnknownKVHandle):
+        return EngineRequestFailed(message, code="kv_handle_unknown")
+    if isinstance(exc, engine_errors.KVLeaseExpired):
+        return EngineRequestFailed(message, code="kv_lease_expired")
+    if isinstance(exc, engine_errors.ProducerUnavailable):
+        return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
+    if isinstance(exc, engine_errors.KVTransferFailed):
+        return EngineRequestFailed(message, code="kv_transfer_failed")
+    if isinstance(exc, engine_errors.RequestAborted):
+        return EngineRequestFailed(message, code="request_cancelled", status_code=503)
+    if isinstance(exc, engine_errors.RequestError):
+        return EngineRequestFailed(message, code="engine_error")
+    if isinstance(exc, EngineUnreachable):
+        return EngineRequestFailed(
+            message, code="engine_unreachable", status_code=503, retryable=True
+        )
+    if isinstance(exc, ProtocolMismatch):
+        return EngineRequestFailed(message, code="protocol_mismatch", retryable=True)
+    # Anything else is a bug on our side of the connection; another engine may still work,
+    # but the message is kept for the operator.
+    logger.error("unexpected %s from an engine call: %s", type(exc).__name__, exc)
+    return EngineRequestFailed(message, code="engine_error", retryable=True)

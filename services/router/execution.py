@@ -10,6 +10,9 @@ Disaggregated: Prefill on the prefill engine (retried on another compatible engi
 failure is the engine's, at most ``max_prefill_attempts`` in all, each retry counted), the first
 token goes out, then Decode with the KV handle on the decode engine. Local: Decode without a
 handle. A decode stream that ends without a finish reason is an error (``decode_truncated``).
+A request whose decode engine, or the producer of its KV, fails continues on other engines
+(:mod:`services.router.migration`: legs, prefill failover, migration); every engine call feeds
+the engine's circuit breaker (:mod:`services.router.health`).
 
 Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
 call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
@@ -30,10 +33,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
-from services.engines import errors as engine_errors
+from services.control_plane.wire import EngineId
 from services.engines.backend import (
     DecodeRequest,
     FinishReason,
@@ -42,15 +45,27 @@ from services.engines.backend import (
     TokenDelta,
     TokenLogprobs,
 )
+from services.engines.reference.tokenizer import ByteTokenizer, Tokenizer
 from services.router.config import RouterSettings
-from services.router.errors import EngineRequestFailed, InvalidRequestError, RouterError
+from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.metrics import RouterMetrics
+from services.router.migration import (
+    PRODUCER_GONE,
+    LegFailed,
+    NoContinuation,
+    Progress,
+    Step,
+    chain,
+    is_engine_fault,
+    is_migratable,
+    prefill_phase,
+)
 from services.router.policies import PromptInfo
 from services.router.pool import EnginePool, EngineSlot
 from services.router.scheduler import Plan, Scheduler
-from services.serving.errors import EngineUnreachable, ProtocolMismatch
 
 logger = logging.getLogger(__name__)
+
 
 COALESCE_FRACTION = 0.25
 """A non-streamed request's decode engine holds steps, the first included, for at most this
@@ -103,51 +118,8 @@ class RunInfo:
     completion_tokens: int = 0
     cached_tokens: int = 0
     engine_wait_s: float = 0.0
-
-
-def engine_error(exc: Exception, *, stage: str) -> RouterError:
-    """Translate an engine call's exception into the router's error (the one table).
-
-    ``retryable`` marks the failures another engine may not have (overloaded, draining,
-    unreachable, failed, timed out); bad input is the client's (400) and never retried.
-    """
-    if isinstance(exc, RouterError):
-        return exc
-    message = f"{stage} failed: {exc}" if str(exc) else f"{stage} failed: {type(exc).__name__}"
-    if isinstance(exc, engine_errors.InvalidRequest):
-        return InvalidRequestError(str(exc))
-    if isinstance(exc, engine_errors.EngineOverloaded):
-        return EngineRequestFailed(
-            message, code="engine_overloaded", status_code=503, retryable=True
-        )
-    if isinstance(exc, engine_errors.EngineDraining):
-        return EngineRequestFailed(message, code="engine_draining", status_code=503, retryable=True)
-    if isinstance(exc, engine_errors.EngineFailed):
-        return EngineRequestFailed(message, code="engine_failed", retryable=True)
-    if isinstance(exc, TimeoutError):
-        return EngineRequestFailed(message, code="engine_timeout", status_code=504, retryable=True)
-    if isinstance(exc, engine_errors.UnknownKVHandle):
-        return EngineRequestFailed(message, code="kv_handle_unknown")
-    if isinstance(exc, engine_errors.KVLeaseExpired):
-        return EngineRequestFailed(message, code="kv_lease_expired")
-    if isinstance(exc, engine_errors.ProducerUnavailable):
-        return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
-    if isinstance(exc, engine_errors.KVTransferFailed):
-        return EngineRequestFailed(message, code="kv_transfer_failed")
-    if isinstance(exc, engine_errors.RequestAborted):
-        return EngineRequestFailed(message, code="request_cancelled", status_code=503)
-    if isinstance(exc, engine_errors.RequestError):
-        return EngineRequestFailed(message, code="engine_error")
-    if isinstance(exc, EngineUnreachable):
-        return EngineRequestFailed(
-            message, code="engine_unreachable", status_code=503, retryable=True
-        )
-    if isinstance(exc, ProtocolMismatch):
-        return EngineRequestFailed(message, code="protocol_mismatch", retryable=True)
-    # Anything else is a bug on our side of the connection; another engine may still work,
-    # but the message is kept for the operator.
-    logger.error("unexpected %s from an engine call: %s", type(exc).__name__, exc)
-    return EngineRequestFailed(message, code="engine_error", retryable=True)
+    migrations: int = 0
+    """Times the request moved to another engine pair mid-stream (services.router.migration)."""
 
 
 class Executor:
@@ -159,11 +131,14 @@ class Executor:
         scheduler: Scheduler,
         settings: RouterSettings,
         metrics: RouterMetrics,
+        *,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self._pool = pool
         self._scheduler = scheduler
         self._settings = settings
         self._metrics = metrics
+        self._tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self._background: set[asyncio.Task[bool]] = set()
 
     async def generate(
@@ -171,52 +146,195 @@ class Executor:
     ) -> AsyncGenerator[Chunk, None]:
         """Run ``request``; see the module docstring. ``info`` is filled as it goes."""
         info.prompt_tokens = len(request.prompt_token_ids)
+        progress = Progress(request.prompt_token_ids, request.sampling)
+        avoid_prefill: set[EngineId] = set()
+        avoid_decode: set[EngineId] = set()
+        kv_failovers = migrations = 0
+        last_error: RouterError | None = None
+        moving: str | None = None  # a migration's reason, counted once its leg has engines
+
+        def planned() -> None:
+            nonlocal moving
+            if moving is not None:
+                info.migrations += 1
+                self._metrics.migrations.labels(reason=moving).inc()
+                moving = None
+
+        while True:
+            if progress.left() <= 0:  # the broken leg had sent every token already
+                yield Chunk(progress.finish_text(), 0, FinishReason.LENGTH)
+                return
+            leg = self._leg(request, progress, info, avoid_prefill, avoid_decode, planned)
+            try:
+                try:
+                    first_step = await anext(leg)
+                except NoContinuation as nowhere:
+                    assert last_error is not None
+                    # One replica of the role: the client gets the failure itself, at once.
+                    raise EngineRequestFailed(
+                        f"{last_error.message} (and it could not continue elsewhere: "
+                        f"{nowhere.error.message})",
+                        code=last_error.code,
+                        status_code=last_error.status_code,
+                    ) from last_error
+                leg = chain(first_step, leg)
+                async for step in leg:
+                    text, finish = progress.add(step)
+                    info.completion_tokens = len(progress.generated)
+                    yield Chunk(
+                        text, len(step.token_ids), finish, step.logprobs, step.prompt_logprobs
+                    )
+                    if finish is not None:  # (a stop string found across a join ends the leg)
+                        return
+                return
+            except LegFailed as failure:
+                error, slot = failure.error, failure.slot
+                last_error = error
+                if failure.phase is not None:
+                    kv_failovers += 1
+                    if kv_failovers >= self._settings.max_prefill_attempts:
+                        raise error from failure
+                    avoid_prefill.add(slot.engine_id)
+                    self._metrics.prefill_retries.labels(
+                        phase=failure.phase, reason=error.code
+                    ).inc()
+                    what = "re-prefilling elsewhere"
+                else:
+                    if not is_migratable(error) or migrations >= self._settings.max_migrations:
+                        raise error from failure
+                    migrations += 1
+                    avoid_decode.add(slot.engine_id)
+                    moving = error.code
+                    what = "migrating"
+                logger.warning(
+                    "request %s: %s on %s after %d token(s) (%s); %s",
+                    request.request_id,
+                    error.code,
+                    slot.engine_id,
+                    len(progress.generated),
+                    error.message,
+                    what,
+                )
+                progress.next_leg(self._tokenizer)
+            finally:
+                await leg.aclose()
+
+    async def _leg(
+        self,
+        request: GenerationRequest,
+        progress: Progress,
+        info: RunInfo,
+        avoid_prefill: set[EngineId],
+        avoid_decode: set[EngineId],
+        planned: Callable[[], None],
+    ) -> AsyncGenerator[Step, None]:
+        """One leg of ``request`` (see services.router.migration): plan (then ``planned()``),
+        prefill, decode. Raises :class:`LegFailed` when another leg may succeed,
+        :class:`NoContinuation` when a continuation finds no engines, the error itself
+        otherwise."""
+        continuing = progress.continuing
+        leg_request = request
+        if continuing:
+            leg_request = replace(
+                request,
+                request_id=f"{request.request_id}.m{progress.legs - 1}",
+                prompt_token_ids=progress.prompt(),
+                sampling=progress.sampling(),
+            )
         prompt = PromptInfo(
-            request.prompt_token_ids,
-            context_tokens=len(request.prompt_token_ids) + request.sampling.max_tokens,
+            leg_request.prompt_token_ids,
+            context_tokens=len(leg_request.prompt_token_ids) + leg_request.sampling.max_tokens,
         )
-        plan = self._scheduler.plan(request.model, prompt)
-        self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
+        try:
+            plan = self._scheduler.plan(
+                request.model, prompt, avoid_prefill=avoid_prefill, avoid_decode=avoid_decode
+            )
+        except RouterError as exc:
+            if not continuing:
+                raise
+            raise NoContinuation(exc) from exc
+        planned()
+        if not continuing:
+            self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
         with self._pool.reserve(plan.decode):
-            if plan.prefill is None:
-                info.path = "local"
-                self._metrics.execution_path_by("local").inc()
-                async for chunk in self._decode(request, plan.decode, None, info):
-                    yield chunk
-                return
-            result, prefill_slot = await self._prefill(request, plan, prompt, info)
+            prefill_slot: EngineSlot | None = None
+            result: PrefillResult | None = None
+            if plan.prefill is not None:
+                result, prefill_slot = await self._prefill(leg_request, plan, prompt, info)
             if result is None:
-                info.path = "local"
                 info.prefill_engine = None
-                self._metrics.execution_path_by("local").inc()
-                async for chunk in self._decode(request, plan.decode, None, info):
-                    yield chunk
+                if not continuing:
+                    info.path = "local"
+                    self._metrics.execution_path_by("local").inc()
+                async for step in self._decode_leg(leg_request, plan.decode, None, info, progress):
+                    yield step
                 return
-            self._metrics.execution_path_by(str(info.path)).inc()
-            info.cached_tokens = result.usage.cached_tokens
-            info.completion_tokens = 1
-            self._observe_ttft(request, info)
-            first_logprobs = (result.logprobs,) if result.logprobs is not None else ()
+            assert prefill_slot is not None
+            if not continuing:
+                self._metrics.execution_path_by(str(info.path)).inc()
+                info.cached_tokens = result.usage.cached_tokens
+                self._observe_ttft(request, info)
+            first = Step(
+                (result.first_token_id,),
+                result.text,
+                result.finish_reason,
+                (result.logprobs,) if result.logprobs is not None else (),
+                result.prompt_logprobs,
+            )
             if result.finish_reason is not None or result.kv_handle is None:
-                yield Chunk(
-                    result.text,
-                    1,
-                    result.finish_reason or FinishReason.STOP,
-                    first_logprobs,
-                    result.prompt_logprobs,
-                )
+                yield replace(first, finish_reason=result.finish_reason or FinishReason.STOP)
                 return
             handed_off = False
             try:
-                yield Chunk(result.text, 1, None, first_logprobs, result.prompt_logprobs)
-                async for chunk in self._decode(request, plan.decode, result, info):
+                yield first
+                async for step in self._decode_leg(
+                    leg_request, plan.decode, result, info, progress
+                ):
                     handed_off = True
-                    yield chunk
+                    yield step
+            except LegFailed as failure:
+                if not handed_off and failure.error.code in PRODUCER_GONE:
+                    # The decode engine could not get the KV: the producer is to blame.
+                    raise LegFailed(
+                        failure.error, prefill_slot, PRODUCER_GONE[failure.error.code]
+                    ) from failure.error
+                if not handed_off and failure.error.code == "engine_timeout":
+                    # No first delta in time: the decode engine stalled, or its pull waits on
+                    # a stalled producer. The next leg avoids both (only the decode engine's
+                    # circuit opened: the producer's own next call decides on it).
+                    avoid_prefill.add(prefill_slot.engine_id)
+                raise
             finally:
                 if not handed_off:
                     # The decode engine never started: release the KV the producer holds.
-                    self._abort_later(prefill_slot, request.request_id)
+                    self._abort_later(prefill_slot, leg_request.request_id)
+
+    async def _decode_leg(
+        self,
+        request: GenerationRequest,
+        slot: EngineSlot,
+        prefilled: PrefillResult | None,
+        info: RunInfo,
+        progress: Progress,
+    ) -> AsyncIterator[Step]:
+        """:meth:`_decode` with the breaker fed; a failure another leg may get past is raised
+        as :class:`LegFailed`."""
+        self._pool.call_started(slot)
+        got_delta = False
+        try:
+            async for step in self._decode(request, slot, prefilled, info, progress.continuing):
+                if not got_delta:
+                    got_delta = True
+                    self._pool.call_succeeded(slot)
+                yield step
+        except RouterError as exc:
+            producer_blamed = not got_delta and prefilled is not None and exc.code in PRODUCER_GONE
+            if is_engine_fault(exc) and not producer_blamed:
+                self._pool.call_failed(slot)
+            if producer_blamed or is_migratable(exc):
+                raise LegFailed(exc, slot, None) from exc
+            raise
 
     async def _prefill(
         self, request: GenerationRequest, plan: Plan, prompt: PromptInfo, info: RunInfo
@@ -231,6 +349,7 @@ class Executor:
             info.prefill_engine = slot.engine_id
             started = time.perf_counter()
             bound_s = self._settings.prefill_timeout_s
+            self._pool.call_started(slot)
             try:
                 with self._pool.reserve(slot):
                     async with asyncio.timeout(bound_s):
@@ -250,6 +369,8 @@ class Executor:
                         f"prefill_timeout_s={bound_s:g} s"
                     )
                 error = engine_error(cause, stage="prefill")
+                if is_engine_fault(error):
+                    self._pool.call_failed(slot)
                 if not (isinstance(error, EngineRequestFailed) and error.retryable):
                     raise error from exc
                 if error.code in {"engine_timeout", "engine_unreachable"}:
@@ -279,15 +400,19 @@ class Executor:
                     error.code,
                     following.engine_id,
                 )
-                self._metrics.prefill_retries.labels(reason=error.code).inc()
+                self._metrics.prefill_retries.labels(
+                    phase=prefill_phase(error), reason=error.code
+                ).inc()
                 slot = following
                 tried.add(slot.engine_id)
                 attempt += 1
                 continue
+            self._pool.call_succeeded(slot)
             elapsed = time.perf_counter() - started
             info.engine_wait_s += elapsed
-            info.path = "retried" if attempt > 1 else "disaggregated"
-            self._metrics.ttft_phase_by("prefill").observe(elapsed)
+            if info.path is None:
+                info.path = "retried" if attempt > 1 else "disaggregated"
+                self._metrics.ttft_phase_by("prefill").observe(elapsed)
             return result, slot
 
     async def _decode(
@@ -296,8 +421,9 @@ class Executor:
         slot: EngineSlot,
         prefilled: PrefillResult | None,
         info: RunInfo,
-    ) -> AsyncIterator[Chunk]:
-        """Stream from the decode engine; the first chunk of a local run is its first token."""
+        continuing: bool = False,
+    ) -> AsyncIterator[Step]:
+        """Stream from the decode engine; the first step of a local run is its first token."""
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -343,9 +469,10 @@ class Executor:
                 now = time.perf_counter()
                 info.engine_wait_s += now - waited
                 if first:
-                    self._observe_first_delta(
-                        request, prefilled, delta, now - started, info, coalesced=coalescing
-                    )
+                    if not continuing:
+                        self._observe_first_delta(
+                            request, prefilled, delta, now - started, info, coalesced=coalescing
+                        )
                     first = False
                 elif not coalescing:  # a coalesced message's gap is not one token's
                     self._metrics.itl.observe(now - previous)
@@ -356,12 +483,11 @@ class Executor:
                         f"{delta.error or 'no reason given'}",
                         code="decode_failed",
                     )
-                info.completion_tokens += len(delta.token_ids)
-                if prefilled is None and delta.usage is not None:
+                if prefilled is None and delta.usage is not None and not continuing:
                     info.cached_tokens = delta.usage.cached_tokens
-                yield Chunk(
+                yield Step(
+                    delta.token_ids,
                     delta.text,
-                    len(delta.token_ids),
                     delta.finish_reason,
                     delta.logprobs,
                     delta.prompt_logprobs,

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.router.health import CircuitGauge
+
 M = TypeVar("M", Counter, Histogram)
 
 InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
@@ -38,7 +40,7 @@ _LATENCY_BUCKETS = (
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
-FALLBACK_REASONS = ("no_prefill_engine", "prefill_failed")
+FALLBACK_REASONS = ("no_prefill_engine", "prefill_circuit_open", "prefill_failed")
 """Every ``reason`` of ``pdserve_router_fallbacks_total``."""
 
 
@@ -65,7 +67,7 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "pdserve_router_fallbacks_total",
             "Requests that ran differently from the plan, by reason (no_prefill_engine, "
-            "prefill_failed).",
+            "prefill_circuit_open, prefill_failed).",
             ["reason"],
             registry=r,
         )
@@ -75,8 +77,10 @@ class RouterMetrics:
             self.fallbacks.labels(reason=reason)
         self.prefill_retries = Counter(
             "pdserve_router_prefill_retries_total",
-            "Prefill attempts that failed and were retried on another engine, by reason.",
-            ["reason"],
+            "Prefill attempts that failed and were retried on another engine, by phase "
+            "(connect, prefill: the Prefill call; kv_wait: the producer was gone before the "
+            "decode engine pulled; kv_pull: the pull itself failed) and reason (the error code).",
+            ["phase", "reason"],
             registry=r,
         )
         self.engine_timeouts = Counter(
@@ -151,6 +155,23 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations_total",
+            "Requests whose decode continued on another engine pair after tokens had gone "
+            "out (prompt plus the tokens so far re-prefilled), by reason (the decode error "
+            "code).",
+            ["reason"],
+            registry=r,
+        )
+        self.circuit_trips = Counter(
+            "pdserve_router_circuit_trips_total",
+            "Circuit breakers opened: an engine's call failed through the engine's fault and "
+            "the router stopped choosing it, by engine and role.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.circuit_state = CircuitGauge()
+        r.register(self.circuit_state)
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 from services.control_plane.base import ControlPlane, EngineView
 from services.control_plane.wire import EngineId, EngineLoad, EngineRecord, EngineRole
 from services.router.connector import ConnectorFactory, EngineConnector
+from services.router.health import CircuitBreaker, CircuitState
 from services.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class EngineSlot:
     """Requests this router has sent and not finished (its reservations)."""
     retired: bool = False
     """No longer READY: chosen by nobody, closed when ``inflight`` drops to 0."""
+    health: CircuitBreaker = field(default_factory=CircuitBreaker)
+    """This router's circuit breaker on the engine (``services.router.health``)."""
 
     @property
     def engine_id(self) -> EngineId:
@@ -60,14 +63,21 @@ class EngineSlot:
 class EnginePool:
     """READY engines by id; see the module docstring."""
 
-    def __init__(self, connectors: ConnectorFactory, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        connectors: ConnectorFactory,
+        metrics: RouterMetrics,
+        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+    ) -> None:
         self._connectors = connectors
         self._metrics = metrics
+        self._breaker = breaker
         self._slots: dict[EngineId, EngineSlot] = {}
         self._registered_models: dict[EngineId, str] = {}
         self._synced = asyncio.Event()
         self._closers: set[asyncio.Task[None]] = set()
         metrics.engine_inflight.read_from(self._inflight_samples)
+        metrics.circuit_state.read_from(self._circuit_samples)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -107,6 +117,28 @@ class EnginePool:
             if slot.retired and slot.inflight == 0:
                 self._close_later(slot.connector)
 
+    # -- health feedback (services.router.health) --------------------------------------------
+
+    def call_started(self, slot: EngineSlot) -> None:
+        """Right before a call on ``slot``: the first one after a breaker's back-off probes."""
+        slot.health.begin_call()
+
+    def call_succeeded(self, slot: EngineSlot) -> None:
+        slot.health.success()
+
+    def call_failed(self, slot: EngineSlot) -> None:
+        """A call failed through the engine's fault: the router stops choosing it at once."""
+        if slot.health.failure():
+            self._metrics.circuit_trips.labels(engine=slot.engine_id, role=slot.role.value).inc()
+            logger.warning(
+                "engine %s: circuit opened (a call failed); next probe in %.1f s",
+                slot.engine_id,
+                slot.health.retry_in_s,
+            )
+
+    def _circuit_samples(self) -> list[tuple[str, str, CircuitState]]:
+        return [(s.engine_id, s.role.value, s.health.state) for s in list(self._slots.values())]
+
     def _inflight_samples(self) -> list[tuple[str, str, int]]:
         """``pdserve_router_engine_inflight``, read when scraped (READY engines only)."""
         return [(s.engine_id, s.role.value, s.inflight) for s in list(self._slots.values())]
@@ -131,7 +163,9 @@ class EnginePool:
         else:
             if current is not None:
                 self._remove(current)
-            current = EngineSlot(record, self._connectors.connect(record), load)
+            current = EngineSlot(
+                record, self._connectors.connect(record), load, health=self._breaker()
+            )
             self._slots[engine_id] = current
             logger.info(
                 "engine %s (%s, generation %d) joined at %s",

@@ -9,6 +9,7 @@ from services.router.chat import ChatRenderer
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory
 from services.router.execution import Executor
+from services.router.health import CircuitBreaker
 from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
 from services.router.pool import EnginePool
@@ -42,7 +43,14 @@ class RouterRuntime:
                 if settings.tokenizer is not None
                 else ByteTokenizer()
             )
-        pool = EnginePool(connectors, metrics)
+        pool = EnginePool(
+            connectors,
+            metrics,
+            breaker=lambda: CircuitBreaker(
+                backoff_s=settings.circuit_backoff_s,
+                max_backoff_s=settings.circuit_max_backoff_s,
+            ),
+        )
         policy = make_policy(
             settings.policy,
             prefix_cache_blocks=settings.prefix_cache_blocks,
@@ -56,6 +64,6 @@ class RouterRuntime:
             chat=ChatRenderer(tokenizer),
             pool=pool,
             scheduler=scheduler,
-            executor=Executor(pool, scheduler, settings, metrics),
+            executor=Executor(pool, scheduler, settings, metrics, tokenizer=tokenizer),
             api_keys=tuple(key.get_secret_value().encode() for key in settings.api_keys),
         )

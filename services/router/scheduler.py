@@ -13,12 +13,19 @@ and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
    READY or not, serves the model); with ``colocated`` set, local on a decode engine, always;
 2. no prefill engine compatible with any decode engine -> local on a ``both`` engine
    (colocated deployment, not a fallback); with only ``decode`` engines it is a fallback
-   (``no_prefill_engine``, counted) when ``local_fallback`` allows it, else 503;
+   (``no_prefill_engine``, counted; ``prefill_circuit_open`` when compatible prefill engines
+   exist but every one's circuit breaker is open) when ``local_fallback`` allows it, else 503;
 3. a prompt of at most ``local_max_prompt_tokens`` -> local on a decode engine (conditional
    disaggregation: moving its KV costs more than computing it);
 4. otherwise the policy picks a prefill engine among those with a compatible decode engine,
    then a compatible decode engine; if that decode engine likely holds at least
    ``local_cached_fraction`` of the prompt's blocks, the request runs there locally.
+
+Health (``services.router.health``): engines whose circuit breaker is open are not chosen; a
+request that failed over or migrated also names engines to ``avoid``. When every decode engine
+of the model has an open breaker (and none is avoided), they are chosen anyway: a decode engine
+has no fallback, and refusing every request during a back-off after one failed call would turn
+one error into many. Prefill engines have the local fallback instead.
 
 Fallback counting happens here and in the executor (:mod:`services.router.execution`).
 """
@@ -65,37 +72,57 @@ class Scheduler:
         self._settings = settings
         self._metrics = metrics
 
-    def plan(self, model: str, prompt: PromptInfo) -> Plan:
-        """Choose engines for a request of ``model``; raises ``ModelNotFound`` or
-        ``NoEngineAvailable``. Fallbacks decided here are counted here."""
-        decodes = [s for s in self._pool.slots(DECODE_ROLES) if s.record.model == model]
+    def plan(
+        self,
+        model: str,
+        prompt: PromptInfo,
+        *,
+        avoid_prefill: Collection[EngineId] = (),
+        avoid_decode: Collection[EngineId] = (),
+    ) -> Plan:
+        """Choose engines for a request of ``model``, never one in ``avoid_*`` (engines this
+        request already failed on); raises ``ModelNotFound`` or ``NoEngineAvailable``.
+        Fallbacks decided here are counted here."""
+        decodes = [
+            s
+            for s in self._pool.slots(DECODE_ROLES)
+            if s.record.model == model and s.engine_id not in avoid_decode
+        ]
         if not decodes:
             if model not in self._pool.registered_models():
                 raise ModelNotFound(f"the model {model!r} does not exist", param="model")
-            raise NoEngineAvailable(f"no READY decode engine serves {model!r}")
+            other = " other than " + ", ".join(sorted(avoid_decode)) if avoid_decode else ""
+            raise NoEngineAvailable(f"no READY decode engine{other} serves {model!r}")
         decodes = [s for s in decodes if prompt.fits(s.record.max_model_len)]
         if not decodes:
             raise NoEngineAvailable(
                 f"no READY decode engine of {model!r} holds {prompt.context_tokens} tokens"
             )
+        decodes = [s for s in decodes if s.health.available()] or decodes
         if self._settings.colocated:
             return self._local(decodes, prompt, "colocated")
         prefills = [
             s
             for s in self._pool.slots(PREFILL_ROLES)
-            if s.record.model == model and prompt.fits(s.record.max_model_len)
+            if s.record.model == model
+            and s.engine_id not in avoid_prefill
+            and prompt.fits(s.record.max_model_len)
         ]
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
-        if not paired:
+        healthy = [p for p in paired if p.health.available()]
+        if not healthy:
             colocated = [s for s in decodes if s.role is EngineRole.BOTH]
             if colocated:
                 return self._local(colocated, prompt, "colocated")
             if not self._settings.local_fallback:
                 raise NoEngineAvailable(
                     f"no READY prefill engine compatible with a decode engine of {model!r}"
+                    + (" whose circuit is closed" if paired else "")
                 )
-            self._metrics.fallbacks.labels(reason="no_prefill_engine").inc()
-            return self._local(decodes, prompt, "no_prefill_engine")
+            reason = "prefill_circuit_open" if paired else "no_prefill_engine"
+            self._metrics.fallbacks.labels(reason=reason).inc()
+            return self._local(decodes, prompt, reason)
+        paired = healthy
         if len(prompt.token_ids) <= self._settings.local_max_prompt_tokens:
             return self._local(decodes, prompt, "short_prompt")
         prefill = self._policy.choose(paired, prompt, Stage.PREFILL)
@@ -123,6 +150,7 @@ class Scheduler:
             if s.engine_id not in tried
             and s.compatible_with(decode)
             and prompt.fits(s.record.max_model_len)
+            and s.health.available()
         ]
         if not candidates:
             return None

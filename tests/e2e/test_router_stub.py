@@ -119,7 +119,9 @@ def test_a_dead_prefill_engine_is_retried_elsewhere_and_counted(
     """prefill-0 dies (SIGKILL, its lease still valid for seconds): requests the router sends
     it fail to connect and are retried on prefill-1, each retry counted. Runs last: it kills an
     engine of the shared system."""
-    before = system.metric("pdserve_router_prefill_retries_total", reason="engine_unreachable")
+    before = system.metric(
+        "pdserve_router_prefill_retries_total", phase="connect", reason="engine_unreachable"
+    )
     os.killpg(system.endpoints["engines"]["prefill-0"]["pid"], signal.SIGKILL)
     for index in range(4):
         raw = client.completions.with_raw_response.create(
@@ -127,7 +129,9 @@ def test_a_dead_prefill_engine_is_retried_elsewhere_and_counted(
         )
         assert raw.parse().choices[0].finish_reason == "length"
         assert raw.headers["x-pdserve-prefill-engine"] == "prefill-1"
-    retries = system.metric("pdserve_router_prefill_retries_total", reason="engine_unreachable")
+    retries = system.metric(
+        "pdserve_router_prefill_retries_total", phase="connect", reason="engine_unreachable"
+    )
     assert retries - before >= 1
     assert system.metric("pdserve_router_execution_path_total", path="retried") >= 1
     assert "prefill-0 exited" in system.output()

@@ -130,7 +130,12 @@ async def test_a_failed_prefill_is_retried_on_another_engine_and_counted(client,
         assert raw.parse().choices[0].text == " w0 w1"
         assert raw.headers["x-pdserve-prefill-engine"] == "p2"
     assert factory.engines["p1"].prefills
-    assert sample(rt, "pdserve_router_prefill_retries_total", reason="engine_overloaded") >= 1
+    assert (
+        sample(
+            rt, "pdserve_router_prefill_retries_total", phase="prefill", reason="engine_overloaded"
+        )
+        >= 1
+    )
     assert sample(rt, "pdserve_router_execution_path_total", path="retried") >= 1
 
 

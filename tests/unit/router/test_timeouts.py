@@ -170,7 +170,10 @@ async def test_stalled_prefill_engines_time_out_are_aborted_and_the_request_runs
         assert engine.stalled_calls_closed == engine.prefills == engine.aborted
         assert len(engine.prefills) == 1
     assert timeouts(rt, "prefill", "deadline") == 2
-    assert sample(rt, "pdserve_router_prefill_retries_total", reason="engine_timeout") == 1
+    assert (
+        sample(rt, "pdserve_router_prefill_retries_total", phase="prefill", reason="engine_timeout")
+        == 1
+    )
     assert sample(rt, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
 
 

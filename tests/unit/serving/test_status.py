@@ -17,7 +17,7 @@ from services.engines.errors import (
     RequestAborted,
     UnknownKVHandle,
 )
-from services.router.execution import engine_error
+from services.router.errors import engine_error
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
 from services.serving.status import error_from_status, status_for
 
