@@ -43,6 +43,16 @@ class VllmTransferExporter:
         """Transfers recorded so far (successful ones)."""
         self.transfer_seconds = 0.0
         """Their summed durations (``pdserve bench engine`` averages over them)."""
+        if producer:
+            # Exported at 0 from the start, as the reference engine's producers do: the first
+            # expiry is then an increase that increase() and PdserveKVLeasesExpiring see (a
+            # series born at 1 is not).
+            self._expired_leases()
+
+    def _expired_leases(self) -> Any:
+        return self.metrics.expired_leases.labels(
+            producer_engine=self.engine_id, consumer_engine=UNKNOWN_PEER, producer_rank=ALL_RANKS
+        )
 
     def _pair(self) -> dict[str, str]:
         own, peer = self.engine_id, UNKNOWN_PEER
@@ -79,11 +89,7 @@ class VllmTransferExporter:
                 self.metrics.failures.labels(**pair, reason=reason).inc(failed)
         expired = len(stats.get("num_kv_expired_reqs") or ())
         if expired and self.producer:
-            self.metrics.expired_leases.labels(
-                producer_engine=self.engine_id,
-                consumer_engine=UNKNOWN_PEER,
-                producer_rank=ALL_RANKS,
-            ).inc(expired)
+            self._expired_leases().inc(expired)
 
 
 def _floats(values: Sequence[Any] | None) -> list[float]:

@@ -86,6 +86,9 @@ def test_a_complete_prompt_keeps_the_native_priming(tokenizer: Tokenizer) -> Non
 def test_vllm_stats_become_pdserve_transfer_series() -> None:
     registry = CollectorRegistry()
     exporter = VllmTransferExporter(KVTransferMetrics(registry), "prefill-0", producer=True)
+    expired = {"producer_engine": "prefill-0", "consumer_engine": "unknown", "producer_rank": "all"}
+    # Exported at 0 before any expiry, so the first one is an increase the alert sees.
+    assert registry.get_sample_value("pdserve_kv_transfer_expired_leases_total", expired) == 0
     exporter.record(None)
     exporter.record(
         {
@@ -110,7 +113,6 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
     assert (
         value("pdserve_kv_transfer_failures_total", {**pair, "reason": "vllm_transfer_failed"}) == 1
     )
-    expired = {"producer_engine": "prefill-0", "consumer_engine": "unknown", "producer_rank": "all"}
     assert value("pdserve_kv_transfer_expired_leases_total", expired) == 2
     assert exporter.transfers == 2
     assert exporter.transfer_seconds == pytest.approx(0.006)
