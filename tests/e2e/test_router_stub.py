@@ -104,8 +104,9 @@ def test_errors_come_back_as_openai_errors(system: UpSystem, client: openai.Open
         client.completions.create(model="no-such-model", prompt="a", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="a", temperature=5)
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model=MODEL, prompt="a", n=3)
+    with pytest.raises(openai.BadRequestError) as bad_n:  # n > 1 is served; n < 1 is not
+        client.completions.create(model=MODEL, prompt="a", n=0)
+    assert bad_n.value.param == "n", bad_n.value.body
     anonymous = openai.OpenAI(base_url=f"{system.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.completions.create(model=MODEL, prompt="a", max_tokens=2)
