@@ -56,8 +56,8 @@ from services.engines.vllm.layouts import TransferMode
 from services.engines.vllm.platform import (
     THREADS_BIND_ENV,
     Platform,
-    cpu_thread_binding,
     installed_platform,
+    shared_cpu_bindings,
 )
 
 BATCHES = (1, 16)
@@ -206,10 +206,13 @@ async def _vllm_engine(
         registry=CollectorRegistry(),
     )
     # Both engines live in this process, and VllmBackend leaves an operator's thread binding
-    # alone: each gets the one for its own world size (vLLM's processes copy the environment).
+    # alone: each gets its share of the cores, as under ``pdserve up`` (vLLM's processes copy
+    # the environment).
     operator_binding = os.environ.get(THREADS_BIND_ENV)
     if installed_platform() is Platform.CPU and operator_binding is None:
-        os.environ[THREADS_BIND_ENV] = cpu_thread_binding(pp * tp, sorted(os.sched_getaffinity(0)))
+        worlds = [layouts.prefill[0] * layouts.prefill[1], layouts.decode[0] * layouts.decode[1]]
+        bindings = shared_cpu_bindings(worlds, sorted(os.sched_getaffinity(0)))
+        os.environ[THREADS_BIND_ENV] = bindings[0 if role is EngineRole.PREFILL else 1]
     try:
         async with registered_engine(
             settings, backend, engine_id=engine_id, role=role, ready_timeout_s=600.0
