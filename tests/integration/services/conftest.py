@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from services.cli.engine import ROLE_SERVICES
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import EngineBackend
@@ -57,7 +58,7 @@ async def hosted(
         settings,
         backend,
         engine_id=engine_id,
-        role=role,
+        service=ROLE_SERVICES[role],
         registry=CollectorRegistry(),
         ready_output=io.StringIO(),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.cli.engine import build_settings
 from services.cli.main import build_parser, main
 from services.cli.settings import resolve
 from services.engines.registry import (
@@ -12,10 +13,9 @@ from services.engines.registry import (
     UnknownEngine,
     create_backend,
 )
-from services.serving.cli import build_settings
+from services.engines.stub import StubBackend
 from services.serving.config import split_host_port
 from services.serving.host import ServingEndpoints, parse_ready_line
-from services.serving.stub_backend import StubBackend
 
 
 def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
