@@ -37,7 +37,6 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any, Protocol, TextIO, TypeVar, runtime_checkable
 
 import grpc
@@ -65,8 +64,7 @@ from services.serving.config import EngineServiceSettings, split_host_port
 from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
 from services.serving.handlers import add_servicer
 from services.serving.metrics import EngineServiceMetrics
-from services.serving.ready import READY_PREFIX, format_ready_line
-from services.serving.ready import parse_ready_line as parse_ready_payload
+from services.serving.ready import ServingEndpoints
 from services.serving.role import RoleService
 from services.serving.servicer import EngineServicer, ServingState
 
@@ -78,7 +76,6 @@ class _RegistrationVanished(RegistrationLost):
     fatal at start-up, retried during a re-registration."""
 
 
-READY_LINE_PREFIX = READY_PREFIX
 READY_POLL_S = 0.1
 SERVER_STOP_GRACE_S = 5.0
 T = TypeVar("T")
@@ -107,32 +104,6 @@ class UsesProducerViews(Protocol):
     hands it its :class:`ProducerViews` (the service's settings and metrics) before ``start``."""
 
     def use_producer_views(self, views: ProducerViews) -> None: ...
-
-
-@dataclass(frozen=True)
-class ServingEndpoints:
-    """What the ready line announces."""
-
-    engine_id: str
-    generation: int
-    grpc: str
-    metrics: str | None
-
-    def ready_line(self) -> str:
-        return format_ready_line(dataclasses.asdict(self))
-
-
-def parse_ready_line(line: str) -> ServingEndpoints | None:
-    """The endpoints of a ``PDSERVE_READY`` line (``pdserve up`` and tests wait for it)."""
-    data = parse_ready_payload(line)
-    if data is None:
-        return None
-    return ServingEndpoints(
-        engine_id=str(data["engine_id"]),
-        generation=int(data["generation"]),
-        grpc=str(data["grpc"]),
-        metrics=None if data.get("metrics") is None else str(data["metrics"]),
-    )
 
 
 class EngineHost:
