@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from services.cli import bench, status, up, up_args
+from services.cli import engine as engine_cli
 from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
 from services.control_plane.wire import EngineRole
-from services.serving import cli as serving_cli
 
 logger = logging.getLogger("pdserve")
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
             role.value, help=f"host a {role} engine: register it, serve gRPC, drain on SIGTERM"
         )
         add_control_plane_flags(role_parser)
-        serving_cli.add_arguments(role_parser)
+        engine_cli.add_arguments(role_parser)
 
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "router":
             return router_cli.run(args, settings)
         if args.command in (EngineRole.PREFILL, EngineRole.DECODE):
-            return serving_cli.run(args, settings, EngineRole(args.command))
+            return engine_cli.run(args, settings, EngineRole(args.command))
         return bench.run(args, settings)
     except ControlPlaneError as exc:
         print(f"pdserve {args.command}: {exc}", file=sys.stderr)

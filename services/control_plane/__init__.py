@@ -6,7 +6,14 @@ Start at :mod:`services.control_plane.base` (the seam and its protocol), then
 """
 
 from services.control_plane.aggregation import Aggregation, EngineTopology, Problem, aggregate
-from services.control_plane.base import ControlPlane, EngineInspection, EngineSpec, EngineView
+from services.control_plane.base import (
+    AbstractEngineWatcher,
+    ControlPlane,
+    EngineChange,
+    EngineInspection,
+    EngineSpec,
+    EngineView,
+)
 from services.control_plane.errors import (
     ControlPlaneError,
     ControlPlaneUnavailable,
@@ -20,7 +27,7 @@ from services.control_plane.errors import (
 )
 from services.control_plane.metrics import ControlPlaneMetrics
 from services.control_plane.redis_store import RedisControlPlane
-from services.control_plane.watch import EngineChange, EngineWatcher
+from services.control_plane.watch import EngineWatcher
 from services.control_plane.wire import (
     PROTOCOL_VERSION,
     EngineLoad,
@@ -34,6 +41,7 @@ from services.control_plane.wire import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AbstractEngineWatcher",
     "Aggregation",
     "ControlPlane",
     "ControlPlaneError",

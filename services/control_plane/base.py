@@ -24,9 +24,11 @@ Protocol, grouped by caller:
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import TracebackType
 
 from services.control_plane.aggregation import Aggregation, EngineTopology
 from services.control_plane.wire import (
@@ -39,9 +41,6 @@ from services.control_plane.wire import (
     Generation,
     HandshakeRecord,
 )
-
-if TYPE_CHECKING:
-    from services.control_plane.watch import EngineWatcher
 
 
 @dataclass(frozen=True)
@@ -98,6 +97,107 @@ class EngineInspection:
 
     view: EngineView
     aggregation: Aggregation | None
+
+
+@dataclass(frozen=True)
+class EngineChange:
+    """One engine's transition: ``before`` is ``None`` when it appeared, ``after`` when gone."""
+
+    engine_id: EngineId
+    before: EngineView | None
+    after: EngineView | None
+
+    @property
+    def became_ready(self) -> bool:
+        """True when the engine is READY now and was not (or was another generation) before."""
+        if self.after is None or not self.after.ready:
+            return False
+        return not (
+            self.before is not None
+            and self.before.ready
+            and self.before.generation == self.after.generation
+        )
+
+
+class AbstractEngineWatcher(abc.ABC):
+    """What :meth:`ControlPlane.watch` returns: a snapshot of every live engine kept current,
+    and an async iterator of :class:`EngineChange`.
+
+    Contract:
+
+    * ``async with`` starts it; entering returns once the snapshot was read in full (so
+      :attr:`snapshot` answers at once); leaving stops it and releases its connection.
+    * Iterating yields one :class:`EngineChange` per engine that appeared, changed
+      (generation, state, record, load) or disappeared, in the order seen; iteration ends
+      once the watcher stopped. Changes may be coalesced or, after a lost connection,
+      reported by a full re-read instead of one by one; none is lost for good.
+    * :attr:`live` says whether the snapshot follows the store now (``False`` while
+      reconnecting: readers may then prefer a direct read).
+    """
+
+    @property
+    @abc.abstractmethod
+    def snapshot(self) -> dict[EngineId, EngineView]:
+        """The latest view of every live engine (a copy)."""
+
+    @abc.abstractmethod
+    def view(self, engine_id: EngineId) -> EngineView | None:
+        """The latest view of ``engine_id`` (no copy of the snapshot), ``None`` if not live."""
+
+    @property
+    @abc.abstractmethod
+    def live(self) -> bool:
+        """True while the snapshot follows the store (see the class doc)."""
+
+    @abc.abstractmethod
+    async def __aenter__(self) -> AbstractEngineWatcher:
+        """Start watching; returns once the snapshot was read."""
+
+    @abc.abstractmethod
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop watching and release the connection."""
+
+    def __aiter__(self) -> AsyncIterator[EngineChange]:
+        return self
+
+    @abc.abstractmethod
+    async def __anext__(self) -> EngineChange:
+        """The next change; :class:`StopAsyncIteration` once the watcher stopped."""
+
+    @abc.abstractmethod
+    async def next_change(self, within_s: float) -> EngineChange:
+        """The next change, or :class:`TimeoutError` after ``within_s`` seconds."""
+
+    async def wait_for(
+        self,
+        engine_id: EngineId,
+        state: EngineState,
+        within_s: float,
+        generation: int | None = None,
+    ) -> EngineView:
+        """Wait until ``engine_id`` (at ``generation``, if given) is in ``state``.
+
+        The snapshot is checked first, so a state reached before the call counts.
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            view = self.view(engine_id)
+            if (
+                view is not None
+                and view.state is state
+                and (generation is None or view.generation == generation)
+            ):
+                return view
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"engine {engine_id} not {state.value} within {within_s}s")
+            with contextlib.suppress(TimeoutError):
+                await self.next_change(remaining)
 
 
 class ControlPlane(abc.ABC):
@@ -176,8 +276,9 @@ class ControlPlane(abc.ABC):
         """
 
     @abc.abstractmethod
-    def watch(self, *, handshake_progress: bool = False) -> EngineWatcher:
-        """A watcher of engine changes (an async context manager); see :mod:`watch`.
+    def watch(self, *, handshake_progress: bool = False) -> AbstractEngineWatcher:
+        """A watcher of engine changes (an async context manager, see
+        :class:`AbstractEngineWatcher`).
 
         ``handshake_progress`` also reports every rank's publication (grid displays).
         """

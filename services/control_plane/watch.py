@@ -18,18 +18,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from redis.asyncio.client import PubSub
 
+from services.control_plane.base import AbstractEngineWatcher, EngineChange, EngineView
 from services.control_plane.errors import ControlPlaneError, RecordDecodeError
 from services.control_plane.wire import EngineId, EngineState, Event, EventKind, decode
 
 if TYPE_CHECKING:
-    from services.control_plane.base import EngineView
     from services.control_plane.redis_store import RedisControlPlane
 
 logger = logging.getLogger(__name__)
@@ -38,28 +36,8 @@ _MAX_BATCH = 512
 """Most engines re-read in one round trip after a burst of events."""
 
 
-@dataclass(frozen=True)
-class EngineChange:
-    """One engine's transition: ``before`` is ``None`` when it appeared, ``after`` when gone."""
-
-    engine_id: EngineId
-    before: EngineView | None
-    after: EngineView | None
-
-    @property
-    def became_ready(self) -> bool:
-        """True when the engine is READY now and was not (or was another generation) before."""
-        if self.after is None or not self.after.ready:
-            return False
-        return not (
-            self.before is not None
-            and self.before.ready
-            and self.before.generation == self.after.generation
-        )
-
-
-class EngineWatcher:
-    """An async context manager and iterator of :class:`EngineChange`; see the module doc."""
+class EngineWatcher(AbstractEngineWatcher):
+    """The :class:`AbstractEngineWatcher` of :class:`RedisControlPlane`; see the module doc."""
 
     def __init__(
         self, control_plane: RedisControlPlane, *, handshake_progress: bool = False
@@ -110,9 +88,6 @@ class EngineWatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def __aiter__(self) -> AsyncIterator[EngineChange]:
-        return self
-
     async def __anext__(self) -> EngineChange:
         if self._task is not None and self._task.done():
             raise StopAsyncIteration
@@ -121,32 +96,6 @@ class EngineWatcher:
     async def next_change(self, within_s: float) -> EngineChange:
         """The next change, or :class:`TimeoutError` after ``within_s`` seconds."""
         return await asyncio.wait_for(self._changes.get(), within_s)
-
-    async def wait_for(
-        self,
-        engine_id: EngineId,
-        state: EngineState,
-        within_s: float,
-        generation: int | None = None,
-    ) -> EngineView:
-        """Wait until ``engine_id`` (at ``generation``, if given) is in ``state``.
-
-        The snapshot is checked first, so a state reached before the call counts.
-        """
-        deadline = time.monotonic() + within_s
-        while True:
-            view = self._snapshot.get(engine_id)
-            if (
-                view is not None
-                and view.state is state
-                and (generation is None or view.generation == generation)
-            ):
-                return view
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"engine {engine_id} not {state.value} within {within_s}s")
-            with contextlib.suppress(TimeoutError):
-                await self.next_change(remaining)
 
     async def _run(self) -> None:
         cause = "start"

@@ -14,7 +14,6 @@
     ├── BatchError (ValueError)     a forward step inconsistent with the shard or its KV cache
     │                               (block table too short, block id out of range, inputs of the
     │                               wrong stage)
-    ├── TokenizerError (ValueError) token ids a tokenizer cannot decode (outside its vocabulary)
     ├── RequestError                request-scoped serving errors (the backend seam's contract)
     │   ├── InvalidRequest (ValueError)  bad parameters or token ids      -> INVALID_ARGUMENT
     │   ├── DuplicateRequest        a request id already running here     -> ALREADY_EXISTS
@@ -31,10 +30,16 @@
 ``ModelConfigError``, ``CheckpointError`` and ``ShardingError`` are start-up errors: the worker
 cannot serve this model and should exit. ``BatchError`` is raised before anything is written to
 the KV cache, so the step can be failed and the engine keeps running; it still means the scheduler
-built an impossible step, so it is a bug to report, not a request to retry. ``TokenizerError`` is
+built an impossible step, so it is a bug to report, not a request to retry.
+
+``TokenizerError`` (token ids a tokenizer cannot decode, outside its vocabulary; a
+``ValueError``) is :class:`services.tokenization.errors.TokenizerError`, re-exported here: the
+tokenizer lives below the engines (the router uses it too), so it is no ``EngineError``. It is
 request-scoped: fail that request only. A tokenizer that cannot be loaded is a
-``CheckpointError``.
+``CheckpointError`` (the reference engine wraps the tokenizer's ``TokenizerFilesError``).
 """
+
+from services.tokenization.errors import TokenizerError
 
 
 class EngineError(Exception):
@@ -59,10 +64,6 @@ class ShardingError(EngineError, ValueError):
 
 class BatchError(EngineError, ValueError):
     """A forward step that does not fit the shard or its KV cache; nothing was written."""
-
-
-class TokenizerError(EngineError, ValueError):
-    """Token ids a tokenizer cannot decode; request-scoped."""
 
 
 class RequestError(EngineError):
@@ -112,3 +113,25 @@ class EngineDraining(RequestError):
 
 class EngineFailed(EngineError):
     """A rank process died or the engine cannot run; the host must stop serving."""
+
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "DuplicateRequest",
+    "EngineDraining",
+    "EngineError",
+    "EngineFailed",
+    "EngineOverloaded",
+    "InvalidRequest",
+    "KVLeaseExpired",
+    "KVTransferFailed",
+    "ModelConfigError",
+    "ProducerUnavailable",
+    "RequestAborted",
+    "RequestError",
+    "ShardingError",
+    "TokenizerError",
+    "UnknownKVHandle",
+    "UnsupportedModelError",
+]

@@ -28,9 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.config import ControlPlaneSettings
-from services.control_plane.base import ControlPlane, EngineView
+from services.control_plane.base import AbstractEngineWatcher, ControlPlane, EngineView
 from services.control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
-from services.control_plane.watch import EngineWatcher
 from services.control_plane.wire import EngineId
 from services.engines.backend import KVHandle
 from services.engines.errors import InvalidRequest, ProducerUnavailable, RequestError
@@ -209,7 +208,7 @@ class ProducerViews:
         self._skip_until = 0.0
         """Until then reads do not ask the control plane (the fast path during an outage)."""
         self._outage: _Outage | None = None
-        self._watcher: EngineWatcher | None = None
+        self._watcher: AbstractEngineWatcher | None = None
 
     async def refusal(
         self, handle: KVHandle, *, compat_hash: str, block_size: int | None = None

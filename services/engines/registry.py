@@ -137,7 +137,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
 
 
 def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
-    from services.serving.stub_backend import StubBackend, StubOptions  # noqa: PLC0415
+    from services.engines.stub import StubBackend, StubOptions  # noqa: PLC0415
 
     _refuse_vllm_only(options, "stub")
 

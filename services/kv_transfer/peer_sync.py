@@ -25,8 +25,7 @@ import time
 from collections.abc import Iterable
 
 from services.control_plane import ControlPlane, ControlPlaneError
-from services.control_plane.base import EngineView
-from services.control_plane.watch import EngineChange, EngineWatcher
+from services.control_plane.base import AbstractEngineWatcher, EngineChange, EngineView
 from services.control_plane.wire import EngineId
 from services.kv_transfer.consumer import KVConsumer
 from services.kv_transfer.errors import KVTransferError
@@ -81,7 +80,7 @@ class PeerSync:
         for view in views:
             await self._reconcile(view.engine_id, view)
 
-    async def follow(self, watcher: EngineWatcher) -> None:
+    async def follow(self, watcher: AbstractEngineWatcher) -> None:
         """Apply every change of ``watcher`` until it stops (run it as a task).
 
         Producers that failed to pre-warm are retried every ``retry_interval_s`` from the

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from services.engines.reference.tokenizer import Tokenizer
 from services.router.errors import InvalidRequestError
 from services.router.protocol import ChatMessage
+from services.tokenization.tokenizer import Tokenizer
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"

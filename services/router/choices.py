@@ -24,11 +24,11 @@ from typing import Any, Literal
 from fastapi.responses import Response, StreamingResponse
 
 from services.engines.backend import FinishReason, TokenLogprobs
-from services.engines.reference.tokenizer import Tokenizer
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution import Chunk, GenerationRequest, RunInfo
 from services.router.protocol import now_s, usage_body
 from services.router.runtime import RouterRuntime
+from services.tokenization.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,6 @@ from services.engines.backend import (
     TokenDelta,
     TokenLogprobs,
 )
-from services.engines.reference.tokenizer import ByteTokenizer, Tokenizer
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.metrics import RouterMetrics
@@ -63,6 +62,7 @@ from services.router.migration import (
 from services.router.policies import PromptInfo
 from services.router.pool import EnginePool, EngineSlot
 from services.router.scheduler import Plan, Scheduler
+from services.tokenization.tokenizer import ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 

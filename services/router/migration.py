@@ -22,7 +22,7 @@ the same random state (engines cannot hand it over), so it is reproducible only 
 Text: an engine releases text lagging its tokens (an incomplete UTF-8 character, a possible
 stop-string prefix), and a continuation's engine knows nothing of the tokens before its prompt's
 end. So from the first continuation on, the router detokenizes the request's whole output itself
-(:class:`~services.engines.reference.output_text.OutputText`, the engines' own rule, with the
+(:class:`~services.tokenization.output_text.OutputText`, the engines' own rule, with the
 router's tokenizer, the one that tokenized the prompt): text the broken leg still held is
 released, stop strings that straddle the join are found, and what the client receives is what
 an unbroken run would have sent. Usage counts each token once: ``completion_tokens`` is the
@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 from typing import Literal, TypeVar
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
-from services.engines.reference.output_text import OutputText
-from services.engines.reference.tokenizer import Tokenizer
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.pool import EngineSlot
+from services.tokenization.output_text import OutputText
+from services.tokenization.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

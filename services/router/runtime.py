@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engines.reference.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from services.router.chat import ChatRenderer
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory
@@ -14,6 +13,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
 from services.router.pool import EnginePool
 from services.router.scheduler import Scheduler
+from services.tokenization.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclass

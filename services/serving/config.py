@@ -1,5 +1,5 @@
 """Settings of ``pdserve prefill`` and ``pdserve decode``: environment (``PDSERVE_...``) first,
-flags on top (see :mod:`services.serving.cli`)."""
+flags on top (see :mod:`services.cli.engine`)."""
 
 from __future__ import annotations
 

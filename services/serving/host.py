@@ -2,7 +2,8 @@
 
 Sequence (:meth:`EngineHost.run`):
 
-1. ``backend.describe()``; bind the gRPC server (Prefill or Decode, Engine, and the standard
+1. ``backend.describe()``; bind the gRPC server (the role's service, handed over by the role
+   package as a :class:`~services.serving.role.RoleService`; Engine; and the standard
    ``grpc.health.v1`` Health, NOT_SERVING) and ``/metrics``; nothing is admitted yet.
 2. Register the :class:`EngineSpec` (endpoint = advertised gRPC address) -> generation; start
    heartbeating at once (model loading can outlast a lease) with ``backend.load()``.
@@ -36,7 +37,6 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any, Protocol, TextIO, TypeVar, runtime_checkable
 
 import grpc
@@ -54,20 +54,18 @@ from services.control_plane import (
     RedisControlPlane,
     StaleGenerationError,
 )
-from services.control_plane.wire import EngineLoad, EngineRole, EngineState, EngineStatus
-from services.decode.servicer import DecodeServicer, ProducerGate
+from services.control_plane.wire import EngineLoad, EngineState, EngineStatus
 from services.engines.backend import EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
 from services.engines.producer_check import ProducerViews, producer_check_settings
-from services.prefill.servicer import PrefillServicer
-from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
+from services.proto_gen.pdserve.v1 import engine_pb2
 from services.serving.client import server_options
 from services.serving.config import EngineServiceSettings, split_host_port
 from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
 from services.serving.handlers import add_servicer
 from services.serving.metrics import EngineServiceMetrics
-from services.serving.ready import READY_PREFIX, format_ready_line
-from services.serving.ready import parse_ready_line as parse_ready_payload
+from services.serving.ready import ServingEndpoints
+from services.serving.role import RoleService
 from services.serving.servicer import EngineServicer, ServingState
 
 logger = logging.getLogger(__name__)
@@ -78,13 +76,10 @@ class _RegistrationVanished(RegistrationLost):
     fatal at start-up, retried during a re-registration."""
 
 
-READY_LINE_PREFIX = READY_PREFIX
 READY_POLL_S = 0.1
 SERVER_STOP_GRACE_S = 5.0
 T = TypeVar("T")
 _ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
-_PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
-_DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
 
 
 @runtime_checkable
@@ -111,32 +106,6 @@ class UsesProducerViews(Protocol):
     def use_producer_views(self, views: ProducerViews) -> None: ...
 
 
-@dataclass(frozen=True)
-class ServingEndpoints:
-    """What the ready line announces."""
-
-    engine_id: str
-    generation: int
-    grpc: str
-    metrics: str | None
-
-    def ready_line(self) -> str:
-        return format_ready_line(dataclasses.asdict(self))
-
-
-def parse_ready_line(line: str) -> ServingEndpoints | None:
-    """The endpoints of a ``PDSERVE_READY`` line (``pdserve up`` and tests wait for it)."""
-    data = parse_ready_payload(line)
-    if data is None:
-        return None
-    return ServingEndpoints(
-        engine_id=str(data["engine_id"]),
-        generation=int(data["generation"]),
-        grpc=str(data["grpc"]),
-        metrics=None if data.get("metrics") is None else str(data["metrics"]),
-    )
-
-
 class EngineHost:
     """Hosts one engine backend as a gRPC service (see the module docstring)."""
 
@@ -146,16 +115,17 @@ class EngineHost:
         backend: EngineBackend,
         *,
         engine_id: str,
-        role: EngineRole,
+        service: RoleService,
         registry: CollectorRegistry | None = None,
         ready_output: TextIO | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
         self.engine_id = engine_id
-        self.role = role
+        self.service = service
+        self.role = service.role
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = EngineServiceMetrics(self.registry, engine_id, role.value)
+        self.metrics = EngineServiceMetrics(self.registry, engine_id, self.role.value)
         control_plane_metrics = ControlPlaneMetrics(self.registry)
         self._control_plane_metrics = control_plane_metrics
         self.control_plane: ControlPlane = RedisControlPlane(
@@ -384,11 +354,8 @@ class EngineHost:
         # INVALID_ARGUMENT, not grpc.aio's UNKNOWN (see services.serving.handlers).
         add_servicer(server, _ENGINE_SERVICE, EngineServicer(state), state)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        if self.role is EngineRole.DECODE:
-            gate = ProducerGate(self.producer_views, compat_hash)
-            add_servicer(server, _DECODE_SERVICE, DecodeServicer(state, gate), state)
-        else:
-            add_servicer(server, _PREFILL_SERVICE, PrefillServicer(state), state)
+        role_servicer = self.service.servicer(state, self.producer_views, compat_hash)
+        add_servicer(server, self.service.descriptor, role_servicer, state)
         tls = grpc_settings.tls()
         try:
             if tls is None:
@@ -431,12 +398,7 @@ class EngineHost:
     async def _set_health(
         self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
     ) -> None:
-        service_names = ["", "pdserve.v1.EngineService"]
-        service_names.append(
-            "pdserve.v1.DecodeService"
-            if self.role is EngineRole.DECODE
-            else "pdserve.v1.PrefillService"
-        )
+        service_names = ["", _ENGINE_SERVICE.full_name, self.service.descriptor.full_name]
         for name in service_names:
             await self._health.set(name, status)
 

@@ -8,8 +8,10 @@ the command line that runs a pdserve subcommand; it imports nothing heavy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 READY_PREFIX = "PDSERVE_READY"
@@ -31,6 +33,30 @@ def parse_ready_line(line: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return payload if isinstance(payload, dict) else None
+
+
+@dataclass(frozen=True)
+class ServingEndpoints:
+    """What an engine's ready line announces (:mod:`services.serving.host` prints it)."""
+
+    engine_id: str
+    generation: int
+    grpc: str
+    metrics: str | None
+
+    def ready_line(self) -> str:
+        return format_ready_line(dataclasses.asdict(self))
+
+    @classmethod
+    def from_payload(cls, data: dict[str, Any]) -> ServingEndpoints:
+        """The endpoints of an engine's ready-line payload (:func:`parse_ready_line`); raises
+        ``KeyError``/``ValueError`` for a payload that is not an engine's."""
+        return cls(
+            engine_id=str(data["engine_id"]),
+            generation=int(data["generation"]),
+            grpc=str(data["grpc"]),
+            metrics=None if data.get("metrics") is None else str(data["metrics"]),
+        )
 
 
 def pdserve_argv(*arguments: str) -> list[str]:

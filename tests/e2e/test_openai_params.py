@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.engines.reference.tiny_model import make_tiny_model
-from services.engines.reference.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

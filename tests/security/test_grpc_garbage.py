@@ -25,10 +25,10 @@ import pytest
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.stub import StubBackend
 from services.serving.client import EngineClient
 from services.serving.config import EngineServiceSettings
 from services.serving.status import ERROR_KEY
-from services.serving.stub_backend import StubBackend
 from tests.integration.services.conftest import RunningHost, hosted, service_settings
 
 pytestmark = pytest.mark.integration

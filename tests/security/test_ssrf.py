@@ -20,8 +20,8 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
+from services.engines.stub import StubBackend
 from services.router.config import RouterSettings
-from services.serving.stub_backend import StubBackend
 from tests.integration.services.conftest import hosted, service_settings
 from tests.security.router_harness import serving_router
 

@@ -52,6 +52,7 @@ from services.engines.backend import (
     TokenDelta,
 )
 from services.engines.errors import (
+    CheckpointError,
     EngineFailed,
     InvalidRequest,
     KVLeaseExpired,
@@ -70,8 +71,9 @@ from services.engines.reference.scheduler import (
     SinkItem,
 )
 from services.engines.reference.sharding import ShardGeometry, ShardSpec
-from services.engines.reference.tokenizer import Tokenizer, load_tokenizer
 from services.kv_transfer.block_pool import KV_LAYOUT
+from services.tokenization.errors import TokenizerFilesError
+from services.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,10 @@ class ReferenceBackend(EngineBackend):
         self.layout = options.validate(self.config)
         for rank in self.layout.shards:
             ShardGeometry.resolve(self.config, ShardSpec.from_layout(self.layout, *rank))
-        self.tokenizer: Tokenizer = load_tokenizer(options.model_dir)
+        try:
+            self.tokenizer: Tokenizer = load_tokenizer(options.model_dir)
+        except TokenizerFilesError as exc:
+            raise CheckpointError(str(exc)) from exc
         # The tokenizer's ids include config.json's and generation_config.json's eos_token_id.
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.compat_hash = compute_compat_hash(

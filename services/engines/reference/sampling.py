@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from services.engines.backend import SamplingParams, TokenLogprobs
-from services.engines.reference.output_text import OutputText
+from services.tokenization.output_text import OutputText
 
 
 def make_generator(seed: int | None) -> torch.Generator:

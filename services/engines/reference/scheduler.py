@@ -73,8 +73,8 @@ from services.engines.reference.sampling import (
     token_generator,
     token_logprobs,
 )
-from services.engines.reference.tokenizer import Tokenizer
 from services.kv_transfer.allocator import BlockAllocator
+from services.tokenization.tokenizer import Tokenizer
 from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)

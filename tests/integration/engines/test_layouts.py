@@ -15,7 +15,7 @@ import pytest
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import SamplingParams
-from services.engines.reference.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 from tests.integration.engines.conftest import (
     PROMPTS,
     collect,

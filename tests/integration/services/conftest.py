@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from services.cli.engine import ROLE_SERVICES
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import EngineBackend
 from services.serving.config import EngineServiceSettings, GrpcServerSettings
-from services.serving.host import EngineHost, ServingEndpoints
+from services.serving.host import EngineHost
+from services.serving.ready import ServingEndpoints
 
 START_TIMEOUT_S = 30.0
 
@@ -57,7 +59,7 @@ async def hosted(
         settings,
         backend,
         engine_id=engine_id,
-        role=role,
+        service=ROLE_SERVICES[role],
         registry=CollectorRegistry(),
         ready_output=io.StringIO(),
     )

@@ -17,8 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.serving.host import ServingEndpoints, parse_ready_line
-from services.serving.ready import pdserve_argv
+from services.serving.ready import ServingEndpoints, parse_ready_line, pdserve_argv
 
 
 @dataclass
@@ -58,8 +57,9 @@ class ServiceProcess:
                         f"{self.engine_id} exited with {code} before ready:\n{self.stderr()}"
                     )
                 self.stdout_lines.append(line)
-                endpoints = parse_ready_line(line.strip())
-                if endpoints is not None:
+                payload = parse_ready_line(line)
+                if payload is not None:
+                    endpoints = ServingEndpoints.from_payload(payload)
                     self.endpoints = endpoints
                     return endpoints
 

@@ -15,8 +15,8 @@ from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole, EngineState
 from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
+from services.engines.stub import StubBackend, StubOptions
 from services.serving.client import EngineClient
-from services.serving.stub_backend import StubBackend, StubOptions
 from tests.integration.services.conftest import hosted, service_settings
 
 pytestmark = pytest.mark.integration

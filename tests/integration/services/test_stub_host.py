@@ -33,6 +33,7 @@ from services.engines.errors import (
     KVTransferFailed,
     ProducerUnavailable,
 )
+from services.engines.stub import StubBackend, StubOptions
 from services.proto_gen.pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -43,7 +44,6 @@ from services.proto_gen.pdserve.v1 import (
 from services.serving import convert
 from services.serving.client import EngineClient, EngineClientPool
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
-from services.serving.stub_backend import StubBackend, StubOptions
 from tests.integration.services.conftest import hosted, service_settings
 
 pytestmark = pytest.mark.integration

@@ -9,10 +9,10 @@ import pytest
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import SamplingParams
+from services.engines.stub import StubBackend
 from services.serving.client import EngineClient
 from services.serving.config import GrpcServerSettings
 from services.serving.errors import EngineUnreachable
-from services.serving.stub_backend import StubBackend
 from services.serving.tls import ClientTLS
 from tests.integration.services.conftest import hosted, service_settings
 

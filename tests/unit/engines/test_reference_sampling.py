@@ -11,7 +11,7 @@ from services.engines.reference.sampling import (
     sample_token,
     token_generator,
 )
-from services.engines.reference.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 
 
 def test_greedy_takes_the_argmax_and_draws_nothing() -> None:

@@ -11,7 +11,7 @@ from services.engines.errors import EngineOverloaded, InvalidRequest
 from services.engines.reference.messages import HoldKV, LeaseEnded, ReleaseKV
 from services.engines.reference.metrics import ReferenceEngineMetrics
 from services.engines.reference.scheduler import Scheduler, SchedulerLimits, SinkItem
-from services.engines.reference.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 
 VOCAB = 300
 RANKS = ((0, 0), (1, 0))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.engines.reference.config import ModelConfig
 from services.engines.reference.tiny_model import main_make_tiny_model, make_tiny_model
-from services.engines.reference.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 
 
 def _files(directory: Path) -> dict[str, bytes]:

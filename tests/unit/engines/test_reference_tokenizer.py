@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from services.engines.errors import TokenizerError
 from services.engines.reference.tiny_model import CHAT_TEMPLATE
-from services.engines.reference.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from services.tokenization.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world!",

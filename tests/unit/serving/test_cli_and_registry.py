@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.cli.engine import build_settings
 from services.cli.main import build_parser, main
 from services.cli.settings import resolve
 from services.engines.registry import (
@@ -12,10 +13,9 @@ from services.engines.registry import (
     UnknownEngine,
     create_backend,
 )
-from services.serving.cli import build_settings
+from services.engines.stub import StubBackend
 from services.serving.config import split_host_port
-from services.serving.host import ServingEndpoints, parse_ready_line
-from services.serving.stub_backend import StubBackend
+from services.serving.ready import ServingEndpoints, parse_ready_line
 
 
 def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,7 +71,9 @@ def test_registry_builds_the_stub_and_names_unknown_engines() -> None:
 
 def test_ready_line_round_trips() -> None:
     endpoints = ServingEndpoints("decode-1", 17, "127.0.0.1:5000", None)
-    assert parse_ready_line(endpoints.ready_line()) == endpoints
+    payload = parse_ready_line(endpoints.ready_line())
+    assert payload is not None
+    assert ServingEndpoints.from_payload(payload) == endpoints
     assert parse_ready_line("some other output") is None
 
 

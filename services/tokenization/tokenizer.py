@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizerModel
 
-from services.engines.errors import CheckpointError, TokenizerError
+from services.tokenization.errors import TokenizerError, TokenizerFilesError
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class ByteTokenizer(Tokenizer):
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer of the checkpoint in ``directory``: :class:`HFTokenizer` when it has a
-    ``tokenizer.json``, otherwise :class:`ByteTokenizer`. Raises :class:`CheckpointError` when
+    ``tokenizer.json``, otherwise :class:`ByteTokenizer`. Raises :class:`TokenizerFilesError` when
     a file that is present cannot be read."""
     root = Path(directory)
     settings = _read_json(root / TOKENIZER_CONFIG_FILE)
@@ -199,7 +199,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     try:
         model = HFTokenizerModel.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception for any parse error
-        raise CheckpointError(f"cannot load {path}: {exc}") from exc
+        raise TokenizerFilesError(f"cannot load {path}: {exc}") from exc
     bos_token = _token_text(settings.get("bos_token"))
     eos_token = _token_text(settings.get("eos_token"))
     bos_id = model.token_to_id(bos_token) if bos_token else None
@@ -207,7 +207,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if eos_token is not None:
         eos_id = model.token_to_id(eos_token)
         if eos_id is None:
-            raise CheckpointError(f"eos_token {eos_token!r} is not in {path}")
+            raise TokenizerFilesError(f"eos_token {eos_token!r} is not in {path}")
         eos_ids.add(eos_id)
     return HFTokenizer(model, bos_id, eos_ids, chat_template)
 
@@ -219,9 +219,9 @@ def _read_json(path: Path) -> Mapping[str, object]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise TokenizerFilesError(f"cannot read {path}: {exc}") from exc
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
+        raise TokenizerFilesError(f"{path} is not a JSON object")
     return value
 
 

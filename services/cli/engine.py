@@ -2,8 +2,10 @@
 
 Flags override the environment (:class:`~services.serving.config.EngineServiceSettings`,
 ``PDSERVE_...``; the control plane's ``--redis``/``--namespace`` come from
-:mod:`services.cli.settings`). Exit codes: 0 after a clean drain, 1 when the engine failed,
-never got READY or lost its registration, 2 for invalid settings.
+:mod:`services.cli.settings`); the role's service comes from its package
+(:mod:`services.prefill`, :mod:`services.decode`) through :data:`ROLE_SERVICES`. Exit codes:
+0 after a clean drain, 1 when the engine failed, never got READY or lost its registration, 2 for
+invalid settings.
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings, flag_values, overlay
 from services.control_plane.wire import EngineRole, validate_identifier
+from services.decode.service import DecodeService
 from services.engines.errors import EngineError
 from services.engines.registry import ENGINES, EngineOptions, create_backend
+from services.prefill.service import PrefillService
 from services.serving.config import EngineServiceSettings
 from services.serving.host import EngineHost
+from services.serving.role import RoleService
 
 logger = logging.getLogger(__name__)
+
+ROLE_SERVICES: dict[EngineRole, RoleService] = {
+    EngineRole.PREFILL: PrefillService(),
+    EngineRole.DECODE: DecodeService(),
+}
+"""The service each role's package hands the engine host."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +168,9 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
     except (ValueError, ValidationError, EngineError) as exc:
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)
         return 2
-    host = EngineHost(settings, backend, engine_id=engine_id, role=role, registry=registry)
+    host = EngineHost(
+        settings, backend, engine_id=engine_id, service=ROLE_SERVICES[role], registry=registry
+    )
     return asyncio.run(_serve(host))
 
 

@@ -1,15 +1,15 @@
 """Incremental detokenization with stop strings: the one rule for the text a request releases.
 
 Torch-free, so the router (which continues a migrated request's text with the same rule,
-services/router/migration.py) can use it without importing the engine. Re-exported by
-:mod:`services.engines.reference.sampling`.
+services/router/migration.py) uses it as the reference engine does, without importing the
+engine. Re-exported by :mod:`services.engines.reference.sampling`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.engines.reference.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 
 class OutputText:

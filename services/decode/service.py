@@ -1,0 +1,23 @@
+"""The decode role as the engine host serves it (:class:`~services.serving.role.RoleService`)."""
+
+from __future__ import annotations
+
+from services.control_plane.wire import EngineRole
+from services.decode.servicer import DecodeServicer, ProducerGate
+from services.engines.producer_check import ProducerViews
+from services.proto_gen.pdserve.v1 import decode_pb2
+from services.serving.role import RoleService
+from services.serving.servicer import ServingState
+
+
+class DecodeService(RoleService):
+    """``pdserve.v1.DecodeService`` served by :class:`DecodeServicer`, its handles' producers
+    checked by a :class:`ProducerGate` over the host's producer views."""
+
+    role = EngineRole.DECODE
+    descriptor = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
+
+    def servicer(
+        self, state: ServingState, producer_views: ProducerViews, compat_hash: str
+    ) -> DecodeServicer:
+        return DecodeServicer(state, ProducerGate(producer_views, compat_hash))

@@ -1,0 +1,115 @@
+"""The layer rule of ``services/`` (docs/architecture.md, "Layers"): a package imports only from
+the layers below it, never from its own layer's other packages nor from a layer above.
+
+The import graph is read with :mod:`ast` from the source (every ``import``, lazy and
+``TYPE_CHECKING`` ones included), so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVICES = Path(__file__).resolve().parents[2] / "services"
+
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"proto_gen", "config", "topology"}),
+    frozenset({"control_plane"}),
+    frozenset({"kv_transfer"}),
+    frozenset({"tokenization"}),
+    frozenset({"engines"}),
+    frozenset({"serving"}),
+    frozenset({"router", "prefill", "decode", "bench", "observability", "devtools"}),
+    frozenset({"cli"}),
+)
+"""Bottom to top; the same order as docs/architecture.md."""
+
+LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}
+
+
+def _packages() -> set[str]:
+    return {p.name for p in SERVICES.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _imported_packages(source: str, parts: tuple[str, ...]) -> set[tuple[str, int]]:
+    """``(package under services, line)`` of every import in the module ``parts``
+    (``("services", "serving", "host")``) whose text is ``source``; relative ones resolved."""
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(ast.parse(source)):
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                # The package of a module is its parts minus the file; __init__ is the package.
+                base = parts[: len(parts) - node.level]
+                modules = [".".join((*base, *([node.module] if node.module else [])))]
+            elif node.module:
+                modules = [node.module]
+        for module in modules:
+            names = module.split(".")
+            if len(names) >= 2 and names[0] == "services":
+                found.add((names[1], node.lineno))
+    return found
+
+
+def _violations(relative: Path, source: str) -> list[str]:
+    """The imports of ``services/<relative>`` that break the rule."""
+    package = relative.parts[0]
+    parts = ("services", *relative.with_suffix("").parts)
+    violations = []
+    for imported, line in sorted(_imported_packages(source, parts)):
+        if imported == package:
+            continue
+        if imported not in LAYER_OF or LAYER_OF[imported] >= LAYER_OF[package]:
+            violations.append(
+                f"services/{relative}:{line}: {package} (layer {LAYER_OF.get(package)}) imports "
+                f"{imported} (layer {LAYER_OF.get(imported, 'unknown')})"
+            )
+    return violations
+
+
+def layer_violations() -> list[str]:
+    violations = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        relative = path.relative_to(SERVICES)
+        if len(relative.parts) < 2:
+            continue  # services/__init__.py
+        violations += _violations(relative, path.read_text(encoding="utf-8"))
+    return violations
+
+
+def test_every_package_has_a_layer() -> None:
+    assert _packages() == set(LAYER_OF), "add the new package to LAYERS and docs/architecture.md"
+
+
+def test_no_package_imports_from_its_layer_or_above() -> None:
+    assert layer_violations() == []
+
+
+def test_the_check_finds_upward_and_sideways_imports() -> None:
+    """A check that finds nothing would pass vacuously: probe modules that break the rule."""
+    source = (
+        "import services.cli.main\n"
+        "from services.engines import backend\n"
+        "from ..router import api\n"
+        "from . import convert\n"
+        "def lazy() -> None:\n"
+        "    from services.decode import servicer\n"
+    )
+    found = _violations(Path("serving/probe.py"), source)
+    assert [v.split(": ", 1)[1] for v in found] == [
+        "serving (layer 5) imports cli (layer 7)",
+        "serving (layer 5) imports decode (layer 6)",
+        "serving (layer 5) imports router (layer 6)",
+    ]
+    assert _violations(Path("router/probe.py"), "from services.prefill import service\n")
+    assert _violations(Path("serving/host.py"), "from services.engines import backend\n") == []
+
+
+def test_architecture_doc_lists_the_same_layers() -> None:
+    doc = (SERVICES.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rule = doc.split("<!-- layers -->")[1].split("<!-- /layers -->")[0]
+    for index, layer in enumerate(LAYERS):
+        line = next(x for x in rule.splitlines() if x.strip().startswith(f"{index}."))
+        assert {name.strip("` ,") for name in line.split(".", 1)[1].split()} >= layer, line
