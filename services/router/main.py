@@ -26,6 +26,7 @@ from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.router.api import generation, install_error_handlers, ops, v1
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, GrpcConnectorFactory
+from services.router.hot_path import HotPathApp
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 from services.serving.ready import format_ready_line
@@ -101,7 +102,7 @@ def create_app(
             await built.pool.close()
             await control_plane.close()
 
-    app = FastAPI(
+    app = HotPathApp(
         title="pdserve router",
         version="1",
         description="OpenAI-compatible front door of pdserve (disaggregated prefill/decode).",
