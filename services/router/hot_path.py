@@ -18,6 +18,7 @@ skipped, the path would need rewriting).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -82,6 +83,7 @@ class HotPathApp(FastAPI):
         for cls in type(exc).__mro__:
             handler = self.exception_handlers.get(cls)
             if handler is not None:
-                response: Response = await handler(request, exc)
+                answer = handler(request, exc)  # the router's handlers are all async
+                response: Response = await answer if inspect.isawaitable(answer) else answer
                 return response
         raise exc
