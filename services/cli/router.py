@@ -8,7 +8,6 @@ plane from ``PDSERVE_CONTROL_PLANE__...`` / ``--redis``; flags override the envi
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 from typing import get_args
 
@@ -16,7 +15,7 @@ from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings
 from services.router.config import PolicyName, RouterSettings
-from services.router.main import serve
+from services.router.main import run as serve_router
 from services.router.workers import serve_workers
 
 
@@ -78,5 +77,5 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
         return 2
     if settings.workers > 1:
         return serve_workers(settings)
-    asyncio.run(serve(settings))
+    serve_router(settings)
     return 0

@@ -37,6 +37,8 @@ class DirectRoute(APIRoute):
     API module before routes are declared)."""
 
     key_check: typing.ClassVar[KeyCheck | None] = None
+    handler: Callable[[Request], Coroutine[Any, Any, Response]]
+    """The fixed handler (also called directly by ``hot_path.HotPathApp``)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         endpoint = self.endpoint
@@ -76,6 +78,7 @@ class DirectRoute(APIRoute):
             response: Response = await endpoint(body, runtime, request)
             return response
 
+        self.handler = handler
         return handler
 
 

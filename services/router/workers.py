@@ -30,7 +30,6 @@ only supervises:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -43,7 +42,7 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 from services.router.config import RouterSettings
-from services.router.main import reuse_port_socket, serve
+from services.router.main import reuse_port_socket, run
 from services.serving.ready import format_ready_line
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ def _worker_main(settings: RouterSettings, index: int, parent_pid: int, ready: Q
     def announce(payload: dict[str, Any]) -> None:
         ready.put({**payload, "worker": index})
 
-    asyncio.run(serve(settings, ready=announce, parent_pid=parent_pid))
+    run(settings, ready=announce, parent_pid=parent_pid)
 
 
 def serve_workers(settings: RouterSettings) -> int:
