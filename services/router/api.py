@@ -46,9 +46,12 @@ from services.router.errors import (
 )
 from services.router.execution import Chunk, GenerationRequest, RunInfo
 from services.router.protocol import (
+    SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    finish_text,
     now_s,
+    sse_event,
     usage_body,
 )
 from services.router.runtime import RouterRuntime
@@ -451,7 +454,7 @@ async def _serve(
         "object": output.object_name,
         "created": now_s(),
         "model": request.model,
-        "choices": [output.render_choice(text, _finish_text(finish))],
+        "choices": [output.render_choice(text, finish_text(finish))],
         "usage": _usage(info),
     }
     runtime.executor.observe_end(request.arrival_s, output.endpoint, "ok", info)
@@ -476,11 +479,11 @@ async def _sse(
             "object": output.chunk_object_name,
             "created": created,
             "model": request.model,
-            "choices": [output.render_delta(text, _finish_text(finish), is_first)],
+            "choices": [output.render_delta(text, finish_text(finish), is_first)],
         }
         if include_usage:
             body["usage"] = None
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        return sse_event(body)
 
     try:
         yield event(first.text, first.finish_reason, True)
@@ -499,8 +502,8 @@ async def _sse(
                 "choices": [],
                 "usage": _usage(info),
             }
-            yield b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            yield sse_event(usage)
+        yield SSE_DONE
         outcome = "ok"
     except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
         outcome = "decode_truncated"
@@ -509,7 +512,7 @@ async def _sse(
         outcome = exc.code
         logger.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
         yield _error_event(exc)
-        yield b"data: [DONE]\n\n"
+        yield SSE_DONE
     finally:
         await run.aclose()
         runtime.executor.observe_end(request.arrival_s, output.endpoint, outcome, info)
@@ -523,15 +526,7 @@ def _usage(info: RunInfo) -> dict[str, Any]:
 
 
 def _error_event(error: RouterError) -> bytes:
-    return b"data: " + json.dumps(error.envelope(), separators=(",", ":")).encode() + b"\n\n"
-
-
-def _finish_text(finish: FinishReason | None) -> str | None:
-    if finish is None:
-        return None
-    if finish in (FinishReason.STOP, FinishReason.LENGTH):
-        return finish.value
-    return "abort" if finish is FinishReason.ABORT else "error"
+    return sse_event(error.envelope())
 
 
 def _headers(request: GenerationRequest, info: RunInfo) -> dict[str, str]:

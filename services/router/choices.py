@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from services.engines.backend import FinishReason, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution import Chunk, GenerationRequest, RunInfo
-from services.router.protocol import now_s, usage_body
+from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
 from services.router.runtime import RouterRuntime
 from services.tokenization.tokenizer import Tokenizer
 
@@ -160,18 +160,10 @@ def _usage(states: list[_State]) -> dict[str, Any]:
     )
 
 
-def _finish_text(finish: FinishReason | None) -> str | None:
-    if finish is None:
-        return None
-    if finish in (FinishReason.STOP, FinishReason.LENGTH):
-        return finish.value
-    return "abort" if finish is FinishReason.ABORT else "error"
-
-
 def _render(tokenizer: Tokenizer, kind: Kind, state: _State) -> dict[str, Any]:
     choice = state.choice
     text = "".join(state.text)
-    finish = _finish_text(FinishReason.LENGTH if choice.echo_only else state.finish)
+    finish = finish_text(FinishReason.LENGTH if choice.echo_only else state.finish)
     if kind == "chat":
         return {
             "index": choice.index,
@@ -282,7 +274,7 @@ async def _sse(
 
     def event(state: _State, text: str, logprobs: list[TokenLogprobs], first: bool) -> bytes:
         choice = state.choice
-        finish = _finish_text(state.finish)
+        finish = finish_text(state.finish)
         rendered: dict[str, Any]
         if kind == "chat":
             delta: dict[str, Any] = {"content": text}
@@ -317,7 +309,7 @@ async def _sse(
         }
         if include_usage:
             body["usage"] = None
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        return sse_event(body)
 
     queue: asyncio.Queue[tuple[_State, Chunk | BaseException]] = asyncio.Queue()
 
@@ -359,14 +351,14 @@ async def _sse(
                 "choices": [],
                 "usage": _usage(states),
             }
-            yield b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            yield sse_event(usage)
+        yield SSE_DONE
         outcome = "ok"
     except RouterError as exc:
         outcome = exc.code
         logger.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
-        yield b"data: " + json.dumps(exc.envelope(), separators=(",", ":")).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+        yield sse_event(exc.envelope())
+        yield SSE_DONE
     finally:
         for task in tasks:
             task.cancel()

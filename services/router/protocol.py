@@ -14,7 +14,9 @@ path).
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -27,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from services.engines.backend import MAX_LOGPROBS, MAX_STOP_STRINGS
+from services.engines.backend import MAX_LOGPROBS, MAX_STOP_STRINGS, FinishReason
 
 MAX_PROMPT_TOKEN_IDS = 1_000_000
 MAX_BATCH_PROMPTS = 64
@@ -331,3 +333,21 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 def now_s() -> int:
     return int(time.time())
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+"""The server-sent event that ends every OpenAI stream."""
+
+
+def sse_event(payload: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as compact JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def finish_text(finish: FinishReason | None) -> str | None:
+    """The OpenAI ``finish_reason`` of an engine's finish reason."""
+    if finish is None:
+        return None
+    if finish in (FinishReason.STOP, FinishReason.LENGTH):
+        return finish.value
+    return "abort" if finish is FinishReason.ABORT else "error"
