@@ -119,12 +119,11 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
                 namespace=f"bench{uuid.uuid4().hex[:8]}",
                 resync_interval_s=0.5,
             )
-            engine = _reference_engine if args.engine == "reference" else _vllm_engine
             async with (
-                engine(
+                _engine(
                     settings, model_dir, "bench-prefill", EngineRole.PREFILL, layouts, args
                 ) as pre,
-                engine(
+                _engine(
                     settings, model_dir, "bench-decode", EngineRole.DECODE, layouts, args
                 ) as dec,
             ):
@@ -159,8 +158,50 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
+def _reference_backend(
+    model_dir: Path, pp: int, tp: int, args: argparse.Namespace
+) -> EngineBackend:
+    options = ReferenceEngineOptions(
+        model_dir=model_dir,
+        pp_size=pp,
+        tp_size=tp,
+        num_kv_blocks=1024,
+        block_size=16,
+        max_batch_tokens=4096,
+    )
+    return ReferenceBackend(options, registry=CollectorRegistry())
+
+
+def _vllm_backend(model_dir: Path, pp: int, tp: int, args: argparse.Namespace) -> EngineBackend:
+    options = VllmEngineOptions(
+        model_dir=model_dir,
+        pp_size=pp,
+        tp_size=tp,
+        transfer_mode=TransferMode(args.transfer_mode),
+        block_size=VLLM_BLOCK_SIZE,
+        dtype=VLLM_DTYPE,
+    )
+    return VllmBackend(options, registry=CollectorRegistry())
+
+
+READY_TIMEOUT_S = {"reference": 60.0, "vllm": 600.0}
+"""A vLLM engine compiles its model at start: minutes on a small machine."""
+
+
+def _cpu_binding(args: argparse.Namespace, layouts: _Layouts, role: EngineRole) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` a vLLM-for-CPU engine starts with: its share of the
+    cores, as under ``pdserve up``; ``None`` for other engines or when the operator set one."""
+    if args.engine != "vllm" or installed_platform() is not Platform.CPU:
+        return None
+    if os.environ.get(THREADS_BIND_ENV):
+        return None
+    worlds = [layouts.prefill[0] * layouts.prefill[1], layouts.decode[0] * layouts.decode[1]]
+    bindings = shared_cpu_bindings(worlds, sorted(os.sched_getaffinity(0)))
+    return bindings[0 if role is EngineRole.PREFILL else 1]
+
+
 @contextlib.asynccontextmanager
-async def _reference_engine(
+async def _engine(
     settings: ControlPlaneSettings,
     model_dir: Path,
     engine_id: str,
@@ -169,59 +210,27 @@ async def _reference_engine(
     args: argparse.Namespace,
 ) -> AsyncIterator[EngineBackend]:
     pp, tp = layouts.prefill if role is EngineRole.PREFILL else layouts.decode
-    backend = ReferenceBackend(
-        ReferenceEngineOptions(
-            model_dir=model_dir,
-            pp_size=pp,
-            tp_size=tp,
-            num_kv_blocks=1024,
-            block_size=16,
-            max_batch_tokens=4096,
-        ),
-        registry=CollectorRegistry(),
-    )
-    async with registered_engine(settings, backend, engine_id=engine_id, role=role) as engine:
-        yield engine
-
-
-@contextlib.asynccontextmanager
-async def _vllm_engine(
-    settings: ControlPlaneSettings,
-    model_dir: Path,
-    engine_id: str,
-    role: EngineRole,
-    layouts: _Layouts,
-    args: argparse.Namespace,
-) -> AsyncIterator[EngineBackend]:
-    pp, tp = layouts.prefill if role is EngineRole.PREFILL else layouts.decode
-    backend = VllmBackend(
-        VllmEngineOptions(
-            model_dir=model_dir,
-            pp_size=pp,
-            tp_size=tp,
-            transfer_mode=TransferMode(args.transfer_mode),
-            block_size=VLLM_BLOCK_SIZE,
-            dtype=VLLM_DTYPE,
-        ),
-        registry=CollectorRegistry(),
-    )
-    # Both engines live in this process, and VllmBackend leaves an operator's thread binding
-    # alone: each gets its share of the cores, as under ``pdserve up`` (vLLM's processes copy
-    # the environment).
-    operator_binding = os.environ.get(THREADS_BIND_ENV)
-    if installed_platform() is Platform.CPU and operator_binding is None:
-        worlds = [layouts.prefill[0] * layouts.prefill[1], layouts.decode[0] * layouts.decode[1]]
-        bindings = shared_cpu_bindings(worlds, sorted(os.sched_getaffinity(0)))
-        os.environ[THREADS_BIND_ENV] = bindings[0 if role is EngineRole.PREFILL else 1]
+    build = _vllm_backend if args.engine == "vllm" else _reference_backend
+    backend = build(model_dir, pp, tp, args)
+    # Both engines live in this process and vLLM's processes copy its environment: the
+    # binding is set only while this engine starts, so the other one does not take it for
+    # an operator's.
+    binding = _cpu_binding(args, layouts, role)
+    if binding is not None:
+        os.environ[THREADS_BIND_ENV] = binding
     try:
         async with registered_engine(
-            settings, backend, engine_id=engine_id, role=role, ready_timeout_s=600.0
+            settings,
+            backend,
+            engine_id=engine_id,
+            role=role,
+            ready_timeout_s=READY_TIMEOUT_S[args.engine],
         ) as engine:
-            if operator_binding is None:
+            if binding is not None:
                 os.environ.pop(THREADS_BIND_ENV, None)
             yield engine
     finally:
-        if operator_binding is None:
+        if binding is not None:
             os.environ.pop(THREADS_BIND_ENV, None)
 
 
