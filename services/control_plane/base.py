@@ -218,6 +218,18 @@ class ControlPlane(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def restore(self, spec: EngineSpec, generation: Generation) -> EngineRecord:
+        """Register ``spec`` again at ``generation`` after its lease ran out, PENDING with an
+        empty grid, as :meth:`register` left it.
+
+        Only for the host that registered ``generation``, and only while no newer generation
+        of the engine was registered since (else :class:`StaleGenerationError`): the same
+        process keeps its generation, so handshakes of ranks that were started with it (vLLM
+        bakes the generation into its connector at start-up) stay valid. The handshakes
+        published before the lease ran out are gone: ranks must publish again.
+        """
+
+    @abc.abstractmethod
     async def heartbeat(
         self, engine_id: EngineId, generation: Generation, load: EngineLoad | None = None
     ) -> None:

@@ -98,6 +98,20 @@ class RedisControlPlane(ControlPlane):
         generation = await self.connection.call(
             "register", lambda: self._next_generation([counter], [now])
         )
+        return await self._register_at(spec, int(generation), now)
+
+    async def restore(self, spec: EngineSpec, generation: Generation) -> EngineRecord:
+        validate_identifier(spec.engine_id)
+        record = await self._register_at(spec, generation, _now_ms())
+        logger.warning(
+            "restored engine %s generation %d after its lease ran out", spec.engine_id, generation
+        )
+        return record
+
+    async def _register_at(self, spec: EngineSpec, generation: int, now: int) -> EngineRecord:
+        """Store ``spec`` PENDING at ``generation``, which must still be the engine's newest
+        (the REGISTER script compares it with the generation counter)."""
+        counter = self.keys.generation_counter(spec.engine_id)
         record = EngineRecord(
             engine_id=spec.engine_id,
             generation=int(generation),

@@ -1,5 +1,9 @@
 """The engine host: what ``pdserve prefill`` and ``pdserve decode`` run.
 
+The host owns the process lifecycle and the gRPC, health and metrics servers; the
+control-plane half (register, heartbeat, READY wait, re-registration) is
+:class:`~services.serving.registration.EngineRegistrar`.
+
 Sequence (:meth:`EngineHost.run`):
 
 1. ``backend.describe()``; bind the gRPC server (the role's service, handed over by the role
@@ -35,7 +39,6 @@ import dataclasses
 import logging
 import socket
 import sys
-import time
 from collections.abc import Awaitable
 from typing import Any, Protocol, TextIO, TypeVar, runtime_checkable
 
@@ -49,34 +52,25 @@ from services.control_plane import (
     ControlPlane,
     ControlPlaneError,
     ControlPlaneMetrics,
-    EngineNotFound,
-    EngineSpec,
     RedisControlPlane,
-    StaleGenerationError,
 )
-from services.control_plane.wire import EngineLoad, EngineState, EngineStatus
-from services.engines.backend import EngineBackend, EngineRegistration
+from services.engines.backend import EngineBackend
 from services.engines.errors import EngineFailed
 from services.engines.producer_check import ProducerViews, producer_check_settings
 from services.proto_gen.pdserve.v1 import engine_pb2
 from services.serving.client import server_options
 from services.serving.config import EngineServiceSettings, split_host_port
-from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
+from services.serving.errors import HostError, RegistrationLost
 from services.serving.handlers import add_servicer
 from services.serving.metrics import EngineServiceMetrics
 from services.serving.ready import ServingEndpoints
+from services.serving.registration import EngineRegistrar
 from services.serving.role import RoleService
 from services.serving.servicer import EngineServicer, ServingState
 
 logger = logging.getLogger(__name__)
 
 
-class _RegistrationVanished(RegistrationLost):
-    """The registration is gone while waiting for READY (not replaced by another process):
-    fatal at start-up, retried during a re-registration."""
-
-
-READY_POLL_S = 0.1
 SERVER_STOP_GRACE_S = 5.0
 T = TypeVar("T")
 _ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
@@ -151,7 +145,18 @@ class EngineHost:
         self._health: Any = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._metrics_server: object | None = None
         self.endpoints: ServingEndpoints | None = None
-        self._spec: EngineSpec | None = None
+        self.registrar = EngineRegistrar(
+            engine_id=engine_id,
+            settings=settings,
+            control_plane=self.control_plane,
+            backend=backend,
+            metrics=self.metrics,
+            control_plane_metrics=control_plane_metrics,
+            failure=self._backend_failure,
+            on_fatal=self._fail,
+            set_health=self._set_health,
+            on_reregistered=self._reregistered,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -180,27 +185,25 @@ class EngineHost:
             port = await self._start_server(state, description.compat_hash)
             metrics_url = self._start_metrics()
             endpoint = self._advertised(port)
-            self._spec = description.spec(self.engine_id, self.role, endpoint)
-            record = await self.control_plane.register(self._spec)
+            spec = description.spec(self.engine_id, self.role, endpoint)
+            generation = await self.registrar.register(spec)
             registered = True
-            state.generation = record.generation
-            logger.info(
-                "registered %s generation %s at %s", self.engine_id, record.generation, endpoint
-            )
-            heartbeat = asyncio.create_task(self._heartbeat(state))
-            registration = self._registration(record.generation)
+            state.generation = generation
+            logger.info("registered %s generation %s at %s", self.engine_id, generation, endpoint)
+            heartbeat = asyncio.create_task(self.registrar.heartbeat(state))
+            heartbeat.add_done_callback(self._heartbeat_ended)
+            registration = self.registrar.registration(generation)
             if not (
                 await self._until(stop, self.backend.start(registration))
-                and await self._until(stop, self._wait_ready(record.generation))
+                and await self._until(stop, self.registrar.backend_started(generation))
+                and await self._until(stop, self.registrar.wait_ready(generation))
             ):
                 logger.info("engine %s stopped before it was READY", self.engine_id)
                 await self._abandon(state, heartbeat, deregister=True, stop_backend=True)
                 return 0
             state.admitting = True
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-            self.endpoints = ServingEndpoints(
-                self.engine_id, record.generation, endpoint, metrics_url
-            )
+            self.endpoints = ServingEndpoints(self.engine_id, generation, endpoint, metrics_url)
             print(self.endpoints.ready_line(), file=self._ready_output, flush=True)
             stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
             try:
@@ -225,6 +228,20 @@ class EngineHost:
             return 1
         finally:
             await self._close()
+
+    def _backend_failure(self) -> EngineFailed | None:
+        return self.backend.failure if isinstance(self.backend, ReportsFailure) else None
+
+    def _reregistered(self, generation: int) -> None:
+        if self.endpoints is not None:
+            self.endpoints = dataclasses.replace(self.endpoints, generation=generation)
+
+    def _heartbeat_ended(self, task: asyncio.Task[None]) -> None:
+        """A heartbeat that dies of an unexpected error is fatal at once: silently, the lease
+        would run out a few seconds later and the engine vanish under its host."""
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self._fail(HostError(f"the heartbeat of {self.engine_id} died: {exc!r}"))
 
     def _fail(self, exc: HostError | EngineFailed) -> None:
         """Stop serving with ``exc`` (the first fatal error wins)."""
@@ -401,186 +418,3 @@ class EngineHost:
         service_names = ["", _ENGINE_SERVICE.full_name, self.service.descriptor.full_name]
         for name in service_names:
             await self._health.set(name, status)
-
-    def _load(self) -> EngineLoad | None:
-        try:
-            load = self.backend.load()
-        except Exception:
-            logger.exception("load() of %s failed; heartbeat without load", self.engine_id)
-            return None
-        self.metrics.observe_load(load)
-        return load
-
-    def _registration(self, generation: int) -> EngineRegistration:
-        return EngineRegistration(
-            engine_id=self.engine_id,
-            generation=generation,
-            role=self.role,
-            control_plane=self.settings.control_plane,
-        )
-
-    def _registration_lost(self, generation: int, exc: ControlPlaneError) -> None:
-        self._fail(
-            RegistrationLost(
-                f"engine {self.engine_id} generation {generation} lost its registration "
-                f"({type(exc).__name__}: {exc}); it stops serving under it"
-            )
-        )
-
-    async def _heartbeat(self, state: ServingState) -> None:
-        """Renew the lease every ``heartbeat_interval_s`` at ``state.generation``.
-
-        ``StaleGenerationError`` (another process registered this engine id) is fatal.
-        ``EngineNotFound`` while serving starts a re-registration (:meth:`_reregister`, in its
-        own task so that this loop keeps the new lease alive meanwhile); before READY or
-        while draining it is fatal. Other control-plane errors (Redis down) are counted and
-        retried at the next interval.
-        """
-        interval = self.settings.control_plane.heartbeat_interval_s
-        reregistration: asyncio.Task[None] | None = None
-        try:
-            while True:
-                failure = self.backend.failure if isinstance(self.backend, ReportsFailure) else None
-                if failure is not None:
-                    self._fail(failure)
-                    return
-                if reregistration is not None and reregistration.done():
-                    reregistration = None  # it reported any fatal error itself
-                generation = state.generation
-                try:
-                    await self.control_plane.heartbeat(self.engine_id, generation, self._load())
-                except StaleGenerationError as exc:
-                    if generation == state.generation:
-                        self._registration_lost(generation, exc)
-                        return
-                    # A re-registration moved to a newer generation during this call.
-                except EngineNotFound as exc:
-                    self.metrics.count_heartbeat_failure(exc.reason)
-                    if reregistration is None:
-                        if not state.admitting:
-                            self._registration_lost(generation, exc)
-                            return
-                        reregistration = asyncio.create_task(
-                            self._reregister(state, generation, exc), name="reregister"
-                        )
-                except ControlPlaneError as exc:
-                    # Retries already happened inside the control plane (and were counted);
-                    # the lease outlives a few misses, and a lost one shows up as
-                    # EngineNotFound.
-                    self.metrics.count_heartbeat_failure(exc.reason)
-                    logger.warning("heartbeat of %s failed: %s", self.engine_id, exc)
-                await asyncio.sleep(interval)
-        finally:
-            if reregistration is not None and not reregistration.done():
-                reregistration.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reregistration
-
-    async def _reregister(
-        self, state: ServingState, lost_generation: int, lost: EngineNotFound
-    ) -> None:
-        """Register the same spec again, have every rank republish, wait for READY.
-
-        Failed attempts (Redis still down, the new registration lost again) are counted and
-        retried every heartbeat interval for as long as it takes; a takeover by another
-        process, an engine that cannot republish, or a grid that does not turn READY within
-        ``ready_timeout_s`` is fatal.
-        """
-        assert self._spec is not None
-        logger.warning(
-            "engine %s generation %d: the control plane lost its registration (%s); "
-            "registering again and republishing the handshakes",
-            self.engine_id,
-            lost_generation,
-            lost,
-        )
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        interval = self.settings.control_plane.heartbeat_interval_s
-        try:
-            while True:
-                try:
-                    record = await self.control_plane.register(self._spec)
-                    state.generation = record.generation
-                    await asyncio.wait_for(
-                        self.backend.republish(self._registration(record.generation)),
-                        self.settings.ready_timeout_s,
-                    )
-                    await self._wait_ready(record.generation)
-                    break
-                except StaleGenerationError as exc:
-                    self._registration_lost(state.generation, exc)
-                    return
-                except (ControlPlaneError, _RegistrationVanished) as exc:
-                    reason = exc.reason if isinstance(exc, ControlPlaneError) else "vanished"
-                    self.metrics.count_reregistration_failure(reason)
-                    logger.warning(
-                        "re-registering %s failed (%s); retrying in %.1fs",
-                        self.engine_id,
-                        exc,
-                        interval,
-                    )
-                await asyncio.sleep(interval)
-        except (HostError, EngineFailed, TimeoutError) as exc:
-            failed = (
-                exc
-                if isinstance(exc, HostError | EngineFailed)
-                else ReadinessFailed(
-                    f"engine {self.engine_id} did not republish its handshakes within "
-                    f"{self.settings.ready_timeout_s}s"
-                )
-            )
-            self._fail(failed)
-            return
-        self.metrics.count_reregistration()
-        if self.endpoints is not None:
-            self.endpoints = dataclasses.replace(self.endpoints, generation=state.generation)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        logger.warning(
-            "engine %s READY again at generation %d (was %d)",
-            self.engine_id,
-            state.generation,
-            lost_generation,
-        )
-
-    def _observe_readiness(self, status: EngineStatus | None) -> None:
-        """Count the READY latency here: the process that completed the grid (a rank process,
-        or vLLM's scheduler) exports nothing of the control plane's, the engine service does."""
-        if status is not None and status.ready_latency_ms >= 0:
-            self._control_plane_metrics.readiness_latency.labels(engine=self.engine_id).observe(
-                status.ready_latency_ms / 1000
-            )
-
-    async def _wait_ready(self, generation: int) -> None:
-        deadline = time.monotonic() + self.settings.ready_timeout_s
-        while True:
-            inspection = await self.control_plane.inspect(self.engine_id)
-            view = inspection.view if inspection else None
-            if view is None:
-                raise _RegistrationVanished(
-                    f"engine {self.engine_id} generation {generation} vanished from the control "
-                    "plane before it was READY"
-                )
-            if view.generation != generation:
-                raise RegistrationLost(
-                    f"engine {self.engine_id} generation {generation} was replaced by "
-                    f"generation {view.generation} before it was READY"
-                )
-            aggregation = inspection.aggregation if inspection else None
-            if aggregation is not None:
-                for pp_rank, tp_rank in aggregation.records:
-                    self.metrics.rank_published(pp_rank, tp_rank)
-            if view.state is EngineState.READY:
-                self._observe_readiness(view.status)
-                return
-            if view.state is EngineState.INVALID:
-                problems = "; ".join(view.status.problems if view.status else ()) or "unknown"
-                raise ReadinessFailed(
-                    f"engine {self.engine_id} handshake grid is INVALID: {problems}"
-                )
-            if time.monotonic() > deadline:
-                missing = aggregation.missing if aggregation else ()
-                raise ReadinessFailed(
-                    f"engine {self.engine_id} not READY after {self.settings.ready_timeout_s}s"
-                    + (f"; missing ranks {sorted(missing)}" if missing else "")
-                )
-            await asyncio.sleep(READY_POLL_S)

@@ -88,6 +88,13 @@ class EngineServiceMetrics:
             labels,
             registry=registry,
         )
+        self.registration_restores = Counter(
+            "pdserve_engine_registration_restores",
+            "Times the lease ran out while the engine was starting (its host stalled past the "
+            "TTL) and the host registered it again under the same generation.",
+            labels,
+            registry=registry,
+        )
         self.reregistration_failures = Counter(
             "pdserve_engine_reregistration_failures",
             "Re-registration attempts that failed and were retried, by reason.",
@@ -124,6 +131,9 @@ class EngineServiceMetrics:
 
     def count_reregistration(self) -> None:
         self.reregistrations.labels(self.engine_id, self.role).inc()
+
+    def count_registration_restore(self) -> None:
+        self.registration_restores.labels(self.engine_id, self.role).inc()
 
     def count_reregistration_failure(self, reason: str) -> None:
         self.reregistration_failures.labels(self.engine_id, self.role, reason).inc()

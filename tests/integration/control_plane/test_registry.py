@@ -362,3 +362,43 @@ async def test_pruning_keeps_an_engine_that_registered_again_after_it_was_read_e
     assert await control_plane._prune(["back", "gone"]) == ["gone"]
     assert await client.zrange(control_plane.keys.engines, 0, -1) == [b"back"]
     assert [v.engine_id for v in await control_plane.list_engines()] == ["back"]
+
+
+async def _expire(cp: RedisControlPlane, engine: EngineRecord) -> None:
+    """What a lease running out does to the engine's keys (without waiting for the TTL)."""
+    await cp.connection.client.delete(*cp.keys.lease_keys(engine.engine_id, engine.generation))
+
+
+async def test_a_registration_whose_lease_ran_out_is_restored_under_its_generation(
+    control_plane: RedisControlPlane,
+) -> None:
+    spec = synthetic_spec("restored", pp_size=2, tp_size=1)
+    engine = await control_plane.register(spec)
+    await _expire(control_plane, engine)
+    with pytest.raises(EngineNotFound):
+        await control_plane.heartbeat("restored", engine.generation)
+
+    restored = await control_plane.restore(spec, engine.generation)
+    assert restored.generation == engine.generation
+    view = await control_plane.get_engine("restored")
+    assert view is not None and view.generation == engine.generation
+    assert view.state is EngineState.PENDING
+    await control_plane.heartbeat("restored", engine.generation)  # the lease lives again
+    # Ranks started with the generation publish into it and the engine turns READY.
+    status = await control_plane.publish_handshakes(
+        restored, list(synthetic_records(restored).values())
+    )
+    assert status is not None and status.state is EngineState.READY
+
+
+async def test_a_generation_superseded_since_cannot_be_restored(
+    control_plane: RedisControlPlane,
+) -> None:
+    spec = synthetic_spec("taken", pp_size=1, tp_size=1)
+    old = await control_plane.register(spec)
+    await _expire(control_plane, old)
+    newer = await control_plane.register(spec)  # another host took the engine id meanwhile
+    await control_plane.deregister("taken", newer.generation)
+    with pytest.raises(StaleGenerationError):
+        await control_plane.restore(spec, old.generation)
+    assert await control_plane.get_engine("taken") is None
