@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,18 @@ from services.control_plane.wire import (
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What an engine host declares when it registers (the control plane adds the rest)."""
+    """What an engine host declares when it registers (the control plane adds the rest).
+
+    One engine is described by three types, each a field-for-field subset of the next, copied
+    by name (:meth:`record`, ``BackendDescription.spec``) so that a new field is one edit per
+    type and a test (``tests/unit/test_engine_types.py``) fails when the sets drift:
+    ``BackendDescription`` (what the backend knows of its model and layout, plus what only
+    the serving side needs: vocabulary, EOS ids) -> ``EngineSpec`` (+ engine id, role,
+    endpoint) -> ``EngineRecord`` (+ what the control plane assigns: generation, lease,
+    registration time). Three stay because the record is the wire format stored in Redis
+    (flat, versioned by its fields), the spec is what a host may choose, and the
+    description is the engine's, before it has an id or an address.
+    """
 
     engine_id: EngineId
     role: EngineRole
@@ -61,6 +73,18 @@ class EngineSpec:
     engine_kind: str = "reference"
     max_model_len: int = 0
     """The engine's context in tokens (0 = unknown)."""
+
+    def record(
+        self, generation: Generation, *, lease_ttl_ms: int, registered_at_ms: int
+    ) -> EngineRecord:
+        """The record the control plane stores for this spec at ``generation``."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return EngineRecord(
+            **shared,
+            generation=generation,
+            lease_ttl_ms=lease_ttl_ms,
+            registered_at_ms=registered_at_ms,
+        )
 
 
 @dataclass(frozen=True)

@@ -112,24 +112,7 @@ class RedisControlPlane(ControlPlane):
         """Store ``spec`` PENDING at ``generation``, which must still be the engine's newest
         (the REGISTER script compares it with the generation counter)."""
         counter = self.keys.generation_counter(spec.engine_id)
-        record = EngineRecord(
-            engine_id=spec.engine_id,
-            generation=int(generation),
-            role=spec.role,
-            model=spec.model,
-            compat_hash=spec.compat_hash,
-            pp_size=spec.pp_size,
-            tp_size=spec.tp_size,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            block_size=spec.block_size,
-            endpoint=spec.endpoint,
-            pp_aware=spec.pp_aware,
-            lease_ttl_ms=self.lease_ttl_ms,
-            registered_at_ms=now,
-            engine_kind=spec.engine_kind,
-            max_model_len=spec.max_model_len,
-        )
+        record = spec.record(int(generation), lease_ttl_ms=self.lease_ttl_ms, registered_at_ms=now)
         status = EngineStatus(
             spec.engine_id,
             record.generation,

@@ -28,6 +28,7 @@ Every method is safe to call from the host's asyncio loop; a backend never block
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -313,21 +314,17 @@ class BackendDescription:
 
     def spec(self, engine_id: EngineId, role: EngineRole, endpoint: str) -> EngineSpec:
         """The control-plane spec of an engine with this description (what the host registers)."""
+        shared = {f.name for f in dataclasses.fields(EngineSpec)} - SPEC_ONLY_FIELDS
         return EngineSpec(
             engine_id=engine_id,
             role=role,
-            model=self.model,
-            compat_hash=self.compat_hash,
-            pp_size=self.pp_size,
-            tp_size=self.tp_size,
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            block_size=self.block_size,
             endpoint=endpoint,
-            pp_aware=self.pp_aware,
-            engine_kind=self.engine_kind,
-            max_model_len=self.max_model_len,
+            **{name: getattr(self, name) for name in shared},
         )
+
+
+SPEC_ONLY_FIELDS = frozenset({"engine_id", "role", "endpoint"})
+"""The fields of :class:`EngineSpec` a description does not have (the host knows them)."""
 
 
 class EngineBackend(abc.ABC):

@@ -1,0 +1,57 @@
+"""The three types that describe an engine stay field-for-field subsets of each other
+(``BackendDescription`` -> ``EngineSpec`` -> ``EngineRecord``), copied by name: a field added to
+one and not the others fails here instead of being dropped on the way to Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.control_plane.base import EngineSpec
+from services.control_plane.wire import EngineRecord, EngineRole
+from services.engines.backend import SPEC_ONLY_FIELDS, BackendDescription
+
+
+def names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_the_record_is_the_spec_plus_what_the_control_plane_assigns() -> None:
+    assert names(EngineRecord) - names(EngineSpec) == {
+        "generation",
+        "lease_ttl_ms",
+        "registered_at_ms",
+    }
+    assert names(EngineSpec) <= names(EngineRecord)
+
+
+def test_the_spec_is_the_description_plus_what_the_host_knows() -> None:
+    assert names(EngineSpec) - names(BackendDescription) == SPEC_ONLY_FIELDS
+    # What only the serving side needs stays out of the control plane.
+    assert names(BackendDescription) - names(EngineSpec) == {"vocab_size", "eos_token_ids"}
+
+
+def test_every_value_survives_description_to_spec_to_record() -> None:
+    description = BackendDescription(
+        model="m",
+        compat_hash="h",
+        pp_size=2,
+        tp_size=3,
+        num_layers=6,
+        num_kv_heads=4,
+        block_size=32,
+        vocab_size=100,
+        max_model_len=2048,
+        eos_token_ids=(1,),
+        pp_aware=False,
+        engine_kind="vllm",
+    )
+    spec = description.spec("prefill-0", EngineRole.PREFILL, "host:1")
+    record = spec.record(7, lease_ttl_ms=10_000, registered_at_ms=5)
+    for name in names(EngineSpec) - SPEC_ONLY_FIELDS:
+        assert getattr(record, name) == getattr(spec, name) == getattr(description, name)
+    assert (record.engine_id, record.role, record.endpoint) == (
+        "prefill-0",
+        EngineRole.PREFILL,
+        "host:1",
+    )
+    assert (record.generation, record.lease_ttl_ms, record.registered_at_ms) == (7, 10_000, 5)
