@@ -98,10 +98,11 @@ class RestartTracker:
                 )
             delay = min(policy.backoff_s * 2 ** (self.fast_failures - 1), policy.max_backoff_s)
         self.restarts += 1
+        why = (
+            f"{self.fast_failures} fast failure(s) in a row"
+            if self.fast_failures
+            else f"it had served {policy.stable_after_s:g}s or more"
+        )
         return Decision(
-            True,
-            delay,
-            self.fast_failures,
-            f"restart {self.restarts} in {delay:g}s "
-            f"({self.fast_failures} fast failure(s) in a row)",
+            True, delay, self.fast_failures, f"restart {self.restarts} in {delay:g}s ({why})"
         )
