@@ -17,9 +17,11 @@ rules; its URL is printed and written to ``endpoints.json`` (``"prometheus"``).
 
 Ctrl-C (or SIGTERM): the router, then decode engines, then prefill engines get SIGTERM and are
 waited for (bounded by ``--stop-timeout-s``); whatever is left of a child's process group
-(rank processes included) is then killed, and the embedded Redis stopped. A child that exits
-on its own is reported with the tail of its log (the router routes around it); the router
-exiting stops everything with exit status 1.
+(rank processes included) is then killed, and the embedded Redis stopped. An engine that exits
+on its own is reported with the tail of its log and restarted after a back-off (unless
+``--no-restart``; a crash loop ends its restarts with an error: :mod:`services.cli.up_supervise`);
+the router exiting stops everything with exit status 1. The children are
+:class:`~services.supervision.ChildProcess` objects.
 """
 
 from __future__ import annotations
