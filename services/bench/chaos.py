@@ -31,7 +31,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,14 +40,13 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.bench.procs import descendants
 from services.bench.soak import (
-    descendants,
     make_prompt,
     percentiles_ms,
-    stop_up,
     wait_endpoints,
 )
-from services.serving.ready import pdserve_argv
+from services.supervision import DetachedProcess
 
 FAULTS = ("stop-decode", "kill-decode", "kill-prefill")
 
@@ -109,18 +107,14 @@ def _run_in(args: argparse.Namespace, faults: list[str], work_dir: Path) -> dict
         elapsed = time.perf_counter() - started
         after = _router_counters(router)
     finally:
-        status = stop_up(up)
+        status = up.stop()
     return _summarize(args, outcomes, elapsed, before, after, injected, status)
 
 
-def _start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    work_dir.mkdir(parents=True, exist_ok=True)
-    argv = pdserve_argv(
-        "up",
-        "--work-dir",
-        str(work_dir),
-        "--port",
-        "0",
+def _start_up(work_dir: Path, args: argparse.Namespace) -> DetachedProcess:
+    bound = str(args.idle_timeout_s)
+    return DetachedProcess.pdserve_up(
+        work_dir,
         "--engine",
         args.engine,
         "--prefill-replicas",
@@ -128,19 +122,12 @@ def _start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[byte
         "--decode-replicas",
         "2",
         *(["--model", str(args.model)] if args.model is not None else []),
+        env={
+            "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",
+            "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": bound,
+            "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": bound,
+        },
     )
-    bound = str(args.idle_timeout_s)
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",
-        "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": bound,
-        "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": bound,
-    }
-    with (work_dir / "up.out").open("wb") as output:
-        return subprocess.Popen(
-            argv, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
 
 
 def _rank_of(endpoints: dict[str, Any], engine: str) -> int:

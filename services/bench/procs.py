@@ -1,5 +1,6 @@
-"""Processes of a benchmark: start them (pinned to chosen cores), wait for them, stop them,
-and read the CPU time they used from ``/proc``.
+"""Processes of a benchmark: start them (pinned to chosen cores; the one supervisor,
+:class:`~services.supervision.ChildProcess`), stop them, and read the CPU time they used from
+``/proc``.
 
 CPU time is the figure that does not depend on who else shares the machine: ``utime + stime``
 of every thread of a process and of its descendants, read before and after a measured window.
@@ -7,19 +8,14 @@ of every thread of a process and of its descendants, read before and after a mea
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import signal
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from services.serving.ready import parse_ready_line
+from services.supervision import ChildExited, ChildProcess, Output
 
 START_TIMEOUT_S = 120.0
-LOG_TAIL_LINES = 20
+STOP_TIMEOUT_S = 15.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -80,37 +76,6 @@ def core_split(cores: int | None = None) -> tuple[set[int], set[int]] | None:
     return {allowed[0]}, set(allowed[1:])
 
 
-@dataclass
-class Service:
-    name: str
-    process: asyncio.subprocess.Process
-    log_path: Path
-    """Its stderr."""
-    announced: dict[str, Any] | None = None
-
-    @property
-    def pids(self) -> list[int]:
-        """The process and its descendants (a launcher's child does the work)."""
-        return descendants(self.process.pid)
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), 15)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                await self.process.wait()
-
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        with contextlib.suppress(OSError):
-            text = self.log_path.read_text(errors="replace")
-            return "\n".join(f"    {line}" for line in text.splitlines()[-lines:])
-        return "    (no log)"
-
-
 async def start(
     name: str,
     argv: Sequence[str],
@@ -119,45 +84,34 @@ async def start(
     cores: set[int] | None = None,
     wait_ready_line: bool = False,
     capture_stdout: bool = False,
-) -> Service:
+) -> ChildProcess:
     """Start ``argv`` in its own process group, on ``cores`` (inherited by its threads and
     children), stderr to ``log_dir/<name>.log``; with ``wait_ready_line``, wait up to
-    ``START_TIMEOUT_S`` for its ``PDSERVE_READY`` line."""
-    log_path = log_dir / f"{name}.log"
-
-    def pin() -> None:
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    piped = wait_ready_line or capture_stdout
-    with log_path.open("wb") as log:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE if piped else asyncio.subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,
-            preexec_fn=pin,  # only sched_setaffinity: nothing that takes a lock
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    service = Service(name, process, log_path)
+    ``START_TIMEOUT_S`` for its ``PDSERVE_READY`` line (its stdout then goes to the log too);
+    with ``capture_stdout``, its stdout is the caller's to read. Stop it with :func:`stop`."""
+    output = Output.DISCARD
+    if wait_ready_line:
+        output = Output.READY
+    elif capture_stdout:
+        output = Output.CAPTURE
+    service = ChildProcess(
+        name, argv, log_dir / f"{name}.log", cores=cores, output=output, append_log=False
+    )
+    await service.start()
     if not wait_ready_line:
         return service
-    with contextlib.suppress(TimeoutError):
-        service.announced = await asyncio.wait_for(_ready_line(process), START_TIMEOUT_S)
-    if service.announced is None:
-        await service.stop()
+    try:
+        await service.wait_ready(START_TIMEOUT_S)
+    except (ChildExited, TimeoutError):
+        await stop(service)
         raise RuntimeError(
             f"{name} did not announce itself within {START_TIMEOUT_S}s (exit status "
-            f"{process.returncode}); the end of its stderr ({log_path}):\n{service.log_tail()}"
-        )
+            f"{service.returncode}); the end of its stderr ({service.log_path}):\n"
+            f"{service.log_tail()}"
+        ) from None
     return service
 
 
-async def _ready_line(process: asyncio.subprocess.Process) -> dict[str, Any] | None:
-    """The payload of the process's ready line; ``None`` if its stdout ends first."""
-    assert process.stdout is not None
-    while line := await process.stdout.readline():
-        announced = parse_ready_line(line.decode(errors="replace"))
-        if announced is not None:
-            return announced
-    return None
+async def stop(service: ChildProcess) -> None:
+    """SIGTERM its process group, up to ``STOP_TIMEOUT_S``, then SIGKILL what is left."""
+    await service.stop(STOP_TIMEOUT_S, group=True)

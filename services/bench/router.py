@@ -60,16 +60,18 @@ import httpx
 
 from services.bench.procs import (
     START_TIMEOUT_S,
-    Service,
     core_split,
     cpu_seconds,
+    descendants,
     load_average,
     start,
+    stop,
 )
 from services.bench.stats import percentiles
 from services.config import ControlPlaneSettings
 from services.control_plane.local_redis import LocalRedisServer, free_port
 from services.serving.ready import pdserve_argv
+from services.supervision import ChildProcess
 
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 4
@@ -216,8 +218,8 @@ class Target:
     """What one load run measures: the URL, and whose CPU is charged to it."""
 
     url: str
-    router: Sequence[Service]
-    stubs: Sequence[Service] = ()
+    router: Sequence[ChildProcess]
+    stubs: Sequence[ChildProcess] = ()
 
 
 def _percentiles_us(samples: Sequence[int]) -> dict[str, float]:
@@ -252,19 +254,19 @@ async def _load(
         )
         for i, share in enumerate(shares)
     ]  # fmt: skip
-    outputs = [asyncio.ensure_future(g.process.communicate()) for g in generators]
+    outputs = [asyncio.ensure_future(g.communicate()) for g in generators]
     try:
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        router_pids = [pid for service in target.router for pid in service.pids]
-        stub_pids = [pid for service in target.stubs for pid in service.pids]
-        load_pids = [g.process.pid for g in generators]
+        router_pids = [pid for service in target.router for pid in descendants(service.pid)]
+        stub_pids = [pid for service in target.stubs for pid in descendants(service.pid)]
+        load_pids = [g.pid for g in generators]
         before = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
         await asyncio.sleep(max(0.0, stop_at - time.time()))
         after = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
         results = [json.loads(stdout) for stdout, _ in await asyncio.gather(*outputs)]
     finally:
         for generator in generators:
-            await generator.stop()
+            await stop(generator)
     latencies = [sample for result in results for sample in result["latencies_us"]]
     completed = len(latencies)
     errors = sum(result["errors"] for result in results)
@@ -321,7 +323,7 @@ async def _measure(
     }
 
 
-async def _start_instant(placement: Placement, log_dir: Path) -> tuple[Service, Target]:
+async def _start_instant(placement: Placement, log_dir: Path) -> tuple[ChildProcess, Target]:
     """The instant HTTP server of the baselines and of the load generator's ceiling, on the
     router's core (where a router under test would be)."""
     port = free_port()
@@ -357,16 +359,16 @@ async def _load_generator_figures(
 
 
 async def _wait_http(
-    url: str, method: str = "GET", body: Any = None, *, service: Service | None = None
+    url: str, method: str = "GET", body: Any = None, *, service: ChildProcess | None = None
 ) -> None:
     """Until ``url`` answers 200; fails at once, with the end of its log, if ``service``
     exits first."""
     deadline = time.monotonic() + START_TIMEOUT_S
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
-            if service is not None and service.process.returncode is not None:
+            if service is not None and service.returncode is not None:
                 raise RuntimeError(
-                    f"{service.name} exited with status {service.process.returncode} before "
+                    f"{service.name} exited with status {service.returncode} before "
                     f"{url} answered; the end of its stderr ({service.log_path}):\n"
                     f"{service.log_tail()}"
                 )
@@ -391,7 +393,7 @@ async def _bench_pdserve(
     workers: int = 1,
 ) -> dict[str, Any]:
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
-    services: list[Service] = []
+    services: list[ChildProcess] = []
     try:
         for role in ("prefill", "decode"):
             argv = pdserve_argv(
@@ -420,7 +422,7 @@ async def _bench_pdserve(
         }
     finally:
         for service in reversed(services):
-            await service.stop()
+            await stop(service)
 
 
 def _vllm_router_binary() -> str | None:
@@ -437,7 +439,7 @@ async def _bench_vllm_router(
     log_dir: Path,
 ) -> dict[str, Any]:
     ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
-    services: list[Service] = []
+    services: list[ChildProcess] = []
     try:
         for role in ("prefill", "decode"):
             argv = [
@@ -462,7 +464,7 @@ async def _bench_vllm_router(
         return await _measure(target, instant, args, placement, log_dir)
     finally:
         for service in reversed(services):
-            await service.stop()
+            await stop(service)
 
 
 async def _run(
@@ -492,7 +494,7 @@ async def _run(
         else:
             reference = await _bench_vllm_router(args, binary, instant, placement, log_dir)
     finally:
-        await server.stop()
+        await stop(server)
     return {
         "benchmark": "router",
         "machine": {

@@ -34,8 +34,6 @@ import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,8 +43,9 @@ from typing import Any
 
 import httpx
 
+from services.bench.procs import descendants
 from services.bench.stats import percentiles
-from services.serving.ready import pdserve_argv
+from services.supervision import ChildExited, DetachedProcess
 
 #: Prompt lengths in words, cycled through. The tiny model's context is 512 tokens and a word
 #: of these prompts is about 3 tokens, so the longest (~400 tokens) plus ``--max-tokens`` fits:
@@ -114,19 +113,14 @@ def _run_in(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         after = process_rss(up.pid, endpoints)
     finally:
-        status = stop_up(up)
+        status = up.stop()
     return summarize(args, outcomes, elapsed, before, after, status)
 
 
-def start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+def start_up(work_dir: Path, args: argparse.Namespace) -> DetachedProcess:
     """``pdserve up`` in a session of its own (its output in ``<work_dir>/up.out``)."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    argv = pdserve_argv(
-        "up",
-        "--work-dir",
-        str(work_dir),
-        "--port",
-        "0",
+    return DetachedProcess.pdserve_up(
+        work_dir,
         "--engine",
         args.engine,
         "--prefill-pp",
@@ -135,57 +129,21 @@ def start_up(work_dir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes
         str(args.decode_tp),
         *(["--model", str(args.model)] if args.model is not None else []),
     )
-    with (work_dir / "up.out").open("wb") as output:
-        return subprocess.Popen(
-            argv,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
 
 
-def wait_endpoints(up: subprocess.Popen[bytes], work_dir: Path, timeout_s: float) -> dict[str, Any]:
+def wait_endpoints(up: DetachedProcess, work_dir: Path, timeout_s: float) -> dict[str, Any]:
     path = work_dir / "endpoints.json"
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if up.poll() is not None or time.monotonic() > deadline:
-            tail = (work_dir / "up.out").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"pdserve up did not become ready:\n{tail}")
-        time.sleep(0.2)
+    try:
+        up.wait_for_file(path, timeout_s)
+    except (ChildExited, TimeoutError):
+        tail = up.output()[-3000:]
+        raise RuntimeError(f"pdserve up did not become ready:\n{tail}") from None
     endpoints: dict[str, Any] = json.loads(path.read_text())
     return endpoints
 
 
-def stop_up(up: subprocess.Popen[bytes]) -> int:
-    """Ctrl-C (its clean stop), bounded, then kill the group."""
-    if up.poll() is None:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-    return up.returncode
-
-
 def _served_model(router: str) -> str:
     return str(httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"])
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (from ``/proc/<pid>/task/*/children``)."""
-    found, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{current}/task"):
-                with contextlib.suppress(OSError):
-                    children = Path(f"/proc/{current}/task/{task}/children").read_text()
-                    pending.extend(int(child) for child in children.split())
-    return found
 
 
 def rss_mib(pid: int) -> float | None:

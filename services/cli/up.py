@@ -17,9 +17,11 @@ rules; its URL is printed and written to ``endpoints.json`` (``"prometheus"``).
 
 Ctrl-C (or SIGTERM): the router, then decode engines, then prefill engines get SIGTERM and are
 waited for (bounded by ``--stop-timeout-s``); whatever is left of a child's process group
-(rank processes included) is then killed, and the embedded Redis stopped. A child that exits
-on its own is reported with the tail of its log (the router routes around it); the router
-exiting stops everything with exit status 1.
+(rank processes included) is then killed, and the embedded Redis stopped. An engine that exits
+on its own is reported with the tail of its log and restarted after a back-off (unless
+``--no-restart``; a crash loop ends its restarts with an error: :mod:`services.cli.up_supervise`);
+the router exiting stops everything with exit status 1. The children are
+:class:`~services.supervision.ChildProcess` objects.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ import httpx
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.cli.up_args import TINY_MODEL_DIR
+from services.cli.up_supervise import supervise
 from services.config import ControlPlaneSettings
 from services.config.control_plane import split_url_password
 from services.control_plane import RedisControlPlane
@@ -52,35 +54,11 @@ from services.engines.vllm.platform import (
     shared_cpu_bindings,
 )
 from services.observability.local_prometheus import RULES_FILE, LocalPrometheus, PrometheusError
-from services.serving.ready import parse_ready_line, pdserve_argv
+from services.serving.ready import pdserve_argv
+from services.supervision import ChildProcess, RestartPolicy, RestartTracker, stop_in_order
 
 PASSWORD_ENV = "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD"
-_LOG_TAIL_LINES = 20
-
-
-@dataclass
-class Child:
-    """One subprocess of ``pdserve up`` and what its ``PDSERVE_READY`` line announced."""
-
-    name: str
-    kind: str
-    """``prefill``, ``decode`` or ``router``."""
-    argv: list[str]
-    log_path: Path
-    process: asyncio.subprocess.Process | None = None
-    announced: dict[str, Any] | None = None
-    """The payload of its ready line; ``None`` until it printed one."""
-    reader: asyncio.Task[None] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    """Set in its environment on top of ``pdserve up``'s own."""
-
-    def describe_exit(self) -> str:
-        code = self.process.returncode if self.process else None
-        tail = ""
-        with contextlib.suppress(OSError):
-            lines = self.log_path.read_text(errors="replace").splitlines()
-            tail = "\n".join(f"    {line}" for line in lines[-_LOG_TAIL_LINES:])
-        return f"{self.name} exited with status {code}; the end of {self.log_path}:\n{tail}"
+_STOP_ORDER = ("router", "decode", "prefill")
 
 
 class StartupFailed(Exception):
@@ -88,6 +66,11 @@ class StartupFailed(Exception):
 
 
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
+    try:
+        policy = restart_policy(args)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 2
     args.work_dir.mkdir(parents=True, exist_ok=True)
     prometheus: LocalPrometheus | None = None
     if args.prometheus:
@@ -113,7 +96,7 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     print(f"  inspect it with:  pdserve status --redis {url}")
     print("  Ctrl-C stops everything this command started.", flush=True)
     try:
-        return asyncio.run(_up(args, control_plane, prometheus))
+        return asyncio.run(_up(args, control_plane, prometheus, policy))
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -122,10 +105,22 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
             print("pdserve up: stopped the embedded Redis", flush=True)
 
 
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """The engines' restart policy of the command line; ``ValueError`` for bad values."""
+    return RestartPolicy(
+        enabled=args.restart,
+        max_fast_failures=args.restart_limit,
+        stable_after_s=args.restart_stable_s,
+        backoff_s=args.restart_backoff_s,
+        max_backoff_s=args.restart_max_backoff_s,
+    )
+
+
 async def _up(
     args: argparse.Namespace,
     control_plane: ControlPlaneSettings,
     prometheus: LocalPrometheus | None,
+    policy: RestartPolicy,
 ) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -134,11 +129,11 @@ async def _up(
     if args.exit_after is not None:
         loop.call_later(args.exit_after, stop.set)
     display = asyncio.create_task(_display(control_plane, stop))
-    children: list[Child] = []
+    children: list[ChildProcess] = []
     status = 0
     try:
         if not args.no_engines:
-            status = await _run_system(args, control_plane, children, stop, prometheus)
+            status = await _run_system(args, control_plane, children, stop, prometheus, policy)
         else:
             await stop.wait()
     finally:
@@ -153,9 +148,10 @@ async def _up(
 async def _run_system(
     args: argparse.Namespace,
     control_plane: ControlPlaneSettings,
-    children: list[Child],
+    children: list[ChildProcess],
     stop: asyncio.Event,
     prometheus: LocalPrometheus | None,
+    policy: RestartPolicy,
 ) -> int:
     model = _model_dir(args)
     # A password given in the URL travels in the children's environment, not their argv.
@@ -164,18 +160,18 @@ async def _run_system(
     common = ["--redis", redis_url, "--namespace", control_plane.namespace]
     logs = args.work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engines = _engine_children(args, model, common, logs)
+    engines = _engine_children(args, model, common, logs, secrets)
     children.extend(engines)
     deadline = time.monotonic() + args.ready_timeout_s
     try:
         for child in engines:
-            await _spawn(child, secrets)
+            await child.start()
         await _wait_ready(engines, stop, deadline)
         if stop.is_set():
             return 0
-        router = _router_child(args, model, common, logs)
+        router = _router_child(args, model, common, logs, secrets)
         children.append(router)
-        await _spawn(router, secrets)
+        await router.start()
         await _wait_ready([router], stop, deadline)
         if stop.is_set():
             return 0
@@ -191,30 +187,23 @@ async def _run_system(
         return 1
     _write_endpoints(args.work_dir, endpoints)
     _print_welcome(router_url, await _served_model(router_url), endpoints, args.work_dir)
-    return await _supervise(children, stop)
 
+    def rewrite(trackers: dict[str, RestartTracker]) -> None:
+        """After an engine's restart: its new addresses (and Prometheus's targets)."""
+        current = _endpoints(control_plane, children, router_url, trackers)
+        if prometheus is not None:
+            current["prometheus"] = prometheus.url
+            prometheus.write_targets(current)
+        _write_endpoints(args.work_dir, current)
 
-async def _supervise(children: list[Child], stop: asyncio.Event) -> int:
-    """Until ``stop``: an engine that exits is reported loudly (the router routes around it
-    and its ``/health`` shows what is left); the router exiting ends the run with status 1."""
-    running = [child for child in children if child.process is not None]
-    waiter = asyncio.ensure_future(stop.wait())
-    try:
-        while running:
-            exited = asyncio.ensure_future(_first_exit(running))
-            done, _ = await asyncio.wait({exited, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter in done:
-                exited.cancel()
-                return 0
-            child = exited.result()
-            running.remove(child)
-            print(f"pdserve up: {child.describe_exit()}", file=sys.stderr, flush=True)
-            if child.kind == "router":
-                return 1
-        await waiter
-        return 0
-    finally:
-        waiter.cancel()
+    return await supervise(
+        engines,
+        router,
+        stop,
+        policy=policy,
+        ready_timeout_s=args.ready_timeout_s,
+        on_change=rewrite,
+    )
 
 
 async def _start_prometheus(prometheus: LocalPrometheus, endpoints: dict[str, Any]) -> str:
@@ -242,8 +231,12 @@ def _model_dir(args: argparse.Namespace) -> Path | None:
 
 
 def _engine_children(
-    args: argparse.Namespace, model: Path | None, common: list[str], logs: Path
-) -> list[Child]:
+    args: argparse.Namespace,
+    model: Path | None,
+    common: list[str],
+    logs: Path,
+    secrets: dict[str, str],
+) -> list[ChildProcess]:
     layouts = [("decode", args.decode_replicas, args.decode_pp, args.decode_tp)]
     if not args.colocated:
         layouts.insert(0, ("prefill", args.prefill_replicas, args.prefill_pp, args.prefill_tp))
@@ -271,13 +264,13 @@ def _engine_children(
                 *(["--dtype", args.dtype] if args.dtype else []),
                 *args.engine_arg,
             )
-            children.append(Child(name, role, argv, logs / f"{name}.log"))
+            children.append(ChildProcess(name, argv, logs / f"{name}.log", role=role, env=secrets))
     if args.engine == "vllm":
         _bind_vllm_cpu_threads(children, [pp * tp for _, n, pp, tp in layouts for _ in range(n)])
     return children
 
 
-def _bind_vllm_cpu_threads(engines: list[Child], world_sizes: list[int]) -> None:
+def _bind_vllm_cpu_threads(engines: list[ChildProcess], world_sizes: list[int]) -> None:
     """vLLM for CPU: share this machine's cores among every engine's ranks
     (:func:`~services.engines.vllm.platform.shared_cpu_bindings`), unless the operator set
     ``VLLM_CPU_OMP_THREADS_BIND`` (then each engine derives nothing and uses theirs)."""
@@ -289,8 +282,12 @@ def _bind_vllm_cpu_threads(engines: list[Child], world_sizes: list[int]) -> None
 
 
 def _router_child(
-    args: argparse.Namespace, model: Path | None, common: list[str], logs: Path
-) -> Child:
+    args: argparse.Namespace,
+    model: Path | None,
+    common: list[str],
+    logs: Path,
+    secrets: dict[str, str],
+) -> ChildProcess:
     argv = pdserve_argv(
         "router",
         *common,
@@ -303,35 +300,10 @@ def _router_child(
         *(["--workers", str(args.router_workers)] if args.router_workers != 1 else []),
         *args.router_arg,
     )
-    return Child("router", "router", argv, logs / "router.log")
+    return ChildProcess("router", argv, logs / "router.log", role="router", env=secrets)
 
 
-async def _spawn(child: Child, secrets: dict[str, str]) -> None:
-    log = child.log_path.open("ab")
-    # A session of its own: the terminal's Ctrl-C reaches only `pdserve up`, which stops the
-    # children in order, and the group id lets it kill rank processes a child leaves behind.
-    child.process = await asyncio.create_subprocess_exec(
-        *child.argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=log,
-        start_new_session=True,
-        env={**os.environ, **secrets, **child.env, "PYTHONUNBUFFERED": "1"},
-    )
-    log.close()
-    child.reader = asyncio.create_task(_read_output(child))
-
-
-async def _read_output(child: Child) -> None:
-    assert child.process is not None and child.process.stdout is not None
-    with child.log_path.open("ab") as log:
-        async for raw in child.process.stdout:
-            log.write(raw)
-            log.flush()
-            if child.announced is None:
-                child.announced = parse_ready_line(raw.decode(errors="replace"))
-
-
-async def _wait_ready(children: list[Child], stop: asyncio.Event, deadline: float) -> None:
+async def _wait_ready(children: list[ChildProcess], stop: asyncio.Event, deadline: float) -> None:
     """Until every child announced itself; :class:`StartupFailed` if one exits or time runs
     out. Returns early when ``stop`` is set."""
     while True:
@@ -344,7 +316,7 @@ async def _wait_ready(children: list[Child], stop: asyncio.Event, deadline: floa
 
 
 async def _wait_healthy(
-    url: str, children: list[Child], stop: asyncio.Event, deadline: float
+    url: str, children: list[ChildProcess], stop: asyncio.Event, deadline: float
 ) -> None:
     async with httpx.AsyncClient(timeout=2.0) as client:
         while not stop.is_set():
@@ -356,12 +328,12 @@ async def _wait_healthy(
 
 
 async def _still_starting(
-    children: list[Child], stop: asyncio.Event, deadline: float, late: str
+    children: list[ChildProcess], stop: asyncio.Event, deadline: float, late: str
 ) -> bool:
     """One pause of a start-up wait: :class:`StartupFailed` when a child exited or the
     deadline passed (``late`` says what was late); ``False`` at once when ``stop`` is set."""
     for child in children:
-        if child.process is not None and child.process.returncode is not None:
+        if child.returncode is not None:
             raise StartupFailed(child.describe_exit())
     if stop.is_set():
         return False
@@ -373,14 +345,19 @@ async def _still_starting(
 
 
 def _endpoints(
-    control_plane: ControlPlaneSettings, children: list[Child], router_url: str
+    control_plane: ControlPlaneSettings,
+    children: list[ChildProcess],
+    router_url: str,
+    trackers: dict[str, RestartTracker] | None = None,
 ) -> dict[str, Any]:
+    """What ``endpoints.json`` says: the router, every ``/metrics``, every engine (with its
+    ``restarts`` and, once given up on, ``"crash_loop": true``)."""
     metrics = {"router": f"{router_url}/metrics"}
     engines: dict[str, dict[str, Any]] = {}
     workers: list[dict[str, Any]] = []
     for child in children:
         announced = child.announced or {}
-        if child.kind == "router":
+        if child.role == "router":
             # Several workers: each one's own /metrics (the shared port answers one of them).
             urls = announced.get("metrics_urls") or []
             pids = announced.get("pids") or []
@@ -394,11 +371,15 @@ def _endpoints(
             continue
         if announced.get("metrics"):
             metrics[child.name] = str(announced["metrics"])
+        tracker = (trackers or {}).get(child.name)
         engines[child.name] = {
-            "role": child.kind,
-            "pid": child.process.pid if child.process else None,
+            "role": child.role,
+            "pid": child.pid if child.running else None,
             "grpc": announced.get("grpc"),
             "metrics": announced.get("metrics"),
+            "generation": announced.get("generation"),
+            "restarts": tracker.restarts if tracker is not None else 0,
+            **({"crash_loop": True} if tracker is not None and tracker.gave_up else {}),
         }
     return {
         "router": router_url,
@@ -439,48 +420,15 @@ def _print_welcome(router_url: str, model: str, endpoints: dict[str, Any], work_
     )
 
 
-async def _first_exit(children: list[Child]) -> Child:
-    waits = {
-        asyncio.ensure_future(child.process.wait()): child
-        for child in children
-        if child.process is not None
-    }
-    try:
-        done, _ = await asyncio.wait(set(waits), return_when=asyncio.FIRST_COMPLETED)
-        return waits[done.pop()]
-    finally:
-        for future in waits:
-            future.cancel()
-
-
-async def _stop_children(children: list[Child], timeout_s: float) -> None:
+async def _stop_children(children: list[ChildProcess], timeout_s: float) -> None:
     """SIGTERM in order (router, decode, prefill), wait, then kill what is left of each
     child's process group."""
-    order = {"router": 0, "decode": 1, "prefill": 2}
-    for kind in sorted({child.kind for child in children}, key=order.__getitem__):
-        group = [c for c in children if c.kind == kind and c.process is not None]
-        for child in group:
-            assert child.process is not None
-            if child.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.process.send_signal(signal.SIGTERM)
-        for child in group:
-            assert child.process is not None
-            try:
-                await asyncio.wait_for(child.process.wait(), timeout_s)
-            except TimeoutError:
-                print(f"pdserve up: {child.name} did not stop in {timeout_s}s; killing it")
-    for child in children:
-        if child.process is None:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.process.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            await child.process.wait()
-        if child.reader is not None:
-            child.reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await child.reader
+
+    def late(child: ChildProcess) -> None:
+        print(f"pdserve up: {child.name} did not stop in {timeout_s}s; killing it")
+
+    groups = [[c for c in children if c.role == role] for role in _STOP_ORDER]
+    await stop_in_order(groups, timeout_s, on_late=late)
     if children:
         print("pdserve up: stopped " + ", ".join(c.name for c in children), flush=True)
 

@@ -86,3 +86,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-timeout-s", type=float, default=30.0, help="bound of each child's clean stop"
     )
+    parser.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start an engine that exits on its own again, after a back-off (default: on)",
+    )
+    parser.add_argument(
+        "--restart-limit",
+        type=int,
+        default=5,
+        help="fast failures in a row restarted (before READY or within --restart-stable-s "
+        "of it); the next one is a crash loop: no more restarts, an error (default 5)",
+    )
+    parser.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=1.0,
+        help="wait before a restart, doubled per fast failure in a row (default 1)",
+    )
+    parser.add_argument(
+        "--restart-max-backoff-s", type=float, default=30.0, help="longest wait before a restart"
+    )
+    parser.add_argument(
+        "--restart-stable-s",
+        type=float,
+        default=60.0,
+        help="an engine that served this long after READY failed slowly: its count restarts",
+    )

@@ -109,6 +109,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             str(model_dir),
             "--decode-replicas",
             "2",
+            "--no-restart",  # the scenarios kill engines and restart them by hand
             env={
                 "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",
                 "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),

@@ -33,6 +33,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpSystem]:
         "stub",
         "--prefill-replicas",
         "2",
+        "--no-restart",  # prefill-0 is killed below and must stay dead
         env={"PDSERVE_ROUTER_API_KEYS": f'["{API_KEY}"]', "PDSERVE_ROUTER_POLICY": "least_loaded"},
     )
     try:

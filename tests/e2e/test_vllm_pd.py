@@ -84,6 +84,7 @@ def start(work_dir: Path, model: Path, *args: str) -> UpSystem:
         "float32",
         "--block-size",
         str(BLOCK_SIZE),
+        "--no-restart",  # a killed prefill engine is restarted by the test itself
         *args,
         scrub_env=True,
     )

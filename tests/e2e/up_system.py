@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from services.serving.ready import pdserve_argv
+from services.supervision import ChildExited, DetachedProcess
 
 START_TIMEOUT_S = 240.0
 
@@ -39,34 +36,37 @@ class UpSystem:
             if not (scrub_env and key.startswith("PDSERVE_"))
         }
         self.work_dir = work_dir
-        self.output_path = work_dir / "up.out"
-        work_dir.mkdir(parents=True, exist_ok=True)
-        self._output = self.output_path.open("wb")
-        self.process = subprocess.Popen(
-            pdserve_argv("up", "--work-dir", str(work_dir), "--port", "0", *args),
-            stdout=self._output,
-            stderr=subprocess.STDOUT,
-            env={**inherited, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,
-        )
+        self.up = DetachedProcess.pdserve_up(work_dir, *args, env=env, inherit=inherited)
+        self.process = self.up.process
+        self.output_path = self.up.output_path
         self.endpoints: dict[str, Any] = {}
-        self.returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.up.returncode
 
     def output(self) -> str:
-        return self.output_path.read_text(errors="replace")
+        return self.up.output()
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> UpSystem:
         path = self.work_dir / "endpoints.json"
-        deadline = time.monotonic() + timeout_s
-        while not path.exists():
-            if self.process.poll() is not None:
-                raise AssertionError(f"pdserve up exited early:\n{self.output()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"pdserve up not ready in {timeout_s}s:\n{self.output()}")
-            time.sleep(0.2)
-        self.endpoints = json.loads(path.read_text())
+        try:
+            self.up.wait_for_file(path, timeout_s)
+        except ChildExited:
+            raise AssertionError(f"pdserve up exited early:\n{self.output()}") from None
+        except TimeoutError:
+            self.stop()
+            raise AssertionError(
+                f"pdserve up not ready in {timeout_s}s:\n{self.output()}"
+            ) from None
+        self.endpoints = self.read_endpoints()
         return self
+
+    def read_endpoints(self) -> dict[str, Any]:
+        """``endpoints.json`` as it is now (``pdserve up`` rewrites it when it restarts an
+        engine)."""
+        endpoints: dict[str, Any] = json.loads((self.work_dir / "endpoints.json").read_text())
+        return endpoints
 
     @property
     def url(self) -> str:
@@ -92,18 +92,7 @@ class UpSystem:
 
     def stop(self) -> int:
         """Ctrl-C, a bounded wait, then kill the whole group."""
-        if self.returncode is not None:
-            return self.returncode
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._output.close()
-        self.returncode = self.process.returncode
-        return self.returncode
+        return self.up.stop()
 
 
 def no_processes_left(pids: list[int]) -> list[int]:

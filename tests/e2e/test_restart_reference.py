@@ -1,0 +1,159 @@
+"""``pdserve up`` replaces a dead engine: a real stack (reference engine, its own Redis) with two
+prefill and two decode engines, under a steady load of concurrent streamed and non-streamed
+greedy requests (the load and checks of ``test_failover_reference``).
+
+0. a fault-free run gives the reference text of every prompt;
+1. prefill-0's *host* (its engine service process) is killed (SIGKILL) under load: no client
+   request fails and every text equals the fault-free run's (its prefills are retried on
+   prefill-1); ``pdserve up`` starts prefill-0 again, which registers a new generation, turns
+   READY (``pdserve status --json``) and serves prefills again;
+2. prefill-1's *rank* is killed: its host exits (a dead rank ends its service) and is restarted
+   the same way, with nothing lost.
+
+Nothing is timed against the wall clock: every wait has a generous bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from services.engines.reference.tiny_model import make_tiny_model
+from services.serving.ready import pdserve_argv
+from tests.e2e.faults.probes import metric
+from tests.e2e.test_failover_reference import (
+    MODEL,
+    Stack,
+    assert_lost_nothing,
+    finished_after,
+    pools_full,
+    steady_load,
+    wait_for,
+)
+from tests.e2e.test_failover_reference import (
+    test_0_a_fault_free_run_gives_the_reference_texts as fault_free_run,
+)
+from tests.e2e.up_system import UpSystem
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+IDLE_BOUND_S = 12.0
+RESTART_BOUND_S = 240.0
+"""Bound of a restart (a back-off, then the reference engine loading the tiny model)."""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    model_dir = tmp_path_factory.mktemp("model") / MODEL
+    make_tiny_model(model_dir)
+    up = UpSystem(
+        tmp_path_factory.mktemp("up-restart"),
+        "--model",
+        str(model_dir),
+        "--prefill-replicas",
+        "2",
+        "--decode-replicas",
+        "2",
+        "--restart-backoff-s",
+        "0.5",
+        env={
+            "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
+            "PDSERVE_ROUTER_POLICY": "round_robin",  # both prefill engines get requests
+            "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": str(IDLE_BOUND_S),
+            "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(IDLE_BOUND_S),
+            "PDSERVE_ROUTER_CIRCUIT_MAX_BACKOFF_S": "10",
+        },
+        scrub_env=True,
+    )
+    try:
+        up.wait_ready()
+        yield Stack(up)
+    finally:
+        up.stop()
+
+
+async def wait_long(predicate: Callable[[], bool], what: str) -> None:
+    """:func:`wait_for` with the bound of a restart."""
+    deadline = asyncio.get_running_loop().time() + RESTART_BOUND_S
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"{what}: not within {RESTART_BOUND_S}s"
+        )
+        await asyncio.sleep(0.2)
+
+
+def status_of(stack: Stack, engine: str) -> dict[str, Any]:
+    """``engine``'s entry of ``pdserve status --json`` (the control plane's view)."""
+    endpoints = stack.up.endpoints
+    command = pdserve_argv(
+        "status", "--json", "--redis", endpoints["redis"], "--namespace", endpoints["namespace"]
+    )
+    output = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    report = json.loads(output.stdout)
+    entries = [e for e in report["engines"] if e["engine_id"] == engine]
+    assert len(entries) == 1, report
+    entry: dict[str, Any] = entries[0]
+    return entry
+
+
+def restarted(stack: Stack, engine: str, restarts: int) -> bool:
+    """Whether ``endpoints.json`` names ``engine``'s ``restarts``-th run as READY (``pdserve
+    up`` rewrites it once the restarted engine printed its READY line)."""
+    current = stack.up.read_endpoints()
+    if current["engines"][engine]["restarts"] < restarts:
+        return False
+    stack.up.endpoints = current
+    return True
+
+
+def prefills_served(stack: Stack, engine: str) -> float:
+    """Prefill RPCs ``engine``'s current process answered (its own ``/metrics``)."""
+    url = str(stack.engine(engine)["metrics"])
+    return metric(url, "pdserve_engine_requests_total", rpc="Prefill", outcome="ok")
+
+
+async def replaced_under_load(stack: Stack, engine: str, kill: int) -> None:
+    """Kill ``kill`` (a pid of ``engine``) under load; wait until ``engine`` runs again at a new
+    generation and served prefills; nothing lost."""
+    assert stack.reference, "needs the fault-free run"
+    before = stack.engine(engine)
+    generation = status_of(stack, engine)["generation"]
+    assert before["generation"] == generation
+    restarts = int(before["restarts"])
+    async with steady_load(stack.up.url, workers=6) as load:
+        await finished_after(load, 4)
+        await wait_for(lambda: stack.closed(engine), f"{engine} chosen")
+        os.kill(kill, signal.SIGKILL)
+        await wait_long(lambda: restarted(stack, engine, restarts + 1), f"{engine} restarted")
+        after = stack.engine(engine)
+        assert after["pid"] != before["pid"]
+        assert after["generation"] > generation
+        await wait_for(lambda: prefills_served(stack, engine) > 0, f"{engine} serving again")
+        await finished_after(load, 4)
+    assert_lost_nothing(stack, load)
+    entry = status_of(stack, engine)
+    assert (entry["state"], entry["generation"]) == ("ready", after["generation"])
+    await pools_full(stack, "prefill-0", "prefill-1", "decode-0", "decode-1")
+
+
+async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
+    await fault_free_run(stack)
+
+
+async def test_1_a_killed_prefill_host_is_restarted_with_a_new_generation(stack: Stack) -> None:
+    await replaced_under_load(stack, "prefill-0", int(stack.engine("prefill-0")["pid"]))
+    assert "prefill-0 restarted (restart 1" in stack.up.output()
+
+
+async def test_2_a_killed_prefill_rank_ends_its_host_which_is_restarted(stack: Stack) -> None:
+    await replaced_under_load(stack, "prefill-1", stack.rank("prefill-1"))
+    output = stack.up.output()
+    assert "prefill-1 exited with status 1" in output  # the host noticed its rank and stopped
+    assert "prefill-1 restarted (restart 1" in output
