@@ -215,6 +215,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "2",
         "--decode-replicas",
         "2",
+        "--no-restart",  # killed engines stay dead (test_4: no decode engine left)
         env={
             "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
             # Both prefill engines get requests (prefix-aware routing would keep each of the

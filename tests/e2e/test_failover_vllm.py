@@ -61,6 +61,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "32",
         "--decode-replicas",
         "2",
+        "--no-restart",  # decode-0 stays dead (a vLLM restart takes minutes here)
         env={
             "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
             "PDSERVE_ROUTER_POLICY": "round_robin",  # both decode engines get requests
