@@ -88,3 +88,13 @@ def _free_port() -> int:
     from services.control_plane.local_redis import free_port  # noqa: PLC0415
 
     return free_port()
+
+
+def test_cpu_seconds_resolves_less_than_a_clock_tick() -> None:
+    """2 ms of CPU show as at least 2 ms (``/proc``'s utime + stime count 10 ms ticks, so a
+    fast router's CPU over a short window read 0 there)."""
+    before = cpu_seconds([os.getpid()])
+    own = time.process_time()
+    while time.process_time() - own < 0.002:
+        pass
+    assert cpu_seconds([os.getpid()]) - before >= 0.002
