@@ -9,12 +9,21 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from prometheus_client import CollectorRegistry
 
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from tests.security.pki import make_pki
+
+# Hypothesis judges wall-clock time by default (a 200 ms deadline per example, the too_slow
+# health check on data generation); a loaded 2-core CI machine breaks both without any bug.
+# Every property test runs under this profile; a test's own @settings still override it.
+settings.register_profile(
+    "pdserve", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("pdserve")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
