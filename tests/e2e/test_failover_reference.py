@@ -263,7 +263,9 @@ def resumed_at_exit(pid: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
+async def fault_free_reference(stack: Stack) -> None:
+    """Every prompt once streamed and once not, concurrently: their texts become
+    ``stack.reference`` (streamed and non-streamed must agree, the prompts must differ)."""
     client = openai.AsyncOpenAI(
         base_url=f"{stack.up.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_BOUND_S
     )
@@ -277,6 +279,10 @@ async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> Non
         stack.reference.setdefault(outcome.prompt, outcome.text)
         assert outcome.text == stack.reference[outcome.prompt], "streamed != non-streamed"
     assert len(set(stack.reference.values())) > 1  # the prompts really differ
+
+
+async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
+    await fault_free_reference(stack)
 
 
 async def test_1_a_decode_rank_stalled_past_the_idle_bound_migrates_its_requests(

@@ -29,6 +29,14 @@ from tokenizers import Tokenizer
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
+from tests.e2e.test_failover_reference import (
+    Stack,
+    assert_lost_nothing,
+    fault_free_reference,
+    finished_after,
+    steady_load,
+    streaming_on,
+)
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -150,21 +158,26 @@ def engine_metric(system: UpSystem, engine: str, name: str, **labels: str) -> fl
 
 def flushed(
     system: UpSystem,
-    engine: str,
+    engines: str | tuple[str, ...],
     name: str,
     want: float,
     client: openai.OpenAI,
     prompts: list[str],
 ) -> float:
-    """``name`` on ``engine`` once it reached ``want``, sending up to 6 more requests meanwhile:
-    vLLM hands a step's connector stats over with the engine's next outputs, so the last
-    transfers of an engine that went idle show once it works again."""
+    """``name`` summed over ``engines`` once it reached ``want``, sending up to 6 more requests
+    meanwhile: vLLM hands a step's connector stats over with the engine's next outputs, so the
+    last transfers of an engine that went idle show once it works again."""
+    names = (engines,) if isinstance(engines, str) else engines
+
+    def total() -> float:
+        return sum(engine_metric(system, engine, name) for engine in names)
+
     for extra in range(6):
-        value = engine_metric(system, engine, name)
+        value = total()
         if value >= want:
             return value
         greedy(client, prompts[extra % len(prompts)])
-    return engine_metric(system, engine, name)
+    return total()
 
 
 def log_of(system: UpSystem, name: str) -> str:
@@ -394,7 +407,10 @@ class TestPushPrefillPP2:
 
 
 class TestPullPP1:
-    """Decode PP=1 reads (pulls) the KV of a prefill PP=1 engine."""
+    """Two decode PP=1 engines read (pull) the KV of a prefill PP=1 engine; then one decode
+    engine's EngineCore dies under load and its streams migrate to the other."""
+
+    DECODES = ("decode-0", "decode-1")
 
     @pytest.fixture(scope="class")
     def system(
@@ -405,7 +421,14 @@ class TestPullPP1:
     ) -> Iterator[UpSystem]:
         """Started after the colocated reference ran and stopped (one vLLM stack at a time)."""
         pull = "--engine-arg=--transfer-mode=pull"
-        yield from pd_stack(tmp_path_factory.mktemp("vllm-pull"), model_dir, pull, push=False)
+        yield from pd_stack(
+            tmp_path_factory.mktemp("vllm-pull"),
+            model_dir,
+            pull,
+            "--decode-replicas",
+            "2",
+            push=False,
+        )
 
     def test_greedy_pd_equals_colocated_and_kv_was_pulled(
         self,
@@ -417,10 +440,32 @@ class TestPullPP1:
         count = "pdserve_kv_transfer_latency_seconds_count"
         client = client_of(system)
         flush = fresh_prompts(6, "pull-flush")
-        pulled = flushed(system, "decode-0", count, len(prompts), client, flush)
+        pulled = flushed(system, self.DECODES, count, len(prompts), client, flush)
         assert pulled >= len(prompts)  # one READ per request at least (PP=1, TP=1)
-        assert engine_metric(system, "decode-0", count, consumer_engine="decode-0") == pulled
-        assert engine_metric(system, "decode-0", "pdserve_kv_transfer_failures_total") == 0
+        for engine in self.DECODES:
+            own = engine_metric(system, engine, count, consumer_engine=engine)
+            assert own == engine_metric(system, engine, count)
+            assert engine_metric(system, engine, "pdserve_kv_transfer_failures_total") == 0
+
+    async def test_a_killed_decode_engine_core_migrates_its_streams(self, system: UpSystem) -> None:
+        """decode-0's EngineCore (vLLM's scheduler and model on CPU) SIGKILLed mid-stream under
+        a steady load: its host sees the engine dead, its streams continue on decode-1 (the
+        prompt plus the tokens so far re-prefilled on prefill-0, the KV pulled again over
+        NIXL), none fails and every text equals a fault-free run's (issue 17 with vLLM; the
+        scenarios and helpers of test_failover_reference.py)."""
+        stack = Stack(system)
+        await fault_free_reference(stack)
+        before = stack.router("pdserve_router_migrations_total")
+        async with steady_load(system.url, workers=3) as load:
+            await streaming_on(load, "decode-0")
+            os.kill(stack.rank("decode-0"), signal.SIGKILL)
+            await finished_after(load, 6)
+        assert_lost_nothing(stack, load)
+        assert [o for o in load.outcomes if o.decode_engine == "decode-0"], "none on decode-0"
+        assert stack.router("pdserve_router_migrations_total") > before
+        async with steady_load(system.url, workers=2) as after:  # the stack serves on
+            await finished_after(after, 4)
+        assert_lost_nothing(stack, after)
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(
