@@ -28,7 +28,11 @@ Figures, per system:
   engine calls and the stubs' answers included;
 - ``load``: for each concurrency, a closed loop of that many keep-alive connections for
   ``--duration-s``: requests/s, p50/p99, errors, and the cores the router used;
-  ``max_sustained_rps`` is the best rate at a concurrency with no error.
+  ``max_sustained_rps`` is the best rate at a concurrency with no error;
+- ``streamed``: router CPU per streamed request at two ``max_tokens`` (``--streamed-tokens``,
+  default 4 and 64; the stubs stream one message or event per token for both systems), and
+  their difference per token, ``router_cpu_ms_per_extra_token``: what one more streamed token
+  costs the router.
 
 The load generator is :mod:`services.bench.loadgen` (raw HTTP/1.1, ``--load-processes``
 processes), the same for both systems. Its own ceiling against an instant server and its CPU
@@ -76,7 +80,17 @@ from services.supervision import ChildProcess
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 4
 VLLM_ROUTER_REQUIREMENT = "vllm-router==0.1.17"
-BODY = json.dumps({"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+STREAMED_CONCURRENCY = 8
+"""Connections of the streamed-request windows (``streamed``)."""
+
+
+def request_body(max_tokens: int, stream: bool = False) -> str:
+    """The JSON body of the bench's completion request."""
+    fields = {"model": "stub", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps({**fields, "stream": True} if stream else fields)
+
+
+BODY = request_body(MAX_TOKENS)
 SPAWN_MARGIN_S = 1.0
 """Load processes start this long before their window (Python start-up) and warm up in it."""
 
@@ -103,6 +117,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="pin the router to one core and its stubs and load to the others (auto: with 4 "
         "or more cores)",
+    )
+    parser.add_argument(
+        "--streamed-tokens",
+        default="4,64",
+        help="two max_tokens of streamed requests whose router CPU per request, divided by "
+        "their difference, is the cost of one more streamed token (empty: not measured)",
     )
     parser.add_argument(
         "--skip-vllm-router", action="store_true", help="measure pdserve only (no reference)"
@@ -145,15 +165,21 @@ def stub_app(role: str) -> Callable[..., Awaitable[None]]:
             payload = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
         else:
             payload = {"status": "ok"}
-        data = json.dumps(payload).encode()
+        events = payload.pop("_events", None)
+        content_type = b"text/event-stream" if events is not None else b"application/json"
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [(b"content-type", b"application/json")],
+                "headers": [(b"content-type", content_type)],
             }
         )
-        await send({"type": "http.response.body", "body": data})
+        if events is None:
+            await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+            return
+        for event in events:  # one SSE event per token, as a vLLM decode streams them
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     return app
 
@@ -175,6 +201,22 @@ def _stub_completion(role: str, path: str, request: dict[str, Any]) -> dict[str,
         "choices": [choice],
         "usage": {"prompt_tokens": 8, "completion_tokens": count, "total_tokens": 8 + count},
     }
+    if request.get("stream") and role == "decode":
+        body["_events"] = [
+            b"data: "
+            + json.dumps(
+                {
+                    **body,
+                    "choices": [
+                        {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": None}
+                        if not chat
+                        else {"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}
+                    ],
+                }
+            ).encode()
+            + b"\n\n"
+            for i in range(count)
+        ]
     if role == "prefill":
         body["kv_transfer_params"] = {
             "do_remote_prefill": True,
@@ -234,6 +276,7 @@ async def _load(
     args: argparse.Namespace,
     placement: Placement,
     log_dir: Path,
+    body: str = BODY,
 ) -> dict[str, Any]:
     """One closed-loop window of ``connections`` connections over up to ``--load-processes``
     load processes; CPU of the router, the stubs and the load processes over the window."""
@@ -246,7 +289,7 @@ async def _load(
             f"loadgen-{i}",
             [
                 sys.executable, "-m", "services.bench.loadgen", "run",
-                target.url, BODY, str(share), repr(start_at), repr(stop_at),
+                target.url, body, str(share), repr(start_at), repr(stop_at),
             ],
             log_dir,
             cores=placement.others,
@@ -310,6 +353,7 @@ async def _measure(
             load.append(entry)
     clean = [entry for entry in load if entry["errors"] == 0]
     best = max(clean, key=lambda entry: entry["requests_per_s"]) if clean else None
+    streamed = await _streamed(target, args, placement, log_dir)
     return {
         "baseline_latency_ms": _percentiles_us(baseline),
         "router_latency_ms": _percentiles_us(routed),
@@ -320,6 +364,47 @@ async def _measure(
         "load": load,
         "max_sustained_rps": best["requests_per_s"] if best else 0.0,
         "best_concurrency": best["concurrency"] if best else None,
+        **({"streamed": streamed} if streamed is not None else {}),
+    }
+
+
+async def _streamed(
+    target: Target, args: argparse.Namespace, placement: Placement, log_dir: Path
+) -> dict[str, Any] | None:
+    """Router CPU per streamed request at two ``max_tokens`` (``--streamed-tokens``), each a
+    window of :data:`STREAMED_CONCURRENCY` connections; their difference over the token
+    difference is what one more streamed token costs the router."""
+    counts = sorted({int(n) for n in str(args.streamed_tokens).split(",") if n.strip()})
+    if not counts:
+        return None
+    if len(counts) != 2:
+        raise ValueError(f"--streamed-tokens takes two token counts, got {args.streamed_tokens!r}")
+    windows = {}
+    for count in counts:
+        body = request_body(count, stream=True)
+        entry = await _load(
+            target, STREAMED_CONCURRENCY, args.duration_s, args, placement, log_dir, body
+        )
+        entry.pop("_latencies_us")
+        windows[str(count)] = entry
+    low, high = (windows[str(count)] for count in counts)
+    clean = low["errors"] == 0 and high["errors"] == 0
+    per_token = (
+        (high["router_cpu_ms_per_request"] - low["router_cpu_ms_per_request"])
+        / (counts[1] - counts[0])
+        if clean
+        else None
+    )
+    return {
+        "concurrency": STREAMED_CONCURRENCY,
+        "max_tokens": counts,
+        "router_cpu_ms_per_request": {
+            key: entry["router_cpu_ms_per_request"] for key, entry in windows.items()
+        },
+        "requests_per_s": {key: entry["requests_per_s"] for key, entry in windows.items()},
+        "errors": {key: entry["errors"] for key, entry in windows.items()},
+        "first_error": next((e["first_error"] for e in windows.values() if e["first_error"]), None),
+        "router_cpu_ms_per_extra_token": per_token,
     }
 
 
@@ -549,7 +634,16 @@ def _comparison(pdserve: dict[str, Any], reference: dict[str, Any]) -> dict[str,
         "added_p50_ms": both("added_latency_ms", "p50_ms"),
         "added_p99_ms": both("added_latency_ms", "p99_ms"),
         "max_sustained_rps": both("max_sustained_rps"),
+        "router_cpu_ms_per_extra_token": {
+            "pdserve": _per_token(pdserve),
+            "vllm_router": _per_token(reference),
+        },
     }
+
+
+def _per_token(result: dict[str, Any]) -> float | None:
+    streamed = result.get("streamed")
+    return streamed["router_cpu_ms_per_extra_token"] if streamed else None
 
 
 def run(args: argparse.Namespace, settings: ControlPlaneSettings) -> dict[str, Any]:

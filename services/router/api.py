@@ -416,11 +416,7 @@ async def _serve(
     """Run the request; errors up to the first token are raised (an HTTP error), later ones
     end the stream with an error event. A client that hangs up before the response starts
     cancels the run (counted ``client_disconnected``); after that, Starlette's own disconnect
-    handling ends the stream the same way."""
-    try:
-        request.sampling.validate(vocab_size=runtime.tokenizer.vocab_size)
-    except InvalidRequest as exc:
-        raise InvalidRequestError(str(exc)) from exc
+    handling ends the stream the same way. ``request`` passed :func:`_check_engines`."""
     info = RunInfo()
     run = runtime.executor.generate(request, info)
     streaming = False
@@ -461,6 +457,10 @@ async def _serve(
     return _json(200, body, headers)
 
 
+_TEXT_MARK = "\x00pdserve-text\x00"
+"""Stands for a streamed event's text while its JSON is rendered once per request (``_sse``)."""
+
+
 async def _sse(
     runtime: RouterRuntime,
     output: _Output,
@@ -485,13 +485,22 @@ async def _sse(
             body["usage"] = None
         return sse_event(body)
 
+    # The events between the first and the last differ only in their text: rendered once
+    # around a marker, each is then the two halves around its text's JSON string.
+    halves = event(_TEXT_MARK, None, False).split(json.dumps(_TEXT_MARK).encode())
+
     try:
         yield event(first.text, first.finish_reason, True)
         finish = first.finish_reason
         while finish is None:
             chunk = await anext(run)
             finish = chunk.finish_reason
-            if chunk.text or finish is not None:
+            if finish is None:
+                if chunk.text and len(halves) == 2:  # (a model name holding the marker: not)
+                    yield halves[0] + json.dumps(chunk.text).encode() + halves[1]
+                elif chunk.text:
+                    yield event(chunk.text, None, False)
+            else:
                 yield event(chunk.text, finish, False)
         if include_usage:
             usage = {

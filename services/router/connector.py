@@ -27,7 +27,7 @@ class EngineConnector(abc.ABC):
     or the call outlives ``timeout_s`` (the transport's deadline). The router times its calls
     itself, with ``timeout_s`` as a backstop a little later, so that its own
     ``TimeoutError`` names the bound that tripped; it translates all of them (see
-    :func:`services.router.execution.engine_error`).
+    :func:`services.router.errors.engine_error`).
     """
 
     @abc.abstractmethod

@@ -12,12 +12,15 @@
 
 ``code`` doubles as the ``outcome`` label of ``pdserve_router_requests_total``. Engine errors
 (:mod:`services.engines.errors`, ``services.serving.errors.EngineUnreachable``) are translated
-to these at one place, :func:`engine_error`.
+to these at one place, :func:`engine_error`, by one table (:data:`ENGINE_ERRORS`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from services.engines import errors as engine_errors
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
@@ -96,46 +99,67 @@ class EngineRequestFailed(RouterError):
         self.retryable = retryable
 
 
-def engine_error(exc: Exception, *, stage: str) -> RouterError:
-    """Translate an engine call's exception into the router's error (the one table).
+@dataclass(frozen=True)
+class EngineErrorRule:
+    """How one class of engine-call exception is answered: the router error's ``code``, its
+    HTTP status and whether another engine may succeed (``retryable``). ``client`` marks the
+    client's own mistake: an :class:`InvalidRequestError` (400) with the engine's message."""
 
-    ``retryable`` marks the failures another engine may not have (overloaded, draining,
-    unreachable, failed, timed out); bad input is the client's (400) and never retried.
-    """
+    code: str
+    status_code: int = 502
+    retryable: bool = False
+    client: bool = False
+
+
+ENGINE_ERRORS: Mapping[type[BaseException], EngineErrorRule] = MappingProxyType(
+    {
+        engine_errors.InvalidRequest: EngineErrorRule("invalid_request", 400, client=True),
+        engine_errors.EngineOverloaded: EngineErrorRule("engine_overloaded", 503, True),
+        engine_errors.EngineDraining: EngineErrorRule("engine_draining", 503, True),
+        engine_errors.EngineFailed: EngineErrorRule("engine_failed", retryable=True),
+        TimeoutError: EngineErrorRule("engine_timeout", 504, True),
+        engine_errors.UnknownKVHandle: EngineErrorRule("kv_handle_unknown"),
+        engine_errors.KVLeaseExpired: EngineErrorRule("kv_lease_expired"),
+        engine_errors.ProducerUnavailable: EngineErrorRule("producer_unavailable", 503),
+        engine_errors.KVTransferFailed: EngineErrorRule("kv_transfer_failed"),
+        engine_errors.RequestAborted: EngineErrorRule("request_cancelled", 503),
+        engine_errors.RequestError: EngineErrorRule("engine_error"),
+        EngineUnreachable: EngineErrorRule("engine_unreachable", 503, True),
+        ProtocolMismatch: EngineErrorRule("protocol_mismatch", retryable=True),
+    }
+)
+"""The one table from engine-call exceptions to router errors, looked up along the exception's
+class hierarchy (its MRO: the most specific class listed wins, so ``RequestError`` is the
+fallback of every request-scoped engine error without a row of its own). ``retryable`` marks
+the failures another engine may not have (overloaded, draining, unreachable, failed, timed
+out); bad input is the client's (400) and never retried."""
+
+UNEXPECTED = EngineErrorRule("engine_error", retryable=True)
+"""Anything the table does not list: a bug on our side of the connection; another engine may
+still work, and the message is logged for the operator."""
+
+
+def engine_rule(exc: BaseException) -> EngineErrorRule | None:
+    """The row of :data:`ENGINE_ERRORS` for ``exc``'s most specific listed class, if any."""
+    for cls in type(exc).__mro__:
+        rule = ENGINE_ERRORS.get(cls)
+        if rule is not None:
+            return rule
+    return None
+
+
+def engine_error(exc: Exception, *, stage: str) -> RouterError:
+    """Translate an engine call's exception into the router's error by :data:`ENGINE_ERRORS`
+    (a :class:`RouterError` is returned as it is)."""
     if isinstance(exc, RouterError):
         return exc
-    message = f"{stage} failed: {exc}" if str(exc) else f"{stage} failed: {type(exc).__name__}"
-    if isinstance(exc, engine_errors.InvalidRequest):
+    rule = engine_rule(exc)
+    if rule is None:
+        logger.error("unexpected %s from an engine call: %s", type(exc).__name__, exc)
+        rule = UNEXPECTED
+    if rule.client:
         return InvalidRequestError(str(exc))
-    if isinstance(exc, engine_errors.EngineOverloaded):
-        return EngineRequestFailed(
-            message, code="engine_overloaded", status_code=503, retryable=True
-        )
-    if isinstance(exc, engine_errors.EngineDraining):
-        return EngineRequestFailed(message, code="engine_draining", status_code=503, retryable=True)
-    if isinstance(exc, engine_errors.EngineFailed):
-        return EngineRequestFailed(message, code="engine_failed", retryable=True)
-    if isinstance(exc, TimeoutError):
-        return EngineRequestFailed(message, code="engine_timeout", status_code=504, retryable=True)
-    if isinstance(exc, engine_errors.UnknownKVHandle):
-        return EngineRequestFailed(message, code="kv_handle_unknown")
-    if isinstance(exc, engine_errors.KVLeaseExpired):
-        return EngineRequestFailed(message, code="kv_lease_expired")
-    if isinstance(exc, engine_errors.ProducerUnavailable):
-        return EngineRequestFailed(message, code="producer_unavailable", status_code=503)
-    if isinstance(exc, engine_errors.KVTransferFailed):
-        return EngineRequestFailed(message, code="kv_transfer_failed")
-    if isinstance(exc, engine_errors.RequestAborted):
-        return EngineRequestFailed(message, code="request_cancelled", status_code=503)
-    if isinstance(exc, engine_errors.RequestError):
-        return EngineRequestFailed(message, code="engine_error")
-    if isinstance(exc, EngineUnreachable):
-        return EngineRequestFailed(
-            message, code="engine_unreachable", status_code=503, retryable=True
-        )
-    if isinstance(exc, ProtocolMismatch):
-        return EngineRequestFailed(message, code="protocol_mismatch", retryable=True)
-    # Anything else is a bug on our side of the connection; another engine may still work,
-    # but the message is kept for the operator.
-    logger.error("unexpected %s from an engine call: %s", type(exc).__name__, exc)
-    return EngineRequestFailed(message, code="engine_error", retryable=True)
+    message = f"{stage} failed: {exc}" if str(exc) else f"{stage} failed: {type(exc).__name__}"
+    return EngineRequestFailed(
+        message, code=rule.code, status_code=rule.status_code, retryable=rule.retryable
+    )

@@ -17,7 +17,8 @@ the engine's circuit breaker (:mod:`services.router.health`).
 Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
 call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
 ``decode_idle_timeout_s`` between two deltas (the first included), so a decode engine that
-stalls without dying ends its streams within the idle bound. Either ends the call with
+stalls without dying ends its streams within the idle bound (both by one timer per stream,
+:class:`~services.router.deadline.StreamBounds`, not one per message). Either ends the call with
 ``engine_timeout`` (a retryable prefill failure; a decode error, answered 504 before the first
 byte or as an SSE error event after), sends the engine an Abort, and is counted in
 ``pdserve_router_engine_timeouts_total{call, bound}``. The gRPC deadline of each call is the
@@ -46,6 +47,7 @@ from services.engines.backend import (
     TokenLogprobs,
 )
 from services.router.config import RouterSettings
+from services.router.deadline import StreamBounds
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.metrics import RouterMetrics
 from services.router.migration import (
@@ -440,32 +442,36 @@ class Executor:
             timeout_s=whole_s + BACKSTOP_GRACE_S,
             coalesce_s=idle_s * COALESCE_FRACTION if coalescing else None,
         )
+        bounds = StreamBounds(idle_s, whole_s)
         first = True
         previous = started
         try:
             while True:
                 waited = time.perf_counter()
-                left_s = started + whole_s - waited
-                bound = "idle" if idle_s < left_s else "deadline"
-                timer = asyncio.timeout(min(idle_s, left_s))
+                bounds.waiting()
                 try:
-                    async with timer:
-                        delta = await anext(stream)
+                    delta = await anext(stream)
                 except StopAsyncIteration:
                     info.engine_wait_s += time.perf_counter() - waited
                     raise EngineRequestFailed(
                         f"decode engine {slot.engine_id} ended the stream without a finish reason",
                         code="decode_truncated",
                     ) from None
+                except asyncio.CancelledError as exc:
+                    if not bounds.expired_here():
+                        raise
+                    info.engine_wait_s += time.perf_counter() - waited
+                    assert bounds.expired is not None
+                    raise self._decode_timed_out(request, slot, bounds.expired, first) from exc
                 except TimeoutError as exc:
                     info.engine_wait_s += time.perf_counter() - waited
                     # A TimeoutError the connector raised itself is its (whole-call) deadline.
-                    raise self._decode_timed_out(
-                        request, slot, bound if timer.expired() else "deadline", first
-                    ) from exc
+                    raise self._decode_timed_out(request, slot, "deadline", first) from exc
                 except Exception as exc:
                     info.engine_wait_s += time.perf_counter() - waited
                     raise engine_error(exc, stage="decode") from exc
+                finally:
+                    bounds.done_waiting()
                 now = time.perf_counter()
                 info.engine_wait_s += now - waited
                 if first:
@@ -495,6 +501,7 @@ class Executor:
                 if delta.finish_reason is not None:
                     return
         finally:
+            bounds.close()
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()

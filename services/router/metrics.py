@@ -5,11 +5,12 @@ Created per instance with an injectable ``CollectorRegistry``: tests pass a fres
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.router.health import CircuitGauge
@@ -115,13 +116,13 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             "pdserve_router_itl_seconds",
             "Time between two token deltas of one streamed request (a non-streamed one's "
             "decode answers in one coalesced message: no gaps).",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
+        r.register(self.itl)
         self.e2e = Histogram(
             "pdserve_router_e2e_latency_seconds",
             "Request arrival to its last byte, by endpoint.",
@@ -215,3 +216,38 @@ class InflightGauge(Collector):
         for engine, role, inflight in self._source():
             family.add_metric((engine, role), inflight)
         yield family
+
+
+class LoopHistogram(Collector):
+    """An unlabelled histogram observed once per streamed token: a bucket index by bisection
+    and two list updates, no lock (``prometheus_client.Histogram`` takes two locks and scans
+    its bounds per observation, about 6% of the router's CPU on a 64-token stream). Only for
+    the event loop's thread, which also serves ``/metrics``; exposed as a
+    ``prometheus_client`` histogram is (cumulative ``le`` buckets, ``+Inf``, ``_sum``,
+    ``_count``)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._bounds = tuple(float(bound) for bound in buckets)
+        self._counts = [0] * (len(self._bounds) + 1)  # the last is +Inf
+        self._sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self._counts[bisect_left(self._bounds, amount)] += 1
+        self._sum += amount
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, count in zip((*self._bounds, float("inf")), self._counts, strict=True):
+            cumulative += count
+            buckets.append((_le(bound), cumulative))
+        yield HistogramMetricFamily(
+            self.name, self.documentation, buckets=buckets, sum_value=self._sum
+        )
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label as ``prometheus_client`` writes it (``0.5``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))

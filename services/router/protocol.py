@@ -14,6 +14,7 @@ path).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Mapping
@@ -117,6 +118,13 @@ def _neutral_problem(body: BaseModel, names: list[str]) -> tuple[str, str] | Non
     return None
 
 
+@functools.cache
+def _neutral_names(model: type[BaseModel]) -> list[str]:
+    """The :data:`NEUTRAL_EXTENSIONS` that ``model`` declares, chat-only ones aside (once per
+    class: ``model_fields`` is a computed property, read per name it showed per request)."""
+    return [n for n in NEUTRAL_EXTENSIONS if n not in _CHAT_ONLY and n in model.model_fields]
+
+
 class _SamplingFields(BaseModel):
     """Fields common to completions and chat completions (vLLM's names and defaults)."""
 
@@ -186,10 +194,7 @@ class _SamplingFields(BaseModel):
             return "stream_options", "Stream options can only be defined when `stream=True`."
         if self.prompt_logprobs and self.stream:
             return "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
-        names = [
-            n for n in NEUTRAL_EXTENSIONS if n not in _CHAT_ONLY and n in type(self).model_fields
-        ]
-        return _neutral_problem(self, names)
+        return _neutral_problem(self, _neutral_names(type(self)))
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

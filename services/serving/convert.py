@@ -452,6 +452,9 @@ def delta_to_proto(delta: TokenDelta) -> decode_pb2.DecodeChunk:
 
 
 def delta_from_proto(chunk: decode_pb2.DecodeChunk) -> TokenDelta:
+    # Once per streamed token in the router: the empty repeated fields skip their loops.
+    logprobs = chunk.logprobs
+    prompt_logprobs = chunk.prompt_logprobs
     return TokenDelta(
         token_ids=tuple(chunk.token_ids),
         text=chunk.text,
@@ -459,8 +462,8 @@ def delta_from_proto(chunk: decode_pb2.DecodeChunk) -> TokenDelta:
         usage=usage_from_proto(chunk.usage) if chunk.HasField("usage") else None,
         error=chunk.error or None,
         kv_transfer_s=chunk.kv_transfer_s if chunk.HasField("kv_transfer_s") else None,
-        logprobs=tuple(logprobs_from_proto(entry) for entry in chunk.logprobs),
-        prompt_logprobs=tuple(logprobs_from_proto(entry) for entry in chunk.prompt_logprobs),
+        logprobs=tuple(map(logprobs_from_proto, logprobs)) if logprobs else (),
+        prompt_logprobs=tuple(map(logprobs_from_proto, prompt_logprobs)) if prompt_logprobs else (),
     )
 
 

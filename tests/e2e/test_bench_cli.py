@@ -28,8 +28,9 @@ def test_bench_kv_prints_only_json_on_stdout() -> None:
 
 def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
     """A short ``pdserve bench router`` run: figures for both routers (vllm-router is in the
-    dev extra), the router CPU per request read from /proc, the load generator's ceiling, and
-    the comparison's keys. Figures are not judged here (benchmarks are measured, not asserted)."""
+    dev extra), the router CPU per request read from /proc, the load generator's ceiling, the
+    comparison's keys, streamed requests at two lengths included. Figures are not judged here
+    (benchmarks are measured, not asserted)."""
     result = subprocess.run(
         [
             sys.executable,
@@ -58,7 +59,13 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
         assert [level["concurrency"] for level in figures["load"]] == [1, 4]
         assert all(level["errors"] == 0 for level in figures["load"]), figures["load"]
         assert figures["router_cpu_ms_per_request"] > 0
+        streamed = figures["streamed"]
+        assert streamed["max_tokens"] == [4, 64]
+        assert streamed["errors"] == {"4": 0, "64": 0}, streamed["first_error"]
+        assert streamed["router_cpu_ms_per_request"]["64"] > 0
+        assert isinstance(streamed["router_cpu_ms_per_extra_token"], float)
     comparison = report["comparison"]
     assert comparison["rps_ratio"] > 0
     assert set(comparison["router_cpu_ms_per_request"]) == {"pdserve", "vllm_router"}
     assert set(comparison["added_p50_ms"]) == {"pdserve", "vllm_router"}
+    assert set(comparison["router_cpu_ms_per_extra_token"]) == {"pdserve", "vllm_router"}
