@@ -321,6 +321,8 @@ class ReferenceBackend(EngineBackend):
             running_requests=snap.running,
             kv_blocks_free=snap.free_blocks,
             kv_blocks_total=snap.total_blocks,
+            prefix_cache_reported=snap.cached_blocks is not None,
+            cached_block_hashes=snap.cached_blocks or (),
         )
 
     async def drain(self, timeout_s: float) -> int:
