@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from services.engines.backend import FinishReason, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution import Chunk, GenerationRequest, RunInfo
-from services.router.fork import forked_runs
+from services.router.fork import ChunkStream, forked_runs
 from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
 from services.router.runtime import RouterRuntime
 from services.tokenization.tokenizer import Tokenizer
@@ -57,7 +57,7 @@ class Choice:
 @dataclass
 class _State:
     choice: Choice
-    run: AsyncGenerator[Chunk, None]
+    run: ChunkStream
     info: RunInfo = field(default_factory=RunInfo)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -86,7 +86,9 @@ async def serve_choices(
         by_prompt.setdefault(choice.prompt_index, []).append(choice)
     for group in by_prompt.values():
         infos = [RunInfo() for _ in group]
-        runs = forked_runs(runtime, [choice.request for choice in group], infos)
+        runs: list[ChunkStream] | None = forked_runs(
+            runtime, [choice.request for choice in group], infos
+        )
         if runs is None:
             runs = [
                 runtime.executor.generate(choice.request, info)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import Coroutine
 from dataclasses import replace
+from typing import Any, Protocol
 
 from services.engines.backend import DecodeRequest, FinishReason, Fork, PrefillResult
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
@@ -41,9 +42,18 @@ FORKING_KINDS = frozenset({"reference"})
 _Item = Chunk | BaseException
 
 
+class ChunkStream(Protocol):
+    """One choice's chunks: what :mod:`services.router.choices` reads (an executor run, or a
+    :class:`_ChoiceStream` of a forked run)."""
+
+    def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...
+
+    async def aclose(self) -> None: ...
+
+
 def forked_runs(
     runtime: RouterRuntime, requests: list[GenerationRequest], infos: list[RunInfo]
-) -> list[AsyncGenerator[Chunk, None]] | None:
+) -> list[ChunkStream] | None:
     """One chunk stream per choice of one prompt (``requests[i]`` is choice ``i``), or
     ``None`` when they cannot fork (see the module docstring); counted either way."""
     if len(requests) < 2:
@@ -67,7 +77,37 @@ def forked_runs(
         return None
     runtime.metrics.choices.labels(path="forked").inc()
     run = _ForkedRun(runtime, plan, base, len(requests), infos)
-    return [run.choice(i) for i in range(len(requests))]
+    return [_ChoiceStream(run, i) for i in range(len(requests))]
+
+
+class _ChoiceStream:
+    """Choice ``index`` of a forked run. Reading it starts the run; closing every choice's
+    stream (read or not) cancels the run if it is still going."""
+
+    def __init__(self, run: _ForkedRun, index: int) -> None:
+        self._run = run
+        self._index = index
+        self._ended = False
+        self._closed = False
+
+    def __aiter__(self) -> _ChoiceStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended or self._closed:
+            raise StopAsyncIteration
+        item = await self._run.next_item(self._index)
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finish_reason is not None:
+            self._ended = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._run.release()
 
 
 class _ForkedRun:
@@ -94,22 +134,17 @@ class _ForkedRun:
         self._open = n
         self._task: asyncio.Future[None] | None = None
 
-    async def choice(self, index: int) -> AsyncGenerator[Chunk, None]:
+    async def next_item(self, index: int) -> _Item:
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
-        try:
-            while True:
-                item = await self._queues[index].get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            self._open -= 1
-            if self._open == 0 and not self._task.done():
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+        return await self._queues[index].get()
+
+    async def release(self) -> None:
+        """One choice's stream is closed; the last one cancels the run if it is going."""
+        self._open -= 1
+        if self._open == 0 and self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
     def _put(self, index: int, chunk: Chunk) -> None:
         self._queues[index].put_nowait(chunk)
