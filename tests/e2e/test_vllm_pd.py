@@ -121,6 +121,26 @@ def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]:
     return completion.choices[0].text, completion.choices[0].finish_reason, usage.completion_tokens
 
 
+PENALIZED = "penalized: "
+"""Key prefix of the colocated outputs with frequency and presence penalties."""
+
+
+def penalized(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]:
+    """Greedy with output penalties, which must count the producer's first token through PD."""
+    completion = client.completions.create(
+        model="tiny-model",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=1.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    )
+    usage = completion.usage
+    assert usage is not None
+    return completion.choices[0].text, completion.choices[0].finish_reason, usage.completion_tokens
+
+
 @pytest.fixture(scope="module")
 def colocated(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, prompts: list[str]
@@ -129,7 +149,10 @@ def colocated(
     system = start(tmp_path_factory.mktemp("vllm-colocated"), model_dir, "--colocated")
     try:
         client = client_of(system)
-        return {prompt: greedy(client, prompt) for prompt in prompts}
+        outputs = {prompt: greedy(client, prompt) for prompt in prompts}
+        for prompt in prompts[:3]:
+            outputs[PENALIZED + prompt] = penalized(client, prompt)
+        return outputs
     finally:
         stop(system)
 
@@ -420,6 +443,16 @@ class TestPullPP1:
         assert pulled >= len(prompts)  # one READ per request at least (PP=1, TP=1)
         assert engine_metric(system, "decode-0", count, consumer_engine="decode-0") == pulled
         assert engine_metric(system, "decode-0", "pdserve_kv_transfer_failures_total") == 0
+
+    def test_output_penalties_through_pd_equal_colocated(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        client = client_of(system)
+        for prompt in prompts[:3]:
+            assert penalized(client, prompt) == colocated[PENALIZED + prompt], prompt
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(

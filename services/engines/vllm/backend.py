@@ -243,7 +243,8 @@ FIRST_TOKEN_ARG = "pdserve_first_token_id"
 for :data:`FIRST_TOKEN_PENALTIES` (services/engines/vllm/first_token.py)."""
 
 FIRST_TOKEN_PENALTIES = "services.engines.vllm.first_token:FirstTokenPenalties"
-"""The logits processor every vLLM engine is built with (``logits_processors``)."""
+"""The logits processor every vLLM engine without speculative decoding is built with
+(``logits_processors``; vLLM refuses custom ones with speculative decoding)."""
 
 
 def decode_sampling(
@@ -416,7 +417,11 @@ class VllmBackend(EngineBackend):
             enforce_eager=self.options.enforce_eager,
             speculative_config=self.options.speculative_config,
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
-            logits_processors=[FIRST_TOKEN_PENALTIES],
+            # vLLM refuses custom logits processors with speculative decoding: there the
+            # first token stays out of the output penalties (docs/architecture.md).
+            logits_processors=(
+                [FIRST_TOKEN_PENALTIES] if self.options.speculative_config is None else []
+            ),
         )
         backend = self
 
