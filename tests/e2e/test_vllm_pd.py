@@ -125,7 +125,12 @@ PENALIZED = "penalized: "
 """Key prefix of the colocated outputs with frequency and presence penalties."""
 
 
-def penalized(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]:
+PENALIZED_PROMPTS = ("Hello, world! How are you", "What is the capital")
+"""Without the first token in its output penalties, PD vLLM differed from colocated on the
+second (repetition penalty 1)."""
+
+
+def penalized(client: openai.OpenAI, prompt: str, repetition: float) -> tuple[str, str | None, int]:
     """Greedy with output penalties, which must count the producer's first token through PD."""
     completion = client.completions.create(
         model="tiny-model",
@@ -134,7 +139,7 @@ def penalized(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]
         temperature=0,
         frequency_penalty=1.5,
         presence_penalty=1.0,
-        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+        extra_body={"ignore_eos": True, "repetition_penalty": repetition},
     )
     usage = completion.usage
     assert usage is not None
@@ -150,8 +155,9 @@ def colocated(
     try:
         client = client_of(system)
         outputs = {prompt: greedy(client, prompt) for prompt in prompts}
-        for prompt in prompts[:3]:
-            outputs[PENALIZED + prompt] = penalized(client, prompt)
+        for prompt in PENALIZED_PROMPTS:
+            for repetition in (1.0, 1.3):
+                outputs[f"{PENALIZED}{repetition} {prompt}"] = penalized(client, prompt, repetition)
         return outputs
     finally:
         stop(system)
@@ -451,8 +457,10 @@ class TestPullPP1:
         colocated: dict[str, tuple[str, str | None, int]],
     ) -> None:
         client = client_of(system)
-        for prompt in prompts[:3]:
-            assert penalized(client, prompt) == colocated[PENALIZED + prompt], prompt
+        for prompt in PENALIZED_PROMPTS:
+            for repetition in (1.0, 1.3):
+                got = penalized(client, prompt, repetition)
+                assert got == colocated[f"{PENALIZED}{repetition} {prompt}"], (prompt, repetition)
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(
