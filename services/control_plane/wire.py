@@ -30,10 +30,14 @@ from services.topology import Range
 # Protocol history:
 #   1: first version (engine record, handshake record, status, load, event); the engine
 #      record's max_model_len was added later with a default (0 = unknown), so records
-#      written before it still decode.
+#      written before it still decode; so were the load's prefix_cache_reported and
+#      cached_block_hashes (a router that predates them refuses such a load record as
+#      malformed: upgrade routers before engines).
 PROTOCOL_VERSION = 1
 
 MAX_RECORD_BYTES = 4 * 1024 * 1024
+MAX_REPORTED_BLOCKS = 1024
+"""Most prefix-cache block hashes a load record carries (about 9 KiB of msgpack)."""
 """Upper bound of one encoded value (NIXL agent metadata dominates; a few KiB to ~1 MiB)."""
 MAX_REGIONS = 8192
 """Upper bound of registered KV regions per worker (2 per layer: K and V)."""
@@ -206,6 +210,13 @@ class EngineLoad:
     running_requests: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    prefix_cache_reported: bool = False
+    """Whether :attr:`cached_block_hashes` is the engine's prefix cache (an engine without a
+    prefix cache, or one that cannot list it, leaves both at their defaults)."""
+    cached_block_hashes: tuple[int, ...] = ()
+    """The chained hashes of the full blocks the engine's prefix cache holds, most recently
+    used first, at most :data:`MAX_REPORTED_BLOCKS` (hash ``i`` covers tokens
+    ``[0, (i + 1) * block_size)``, ``services.router.policies.prompt_block_hashes``)."""
 
 
 @dataclass(frozen=True)

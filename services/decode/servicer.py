@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from services.engines.backend import FinishReason, KVHandle, TokenDelta, Usage
-from services.engines.errors import EngineFailed, RequestError
+from services.engines.errors import EngineFailed, InvalidRequest, RequestError
 from services.engines.producer_check import ProducerViews
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.serving import convert
@@ -27,6 +27,10 @@ from services.serving.servicer import ServingState
 from services.serving.status import status_for
 
 logger = logging.getLogger(__name__)
+
+_ENDS_ALL = (FinishReason.ERROR,)
+"""A finish that ends every sequence of the stream (a fork's STOP, LENGTH or ABORT ends its
+own)."""
 
 
 class ProducerGate:
@@ -64,6 +68,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         async with state.rpc("Decode", context) as outcome:
             parsed = convert.decode_request_from_proto(request, state.limits)
             coalesce_s = convert.coalesce_from_proto(request)
+            if parsed.forks:
+                if not state.backend.forks_decode:
+                    raise InvalidRequest(
+                        f"engine {state.engine_id} cannot fork a decode: send one per choice"
+                    )
+                coalesce_s = 0.0  # forks' chunks of different choices never merge
+            # The stream ends once each of its sequences (forks) has finished.
+            left = parsed.sequences
             if parsed.kv_handle is not None and not state.backend.checks_producers:
                 await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
@@ -90,7 +102,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 else:
                     yield convert.delta_to_proto(first)
                     sent_at = time.monotonic()
-                while last.finish_reason is None:
+                if first.finish_reason is not None:
+                    left -= 1
+                while left > 0 and last.finish_reason not in _ENDS_ALL:
                     try:
                         last = await anext(stream)
                     except StopAsyncIteration:
@@ -98,6 +112,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     except (RequestError, EngineFailed) as exc:
                         last = self._failed(parsed.prompt_token_ids, exc)
                         failure_code = status_for(exc)[0]
+                    if last.finish_reason is not None:
+                        left -= 1
                     if coalesce_s:
                         # Held steps go out with the finish, or once coalesce_s passed.
                         held.append(last)

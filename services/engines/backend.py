@@ -31,7 +31,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from services.config.control_plane import ControlPlaneSettings
@@ -45,6 +45,8 @@ MAX_LOGPROBS = 20
 """Most top logprobs per token (``logprobs`` / ``prompt_logprobs``), vLLM's default
 ``max_logprobs``."""
 MAX_LOGIT_BIAS = 1024
+MAX_N = 128
+"""Most choices of one prefill (``SamplingParams.n``) and forks of one decode."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    n: int = 1
+    """Prefill only: first tokens (choices) to sample from the prompt; choice ``i`` of a
+    seeded request samples as one seeded with ``seed + i`` (vLLM's rule for ``n > 1``). A
+    decode forks with :attr:`DecodeRequest.forks` instead and keeps ``n == 1``."""
 
     def validate(self, *, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad field."""
         if self.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}], got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest("temperature must be a finite number >= 0")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
@@ -142,6 +150,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_choice(self, choice: int) -> SamplingParams:
+        """The parameters choice ``choice`` of a forked request samples with: one choice,
+        the seed offset by the choice (vLLM's ``ParentRequest`` rule)."""
+        seed = None if self.seed is None else self.seed + choice
+        if self.n == 1 and seed == self.seed:
+            return self
+        return replace(self, n=1, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -223,6 +239,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """One further choice's first token (a prefill with ``sampling.n > 1``)."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """The first token of a prefilled request and the handle of its KV.
 
@@ -243,6 +269,9 @@ class PrefillResult:
     """The first token's, when ``sampling.logprobs`` is set."""
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """Prompt tokens 1.. (the first has none), when ``sampling.prompt_logprobs`` is set."""
+    more_choices: tuple[FirstToken, ...] = ()
+    """With ``sampling.n > 1``: the first tokens of choices ``1 .. n-1`` (choice 0 is the
+    fields above); ``kv_handle`` is then ``None`` exactly when every choice finished."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +295,16 @@ class TokenDelta:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """On the first delta of a local request with ``sampling.prompt_logprobs``: prompt
     tokens 1.. (a disaggregated request gets them from its prefill)."""
+    choice: int = 0
+    """With :attr:`DecodeRequest.forks`: the choice (fork) these tokens belong to."""
+
+
+@dataclass(frozen=True)
+class Fork:
+    """One sequence of a forked decode: its choice index and the producer's first token."""
+
+    choice: int
+    first_token_id: int
 
 
 @dataclass(frozen=True)
@@ -283,6 +322,16 @@ class DecodeRequest:
     sampling: SamplingParams
     kv_handle: KVHandle | None = None
     first_token_id: int | None = None
+    forks: tuple[Fork, ...] = ()
+    """With ``kv_handle`` (an engine with :attr:`EngineBackend.forks_decode`): decode one
+    sequence per fork from the one pulled KV, each sampling with
+    ``sampling.for_choice(fork.choice)``; ``first_token_id`` is ``forks[0]``'s. The stream's
+    deltas carry their fork's choice and it ends once every fork finished."""
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the stream carries (each ends with its own finish reason)."""
+        return max(1, len(self.forks))
 
 
 @dataclass(frozen=True)
@@ -336,6 +385,11 @@ class EngineBackend(abc.ABC):
     admission is refused, ``EngineDraining`` once :meth:`drain` began, ``EngineFailed`` when a
     rank died (the engine is then unusable and the host must exit non-zero).
     """
+
+    forks_decode: bool = False
+    """Whether :meth:`prefill` takes ``sampling.n > 1`` and :meth:`decode` takes
+    ``DecodeRequest.forks`` (n choices from one prefill and one KV transfer); a backend
+    without it refuses both with :class:`~services.engines.errors.InvalidRequest`."""
 
     checks_producers: bool = False
     """Whether :meth:`decode` checks a handle's producer against the control plane itself

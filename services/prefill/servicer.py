@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc.aio
 
 from services.engines.backend import FinishReason
-from services.engines.errors import RequestAborted
+from services.engines.errors import InvalidRequest, RequestAborted
 from services.proto_gen.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.serving import convert
 from services.serving.servicer import ServingState
@@ -25,6 +25,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         async with self.state.rpc("Prefill", context) as outcome:
             call = convert.prefill_request_from_proto(request, self.state.limits)
             outcome.request_id = call.request_id
+            if call.sampling.n > 1 and not self.state.backend.forks_decode:
+                raise InvalidRequest(
+                    f"engine {self.state.engine_id} samples one choice per prefill: n must be 1"
+                )
             result = await self.state.backend.prefill(
                 call.request_id, call.prompt_token_ids, call.sampling
             )

@@ -1,10 +1,11 @@
 """Requests with several choices (``n > 1``, a batch of prompts), logprobs or ``echo``.
 
 The single-choice request without logprobs keeps the lean path in :mod:`services.router.api`;
-everything else comes here. Each choice is its own engine request (its own prefill and KV
-transfer: a decode engine cannot fork one prefilled KV into several sequences yet, see
-docs/architecture.md), run concurrently; with a ``seed``, choice ``i`` uses ``seed + i`` as
-vLLM does. Choices are numbered prompt-major (``index = prompt * n + i``), as vLLM does.
+everything else comes here. The ``n`` choices of one prompt fork from one prefill and one KV
+transfer when the engine pair can (:mod:`services.router.fork`); otherwise each choice is its
+own engine request (its own prefill and KV transfer), run concurrently. With a ``seed``,
+choice ``i`` uses ``seed + i`` as vLLM does, on either path. Choices are numbered
+prompt-major (``index = prompt * n + i``), as vLLM does.
 Usage sums prompt tokens over prompts (once per prompt, not per choice) and completion
 tokens over every choice.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from services.engines.backend import FinishReason, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution import Chunk, GenerationRequest, RunInfo
+from services.router.fork import ChunkStream, forked_runs
 from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
 from services.router.runtime import RouterRuntime
 from services.tokenization.tokenizer import Tokenizer
@@ -55,7 +57,7 @@ class Choice:
 @dataclass
 class _State:
     choice: Choice
-    run: AsyncGenerator[Chunk, None]
+    run: ChunkStream
     info: RunInfo = field(default_factory=RunInfo)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -79,9 +81,21 @@ async def serve_choices(
     """Run every choice; answer as one OpenAI response (or SSE stream)."""
     first_request = choices[0].request
     states: list[_State] = []
+    by_prompt: dict[int, list[Choice]] = {}
     for choice in choices:
-        info = RunInfo()
-        states.append(_State(choice, runtime.executor.generate(choice.request, info), info))
+        by_prompt.setdefault(choice.prompt_index, []).append(choice)
+    for group in by_prompt.values():
+        infos = [RunInfo() for _ in group]
+        runs: list[ChunkStream] | None = forked_runs(
+            runtime, [choice.request for choice in group], infos
+        )
+        if runs is None:
+            runs = [
+                runtime.executor.generate(choice.request, info)
+                for choice, info in zip(group, infos, strict=True)
+            ]
+        states.extend(map(_State, group, runs, infos))
+    states.sort(key=lambda state: state.choice.index)
     streaming = False
     try:
         firsts: list[Chunk] = await guard(_all([anext(s.run) for s in states]))

@@ -65,6 +65,14 @@ class RouterMetrics:
             ["path"],
             registry=r,
         )
+        self.choices = Counter(
+            "pdserve_router_choices_total",
+            "Prompts with several choices (n > 1), by how their choices ran: forked (one "
+            "prefill and one KV transfer, forked on the decode engine) or per_choice (a "
+            "request per choice: an engine that cannot fork, or local execution).",
+            ["path"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "pdserve_router_fallbacks_total",
             "Requests that ran differently from the plan, by reason (no_prefill_engine, "

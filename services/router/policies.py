@@ -9,12 +9,16 @@ run on the request path, synchronously: no I/O, a few microseconds.
   the engine last reported). Reservations are taken before the first ``await`` of a request, so
   a burst of requests spreads over engines instead of herding on the one that looked idle at
   the last heartbeat; ties rotate.
-- :class:`PrefixAwarePolicy`: least-loaded, except that the engine that was sent the longest
+- :class:`PrefixAwarePolicy`: least-loaded, except that the engine that holds the longest
   prefix of this prompt's blocks wins while its load is within ``load_slack`` of the least
-  loaded one. The index is approximate (what this router sent, not what the engine kept); the
-  engine's ``usage.cached_tokens`` reports the truth. It is kept per :class:`EngineSlot`, weakly:
-  an engine that restarts (new generation, so a new slot) starts empty, and one that leaves the
-  pool is forgotten with its slot.
+  loaded one. What an engine holds: an engine that reports its prefix cache (the reference
+  engine: ``EngineLoad.cached_block_hashes`` on every heartbeat, its most recently used blocks,
+  bounded) is scored by that report, plus the prompts this router sent it since the report
+  arrived (the next heartbeat lists them if the engine kept them; evicted blocks drop out).
+  An engine that reports nothing (vLLM) is scored by what this router sent it, an
+  approximation (an LRU per engine). Both are kept per :class:`EngineSlot`, weakly: an engine
+  that restarts (new generation, so a new slot) starts empty, and one that leaves the pool is
+  forgotten with its slot.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.control_plane.wire import EngineLoad
 from services.router.pool import EngineSlot
 
 
@@ -164,12 +169,42 @@ class PrefixIndex:
         return count
 
 
+class ReportedCaches:
+    """Per engine slot that reports its prefix cache: the reported hashes as a set (rebuilt
+    when a new load arrives) and the hashes this router sent it since that load."""
+
+    def __init__(self) -> None:
+        self._reported: weakref.WeakKeyDictionary[
+            EngineSlot, tuple[EngineLoad, frozenset[int], set[int]]
+        ] = weakref.WeakKeyDictionary()
+
+    def _entry(self, slot: EngineSlot) -> tuple[EngineLoad, frozenset[int], set[int]]:
+        entry = self._reported.get(slot)
+        if entry is None or entry[0] is not slot.load:
+            entry = (slot.load, frozenset(slot.load.cached_block_hashes), set())
+            self._reported[slot] = entry
+        return entry
+
+    def add(self, slot: EngineSlot, hashes: Sequence[int]) -> None:
+        self._entry(slot)[2].update(hashes)
+
+    def matched(self, slot: EngineSlot, hashes: Sequence[int]) -> int:
+        _, reported, sent = self._entry(slot)
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in reported and block_hash not in sent:
+                break
+            count += 1
+        return count
+
+
 class PrefixAwarePolicy(LeastLoadedPolicy):
     """Longest cached prefix within ``load_slack`` of the least load; else least-loaded."""
 
     def __init__(self, capacity_blocks: int, load_slack: int) -> None:
         super().__init__()
         self._index = PrefixIndex(capacity_blocks)
+        self._reported = ReportedCaches()
         self._slack = load_slack
 
     def choose(
@@ -189,10 +224,17 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         return best_slot if best_slot is not None else self._least_loaded(candidates, stage)
 
     def routed(self, slot: EngineSlot, prompt: PromptInfo) -> None:
-        self._index.add(slot, prompt.block_hashes(slot.record.block_size))
+        hashes = prompt.block_hashes(slot.record.block_size)
+        if slot.load.prefix_cache_reported:
+            self._reported.add(slot, hashes)
+        else:
+            self._index.add(slot, hashes)
 
     def cached_blocks(self, slot: EngineSlot, prompt: PromptInfo) -> int:
-        return self._index.matched(slot, prompt.block_hashes(slot.record.block_size))
+        hashes = prompt.block_hashes(slot.record.block_size)
+        if slot.load.prefix_cache_reported:
+            return self._reported.matched(slot, hashes)
+        return self._index.matched(slot, hashes)
 
 
 def make_policy(name: str, *, prefix_cache_blocks: int, prefix_load_slack: int) -> RoutingPolicy:

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from services.control_plane.wire import EngineLoad, validate_identifier
 from services.engines.backend import (
     MAX_LOGIT_BIAS,
+    MAX_N,
     DecodeRequest,
     FinishReason,
+    FirstToken,
+    Fork,
     KVHandle,
     PrefillResult,
     RequestLimits,
@@ -121,6 +124,8 @@ def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
         message.skip_special_tokens = False
     if not sampling.spaces_between_special_tokens:
         message.spaces_between_special_tokens = False
+    if sampling.n != 1:
+        message.n = sampling.n
     return message
 
 
@@ -164,6 +169,7 @@ def sampling_from_proto(
             if message.HasField("spaces_between_special_tokens")
             else True
         ),
+        n=message.n or 1,
     )
     sampling.validate(vocab_size=limits.vocab_size if limits else None)
     return sampling
@@ -306,6 +312,7 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         prefill_s=result.prefill_s,
         queue_s=result.queue_s,
         prompt_logprobs=[logprobs_to_proto(entry) for entry in result.prompt_logprobs],
+        more_choices=[_first_to_proto(first) for first in result.more_choices],
     )
     if result.kv_handle is not None:
         response.kv_handle.CopyFrom(handle_to_proto(result.kv_handle))
@@ -326,7 +333,29 @@ def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillRe
         queue_s=message.queue_s,
         logprobs=logprobs_from_proto(message.logprobs) if message.HasField("logprobs") else None,
         prompt_logprobs=tuple(logprobs_from_proto(entry) for entry in message.prompt_logprobs),
+        more_choices=tuple(
+            FirstToken(
+                token_id=first.token_id,
+                text=first.text,
+                finish_reason=finish_from_proto(first.finish_reason),
+                logprobs=logprobs_from_proto(first.logprobs)
+                if first.HasField("logprobs")
+                else None,
+            )
+            for first in message.more_choices
+        ),
     )
+
+
+def _first_to_proto(first: FirstToken) -> prefill_pb2.FirstToken:
+    message = prefill_pb2.FirstToken(
+        token_id=first.token_id,
+        text=first.text,
+        finish_reason=finish_to_proto(first.finish_reason),
+    )
+    if first.logprobs is not None:
+        message.logprobs.CopyFrom(logprobs_to_proto(first.logprobs))
+    return message
 
 
 def _handle_as_sent(message: types_pb2.KVHandle) -> KVHandle:
@@ -363,6 +392,8 @@ def decode_request_to_proto(
         message.kv_handle.CopyFrom(handle_to_proto(request.kv_handle))
     if request.first_token_id is not None:
         message.first_token_id = request.first_token_id
+    for fork in request.forks:
+        message.forks.add(choice=fork.choice, first_token_id=fork.first_token_id)
     if coalesce_s is not None:
         message.coalesce_s = coalesce_s
         message.coalesce_first = True
@@ -394,6 +425,7 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
         kv_transfer_s=next((d.kv_transfer_s for d in deltas if d.kv_transfer_s is not None), None),
         logprobs=tuple(entry for delta in deltas for entry in delta.logprobs),
         prompt_logprobs=tuple(entry for delta in deltas for entry in delta.prompt_logprobs),
+        choice=last.choice,
     )
 
 
@@ -426,13 +458,38 @@ def decode_request_from_proto(
             raise InvalidRequest(
                 f"first_token_id {first_token_id} outside the vocabulary [0, {limits.vocab_size})"
             )
+    if sampling.n != 1:
+        raise InvalidRequest("sampling.n must be 1 in a decode request (it forks with forks)")
+    forks = _forks_from_proto(message, first_token_id, limits)
     return DecodeRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
         kv_handle=handle,
         first_token_id=first_token_id,
+        forks=forks,
     )
+
+
+def _forks_from_proto(
+    message: decode_pb2.DecodeRequest, first_token_id: int | None, limits: RequestLimits
+) -> tuple[Fork, ...]:
+    if not message.forks:
+        return ()
+    if first_token_id is None:
+        raise InvalidRequest("forks are only valid with a kv_handle")
+    if len(message.forks) > MAX_N:
+        raise InvalidRequest(f"at most {MAX_N} forks")
+    forks = tuple(Fork(fork.choice, fork.first_token_id) for fork in message.forks)
+    if len({fork.choice for fork in forks}) != len(forks) or any(
+        fork.choice >= MAX_N for fork in forks
+    ):
+        raise InvalidRequest(f"forks must have distinct choices in [0, {MAX_N})")
+    if any(not 0 <= fork.first_token_id < limits.vocab_size for fork in forks):
+        raise InvalidRequest(f"a fork's first_token_id is outside [0, {limits.vocab_size})")
+    if forks[0].first_token_id != first_token_id:
+        raise InvalidRequest("first_token_id must be forks[0].first_token_id")
+    return forks
 
 
 def delta_to_proto(delta: TokenDelta) -> decode_pb2.DecodeChunk:
@@ -448,6 +505,8 @@ def delta_to_proto(delta: TokenDelta) -> decode_pb2.DecodeChunk:
         chunk.usage.CopyFrom(usage_to_proto(delta.usage))
     if delta.kv_transfer_s is not None:
         chunk.kv_transfer_s = delta.kv_transfer_s
+    if delta.choice:
+        chunk.choice = delta.choice
     return chunk
 
 
@@ -464,6 +523,7 @@ def delta_from_proto(chunk: decode_pb2.DecodeChunk) -> TokenDelta:
         kv_transfer_s=chunk.kv_transfer_s if chunk.HasField("kv_transfer_s") else None,
         logprobs=tuple(map(logprobs_from_proto, logprobs)) if logprobs else (),
         prompt_logprobs=tuple(map(logprobs_from_proto, prompt_logprobs)) if prompt_logprobs else (),
+        choice=chunk.choice,
     )
 
 

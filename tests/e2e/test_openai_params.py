@@ -234,6 +234,54 @@ def test_n_and_batched_prompts_with_usage(client: openai.OpenAI, stream: bool) -
     assert usage.prompt_tokens > single.usage.prompt_tokens  # both prompts, counted once each
 
 
+def _engines_metric(pd: UpSystem, role: str, name: str) -> float:
+    """The sum of ``name``'s samples over every engine of ``role``."""
+    total = 0.0
+    for engine in pd.endpoints["engines"].values():
+        if engine["role"] != role:
+            continue
+        for line in httpx.get(engine["metrics"], timeout=10).text.splitlines():
+            if line.startswith(name):
+                total += float(line.rpartition(" ")[2])
+    return total
+
+
+def _texts(client: openai.OpenAI, stream: bool, **kwargs: object) -> list[str]:
+    if not stream:
+        completion = client.completions.create(**kwargs)  # type: ignore[call-overload]
+        return [c.text for c in sorted(completion.choices, key=lambda c: c.index)]
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    return [texts[i] for i in sorted(texts)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_forks_from_one_prefill_and_one_kv_transfer(
+    client: openai.OpenAI, pd: UpSystem, stream: bool
+) -> None:
+    common = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "extra_body": {"ignore_eos": True},
+    }
+    pulls = _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count")
+    forked = pd.metric("pdserve_router_choices_total", path="forked")
+    greedy = _texts(client, stream, n=3, temperature=0, **common)
+    assert _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count") == pulls + 1
+    assert pd.metric("pdserve_router_choices_total", path="forked") == forked + 1
+    single = _texts(client, stream, temperature=0, **common)
+    assert greedy == single * 3  # three equal greedy choices, equal to one request's
+    seeded = _texts(client, stream, n=3, temperature=1.0, seed=11, **common)
+    assert _texts(client, stream, n=3, temperature=1.0, seed=11, **common) == seeded
+    assert len(set(seeded)) > 1
+    # Choice i samples as a request seeded with seed + i (vLLM's rule, and the per-choice path).
+    alone = [_texts(client, stream, temperature=1.0, seed=11 + i, **common)[0] for i in range(3)]
+    assert seeded == alone
+
+
 def test_chat_logprobs_and_n(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model=MODEL,

@@ -130,6 +130,31 @@ def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, str | None, int]:
     return completion.choices[0].text, completion.choices[0].finish_reason, usage.completion_tokens
 
 
+PENALIZED = "penalized: "
+"""Key prefix of the colocated outputs with frequency and presence penalties."""
+
+
+PENALIZED_PROMPTS = ("Hello, world! How are you", "What is the capital")
+"""Without the first token in its output penalties, PD vLLM differed from colocated on the
+second (repetition penalty 1)."""
+
+
+def penalized(client: openai.OpenAI, prompt: str, repetition: float) -> tuple[str, str | None, int]:
+    """Greedy with output penalties, which must count the producer's first token through PD."""
+    completion = client.completions.create(
+        model="tiny-model",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=1.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": repetition},
+    )
+    usage = completion.usage
+    assert usage is not None
+    return completion.choices[0].text, completion.choices[0].finish_reason, usage.completion_tokens
+
+
 @pytest.fixture(scope="module")
 def colocated(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, prompts: list[str]
@@ -138,7 +163,11 @@ def colocated(
     system = start(tmp_path_factory.mktemp("vllm-colocated"), model_dir, "--colocated")
     try:
         client = client_of(system)
-        return {prompt: greedy(client, prompt) for prompt in prompts}
+        outputs = {prompt: greedy(client, prompt) for prompt in prompts}
+        for prompt in PENALIZED_PROMPTS:
+            for repetition in (1.0, 1.3):
+                outputs[f"{PENALIZED}{repetition} {prompt}"] = penalized(client, prompt, repetition)
+        return outputs
     finally:
         stop(system)
 
@@ -466,6 +495,18 @@ class TestPullPP1:
         async with steady_load(system.url, workers=2) as after:  # the stack serves on
             await finished_after(after, 4)
         assert_lost_nothing(stack, after)
+
+    def test_output_penalties_through_pd_equal_colocated(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        client = client_of(system)
+        for prompt in PENALIZED_PROMPTS:
+            for repetition in (1.0, 1.3):
+                got = penalized(client, prompt, repetition)
+                assert got == colocated[f"{PENALIZED}{repetition} {prompt}"], (prompt, repetition)
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(

@@ -46,6 +46,7 @@ from services.engines.backend import (
     EngineBackend,
     EngineRegistration,
     FinishReason,
+    Fork,
     KVHandle,
     PrefillResult,
     SamplingParams,
@@ -97,6 +98,7 @@ class ReferenceBackend(EngineBackend):
     after :meth:`stop`, build a new one to start again."""
 
     checks_producers = True
+    forks_decode = True
 
     def __init__(
         self, options: ReferenceEngineOptions, *, registry: CollectorRegistry | None = None
@@ -261,6 +263,10 @@ class ReferenceBackend(EngineBackend):
     async def _decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         registration = self._running_registration()
         self._validate(request.request_id, request.prompt_token_ids, request.sampling)
+        if request.sampling.n != 1:
+            raise InvalidRequest("a decode samples one choice (n=1); it forks with forks")
+        if request.forks and request.kv_handle is None:
+            raise InvalidRequest("forks are only valid with a kv_handle")
         kind: RequestKind = "generate"
         if request.kv_handle is not None:
             if not registration.role.consumes_kv:
@@ -279,8 +285,10 @@ class ReferenceBackend(EngineBackend):
             sink,
             handle=request.kv_handle,
             first_token_id=request.first_token_id,
+            forks=request.forks,
         )
         finished = False
+        left = request.sequences  # each fork ends with its own finish
         try:
             while True:
                 item = await sink.items.get()
@@ -290,7 +298,8 @@ class ReferenceBackend(EngineBackend):
                 if not isinstance(item, TokenDelta):  # pragma: no cover - scheduler contract
                     raise EngineFailed(f"decode of {request.request_id} got a prefill result")
                 if item.finish_reason is not None:
-                    finished = True
+                    left -= 1
+                    finished = left == 0 or item.finish_reason is FinishReason.ERROR
                 yield item
                 if finished:
                     return
@@ -312,6 +321,8 @@ class ReferenceBackend(EngineBackend):
             running_requests=snap.running,
             kv_blocks_free=snap.free_blocks,
             kv_blocks_total=snap.total_blocks,
+            prefix_cache_reported=snap.cached_blocks is not None,
+            cached_block_hashes=snap.cached_blocks or (),
         )
 
     async def drain(self, timeout_s: float) -> int:
@@ -403,6 +414,7 @@ class ReferenceBackend(EngineBackend):
         *,
         handle: KVHandle | None = None,
         first_token_id: int | None = None,
+        forks: tuple[Fork, ...] = (),
     ) -> None:
         engine = self._running_engine()
         scheduler = engine.scheduler
@@ -417,6 +429,7 @@ class ReferenceBackend(EngineBackend):
                 sink,
                 handle=handle,
                 first_token_id=first_token_id,
+                forks=forks,
             )
 
         await asyncio.wrap_future(engine.call(submit))

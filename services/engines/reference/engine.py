@@ -28,6 +28,7 @@ from multiprocessing import Pipe
 from typing import Any, TypeVar
 
 from services.control_plane.errors import ControlPlaneError
+from services.control_plane.wire import MAX_REPORTED_BLOCKS
 from services.engines.backend import EngineRegistration
 from services.engines.errors import EngineFailed
 from services.engines.reference.executor import RankGroup
@@ -65,6 +66,8 @@ class LoadSnapshot:
     in_flight: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    cached_blocks: tuple[int, ...] | None = None
+    """The prefix cache's most recently used block keys (``None``: no prefix cache)."""
 
 
 @dataclass
@@ -100,6 +103,8 @@ class EngineLoop:
         self.failure: EngineFailed | None = None
         self._republish: _PendingRepublish | None = None
         self.snapshot = LoadSnapshot(total_blocks=scheduler.limits.num_blocks)
+        self._cache_version = -1
+        self._cached_keys: tuple[int, ...] = ()
         self._thread = threading.Thread(
             target=self._run, name=f"pdserve-engine-{scheduler.engine_id}", daemon=True
         )
@@ -257,12 +262,20 @@ class EngineLoop:
 
     def _update_snapshot(self) -> None:
         s = self.scheduler
+        cache = s.prefix_cache
+        cached: tuple[int, ...] | None = None
+        if cache is not None:
+            if cache.version != self._cache_version:  # rebuilt only when the cache changed
+                self._cache_version = cache.version
+                self._cached_keys = cache.recent_keys(MAX_REPORTED_BLOCKS)
+            cached = self._cached_keys
         self.snapshot = LoadSnapshot(
             queue_depth=s.queue_depth,
             running=s.running_count,
             in_flight=s.in_flight,
             free_blocks=s.free_blocks(),
             total_blocks=s.limits.num_blocks,
+            cached_blocks=cached,
         )
 
     def _fail(self, error: EngineFailed) -> None:

@@ -15,6 +15,7 @@ the cache (as in vLLM): their logits are needed at every prompt position.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -43,6 +44,8 @@ class PrefixCache:
         """Block -> key, least recently used first."""
         self.hits = 0
         self.queries = 0
+        self.version = 0
+        """Changes whenever the cached set or its recency order changes."""
 
     @property
     def num_cached(self) -> int:
@@ -68,6 +71,7 @@ class PrefixCache:
             found.append(block)
         if found:
             self.hits += 1
+            self.version += 1
             self._allocator.incref(found)
             for block in found:
                 self._keys.move_to_end(block)
@@ -82,6 +86,7 @@ class PrefixCache:
             for block in victims:
                 del self._blocks[self._keys.pop(block)]
             if victims:
+                self.version += 1
                 self._allocator.free(victims)
         return list(self._allocator.allocate(count))
 
@@ -96,4 +101,10 @@ class PrefixCache:
             self._keys[block] = key
             added.append(block)
         if added:
+            self.version += 1
             self._allocator.incref(added)
+
+    def recent_keys(self, limit: int) -> tuple[int, ...]:
+        """The keys of at most ``limit`` cached blocks, most recently used first (what the
+        engine reports to routers: ``EngineLoad.cached_block_hashes``)."""
+        return tuple(itertools.islice(reversed(self._keys.values()), limit))

@@ -20,6 +20,16 @@ Request kinds:
   blocks are held by every rank's producer until its consumers notify or the lease expires;
 - ``remote``: decode from a producer's KV: blocks are allocated, every rank pulls its share, and
   decoding continues after the producer's first token.
+
+``n > 1`` from one prefill and one KV transfer (forks): a ``prefill`` with ``sampling.n > 1``
+samples the first token of each choice from the prompt's last logits (choice ``i`` with
+``sampling.for_choice(i)``: a seeded choice draws what a request seeded with ``seed + i``
+would); a ``remote`` request with ``forks`` pulls the prompt's KV once, then forks one sequence
+per further fork: each shares the prompt's full blocks (one more reference each, never written:
+new tokens go after the prompt) and recomputes the prompt's last partial block, at most
+``block_size - 1`` tokens, into a block of its own instead of copying it (no rank command; the
+prefix cache serves hits the same way). Every fork's blocks are reserved when the request is
+admitted (no preemption), and the forks' deltas carry their choice.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ import torch
 
 from services.engines.backend import (
     FinishReason,
+    FirstToken,
+    Fork,
     KVHandle,
     PrefillResult,
     SamplingParams,
@@ -147,6 +159,14 @@ class EngineRequest:
     prompt_logprobs_sent: bool = False
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    choice: int = 0
+    """The choice this sequence is (a fork's; tags its deltas)."""
+    forks: tuple[Fork, ...] = ()
+    """A remote request's further forks (``DecodeRequest.forks[1:]``), started once the pull
+    succeeded; their blocks are :attr:`reserved` until then."""
+    reserved: list[int] = field(default_factory=list)
+    parent: str | None = None
+    """A fork's: the id of the request it was forked from."""
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -225,6 +245,8 @@ class Scheduler:
         self._requests: dict[str, EngineRequest] = {}
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
+        self._families: dict[str, tuple[str, ...]] = {}
+        """A forked request's id -> its further forks' ids (aborted with it)."""
 
     def _deliver(self, sink: RequestSink, item: SinkItem) -> None:
         self.deliveries.append((sink, item))
@@ -263,6 +285,7 @@ class Scheduler:
         *,
         handle: KVHandle | None = None,
         first_token_id: int | None = None,
+        forks: tuple[Fork, ...] = (),
     ) -> None:
         """Queue a request. Raises :class:`InvalidRequest`, :class:`DuplicateRequest`,
         :class:`EngineDraining` or :class:`EngineOverloaded` (nothing is queued then)."""
@@ -280,7 +303,12 @@ class Scheduler:
             )
         if kind == "remote" and (handle is None or first_token_id is None):
             raise InvalidRequest("a remote decode needs a kv_handle and a first_token_id")
-        if self._blocks_needed(kind, len(prompt), sampling) > limits.num_blocks:
+        if forks and (kind != "remote" or forks[0].first_token_id != first_token_id):
+            raise InvalidRequest("forks need a remote decode whose first_token_id is the first's")
+        if sampling.n > 1 and kind != "prefill":
+            raise InvalidRequest("n > 1 is for a prefill; a decode forks with forks")
+        choice = forks[0].choice if forks else 0
+        if self._blocks_total(kind, prompt, sampling, len(forks)) > limits.num_blocks:
             raise InvalidRequest(
                 f"request needs more KV blocks than the engine has ({limits.num_blocks}); "
                 "lower max_tokens"
@@ -292,22 +320,37 @@ class Scheduler:
             request_id=request_id,
             kind=kind,
             prompt=tuple(prompt),
-            sampling=sampling,
+            sampling=sampling.for_choice(choice) if forks else sampling,
             sink=sink,
-            text=OutputText(
-                self._tokenizer,
-                sampling.stop,
-                already_released=released,
-                include_stop=sampling.include_stop_str_in_output,
-                min_tokens=sampling.min_tokens,
-            ),
-            generator=make_generator(sampling.seed),
+            text=self._output_text(sampling, released),
+            generator=make_generator(sampling.for_choice(choice).seed),
             handle=handle,
             first_token_id=first_token_id,
             arrived_at=self._clock(),
+            choice=choice,
+            forks=forks[1:],
         )
         self._requests[request_id] = request
         self._waiting.append(request)
+
+    def _output_text(self, sampling: SamplingParams, released: tuple[int, ...]) -> OutputText:
+        return OutputText(
+            self._tokenizer,
+            sampling.stop,
+            already_released=released,
+            include_stop=sampling.include_stop_str_in_output,
+            min_tokens=sampling.min_tokens,
+        )
+
+    def _blocks_total(
+        self, kind: RequestKind, prompt: Sequence[int], sampling: SamplingParams, forks: int
+    ) -> int:
+        """Worst-case blocks of a request and its further forks (each fork shares the
+        prompt's full blocks)."""
+        needed = self._blocks_needed(kind, len(prompt), sampling)
+        if forks <= 1:
+            return needed
+        return needed + (forks - 1) * (needed - len(prompt) // self.limits.block_size)
 
     def _blocks_needed(self, kind: RequestKind, prompt_len: int, sampling: SamplingParams) -> int:
         """Worst-case blocks: the prompt, plus every generated token but the last (whose KV is
@@ -350,7 +393,10 @@ class Scheduler:
         cache = self.prefix_cache
         while self._waiting and self.running_count < self.limits.max_running:
             request = self._waiting[0]
-            needed = self._blocks_needed(request.kind, len(request.prompt), request.sampling)
+            single = self._blocks_needed(request.kind, len(request.prompt), request.sampling)
+            needed = self._blocks_total(
+                request.kind, request.prompt, request.sampling, len(request.forks) + 1
+            )
             cached: list[int] = []
             if (
                 cache is not None
@@ -369,6 +415,10 @@ class Scheduler:
                 else list(self.allocator.allocate(needed))
             )
             request.block_ids = [*cached, *fresh]
+            request.block_ids, request.reserved = (
+                request.block_ids[:single],
+                request.block_ids[single:],
+            )
             request.num_computed = request.cached_tokens = len(cached) * self.limits.block_size
             request.admitted_at = self._clock()
             if request.kind == "remote":
@@ -415,7 +465,31 @@ class Scheduler:
                     if sampling.logprobs is not None
                     else None
                 )
-                self._on_token(request, token, logprobs)
+                more: tuple[FirstToken, ...] = ()
+                if request.kind == "prefill" and sampling.n > 1:
+                    more = self._more_choices(request, last, processed)
+                self._on_token(request, token, logprobs, more)
+
+    def _more_choices(
+        self, request: EngineRequest, last: torch.Tensor, processed: torch.Tensor
+    ) -> tuple[FirstToken, ...]:
+        """The first tokens of choices ``1 .. n-1`` of a prefill (see the module docstring)."""
+        firsts: list[FirstToken] = []
+        for choice in range(1, request.sampling.n):
+            sampling = request.sampling.for_choice(choice)
+            seed = sampling.seed
+            generator = make_generator(None) if seed is None else token_generator(seed, 0)
+            token = sample_token(processed, sampling, generator)
+            logprobs = (
+                token_logprobs(last, token, sampling.logprobs)
+                if sampling.logprobs is not None
+                else None
+            )
+            _, text, finish = self._judge(
+                sampling, len(request.prompt), 1, token, self._output_text(sampling, ())
+            )
+            firsts.append(FirstToken(token, text, finish, logprobs))
+        return tuple(firsts)
 
     def _add_prompt_logprobs(self, request: EngineRequest, start: int, rows: torch.Tensor) -> None:
         """Row ``j`` of a prompt chunk starting at ``start`` predicts prompt token
@@ -436,30 +510,42 @@ class Scheduler:
 
     # -- tokens and finishing ----------------------------------------------------------------
 
+    def _judge(
+        self,
+        sampling: SamplingParams,
+        prompt_len: int,
+        output_len: int,
+        token: int,
+        text: OutputText,
+    ) -> tuple[tuple[int, ...], str, FinishReason | None]:
+        """What output token ``output_len`` (1-based) returns: its ids, its text and the
+        finish it causes (EOS or a stop id past ``min_tokens``, a stop string, the length)."""
+        stops = token in sampling.stop_token_ids or (token in self._eos and not sampling.ignore_eos)
+        if stops and output_len > sampling.min_tokens:
+            return (), text.flush(), FinishReason.STOP
+        released = text.add(token)
+        if text.stopped:
+            return (token,), released, FinishReason.STOP
+        if (
+            output_len >= sampling.max_tokens
+            or prompt_len + output_len >= self.limits.max_model_len
+        ):
+            return (token,), released + text.flush(), FinishReason.LENGTH
+        return (token,), released, None
+
     def _on_token(
-        self, request: EngineRequest, token: int, logprobs: TokenLogprobs | None = None
+        self,
+        request: EngineRequest,
+        token: int,
+        logprobs: TokenLogprobs | None = None,
+        more: tuple[FirstToken, ...] = (),
     ) -> None:
         request.output.append(token)
-        sampling = request.sampling
-        finish: FinishReason | None = None
-        returned: tuple[int, ...] = (token,)
-        text = ""
-        stops = token in sampling.stop_token_ids or (token in self._eos and not sampling.ignore_eos)
-        if stops and len(request.output) > sampling.min_tokens:
-            finish, returned = FinishReason.STOP, ()
-            text = request.text.flush()
-        else:
-            text = request.text.add(token)
-            if request.text.stopped:
-                finish = FinishReason.STOP
-            elif (
-                len(request.output) >= sampling.max_tokens
-                or len(request.prompt) + len(request.output) >= self.limits.max_model_len
-            ):
-                finish = FinishReason.LENGTH
-                text += request.text.flush()
+        returned, text, finish = self._judge(
+            request.sampling, len(request.prompt), len(request.output), token, request.text
+        )
         if request.kind == "prefill":
-            self._finish_prefill(request, token, text, finish, logprobs)
+            self._finish_prefill(request, token, text, finish, logprobs, more)
             return
         self._emit(request, returned, text, finish, (logprobs,) if logprobs and returned else ())
 
@@ -487,6 +573,7 @@ class Scheduler:
             kv_transfer_s=kv_s,
             logprobs=logprobs,
             prompt_logprobs=self._take_prompt_logprobs(request),
+            choice=request.choice,
         )
         self._deliver(request.sink, delta)
         if finish is not None:
@@ -499,10 +586,11 @@ class Scheduler:
         text: str,
         finish: FinishReason | None,
         logprobs: TokenLogprobs | None,
+        more: tuple[FirstToken, ...] = (),
     ) -> None:
         now = self._clock()
         handle = None
-        if finish is None:
+        if finish is None or any(first.finish_reason is None for first in more):
             lease_s = self.limits.kv_lease_s
             handle = KVHandle(
                 producer_engine_id=self.engine_id,
@@ -530,9 +618,11 @@ class Scheduler:
                 queue_s=request.admitted_at - request.arrived_at,
                 logprobs=logprobs,
                 prompt_logprobs=self._take_prompt_logprobs(request),
+                more_choices=more,
             ),
         )
-        if finish is not None:
+        if handle is None:
+            assert finish is not None  # a handle is held unless every choice finished
             self._retire(request, finish)
 
     def _retire(self, request: EngineRequest, finish: FinishReason) -> None:
@@ -549,7 +639,14 @@ class Scheduler:
         if request.block_ids:
             self.allocator.free(request.block_ids)
             request.block_ids = []
+        if request.reserved:
+            self.allocator.free(request.reserved)
+            request.reserved = []
         self._requests.pop(request.request_id, None)
+        root = request.parent or request.request_id
+        family = self._families.get(root)
+        if family is not None and not any(i in self._requests for i in (root, *family)):
+            del self._families[root]
 
     # -- remote KV -----------------------------------------------------------------------------
 
@@ -619,8 +716,43 @@ class Scheduler:
             self.prefix_cache.insert(request.prompt, request.block_ids)
         request.phase = Phase.RUNNING
         self._running.append(request)
-        if len(request.output) >= request.sampling.max_tokens:
-            self._emit(request, (), request.text.flush(), FinishReason.LENGTH)
+        forks = [self._fork(request, fork) for fork in request.forks]
+        if forks:
+            self._families[request.request_id] = tuple(fork.request_id for fork in forks)
+        for sequence in (request, *forks):
+            if len(sequence.output) >= sequence.sampling.max_tokens:
+                self._emit(sequence, (), sequence.text.flush(), FinishReason.LENGTH)
+
+    def _fork(self, request: EngineRequest, fork: Fork) -> EngineRequest:
+        """Start fork ``fork`` of a pulled request: the prompt's full blocks shared, the rest
+        of its blocks from the request's reservation (see the module docstring)."""
+        full = len(request.prompt) // self.limits.block_size
+        own = self._blocks_needed("remote", len(request.prompt), request.sampling) - full
+        shared = request.block_ids[:full]
+        self.allocator.incref(shared)
+        blocks, request.reserved = request.reserved[:own], request.reserved[own:]
+        sampling = request.sampling.for_choice(fork.choice - request.choice)
+        child = EngineRequest(
+            request_id=f"{request.request_id}#{fork.choice}",
+            kind="remote",
+            prompt=request.prompt,
+            sampling=sampling,
+            sink=request.sink,
+            text=self._output_text(sampling, (fork.first_token_id,)),
+            generator=make_generator(sampling.seed),
+            first_token_id=fork.first_token_id,
+            phase=Phase.RUNNING,
+            block_ids=[*shared, *blocks],
+            num_computed=full * self.limits.block_size,
+            output=[fork.first_token_id],
+            arrived_at=request.arrived_at,
+            admitted_at=request.admitted_at,
+            choice=fork.choice,
+            parent=request.request_id,
+        )
+        self._requests[child.request_id] = child
+        self._running.append(child)
+        return child
 
     def on_lease_ended(self, event: LeaseEnded) -> None:
         """One producer rank let a held request go; free its blocks once every rank has."""
@@ -642,8 +774,10 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Abort a request in any phase; ``False`` when unknown (or already finishing)."""
         request = self._requests.get(request_id)
+        family = self._families.pop(request_id, ())
+        found = any([self.abort(fork) for fork in family])
         if request is None or request.phase is Phase.DONE or request.cancelled:
-            return False
+            return found
         if request.phase is Phase.HELD:
             request.cancelled = True
             self.outbox.append(ReleaseKV(request_id))
@@ -666,7 +800,7 @@ class Scheduler:
         return True
 
     def _abort_delta(self, request: EngineRequest) -> TokenDelta:
-        return TokenDelta((), "", FinishReason.ABORT, self._usage(request))
+        return TokenDelta((), "", FinishReason.ABORT, self._usage(request), choice=request.choice)
 
     def abort_all(self) -> int:
         """Abort every request (drain's end); returns how many there were."""

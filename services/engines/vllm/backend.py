@@ -238,13 +238,25 @@ def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
-def decode_sampling(sampling: SamplingParams, handle: KVHandle | None) -> dict[str, Any]:
+FIRST_TOKEN_ARG = "pdserve_first_token_id"
+"""``SamplingParams.extra_args`` key: the producer's first token of a disaggregated decode,
+for :data:`FIRST_TOKEN_PENALTIES` (services/engines/vllm/first_token.py)."""
+
+FIRST_TOKEN_PENALTIES = "services.engines.vllm.first_token:FirstTokenPenalties"
+"""The logits processor every vLLM engine without speculative decoding is built with
+(``logits_processors``; vLLM refuses custom ones with speculative decoding)."""
+
+
+def decode_sampling(
+    sampling: SamplingParams, handle: KVHandle | None, first_token_id: int | None = None
+) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments of a decode, pulling ``handle``'s KV if given.
 
     The producer already produced the first token, so the decode generates one fewer (and
     needs one fewer for ``min_tokens``); its prompt logprobs came from the producer. vLLM
-    sees the producer's token as part of the prompt: the repetition penalty covers it, the
-    frequency and presence penalties (output only) do not."""
+    sees the producer's token as part of the prompt: the repetition penalty covers it; for the
+    frequency and presence penalties (output only), ``first_token_id`` goes along in
+    ``extra_args`` and :data:`FIRST_TOKEN_PENALTIES` counts it as output."""
     kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
     if handle is not None:
         kwargs["min_tokens"] = max(0, sampling.min_tokens - 1)
@@ -253,6 +265,8 @@ def decode_sampling(sampling: SamplingParams, handle: KVHandle | None) -> dict[s
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False
         kwargs["extra_args"] = {"kv_transfer_params": params}
+        if first_token_id is not None and (sampling.frequency_penalty or sampling.presence_penalty):
+            kwargs["extra_args"][FIRST_TOKEN_ARG] = first_token_id
         kwargs["max_tokens"] = max(1, sampling.max_tokens - 1)
     return kwargs
 
@@ -403,6 +417,11 @@ class VllmBackend(EngineBackend):
             enforce_eager=self.options.enforce_eager,
             speculative_config=self.options.speculative_config,
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
+            # vLLM refuses custom logits processors with speculative decoding: there the
+            # first token stays out of the output penalties (docs/architecture.md).
+            logits_processors=(
+                [FIRST_TOKEN_PENALTIES] if self.options.speculative_config is None else []
+            ),
         )
         backend = self
 
@@ -538,7 +557,7 @@ class VllmBackend(EngineBackend):
         prompt = list(request.prompt_token_ids)
         if request.kv_handle is not None and request.first_token_id is not None:
             prompt.append(request.first_token_id)  # vLLM continues after the producer's token
-        kwargs = decode_sampling(request.sampling, request.kv_handle)
+        kwargs = decode_sampling(request.sampling, request.kv_handle, request.first_token_id)
         produced = 1 if request.kv_handle is not None else 0
         first = True
         sampling = request.sampling

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.engines.backend import FinishReason, PrefillResult, SamplingParams, TokenDelta
+from services.engines.backend import (
+    FinishReason,
+    Fork,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
 from services.engines.errors import EngineOverloaded, InvalidRequest
-from services.engines.reference.messages import HoldKV, LeaseEnded, ReleaseKV
+from services.engines.reference.messages import HoldKV, LeaseEnded, PullDone, PullKV, ReleaseKV
 from services.engines.reference.metrics import ReferenceEngineMetrics
 from services.engines.reference.scheduler import Scheduler, SchedulerLimits, SinkItem
 from services.tokenization.tokenizer import ByteTokenizer
@@ -154,3 +163,108 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     scheduler.submit("d", "generate", list(range(100, 160)), SamplingParams(max_tokens=4), big)
     assert run_to_end(scheduler, big).finish_reason is FinishReason.LENGTH
     assert scheduler.in_flight == 0 and scheduler.free_blocks() == 16
+
+
+# -- n > 1: forks from one prefill and one pull ---------------------------------------------
+
+
+def sampled_logits(rows: int) -> torch.Tensor:
+    """Flat logits over 20 tokens: a sampled token depends on the generator only."""
+    logits = torch.full((rows, VOCAB), -100.0)
+    logits[:, 100:120] = 0.0
+    return logits
+
+
+def test_prefill_with_n_samples_each_choice_as_its_own_seeded_request() -> None:
+    sampling = SamplingParams(max_tokens=4, temperature=1.0, seed=7, n=3)
+    scheduler = make()
+    sink = ListSink()
+    scheduler.submit("p", "prefill", list(range(6)), sampling, sink)
+    step = scheduler.schedule()
+    assert step is not None
+    scheduler.complete_step(step, sampled_logits(1))
+    scheduler.deliver_all()
+    (result,) = sink.items
+    assert isinstance(result, PrefillResult) and result.kv_handle is not None
+    firsts = [result.first_token_id, *(first.token_id for first in result.more_choices)]
+    alone = []
+    for choice in range(3):
+        single, one = make(), ListSink()
+        single.submit("q", "prefill", list(range(6)), sampling.for_choice(choice), one)
+        step = single.schedule()
+        assert step is not None
+        single.complete_step(step, sampled_logits(1))
+        single.deliver_all()
+        assert isinstance(one.items[0], PrefillResult)
+        alone.append(one.items[0].first_token_id)
+    assert firsts == alone
+    assert len(set(firsts)) > 1  # distinct seeds (20 equally likely tokens)
+
+
+def handle_of(blocks: tuple[int, ...], tokens: int) -> KVHandle:
+    return KVHandle("producer", 1, "p", blocks, tokens, time.time() + 60)
+
+
+def test_forked_remote_decode_pulls_once_and_shares_the_prompts_full_blocks() -> None:
+    scheduler = make(max_batch_tokens=64)
+    sink = ListSink()
+    prompt = list(range(6))  # one full block of 4, one partial
+    forks = (Fork(0, 70), Fork(2, 71), Fork(5, 72))
+    scheduler.submit(
+        "d",
+        "remote",
+        prompt,
+        SamplingParams(max_tokens=3),
+        sink,
+        handle=handle_of((7, 8), 6),
+        first_token_id=70,
+        forks=forks,
+    )
+    assert scheduler.schedule() is None  # pulling
+    pulls = [c for c in scheduler.outbox if isinstance(c, PullKV)]
+    assert len(pulls) == 1  # one transfer for three choices
+    parent_blocks = list(pulls[0].local_block_ids)
+    for rank in RANKS:
+        scheduler.on_pull_done(PullDone(rank, "d", ok=True))
+    shared = parent_blocks[0]
+    assert scheduler.allocator.refcount(shared) == 3  # the parent's and two forks'
+    step = scheduler.schedule()
+    assert step is not None
+    # The parent continues after its first token; each fork recomputes the partial block.
+    assert sorted(len(c.token_ids) for c in step.chunks) == [1, 3, 3]
+    assert all(c.block_table[0] == shared for c in step.chunks)
+    scheduler.complete_step(step, logits_for(65, len(step.entries)))
+    scheduler.deliver_all()
+    while scheduler.in_flight:
+        run_step(scheduler)
+    deltas = [item for item in sink.items if isinstance(item, TokenDelta)]
+    assert {d.choice for d in deltas} == {0, 2, 5}
+    finished = [d for d in deltas if d.finish_reason is not None]
+    assert sorted(d.choice for d in finished) == [0, 2, 5]
+    assert all(d.usage is not None and d.usage.completion_tokens == 3 for d in finished)
+    assert scheduler.allocator.free_count == 16
+
+
+def test_aborting_a_forked_request_aborts_every_fork() -> None:
+    scheduler = make(max_batch_tokens=64)
+    sink = ListSink()
+    scheduler.submit(
+        "d",
+        "remote",
+        list(range(5)),
+        SamplingParams(max_tokens=8),
+        sink,
+        handle=handle_of((7, 8), 5),
+        first_token_id=70,
+        forks=(Fork(0, 70), Fork(1, 71)),
+    )
+    scheduler.schedule()
+    for rank in RANKS:
+        scheduler.on_pull_done(PullDone(rank, "d", ok=True))
+    run_step(scheduler)
+    assert scheduler.abort("d")
+    scheduler.deliver_all()
+    aborted = [d for d in sink.items if isinstance(d, TokenDelta) and d.finish_reason]
+    assert sorted(d.choice for d in aborted) == [0, 1]
+    assert all(d.finish_reason is FinishReason.ABORT for d in aborted)
+    assert scheduler.in_flight == 0 and scheduler.allocator.free_count == 16

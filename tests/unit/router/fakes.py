@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -25,6 +25,7 @@ from services.control_plane.wire import (
 from services.engines.backend import (
     DecodeRequest,
     FinishReason,
+    FirstToken,
     KVHandle,
     PrefillResult,
     SamplingParams,
@@ -91,6 +92,10 @@ class FakeEngine(EngineConnector):
                 self.engine_id, 1, request_id, (0, 1), len(prompt_token_ids), time.time() + 30
             )
         )
+        more = tuple(
+            FirstToken(7, word(0), FinishReason.LENGTH if finished else None)
+            for _ in range(sampling.n - 1)
+        )
         return PrefillResult(
             request_id=request_id,
             first_token_id=7,
@@ -98,6 +103,7 @@ class FakeEngine(EngineConnector):
             kv_handle=handle,
             finish_reason=FinishReason.LENGTH if finished else None,
             usage=usage,
+            more_choices=more,
         )
 
     async def decode(
@@ -111,7 +117,23 @@ class FakeEngine(EngineConnector):
         self.coalesce.append(coalesce_s)
         if self.decode_error is not None:
             raise self.decode_error
-        start = 1 if request.kv_handle is not None else 0
+        if request.forks:  # one sequence per fork, interleaved, each tagged with its choice
+            streams = [self._sequence(request, 1) for _ in request.forks]
+            live = list(zip(request.forks, streams, strict=True))
+            while live:
+                for fork, stream in list(live):
+                    delta = await anext(stream, None)
+                    if delta is None:
+                        live.remove((fork, stream))
+                        continue
+                    yield replace(delta, choice=fork.choice)
+                    if delta.finish_reason is not None:
+                        live.remove((fork, stream))
+            return
+        async for delta in self._sequence(request, 1 if request.kv_handle is not None else 0):
+            yield delta
+
+    async def _sequence(self, request: DecodeRequest, start: int) -> AsyncIterator[TokenDelta]:
         text = "".join(word(i) for i in range(start))
         total = request.sampling.max_tokens
         for index in range(start, total):
@@ -182,6 +204,7 @@ def view(
     state: EngineState = EngineState.READY,
     load: EngineLoad | None = None,
     max_model_len: int = 0,
+    engine_kind: str = "reference",
 ) -> EngineView:
     record = EngineRecord(
         engine_id=engine_id,
@@ -199,6 +222,7 @@ def view(
         lease_ttl_ms=5000,
         registered_at_ms=0,
         max_model_len=max_model_len,
+        engine_kind=engine_kind,
     )
     status = EngineStatus(engine_id, generation, state, (), 1, 0)
     return EngineView(engine_id, record, status, load or EngineLoad())

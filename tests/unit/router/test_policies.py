@@ -115,6 +115,46 @@ def test_prefix_aware_prefers_the_engine_that_holds_the_prefix():
     assert policy.cached_blocks(slot_b, second) == 4
 
 
+def reported(*hashes: int, queue_depth: int = 0) -> EngineLoad:
+    return EngineLoad(
+        queue_depth=queue_depth, prefix_cache_reported=True, cached_block_hashes=hashes
+    )
+
+
+def test_prefix_aware_trusts_what_engines_report_over_what_it_sent():
+    rt = runtime()
+    shared = tuple(range(16))
+    hashes = prompt_block_hashes(shared, 4)  # the views' block size
+    # "a" reports the prompt's blocks although this router never sent it the prompt; "b" was
+    # sent it but reports an empty cache (evicted, or another router's engine restarted).
+    pool = pool_of(
+        rt, view("a", PREFILL, load=reported(*hashes[::-1])), view("b", PREFILL, load=reported())
+    )
+    policy = PrefixAwarePolicy(capacity_blocks=100, load_slack=2)
+    slot_a, slot_b = pool.get("a"), pool.get("b")
+    assert slot_a is not None and slot_b is not None
+    prompt = PromptInfo((*shared, 7))
+    assert policy.cached_blocks(slot_a, prompt) == 4
+    # What the router sends a reporting engine counts until its next report.
+    longer = PromptInfo((*shared, *range(100, 108)))
+    policy.routed(slot_b, longer)
+    assert policy.cached_blocks(slot_b, longer) == 6
+    assert policy.choose(pool.slots(), longer, Stage.PREFILL).engine_id == "b"
+    rt.pool.update("b", view("b", PREFILL, load=reported()))  # the next heartbeat: not kept
+    assert policy.cached_blocks(slot_b, longer) == 0
+    assert policy.choose(pool.slots(), longer, Stage.PREFILL).engine_id == "a"
+    # A report that holds only later blocks of the chain matches nothing (chained hashes).
+    rt.pool.update("b", view("b", PREFILL, load=reported(hashes[3])))
+    assert policy.cached_blocks(slot_b, prompt) == 0
+
+
+def test_router_and_reference_engine_hash_blocks_alike():
+    from services.engines.reference.prefix_cache import block_keys  # noqa: PLC0415
+
+    tokens = list(range(50, 90))
+    assert prompt_block_hashes(tokens, 16) == block_keys(tokens, 16, len(tokens))
+
+
 def test_prefix_aware_gives_up_the_cache_when_that_engine_is_overloaded():
     rt = runtime()
     pool = pool_of(rt, view("a", PREFILL), view("b", PREFILL, load=EngineLoad(queue_depth=10)))

@@ -13,6 +13,7 @@ from services.engines.backend import EngineRegistration, SamplingParams
 from services.engines.errors import UnknownKVHandle
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.vllm.backend import (
+    FIRST_TOKEN_ARG,
     VllmEngineOptions,
     decode_handle,
     decode_sampling,
@@ -97,6 +98,11 @@ def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_engine_id"] == "pre-0.g42" and decode["max_tokens"] == 7
     assert "extra_args" not in decode_sampling(sampling, None)
+    # The producer's first token goes along when an output penalty needs it.
+    assert FIRST_TOKEN_ARG not in decode_sampling(sampling, handle, 11)["extra_args"]
+    penalized = SamplingParams(max_tokens=8, frequency_penalty=0.5)
+    assert decode_sampling(penalized, handle, 11)["extra_args"][FIRST_TOKEN_ARG] == 11
+    assert "extra_args" not in decode_sampling(penalized, None, 11)
 
 
 def test_foreign_or_mismatched_handles_are_unknown() -> None:

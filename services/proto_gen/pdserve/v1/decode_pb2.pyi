@@ -14,10 +14,10 @@ import builtins as _builtins
 import sys
 import typing as _typing
 
-if sys.version_info >= (3, 10):
-    from typing import TypeAlias as _TypeAlias
+if sys.version_info >= (3, 11):
+    from typing import TypeAlias as _TypeAlias, Never as _Never
 else:
-    from typing_extensions import TypeAlias as _TypeAlias
+    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -32,6 +32,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     COALESCE_S_FIELD_NUMBER: _builtins.int
     COALESCE_FIRST_FIELD_NUMBER: _builtins.int
+    FORKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     """The producer's first token (required with kv_handle; not repeated in the stream)."""
@@ -56,6 +57,15 @@ class DecodeRequest(_message.Message):
     def sampling(self) -> _types_pb2.SamplingParams: ...
     @_builtins.property
     def kv_handle(self) -> _types_pb2.KVHandle: ...
+    @_builtins.property
+    def forks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Fork]:
+        """With kv_handle: decode one sequence per fork from the one pulled KV (the producer's
+        sampling.n > 1): one transfer, the prompt's full blocks shared. first_token_id must be
+        forks[0].first_token_id. Each sequence samples as a request seeded with sampling.seed +
+        choice would. Chunks then carry the choice they belong to; the call ends once every fork
+        finished (an ERROR ends all). coalesce_s is ignored. At most 128 forks, distinct choices.
+        """
+
     def __init__(
         self,
         *,
@@ -66,10 +76,11 @@ class DecodeRequest(_message.Message):
         first_token_id: _builtins.int | None = ...,
         coalesce_s: _builtins.float | None = ...,
         coalesce_first: _builtins.bool = ...,
+        forks: _abc.Iterable[Global___Fork] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_first", b"coalesce_first", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "coalesce_first", b"coalesce_first", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "forks", b"forks", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__coalesce_s: _TypeAlias = _typing.Literal["coalesce_s"]  # noqa: Y015
     _WhichOneofArgType__coalesce_s: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s"]  # noqa: Y015
@@ -83,6 +94,30 @@ class DecodeRequest(_message.Message):
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
 
 @_typing.final
+class Fork(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICE_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    choice: _builtins.int
+    """The choice index (offsets the seed, and tags this sequence's chunks)."""
+    first_token_id: _builtins.int
+    """This choice's first token, sampled by the producer."""
+    def __init__(
+        self,
+        *,
+        choice: _builtins.int = ...,
+        first_token_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "first_token_id", b"first_token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fork: _TypeAlias = Fork  # noqa: Y015
+
+@_typing.final
 class DecodeChunk(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -94,6 +129,7 @@ class DecodeChunk(_message.Message):
     KV_TRANSFER_S_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text completed by these tokens (may lag the ids)."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -101,6 +137,8 @@ class DecodeChunk(_message.Message):
     """With FINISH_REASON_ERROR: what went wrong."""
     kv_transfer_s: _builtins.float
     """On the first chunk of a disaggregated request: seconds spent pulling the KV."""
+    choice: _builtins.int
+    """With forks: the choice these tokens belong to (each fork's last chunk has its finish)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -126,10 +164,11 @@ class DecodeChunk(_message.Message):
         kv_transfer_s: _builtins.float | None = ...,
         logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
+        choice: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "kv_transfer_s", b"kv_transfer_s", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "error", b"error", "finish_reason", b"finish_reason", "kv_transfer_s", b"kv_transfer_s", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "choice", b"choice", "error", b"error", "finish_reason", b"finish_reason", "kv_transfer_s", b"kv_transfer_s", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__kv_transfer_s: _TypeAlias = _typing.Literal["kv_transfer_s"]  # noqa: Y015
     _WhichOneofArgType__kv_transfer_s: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s"]  # noqa: Y015

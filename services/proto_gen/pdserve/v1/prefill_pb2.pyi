@@ -62,6 +62,7 @@ class PrefillResponse(_message.Message):
     QUEUE_S_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    MORE_CHOICES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     text: _builtins.str
@@ -84,6 +85,12 @@ class PrefillResponse(_message.Message):
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]:
         """With sampling.prompt_logprobs: prompt tokens 1.. (the first has none)."""
 
+    @_builtins.property
+    def more_choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___FirstToken]:
+        """With sampling.n > 1: the first tokens of choices 1 .. n-1 (choice 0 is the fields above).
+        kv_handle is then absent exactly when every choice's first token ended it.
+        """
+
     def __init__(
         self,
         *,
@@ -97,11 +104,43 @@ class PrefillResponse(_message.Message):
         queue_s: _builtins.float = ...,
         logprobs: _types_pb2.TokenLogprobs | None = ...,
         prompt_logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
+        more_choices: _abc.Iterable[Global___FirstToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "logprobs", b"logprobs", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "logprobs", b"logprobs", "prefill_s", b"prefill_s", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "logprobs", b"logprobs", "more_choices", b"more_choices", "prefill_s", b"prefill_s", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id", "text", b"text", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
+
+@_typing.final
+class FirstToken(_message.Message):
+    """One choice's first token (sampling.n > 1)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    text: _builtins.str
+    finish_reason: _types_pb2.FinishReason.ValueType
+    @_builtins.property
+    def logprobs(self) -> _types_pb2.TokenLogprobs: ...
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        text: _builtins.str = ...,
+        finish_reason: _types_pb2.FinishReason.ValueType = ...,
+        logprobs: _types_pb2.TokenLogprobs | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FirstToken: _TypeAlias = FirstToken  # noqa: Y015

@@ -3,7 +3,8 @@
 isort:skip_file
 Types shared by the pdserve engine services. Version 1; fields are only ever added.
 History: SamplingParams fields 9-19 (vLLM's sampling parameters) and TokenLogprobs added
-later; a server that predates them ignores them, so the router checks an engine's kind
+later; then SamplingParams.n (20), with PrefillResponse.more_choices, DecodeRequest.forks and
+DecodeChunk.choice (n > 1 forked from one prefill and one KV transfer); a server that predates them ignores them, so the router checks an engine's kind
 before it sends a non-default value (see docs/architecture.md).
 """
 
@@ -101,6 +102,7 @@ class SamplingParams(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Tokens to generate, >= 1 (the prefill's first token counts)."""
     temperature: _builtins.float
@@ -131,6 +133,11 @@ class SamplingParams(_message.Message):
     skip_special_tokens: _builtins.bool
     """Detokenization options (vLLM's); unset = true."""
     spaces_between_special_tokens: _builtins.bool
+    n: _builtins.int
+    """Prefill only: first tokens to sample from the prompt (choices; 0 is read as 1, at most
+    128). Choice i of a seeded request samples as a request seeded with seed + i would (vLLM's
+    rule for n > 1). A decode request must leave it at 1 (it forks with DecodeRequest.forks).
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation ends when the text contains one; it is not returned. At most 16."""
@@ -165,10 +172,11 @@ class SamplingParams(_message.Message):
         include_stop_str_in_output: _builtins.bool = ...,
         skip_special_tokens: _builtins.bool | None = ...,
         spaces_between_special_tokens: _builtins.bool | None = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015

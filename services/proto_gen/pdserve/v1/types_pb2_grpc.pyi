@@ -3,7 +3,8 @@
 isort:skip_file
 Types shared by the pdserve engine services. Version 1; fields are only ever added.
 History: SamplingParams fields 9-19 (vLLM's sampling parameters) and TokenLogprobs added
-later; a server that predates them ignores them, so the router checks an engine's kind
+later; then SamplingParams.n (20), with PrefillResponse.more_choices, DecodeRequest.forks and
+DecodeChunk.choice (n > 1 forked from one prefill and one KV transfer); a server that predates them ignores them, so the router checks an engine's kind
 before it sends a non-default value (see docs/architecture.md).
 """
 

@@ -1,0 +1,304 @@
+"""``n > 1`` from one prefill and one KV transfer: the choices of one prompt forked on decode.
+
+:func:`forked_runs` plans the prompt once; when the plan is disaggregated and both engines fork
+(:data:`FORKING_KINDS`: the reference engine), it returns one chunk stream per choice, fed by
+one run: one Prefill with ``sampling.n = n`` (the engine samples every choice's first token,
+choice ``i`` as a request seeded with ``seed + i`` would, vLLM's rule), then one Decode whose
+``forks`` name the choices the first token did not end: the decode engine pulls the KV once
+and forks one sequence per choice. Otherwise it returns ``None`` and every choice runs as its
+own request (its own prefill and transfer; see :mod:`services.router.choices`). vLLM engines
+take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine requests that would each
+pull the prompt's KV (docs/vllm.md). Which path ran is counted in
+``pdserve_router_choices_total{path}``.
+
+The forked run has no failover or migration (the per-choice path has both): a failure of
+either engine ends every unfinished choice with the error, as an HTTP error before the
+response starts or an SSE error event after. Bounds are the executor's: ``prefill_timeout_s``
+for the Prefill call, ``decode_timeout_s`` for the whole Decode and ``decode_idle_timeout_s``
+between two of its messages (``engine_timeout``, counted in
+``pdserve_router_engine_timeouts_total``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any, Protocol
+
+from services.engines.backend import DecodeRequest, FinishReason, Fork, PrefillResult
+from services.router.errors import EngineRequestFailed, RouterError, engine_error
+from services.router.execution import BACKSTOP_GRACE_S, Chunk, GenerationRequest, RunInfo
+from services.router.migration import is_engine_fault
+from services.router.policies import PromptInfo
+from services.router.pool import EngineSlot
+from services.router.runtime import RouterRuntime
+from services.router.scheduler import Plan
+
+FORKING_KINDS = frozenset({"reference"})
+"""Engine kinds whose prefill samples ``n`` first tokens and whose decode forks."""
+
+_Item = Chunk | BaseException
+
+
+class ChunkStream(Protocol):
+    """One choice's chunks: what :mod:`services.router.choices` reads (an executor run, or a
+    :class:`_ChoiceStream` of a forked run)."""
+
+    def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def forked_runs(
+    runtime: RouterRuntime, requests: list[GenerationRequest], infos: list[RunInfo]
+) -> list[ChunkStream] | None:
+    """One chunk stream per choice of one prompt (``requests[i]`` is choice ``i``), or
+    ``None`` when they cannot fork (see the module docstring); counted either way."""
+    if len(requests) < 2:
+        return None
+    base = requests[0]
+    prompt = PromptInfo(
+        base.prompt_token_ids,
+        context_tokens=len(base.prompt_token_ids) + base.sampling.max_tokens,
+    )
+    try:
+        plan = runtime.scheduler.plan(base.model, prompt)
+    except RouterError:
+        plan = None  # each choice plans again and answers the error through the usual path
+    if (
+        plan is None
+        or plan.prefill is None
+        or plan.prefill.record.engine_kind not in FORKING_KINDS
+        or plan.decode.record.engine_kind not in FORKING_KINDS
+    ):
+        runtime.metrics.choices.labels(path="per_choice").inc()
+        return None
+    runtime.metrics.choices.labels(path="forked").inc()
+    run = _ForkedRun(runtime, plan, base, len(requests), infos)
+    return [_ChoiceStream(run, i) for i in range(len(requests))]
+
+
+class _ChoiceStream:
+    """Choice ``index`` of a forked run. Reading it starts the run; closing every choice's
+    stream (read or not) cancels the run if it is still going."""
+
+    def __init__(self, run: _ForkedRun, index: int) -> None:
+        self._run = run
+        self._index = index
+        self._ended = False
+        self._closed = False
+
+    def __aiter__(self) -> _ChoiceStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended or self._closed:
+            raise StopAsyncIteration
+        item = await self._run.next_item(self._index)
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finish_reason is not None:
+            self._ended = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._run.release()
+
+
+class _ForkedRun:
+    """The one Prefill + Decode of a forked prompt, feeding one queue per choice. It starts
+    with the first choice stream read and is cancelled once every stream is closed."""
+
+    def __init__(
+        self,
+        runtime: RouterRuntime,
+        plan: Plan,
+        request: GenerationRequest,
+        n: int,
+        infos: list[RunInfo],
+    ) -> None:
+        assert plan.prefill is not None
+        self._runtime = runtime
+        self._prefill_slot: EngineSlot = plan.prefill
+        self._decode_slot = plan.decode
+        self._request = request
+        self._n = n
+        self._infos = infos
+        self._queues: list[asyncio.Queue[_Item]] = [asyncio.Queue() for _ in range(n)]
+        self._unfinished = set(range(n))
+        self._open = n
+        self._task: asyncio.Future[None] | None = None
+
+    async def next_item(self, index: int) -> _Item:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        return await self._queues[index].get()
+
+    async def release(self) -> None:
+        """One choice's stream is closed; the last one cancels the run if it is going."""
+        self._open -= 1
+        if self._open == 0 and self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _put(self, index: int, chunk: Chunk) -> None:
+        self._queues[index].put_nowait(chunk)
+        if chunk.finish_reason is not None:
+            self._unfinished.discard(index)
+
+    async def _run(self) -> None:
+        stage = "prefill"
+        try:
+            with self._runtime.pool.reserve(self._decode_slot):
+                result = await self._prefill()
+                stage = "decode"
+                forks = self._first_tokens(result)
+                if forks:
+                    await self._decode(result, forks)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = engine_error(exc, stage=stage)
+            for index in self._unfinished:
+                self._queues[index].put_nowait(error)
+
+    async def _prefill(self) -> PrefillResult:
+        runtime, slot, request = self._runtime, self._prefill_slot, self._request
+        bound_s = runtime.settings.prefill_timeout_s
+        started = time.perf_counter()
+        runtime.pool.call_started(slot)
+        try:
+            with runtime.pool.reserve(slot):
+                async with asyncio.timeout(bound_s):
+                    result = await slot.connector.prefill(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        replace(request.sampling, n=self._n),
+                        timeout_s=bound_s + BACKSTOP_GRACE_S,
+                    )
+        except TimeoutError as exc:
+            runtime.metrics.engine_timeouts.labels(call="prefill", bound="deadline").inc()
+            runtime.pool.call_failed(slot)
+            raise EngineRequestFailed(
+                f"engine {slot.engine_id} did not answer within prefill_timeout_s={bound_s:g} s",
+                code="engine_timeout",
+                status_code=504,
+            ) from exc
+        except Exception as exc:
+            error = engine_error(exc, stage="prefill")
+            if is_engine_fault(error):
+                runtime.pool.call_failed(slot)
+            raise error from exc
+        finally:
+            self._infos[0].engine_wait_s += time.perf_counter() - started
+        runtime.pool.call_succeeded(slot)
+        runtime.metrics.ttft_phase_by("prefill").observe(time.perf_counter() - started)
+        return result
+
+    def _first_tokens(self, result: PrefillResult) -> list[Fork]:
+        """Send every choice's first token; the forks the decode engine continues."""
+        firsts = [
+            (result.first_token_id, result.text, result.finish_reason, result.logprobs),
+            *((f.token_id, f.text, f.finish_reason, f.logprobs) for f in result.more_choices),
+        ]
+        if len(firsts) != self._n:
+            raise EngineRequestFailed(
+                f"prefill engine {self._prefill_slot.engine_id} returned {len(firsts)} first "
+                f"tokens for n={self._n}",
+                code="protocol_mismatch",
+            )
+        forks: list[Fork] = []
+        for index, (token, text, reason, logprobs) in enumerate(firsts):
+            info = self._infos[index]
+            info.path = "forked"
+            info.prefill_engine = self._prefill_slot.engine_id
+            info.decode_engine = self._decode_slot.engine_id
+            info.prompt_tokens = result.usage.prompt_tokens
+            info.cached_tokens = result.usage.cached_tokens
+            info.completion_tokens = 1
+            finish = reason
+            if reason is None and result.kv_handle is not None:
+                forks.append(Fork(index, token))
+            else:
+                finish = reason or FinishReason.STOP
+            self._put(
+                index,
+                Chunk(text, 1, finish, (logprobs,) if logprobs else (), result.prompt_logprobs),
+            )
+        return forks
+
+    async def _decode(self, result: PrefillResult, forks: list[Fork]) -> None:
+        runtime, slot, request = self._runtime, self._decode_slot, self._request
+        settings = runtime.settings
+        whole_s, idle_s = settings.decode_timeout_s, settings.decode_idle_timeout_s
+        decode_request = DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            kv_handle=result.kv_handle,
+            first_token_id=forks[0].first_token_id,
+            forks=tuple(forks),
+        )
+        started = time.perf_counter()
+        runtime.pool.call_started(slot)
+        stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
+        first = True
+        try:
+            while self._unfinished:
+                left_s = started + whole_s - time.perf_counter()
+                bound = "idle" if idle_s < left_s else "deadline"
+                waited = time.perf_counter()
+                try:
+                    async with asyncio.timeout(min(idle_s, left_s)):
+                        delta = await anext(stream)
+                except StopAsyncIteration:
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} ended the stream before every "
+                        "choice finished",
+                        code="decode_truncated",
+                    ) from None
+                except TimeoutError as exc:
+                    runtime.metrics.engine_timeouts.labels(call="decode", bound=bound).inc()
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} sent nothing within the {bound} bound",
+                        code="engine_timeout",
+                        status_code=504,
+                    ) from exc
+                except Exception as exc:
+                    error = engine_error(exc, stage="decode")
+                    if is_engine_fault(error):
+                        runtime.pool.call_failed(slot)
+                    raise error from exc
+                finally:
+                    self._infos[0].engine_wait_s += time.perf_counter() - waited
+                if first:
+                    first = False
+                    runtime.pool.call_succeeded(slot)
+                    handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
+                    runtime.metrics.ttft_phase_by("handoff").observe(handoff)
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} failed the request: "
+                        f"{delta.error or 'no reason given'}",
+                        code="decode_failed",
+                    )
+                if delta.choice not in self._unfinished:
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} sent tokens of choice {delta.choice}, "
+                        "which is not running",
+                        code="protocol_mismatch",
+                    )
+                self._infos[delta.choice].completion_tokens += len(delta.token_ids)
+                self._put(
+                    delta.choice,
+                    Chunk(delta.text, len(delta.token_ids), delta.finish_reason, delta.logprobs),
+                )
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
