@@ -360,9 +360,14 @@ class TestPushPrefillPP2:
         streamed_text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
         assert chat.choices[0].message.content == streamed_text
         assert chat.usage is not None and chat.usage.completion_tokens == MAX_TOKENS
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: greedy(client, p), prompts))
-        assert results == [colocated[prompt] for prompt in prompts]
+        # 25 at once (the known prompts and fresh ones, so that KV really moves for each):
+        # before NIXL's agents were serialized (STRICT sync, _connector_impl), 20 concurrent
+        # requests lost pushes (decodes that never got their KV) and once crashed a worker.
+        fresh = fresh_prompts(16, "concurrent")
+        with concurrent.futures.ThreadPoolExecutor(len(prompts) + len(fresh)) as pool:
+            results = list(pool.map(lambda p: greedy(client, p), [*prompts, *fresh]))
+        assert results[: len(prompts)] == [colocated[prompt] for prompt in prompts]
+        assert [tokens for _text, _finish, tokens in results[len(prompts) :]] == [MAX_TOKENS] * 16
 
     def test_prefill_killed_under_load_then_restarted_under_the_same_id(
         self,

@@ -133,6 +133,7 @@ def _calm_idle_polling() -> None:
     """
     if not _IS_CPU:
         return
+    from nixl._api import nixl_thread_sync_t  # noqa: PLC0415
     from vllm.distributed.device_communicators import shm_broadcast  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: PLC0415
 
@@ -146,7 +147,19 @@ def _calm_idle_polling() -> None:
         def without_progress_thread(*args: Any, **kwargs: Any) -> Any:
             # NIXL's UCX progress thread spins a core for as long as the agent lives; vLLM's
             # worker drives progress itself on every step (transfer checks, notifications).
-            return make_config(*args, **{**kwargs, "enable_prog_thread": False})
+            # Without that thread NIXL no longer makes UCX safe for several threads, yet
+            # several call the agent (vLLM's push writer, its handshake thread, the engine
+            # step, pdserve's pre-warm): each call is serialized by the agent's own lock
+            # (STRICT). Unserialized, 20 concurrent requests lost pushes and once crashed
+            # the decode worker in UCX's sendNotif.
+            return make_config(
+                *args,
+                **{
+                    **kwargs,
+                    "enable_prog_thread": False,
+                    "sync_mode": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+                },
+            )
 
         base_worker.nixl_agent_config = without_progress_thread
 
