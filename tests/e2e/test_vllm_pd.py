@@ -541,4 +541,5 @@ def test_unsupported_layout_refused_at_start_naming_what_works(
         check=False,
     )
     assert result.returncode != 0
-    assert "PP > 1 only on the prefill side" in result.stderr + result.stdout
+    # Push mode (the default) cannot serve a PP decode; pull mode can.
+    assert "a PP > 1 decode needs pull mode" in result.stderr + result.stdout

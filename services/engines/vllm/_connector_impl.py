@@ -51,12 +51,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPushConnectorScheduler,
     NixlPushConnectorWorker,
 )
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from services.control_plane.base import EngineView
 from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import EngineId, EngineRole
+from services.engines.vllm._planned_pull import PlannedPullWorker
 from services.engines.vllm.contracts import FinishedOnce, clip_to_producer, decide_model_runner
 from services.engines.vllm.handshake import (
     ConnectorSettings,
@@ -512,6 +514,18 @@ class _WorkerHandshake(_ControlPlaneClient):
             worker._validate_csa_linear_tp_layout(remote_tp_size)
         if not worker.use_host_buffer:
             current_platform.set_device(worker.device_id)
+        if isinstance(self, PlannedPullWorker):
+            engine_id, _generation = parse_vllm_engine_id(expected_engine_id)
+            try:
+                topology = self.bridge().topology(engine_id)
+            except ControlPlaneError as exc:
+                raise HandshakeResolutionError(f"{expected_engine_id}: {exc}") from exc
+            return self.planned_handshake(
+                topology,
+                expected_engine_id,
+                remote_pp_size=remote_pp_size,
+                remote_tp_size=remote_tp_size,
+            )
         targets = worker.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)
         extras = self.bridge().resolve(
             expected_engine_id,
@@ -549,8 +563,28 @@ class _PushWorker(_WorkerHandshake, NixlPushConnectorWorker):
     pass
 
 
-class _PullWorker(_WorkerHandshake, NixlPullConnectorWorker):
-    pass
+class _PullWorker(PlannedPullWorker, _WorkerHandshake, NixlPullConnectorWorker):
+    """vLLM's pull worker reading along pdserve's transfer plan (:mod:`._planned_pull`)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        transfer = vllm_config.kv_transfer_config
+        role = transfer.kv_role
+        # NixlBaseConnectorWorker.__init__ refuses a kv_consumer with PP > 1: vLLM's own reads
+        # are keyed by TP rank only. This worker's reads follow pdserve's plan, each PP stage
+        # reading its own layers, so the refusal does not apply; it is the only use of kv_role
+        # in that constructor, and the role is restored before anything else reads it.
+        if role == KVRole.CONSUMER.value and vllm_config.parallel_config.pipeline_parallel_size > 1:
+            transfer.kv_role = KVRole.BOTH.value
+        try:
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        finally:
+            transfer.kv_role = role
+
+    def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
+        super()._pdserve_init(settings, layout)
+        self.planned_init(model_geometry(self.vllm_config), get_pp_group().rank_in_group)
 
 
 class _PdserveConnectorBase(NixlBaseConnector):
@@ -633,7 +667,8 @@ class PdservePushConnector(_PdserveConnectorBase):
 
 
 class PdservePullConnector(_PdserveConnectorBase):
-    """Pull (decode READs) NIXL transfer, PP=1 on both sides; handshake via the control plane."""
+    """Pull (decode READs) NIXL transfer along pdserve's transfer plan: any PP x TP on either
+    side; handshake via the control plane."""
 
     transfer_mode = TransferMode.PULL
     _scheduler_cls = _PullScheduler

@@ -1,13 +1,16 @@
-"""Which PP x TP layouts vLLM 0.32.0's NIXL transfer path supports, checked at start-up.
+"""Which PP x TP layouts pdserve's vLLM connector serves, checked at start-up.
 
-Read from vLLM 0.32.0's ``kv_connector/v1/nixl`` (see docs/vllm.md for the table):
+See docs/vllm.md for the table:
 
-- **Pull** (``NixlPullConnector``, decode READs): both sides PP=1. The pull worker keys remote
-  agents by TP rank only (``(0, tp_rank)``), so it cannot read from a PP-sharded producer.
-- **Push** (``NixlPushConnector``, prefill WRITEs): producer PP >= 1 into a PP=1 consumer; each
-  producer stage writes its layer slice into the matching sub-range of the consumer's regions.
-- A consumer (decode) with PP > 1 is unsupported in both modes (vLLM raises at worker start).
-- TP: one side's TP must divide the other's (``TransferTopology.tp_ratio``).
+- **Pull** (decode READs): every ``(PP, TP) -> (PP, TP)`` pair of the same dense model. The
+  connector replaces vLLM 0.32.0's TP-ratio reads with pdserve's transfer plan
+  (:mod:`~services.engines.vllm.transfer_plan`): each decode rank reads exactly its layers and
+  KV heads from the prefill ranks that hold them, so decode PP, PP-sharded prefills, and TP in
+  either direction (including TP above the number of KV heads) all work.
+- **Push** (``NixlPushConnector``, prefill WRITEs, vLLM's own transfer): producer PP >= 1 into a
+  PP=1 consumer, one TP size dividing the other (``TransferTopology.tp_ratio``); a PP > 1
+  consumer needs pull mode.
+- TP must fit the KV heads on each side (divide them, or be a multiple of them).
 - Not covered by pdserve's connector: DCP/PCP > 1, MLA models, hybrid (HMA / Mamba) models: the
   control-plane record describes per-KV-head regions, which those layouts do not have.
 
@@ -83,38 +86,43 @@ def check_local_layout(layout: VllmLayout) -> None:
             f"{where}: hybrid KV caches (sliding window / Mamba groups) are not supported; "
             "use a full-attention model or --disable-hybrid-kv-cache-manager"
         )
-    if layout.pp_size > 1:
-        if layout.role is not KVRole.PRODUCER:
-            raise UnsupportedVllmLayout(
-                f"{where}: vLLM 0.32.0 supports PP > 1 only on the prefill side "
-                "(kv_producer); run decode with PP=1"
-            )
-        if layout.mode is not TransferMode.PUSH:
-            raise UnsupportedVllmLayout(
-                f"{where}: a PP > 1 prefill needs push mode (NixlPushConnector): the pull "
-                "path reads one agent per TP rank and cannot read PP-sharded KV"
-            )
+    if (
+        layout.pp_size > 1
+        and layout.role is not KVRole.PRODUCER
+        and layout.mode is not TransferMode.PULL
+    ):
+        raise UnsupportedVllmLayout(
+            f"{where}: a PP > 1 decode needs pull mode (each decode stage reads its own "
+            "layers); vLLM's push writers target a PP=1 decode"
+        )
 
 
 def check_pair(producer: VllmLayout, consumer: VllmLayout, *, num_kv_heads: int) -> None:
-    """Reject a producer/consumer pair vLLM 0.32.0 cannot transfer between."""
+    """Reject a producer/consumer pair the connector cannot transfer between."""
     where = f"prefill {producer.describe()} -> decode {consumer.describe()}"
     if producer.mode is not consumer.mode:
         raise UnsupportedVllmLayout(
             f"{where}: both sides must use the same transfer mode (push and pull connectors "
             "are protocol-incompatible)"
         )
-    if consumer.pp_size != 1:
-        raise UnsupportedVllmLayout(f"{where}: decode PP must be 1")
-    if producer.pp_size > 1 and producer.mode is not TransferMode.PUSH:
-        raise UnsupportedVllmLayout(f"{where}: PP > 1 prefill needs push mode")
-    big, small = max(producer.tp_size, consumer.tp_size), min(producer.tp_size, consumer.tp_size)
-    if big % small:
-        raise UnsupportedVllmLayout(f"{where}: one TP size must divide the other (vLLM's tp_ratio)")
+    if producer.mode is TransferMode.PUSH:
+        if consumer.pp_size != 1:
+            raise UnsupportedVllmLayout(f"{where}: push mode needs decode PP=1 (use pull mode)")
+        big = max(producer.tp_size, consumer.tp_size)
+        small = min(producer.tp_size, consumer.tp_size)
+        if big % small:
+            raise UnsupportedVllmLayout(
+                f"{where}: in push mode one TP size must divide the other (vLLM's tp_ratio); "
+                "pull mode serves any pair"
+            )
     for side in (producer, consumer):
         if side.tp_size > num_kv_heads and side.tp_size % num_kv_heads:
             raise UnsupportedVllmLayout(
                 f"{where}: TP={side.tp_size} above {num_kv_heads} KV heads must be a multiple"
+            )
+        if side.tp_size <= num_kv_heads and num_kv_heads % side.tp_size:
+            raise UnsupportedVllmLayout(
+                f"{where}: TP={side.tp_size} must divide the {num_kv_heads} KV heads"
             )
 
 

@@ -43,6 +43,8 @@ class VllmTransferExporter:
         """Transfers recorded so far (successful ones)."""
         self.transfer_seconds = 0.0
         """Their summed durations (``pdserve bench engine`` averages over them)."""
+        self.descriptors = 0
+        """Their summed NIXL descriptor counts (``pdserve bench engine`` averages over them)."""
         if producer:
             # Exported at 0 from the start, as the reference engine's producers do: the first
             # expiry is then an increase that increase() and PdserveKVLeasesExpiring see (a
@@ -83,6 +85,7 @@ class VllmTransferExporter:
                 self.metrics.descriptor_prep.labels(**pair).observe(posts[index])
         self.transfers += len(durations)
         self.transfer_seconds += sum(durations)
+        self.descriptors += int(sum(descriptors))
         for key, reason in _FAILURE_KEYS.items():
             failed = len(stats.get(key) or ())
             if failed:

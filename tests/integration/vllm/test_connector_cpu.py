@@ -223,9 +223,8 @@ async def test_worker_resolution_reads_published_grid_and_fences_old_generations
 @pytest.mark.parametrize(
     ("pp", "role", "connector", "match"),
     [
-        (2, "kv_consumer", "PdservePushConnector", "decode with PP=1"),
-        (2, "kv_producer", "PdservePullConnector", "push mode"),
-        (2, "kv_both", "PdservePushConnector", "decode with PP=1"),
+        (2, "kv_consumer", "PdservePushConnector", "needs pull mode"),
+        (2, "kv_both", "PdservePushConnector", "needs pull mode"),
     ],
 )
 def test_unsupported_layouts_are_rejected_at_construction(

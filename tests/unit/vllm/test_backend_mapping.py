@@ -73,13 +73,13 @@ def test_kv_transfer_config_names_connector_generation_and_hides_password(model_
     assert parsed.control_plane.namespace == "prod" and parsed.control_plane.redis.password is None
 
 
-def test_kv_transfer_config_rejects_pp_decode(model_dir: Path) -> None:
-    with pytest.raises(UnsupportedVllmLayout, match="PP=1"):
+def test_kv_transfer_config_needs_pull_mode_for_pp_decode(model_dir: Path) -> None:
+    with pytest.raises(UnsupportedVllmLayout, match="pull mode"):
         kv_transfer_config(VllmEngineOptions(model_dir, pp_size=2), registration(EngineRole.DECODE))
-    with pytest.raises(UnsupportedVllmLayout, match="push"):
-        kv_transfer_config(
-            VllmEngineOptions(model_dir, pp_size=2, transfer_mode=TransferMode.PULL), registration()
-        )
+    pull = VllmEngineOptions(model_dir, pp_size=2, transfer_mode=TransferMode.PULL)
+    config = kv_transfer_config(pull, registration(EngineRole.DECODE))
+    assert config["kv_role"] == "kv_consumer"
+    assert kv_transfer_config(pull, registration())["kv_role"] == "kv_producer"
 
 
 def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:

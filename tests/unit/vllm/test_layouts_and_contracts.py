@@ -21,9 +21,8 @@ PUSH, PULL = TransferMode.PUSH, TransferMode.PULL
 @pytest.mark.parametrize(
     ("layout", "match"),
     [
-        (VllmLayout(KVRole.CONSUMER, PUSH, pp_size=2), "decode with PP=1"),
-        (VllmLayout(KVRole.BOTH, PUSH, pp_size=2), "decode with PP=1"),
-        (VllmLayout(KVRole.PRODUCER, PULL, pp_size=2), "push mode"),
+        (VllmLayout(KVRole.BOTH, PUSH, pp_size=2), "pull mode"),
+        (VllmLayout(KVRole.CONSUMER, PUSH, pp_size=2), "pull mode"),
         (VllmLayout(KVRole.PRODUCER, PUSH, dcp_size=2), "context parallelism"),
         (VllmLayout(KVRole.PRODUCER, PUSH, use_mla=True), "MLA"),
         (VllmLayout(KVRole.PRODUCER, PUSH, hybrid_kv_cache=True), "hybrid"),
@@ -42,6 +41,9 @@ def test_unsupported_local_layouts_name_what_works(layout: VllmLayout, match: st
         VllmLayout(KVRole.CONSUMER, PUSH, tp_size=4),
         VllmLayout(KVRole.PRODUCER, PULL, tp_size=2),
         VllmLayout(KVRole.CONSUMER, PULL, tp_size=8),
+        VllmLayout(KVRole.PRODUCER, PULL, pp_size=2),
+        VllmLayout(KVRole.CONSUMER, PULL, pp_size=3, tp_size=2),
+        VllmLayout(KVRole.BOTH, PULL, pp_size=2),
     ],
 )
 def test_supported_local_layouts_pass(layout: VllmLayout) -> None:
@@ -52,8 +54,10 @@ def test_pairs_follow_vllms_tp_ratio_and_modes() -> None:
     prefill = VllmLayout(KVRole.PRODUCER, PUSH, pp_size=2, tp_size=2)
     check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=4), num_kv_heads=8)
     check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=1), num_kv_heads=8)
-    with pytest.raises(UnsupportedVllmLayout, match="divide"):
-        check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=3), num_kv_heads=8)
+    with pytest.raises(UnsupportedVllmLayout, match="divide the other"):
+        check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, tp_size=3), num_kv_heads=12)
+    with pytest.raises(UnsupportedVllmLayout, match="push mode needs decode PP=1"):
+        check_pair(prefill, VllmLayout(KVRole.CONSUMER, PUSH, pp_size=2), num_kv_heads=8)
     with pytest.raises(UnsupportedVllmLayout, match="same transfer mode"):
         check_pair(prefill, VllmLayout(KVRole.CONSUMER, PULL), num_kv_heads=8)
     with pytest.raises(UnsupportedVllmLayout, match="multiple"):
@@ -126,4 +130,23 @@ def test_model_runner_rule_is_precise() -> None:
             kv_role="kv_producer",
             speculative=True,
             env_value="1",
+        )
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [((2, 1), (1, 2)), ((2, 1), (2, 1)), ((1, 1), (2, 1)), ((2, 1), (1, 1)), ((1, 2), (1, 1))],
+)
+def test_pull_mode_pairs_any_pp_and_tp(prefill: tuple[int, int], decode: tuple[int, int]) -> None:
+    check_pair(
+        VllmLayout(KVRole.PRODUCER, PULL, *prefill),
+        VllmLayout(KVRole.CONSUMER, PULL, *decode),
+        num_kv_heads=2,
+    )
+    # TP must still fit the KV heads on each side.
+    with pytest.raises(UnsupportedVllmLayout, match="divide the 4 KV heads"):
+        check_pair(
+            VllmLayout(KVRole.PRODUCER, PULL, *prefill),
+            VllmLayout(KVRole.CONSUMER, PULL, 1, 3),
+            num_kv_heads=4,
         )

