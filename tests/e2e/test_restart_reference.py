@@ -8,7 +8,9 @@ greedy requests (the load and checks of ``test_failover_reference``).
    prefill-1); ``pdserve up`` starts prefill-0 again, which registers a new generation, turns
    READY (``pdserve status --json``) and serves prefills again;
 2. prefill-1's *rank* is killed: its host exits (a dead rank ends its service) and is restarted
-   the same way, with nothing lost.
+   the same way, with nothing lost;
+3. decode-0's *host* is killed mid-stream: its streams migrate to decode-1 (counted), none
+   fails, and decode-0 is restarted and decodes again.
 
 Nothing is timed against the wall clock: every wait has a generous bound.
 """
@@ -30,11 +32,13 @@ from services.serving.ready import pdserve_argv
 from tests.e2e.faults.probes import metric
 from tests.e2e.test_failover_reference import (
     MODEL,
+    Load,
     Stack,
     assert_lost_nothing,
     finished_after,
     pools_full,
     steady_load,
+    streaming_on,
     wait_for,
 )
 from tests.e2e.test_failover_reference import (
@@ -113,15 +117,20 @@ def restarted(stack: Stack, engine: str, restarts: int) -> bool:
     return True
 
 
-def prefills_served(stack: Stack, engine: str) -> float:
-    """Prefill RPCs ``engine``'s current process answered (its own ``/metrics``)."""
+def served(stack: Stack, engine: str) -> float:
+    """Prefill or Decode RPCs (its role's) ``engine``'s current process answered (its own
+    ``/metrics``)."""
     url = str(stack.engine(engine)["metrics"])
-    return metric(url, "pdserve_engine_requests_total", rpc="Prefill", outcome="ok")
+    rpc = "Decode" if engine.startswith("decode") else "Prefill"
+    return metric(url, "pdserve_engine_requests_total", rpc=rpc, outcome="ok")
 
 
-async def replaced_under_load(stack: Stack, engine: str, kill: int) -> None:
-    """Kill ``kill`` (a pid of ``engine``) under load; wait until ``engine`` runs again at a new
-    generation and served prefills; nothing lost."""
+async def replaced_under_load(
+    stack: Stack, engine: str, kill: Callable[[], int], *, mid_stream: bool = False
+) -> Load:
+    """Kill the pid ``kill`` returns (a process of ``engine``) under load, once ``engine`` is
+    chosen again (``mid_stream``: once a stream on it has chunks); wait until ``engine`` runs
+    again at a new generation and served its role's calls; nothing lost."""
     assert stack.reference, "needs the fault-free run"
     before = stack.engine(engine)
     generation = status_of(stack, engine)["generation"]
@@ -130,17 +139,20 @@ async def replaced_under_load(stack: Stack, engine: str, kill: int) -> None:
     async with steady_load(stack.up.url, workers=6) as load:
         await finished_after(load, 4)
         await wait_for(lambda: stack.closed(engine), f"{engine} chosen")
-        os.kill(kill, signal.SIGKILL)
+        if mid_stream:
+            await streaming_on(load, engine)
+        os.kill(kill(), signal.SIGKILL)
         await wait_long(lambda: restarted(stack, engine, restarts + 1), f"{engine} restarted")
         after = stack.engine(engine)
         assert after["pid"] != before["pid"]
         assert after["generation"] > generation
-        await wait_for(lambda: prefills_served(stack, engine) > 0, f"{engine} serving again")
+        await wait_long(lambda: served(stack, engine) > 0, f"{engine} serving again")
         await finished_after(load, 4)
     assert_lost_nothing(stack, load)
     entry = status_of(stack, engine)
     assert (entry["state"], entry["generation"]) == ("ready", after["generation"])
     await pools_full(stack, "prefill-0", "prefill-1", "decode-0", "decode-1")
+    return load
 
 
 async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
@@ -148,12 +160,24 @@ async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> Non
 
 
 async def test_1_a_killed_prefill_host_is_restarted_with_a_new_generation(stack: Stack) -> None:
-    await replaced_under_load(stack, "prefill-0", int(stack.engine("prefill-0")["pid"]))
+    await replaced_under_load(stack, "prefill-0", lambda: int(stack.engine("prefill-0")["pid"]))
     assert "prefill-0 restarted (restart 1" in stack.up.output()
 
 
 async def test_2_a_killed_prefill_rank_ends_its_host_which_is_restarted(stack: Stack) -> None:
-    await replaced_under_load(stack, "prefill-1", stack.rank("prefill-1"))
+    await replaced_under_load(stack, "prefill-1", lambda: stack.rank("prefill-1"))
     output = stack.up.output()
     assert "prefill-1 exited with status 1" in output  # the host noticed its rank and stopped
     assert "prefill-1 restarted (restart 1" in output
+
+
+async def test_3_a_killed_decode_host_mid_stream_migrates_and_is_restarted(stack: Stack) -> None:
+    """decode-0's host dies with streams on it: they continue on decode-1 (migrated, counted),
+    none fails; decode-0 comes back at a new generation and decodes again."""
+    migrations = stack.router("pdserve_router_migrations_total")
+    load = await replaced_under_load(
+        stack, "decode-0", lambda: int(stack.engine("decode-0")["pid"]), mid_stream=True
+    )
+    assert [o for o in load.outcomes if o.decode_engine == "decode-0"], "none on decode-0"
+    assert stack.router("pdserve_router_migrations_total") > migrations
+    assert "decode-0 restarted (restart 1" in stack.up.output()
