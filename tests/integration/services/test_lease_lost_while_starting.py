@@ -86,6 +86,17 @@ def start_host(
     return host, stop, asyncio.create_task(host.run(stop))
 
 
+async def lease_runs_out_while_starting(cp: RedisControlPlane, backend: StallingStub) -> int:
+    """Once ``backend`` is starting, delete its engine's lease keys (what a lease running out
+    does, without waiting for the TTL); the generation it was started with."""
+    async with asyncio.timeout(BOUND_S):
+        await backend.starting.wait()
+    assert backend.registration is not None
+    generation = backend.registration.generation
+    await cp.connection.client.delete(*cp.keys.lease_keys("slow-start", generation))
+    return generation
+
+
 async def test_a_lease_lost_while_starting_is_restored_under_the_same_generation(
     cp_settings: ControlPlaneSettings,
 ) -> None:
@@ -93,12 +104,7 @@ async def test_a_lease_lost_while_starting_is_restored_under_the_same_generation
     host, stop, task = start_host(cp_settings, backend)
     cp = RedisControlPlane(cp_settings, ControlPlaneMetrics())
     try:
-        async with asyncio.timeout(BOUND_S):
-            await backend.starting.wait()
-        assert backend.registration is not None
-        generation = backend.registration.generation
-        # The lease runs out under the starting engine.
-        await cp.connection.client.delete(*cp.keys.lease_keys("slow-start", generation))
+        generation = await lease_runs_out_while_starting(cp, backend)
         labels = {"engine": "slow-start", "role": "prefill"}
         await wait_until(
             lambda: (
@@ -134,11 +140,7 @@ async def test_a_lease_lost_while_starting_and_taken_by_another_host_is_fatal(
     host, stop, task = start_host(cp_settings, backend)
     cp = RedisControlPlane(cp_settings, ControlPlaneMetrics())
     try:
-        async with asyncio.timeout(BOUND_S):
-            await backend.starting.wait()
-        assert backend.registration is not None and host.registrar is not None
-        generation = backend.registration.generation
-        await cp.connection.client.delete(*cp.keys.lease_keys("slow-start", generation))
+        await lease_runs_out_while_starting(cp, backend)
         # Another host registers the engine id and goes away again before the restore.
         spec = host.backend.describe().spec("slow-start", EngineRole.PREFILL, "other:1")
         newer = await cp.register(spec)
