@@ -58,7 +58,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from services.control_plane.base import EngineView
 from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import EngineId, EngineRole
-from services.engines.vllm._planned_pull import PlannedPullWorker
+from services.engines.vllm._planned_pull import PlannedPullWorker, remote_agent_metadata
 from services.engines.vllm.contracts import FinishedOnce, clip_to_producer, decide_model_runner
 from services.engines.vllm.handshake import (
     ConnectorSettings,
@@ -537,18 +537,7 @@ class _WorkerHandshake(_ControlPlaneClient):
         names: dict[tuple[int, int], str] = {}
         offset = 0.0
         for (pp_rank, tp_rank), extra in sorted(extras.items()):
-            payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(extra.nixl_payload)
-            if worker.enforce_compat_hash and payload.compatibility_hash != worker.compat_hash:
-                raise HandshakeResolutionError(
-                    f"NIXL compatibility hash mismatch with {expected_engine_id}: local "
-                    f"{worker.compat_hash}, remote {payload.compatibility_hash}"
-                )
-            meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
-            worker._validate_remote_parallel_config(meta)
-            if meta.engine_id != expected_engine_id:
-                raise HandshakeResolutionError(
-                    f"payload of {meta.engine_id} published under {expected_engine_id}"
-                )
+            meta = remote_agent_metadata(worker, extra.nixl_payload, expected_engine_id)
             if notif_agents_only:
                 name = worker._add_notif_only_remote_agent(meta, remote_tp_size, meta.dcp_size)
             else:

@@ -69,6 +69,27 @@ class PreparedPeer:
     """Per read: the read, its local and its remote prepared descriptor-list handle."""
 
 
+def remote_agent_metadata(
+    worker: Any, nixl_payload: bytes, expected_engine_id: str
+) -> NixlAgentMetadata:
+    """A remote rank's NIXL agent metadata from its published vLLM payload, checked as vLLM's
+    own handshake checks it: compatibility hash (unless the worker does not enforce it), parallel
+    config, and the engine id it was published under."""
+    payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(nixl_payload)
+    if worker.enforce_compat_hash and payload.compatibility_hash != worker.compat_hash:
+        raise HandshakeResolutionError(
+            f"NIXL compatibility hash mismatch with {expected_engine_id}: local "
+            f"{worker.compat_hash}, remote {payload.compatibility_hash}"
+        )
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    worker._validate_remote_parallel_config(meta)
+    if meta.engine_id != expected_engine_id:
+        raise HandshakeResolutionError(
+            f"payload of {meta.engine_id} published under {expected_engine_id}"
+        )
+    return meta
+
+
 class PlannedPullWorker:
     """Mixin over vLLM's ``NixlPullConnectorWorker`` (listed before it): planned reads."""
 
@@ -149,20 +170,7 @@ class PlannedPullWorker:
         agents: dict[RankKey, str] = {}
         first_meta: NixlAgentMetadata | None = None
         for rank in plan.peers:
-            payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(
-                extras[rank].nixl_payload
-            )
-            if worker.enforce_compat_hash and payload.compatibility_hash != worker.compat_hash:
-                raise HandshakeResolutionError(
-                    f"NIXL compatibility hash mismatch with {expected_engine_id}: local "
-                    f"{worker.compat_hash}, remote {payload.compatibility_hash}"
-                )
-            meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
-            worker._validate_remote_parallel_config(meta)
-            if meta.engine_id != expected_engine_id:
-                raise HandshakeResolutionError(
-                    f"payload of {meta.engine_id} published under {expected_engine_id}"
-                )
+            meta = remote_agent_metadata(worker, extras[rank].nixl_payload, expected_engine_id)
             first_meta = first_meta or meta
             agents[rank] = worker.nixl_wrapper.add_remote_agent(meta.agent_metadata)
         assert first_meta is not None  # a plan reads or notifies at least one rank
