@@ -239,8 +239,8 @@ class EngineHost:
     def _heartbeat_ended(self, task: asyncio.Task[None]) -> None:
         """A heartbeat that dies of an unexpected error is fatal at once: silently, the lease
         would run out a few seconds later and the engine vanish under its host."""
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
             self._fail(HostError(f"the heartbeat of {self.engine_id} died: {exc!r}"))
 
     def _fail(self, exc: HostError | EngineFailed) -> None:

@@ -263,6 +263,10 @@ class EngineRegistrar:
             self.engine_id,
             generation,
         )
+        await self._republish(generation)
+
+    async def _republish(self, generation: int) -> None:
+        """``backend.republish`` at ``generation``, bounded by ``ready_timeout_s``."""
         try:
             await asyncio.wait_for(
                 self.backend.republish(self.registration(generation)),
@@ -299,10 +303,7 @@ class EngineRegistrar:
                 try:
                     record = await self.control_plane.register(self._spec)
                     state.generation = record.generation
-                    await asyncio.wait_for(
-                        self.backend.republish(self.registration(record.generation)),
-                        self.settings.ready_timeout_s,
-                    )
+                    await self._republish(record.generation)
                     await self.wait_ready(record.generation)
                     break
                 except StaleGenerationError as exc:
@@ -318,16 +319,8 @@ class EngineRegistrar:
                         interval,
                     )
                 await asyncio.sleep(interval)
-        except (HostError, EngineFailed, TimeoutError) as exc:
-            failed = (
-                exc
-                if isinstance(exc, HostError | EngineFailed)
-                else ReadinessFailed(
-                    f"engine {self.engine_id} did not republish its handshakes within "
-                    f"{self.settings.ready_timeout_s}s"
-                )
-            )
-            self._on_fatal(failed)
+        except (HostError, EngineFailed) as exc:
+            self._on_fatal(exc)
             return
         self.metrics.count_reregistration()
         self._on_reregistered(state.generation)
