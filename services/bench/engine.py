@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transfer-mode", choices=("push", "pull"), default="push", help="vLLM only"
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM only: no compiled graphs (starts minutes sooner on a small CPU machine)",
+    )
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     }
     if args.engine == "vllm":
         result["transfer_mode"] = args.transfer_mode
+        result["enforce_eager"] = bool(args.enforce_eager)
     return result
 
 
@@ -182,6 +188,7 @@ def _vllm_backend(model_dir: Path, pp: int, tp: int, args: argparse.Namespace) -
         transfer_mode=TransferMode(args.transfer_mode),
         block_size=VLLM_BLOCK_SIZE,
         dtype=VLLM_DTYPE,
+        enforce_eager=bool(args.enforce_eager),
     )
     return VllmBackend(options, registry=CollectorRegistry())
 

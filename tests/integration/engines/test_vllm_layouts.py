@@ -96,6 +96,7 @@ async def vllm_engine(
         transfer_mode=TransferMode.PULL,
         block_size=BLOCK_SIZE,
         dtype="float32",
+        enforce_eager=True,  # compiling the graphs costs minutes here and moves no KV
     )
     backend = VllmBackend(options, registry=CollectorRegistry())
     # vLLM's processes copy this environment when they start: set only while this one does.
