@@ -15,6 +15,7 @@ from services.engines.vllm.contracts import clip_to_producer
 from services.engines.vllm.detokenizer import PrimedDecodeStream
 from services.engines.vllm.platform import (
     THREADS_BIND_ENV,
+    Platform,
     cpu_environment,
     cpu_thread_binding,
     shared_cpu_bindings,
@@ -120,3 +121,22 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
         KVTransferMetrics(CollectorRegistry()), "decode-0", producer=False
     )
     assert consumer._pair()["consumer_engine"] == "decode-0"
+
+
+def test_eager_on_a_cpu_with_pp_keeps_the_warm_up_that_allocates_stage_buffers() -> None:
+    from vllm import config  # noqa: PLC0415  (make test installs the vllm extra)
+
+    from services.engines.vllm.backend import VllmEngineOptions, _graph_args  # noqa: PLC0415
+
+    def graph(platform: Platform, pp: int, eager: bool) -> dict[str, object]:
+        options = VllmEngineOptions(Path("m"), pp_size=pp, enforce_eager=eager)
+        return _graph_args(options, platform, config)
+
+    assert graph(Platform.CPU, 2, eager=False) == {} == graph(Platform.GPU, 2, eager=False)
+    assert graph(Platform.CPU, 1, eager=True) == {"enforce_eager": True}
+    assert graph(Platform.GPU, 2, eager=True) == {"enforce_eager": True}
+    traced = graph(Platform.CPU, 2, eager=True)["compilation_config"]
+    assert isinstance(traced, config.CompilationConfig)
+    # Not CompilationMode.NONE: vLLM's CPU worker then runs the warm-up (profile) pass.
+    assert traced.mode is config.CompilationMode.DYNAMO_TRACE_ONCE
+    assert traced.backend == "eager"
