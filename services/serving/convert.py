@@ -25,6 +25,7 @@ from services.engines.backend import (
     FirstToken,
     Fork,
     KVHandle,
+    PrefillRequest,
     PrefillResult,
     RequestLimits,
     SamplingParams,
@@ -270,28 +271,19 @@ def finish_from_proto(value: types_pb2.FinishReason.ValueType) -> FinishReason |
 # -- prefill -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PrefillCall:
-    """A validated Prefill request."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-
-
-def prefill_request_to_proto(
-    request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-) -> prefill_pb2.PrefillRequest:
+def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
-        request_id=request_id,
-        token_ids=list(prompt_token_ids),
-        sampling=sampling_to_proto(sampling),
+        request_id=request.request_id,
+        token_ids=list(request.prompt_token_ids),
+        sampling=sampling_to_proto(request.sampling),
     )
 
 
 def prefill_request_from_proto(
     message: prefill_pb2.PrefillRequest, limits: RequestLimits
-) -> PrefillCall:
+) -> PrefillRequest:
+    """The validated request (the contract of :class:`PrefillRequest`, except the engine's
+    ``forks_decode``, which the Prefill RPC checks)."""
     request_id = validate_request_id(message.request_id)
     prompt = validate_prompt(message.token_ids, limits)
     sampling = (
@@ -299,7 +291,7 @@ def prefill_request_from_proto(
         if message.HasField("sampling")
         else SamplingParams()
     )
-    return PrefillCall(request_id, prompt, sampling)
+    return PrefillRequest(request_id, prompt, sampling)
 
 
 def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:

@@ -54,6 +54,7 @@ class ServingState:
         on_engine_failed: Callable[[EngineFailed], None],
     ) -> None:
         self.backend = backend
+        self.description = description
         self.limits = RequestLimits.of(description)
         self.metrics = metrics
         self.engine_id = engine_id

@@ -10,6 +10,7 @@ from services.engines.backend import (
     DecodeRequest,
     FinishReason,
     KVHandle,
+    PrefillRequest,
     PrefillResult,
     RequestLimits,
     SamplingParams,
@@ -111,9 +112,9 @@ def test_bad_handle_is_invalid(change: dict[str, object], field: str) -> None:
 
 def test_prefill_request_round_trips_and_validates() -> None:
     sampling = SamplingParams(max_tokens=4, temperature=0.7, seed=3)
-    message = convert.prefill_request_to_proto("cmpl-1:a", [1, 2, 3], sampling)
-    call = convert.prefill_request_from_proto(message, LIMITS)
-    assert call == convert.PrefillCall("cmpl-1:a", (1, 2, 3), sampling)
+    request = PrefillRequest("cmpl-1:a", (1, 2, 3), sampling)
+    message = convert.prefill_request_to_proto(request)
+    assert convert.prefill_request_from_proto(message, LIMITS) == request
 
 
 @pytest.mark.parametrize(
