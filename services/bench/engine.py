@@ -48,7 +48,12 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, EngineBackend, SamplingParams
+from services.engines.backend import (
+    DecodeRequest,
+    EngineBackend,
+    PrefillRequest,
+    SamplingParams,
+)
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
@@ -334,7 +339,7 @@ async def _ttft(
     for rep in range(reps + 1):  # the first round warms both paths up and is not counted
         prompt = _prompt(tokens, 100 + rep)
         started = time.perf_counter()
-        result = await prefill.prefill(f"ttft-{rep}", prompt, sampling)
+        result = await prefill.prefill(PrefillRequest(f"ttft-{rep}", prompt, sampling))
         prefilled = time.perf_counter()
         transfer = 0.0
         done = 0.0

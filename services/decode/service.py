@@ -12,12 +12,17 @@ from services.serving.servicer import ServingState
 
 class DecodeService(RoleService):
     """``pdserve.v1.DecodeService`` served by :class:`DecodeServicer`, its handles' producers
-    checked by a :class:`ProducerGate` over the host's producer views."""
+    checked by a :class:`ProducerGate` over the host's producer views (the one owner of the
+    producer check; see :meth:`services.engines.backend.EngineBackend.decode`)."""
 
     role = EngineRole.DECODE
     descriptor = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
 
-    def servicer(
-        self, state: ServingState, producer_views: ProducerViews, compat_hash: str
-    ) -> DecodeServicer:
-        return DecodeServicer(state, ProducerGate(producer_views, compat_hash))
+    def servicer(self, state: ServingState, producer_views: ProducerViews) -> DecodeServicer:
+        description = state.description
+        gate = ProducerGate(
+            producer_views,
+            compat_hash=description.compat_hash,
+            block_size=description.block_size,
+        )
+        return DecodeServicer(state, gate)

@@ -5,8 +5,9 @@ pull, :class:`ProducerGate` reads the producer's registration from the control p
 not READY, or at another generation than the handle is UNAVAILABLE and nothing is pulled (a
 restarted producer's old blocks are gone; its new NIXL agent must never be read with old
 addresses); a decode engine or an incompatible one is INVALID_ARGUMENT
-(:func:`~services.engines.producer_check.producer_refusal`). A backend that declares
-``checks_producers`` makes the same check itself, so the gate is skipped for it.
+(:func:`~services.engines.producer_check.producer_refusal`); a producer with blocks of another
+size than this engine's is UNAVAILABLE. The gate is the one owner of this check: backends do
+not repeat it (the contract of :meth:`~services.engines.backend.EngineBackend.decode`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ class ProducerGate:
     reads producers through the host's :class:`ProducerViews` (which ride out a short
     control-plane outage on remembered views, counted)."""
 
-    def __init__(self, views: ProducerViews, compat_hash: str) -> None:
+    def __init__(self, views: ProducerViews, *, compat_hash: str, block_size: int) -> None:
         self.views = views
         self.compat_hash = compat_hash
+        self.block_size = block_size
 
     async def check(self, handle: KVHandle) -> None:
-        refusal = await self.views.refusal(handle, compat_hash=self.compat_hash)
+        refusal = await self.views.refusal(
+            handle, compat_hash=self.compat_hash, block_size=self.block_size
+        )
         if refusal is not None:
             raise refusal.exception()
 
@@ -76,7 +80,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 coalesce_s = 0.0  # forks' chunks of different choices never merge
             # The stream ends once each of its sequences (forks) has finished.
             left = parsed.sequences
-            if parsed.kv_handle is not None and not state.backend.checks_producers:
+            if parsed.kv_handle is not None:
                 await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
             stream = state.backend.decode(parsed)

@@ -308,6 +308,27 @@ class Fork:
 
 
 @dataclass(frozen=True)
+class PrefillRequest:
+    """A request for a prefill engine: compute the prompt's KV and first token (one per choice
+    with ``sampling.n > 1``) and hold the KV for a decode engine.
+
+    The contract (what the gRPC edge, :func:`services.serving.convert.prefill_request_from_proto`,
+    guarantees before a backend sees one; an in-process caller such as a benchmark or a test
+    builds only such requests): ``request_id`` is 1-128 letters, digits, ``.``, ``_``, ``:`` or
+    ``-``; ``prompt_token_ids`` passed :func:`validate_prompt` for the engine's
+    :class:`RequestLimits` (not empty, ids in ``[0, vocab_size)``, room to generate within
+    ``max_model_len``); ``sampling`` passed :meth:`SamplingParams.validate` with the engine's
+    vocabulary, and ``sampling.n > 1`` only on an engine with
+    :attr:`EngineBackend.forks_decode`. A backend trusts all of this and checks only what
+    depends on its own state (its role, admission).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
 class DecodeRequest:
     """A request for a decode engine.
 
@@ -315,6 +336,16 @@ class DecodeRequest:
     ``first_token_id`` is then the producer's first token, which the stream does not repeat.
     Without it the engine prefills the prompt itself (local / colocated execution) and the
     stream starts with the first token.
+
+    The contract (what :func:`services.serving.convert.decode_request_from_proto` guarantees
+    before a backend sees one): ``request_id``, ``prompt_token_ids`` and ``sampling`` as for a
+    :class:`PrefillRequest`, with ``sampling.n == 1``; ``first_token_id`` is set exactly when
+    ``kv_handle`` is, and lies in the vocabulary; the handle's fields are bounded and its
+    ``num_tokens`` is the prompt's length; ``forks`` come only with a handle, with distinct
+    choices in ``[0, MAX_N)``, first tokens in the vocabulary and ``forks[0]``'s first token
+    ``first_token_id``, and only on an engine with :attr:`EngineBackend.forks_decode`. The
+    handle's producer was checked by the Decode RPC (see :meth:`EngineBackend.decode`). A
+    backend trusts all of this.
     """
 
     request_id: str
@@ -391,11 +422,6 @@ class EngineBackend(abc.ABC):
     ``DecodeRequest.forks`` (n choices from one prefill and one KV transfer); a backend
     without it refuses both with :class:`~services.engines.errors.InvalidRequest`."""
 
-    checks_producers: bool = False
-    """Whether :meth:`decode` checks a handle's producer against the control plane itself
-    (:func:`~services.engines.producer_check.producer_refusal`, before the first delta); the
-    Decode RPC then skips its own check."""
-
     @abc.abstractmethod
     def describe(self) -> BackendDescription:
         """The spec fields the host registers; cheap (reads the model config only)."""
@@ -426,18 +452,29 @@ class EngineBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> PrefillResult:
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Compute the prompt's KV and first token; hold the KV for a consumer (prefill role).
-        An abort before the first token raises :class:`~services.engines.errors.RequestAborted`."""
+
+        ``request`` is valid (see :class:`PrefillRequest`); an engine whose role does not
+        produce KV raises :class:`~services.engines.errors.InvalidRequest`. An abort before
+        the first token raises :class:`~services.engines.errors.RequestAborted`."""
 
     @abc.abstractmethod
     def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         """Stream a request's tokens until it finishes; the last delta carries the reason.
 
-        Pull errors (unknown handle, expired lease, producer gone) are raised before the first
-        delta. Closing the iterator early aborts the request and frees its blocks.
+        ``request`` is valid (see :class:`DecodeRequest`). The producer check has one owner,
+        the Decode RPC (:class:`services.decode.servicer.ProducerGate`): before it calls
+        ``decode`` with a ``kv_handle`` it has read the handle's producer from the control
+        plane and refused the call unless the producer is a READY KV producer at the handle's
+        generation with this engine's compat hash and block size
+        (:func:`~services.engines.producer_check.producer_refusal`). A backend never reads the
+        control plane for this; an in-process caller (a benchmark, an engine test) hands it
+        only handles of producers it knows to be READY. What only the backend can tell it
+        still refuses: a handle it cannot pull (``UnknownKVHandle``, an expired lease:
+        ``KVLeaseExpired``, a pull that failed: ``ProducerUnavailable`` /
+        ``KVTransferFailed``), raised before the first delta. Closing the iterator early
+        aborts the request and frees its blocks.
         """
 
     @abc.abstractmethod

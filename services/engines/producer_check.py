@@ -1,8 +1,9 @@
 """Whether a KV handle's producer may be pulled from: one decision for every consumer.
 
-A consumer (the Decode RPC's :class:`~services.decode.servicer.ProducerGate`, or a backend that
-checks its handles itself) reads the producer's registration from the control plane and asks
-:func:`producer_refusal`; ``None`` means the pull may start. The refusals, in order:
+The one consumer of this rule is the Decode RPC's :class:`~services.decode.servicer.ProducerGate`
+(backends do not repeat it: :meth:`~services.engines.backend.EngineBackend.decode`): it reads the
+producer's registration from the control plane and asks :func:`producer_refusal`; ``None``
+means the pull may start. The refusals, in order:
 
 - ``gone``: the producer is not registered -> :class:`ProducerUnavailable`;
 - ``stale_generation``: it is at another generation than the handle (it restarted or
@@ -137,7 +138,7 @@ class ProducerViews:
     control-plane outage on the last view read of each producer.
 
     One instance per consumer engine (the host builds it with the engine service's settings and
-    metrics; a backend that checks producers itself gets the host's). Not thread-safe: used
+    metrics and hands it to the Decode RPC's gate). Not thread-safe: used
     from one event loop.
 
     :meth:`refusal` reads the producer's :class:`EngineView` with

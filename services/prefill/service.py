@@ -16,7 +16,5 @@ class PrefillService(RoleService):
     role = EngineRole.PREFILL
     descriptor = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 
-    def servicer(
-        self, state: ServingState, producer_views: ProducerViews, compat_hash: str
-    ) -> PrefillServicer:
+    def servicer(self, state: ServingState, producer_views: ProducerViews) -> PrefillServicer:
         return PrefillServicer(state)

@@ -29,9 +29,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise InvalidRequest(
                     f"engine {self.state.engine_id} samples one choice per prefill: n must be 1"
                 )
-            result = await self.state.backend.prefill(
-                call.request_id, call.prompt_token_ids, call.sampling
-            )
+            result = await self.state.backend.prefill(call)
             if result.finish_reason is FinishReason.ABORT:
                 raise RequestAborted(f"prefill of {call.request_id} was aborted")
             self.state.metrics.prefill_seconds.labels(self.state.engine_id).observe(

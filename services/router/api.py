@@ -1,58 +1,50 @@
-"""The OpenAI-compatible HTTP API: routes, authentication and the one error envelope.
+"""The OpenAI-compatible HTTP API: routes, authentication and the request each route builds.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (Bearer
-key when configured), ``GET /health`` and ``GET /metrics`` (open: probes and Prometheus).
-Every error, including FastAPI's validation errors and Starlette's 404/405, is answered with
-``{"error": {"message", "type", "param", "code"}}`` by the handlers in
-:func:`install_error_handlers`.
-
-Response headers of a generation: ``x-pdserve-prefill-engine`` (absent when the request ran
-locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-request-id``; on a
-non-streamed request that moved to another engine pair mid-way (services.router.migration),
-``x-pdserve-migrations``. The usage object of such a request (the response's, or the streamed
-``include_usage`` chunk's) carries ``pdserve_migrations`` too.
+key when configured), ``GET /health`` and ``GET /metrics`` (open: probes and Prometheus). A
+generation route turns the body into a :class:`~services.router.execution.GenerationRequest`
+(checked against the engines of its model) and hands it to
+:func:`services.router.responses.serve` (one choice) or
+:func:`services.router.choices.serve_choices` (``n > 1``, echo, logprobs); the response
+shapes and headers are described there. Every error is answered with the OpenAI envelope by
+the handlers of :mod:`services.router.error_handlers`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.engines.backend import FinishReason, SamplingParams
-from services.engines.errors import InvalidRequest, TokenizerError
+from services.engines.backend import SamplingParams
+from services.engines.errors import InvalidRequest
 from services.router import params
 from services.router.choices import Choice, serve_choices
 from services.router.direct_route import DirectRoute
 from services.router.errors import (
     AuthenticationError,
-    EngineRequestFailed,
     InvalidRequestError,
     NoEngineAvailable,
-    RouterError,
 )
-from services.router.execution import Chunk, GenerationRequest, RunInfo
+from services.router.execution import GenerationRequest
 from services.router.protocol import (
-    SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
-    finish_text,
     now_s,
-    sse_event,
-    usage_body,
+)
+from services.router.responses import (
+    CHAT,
+    COMPLETIONS,
+    json_response,
+    serve,
+    unless_client_leaves,
 )
 from services.router.runtime import RouterRuntime
 
@@ -60,12 +52,6 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
-
-CLIENT_CLOSED_REQUEST = 499
-"""Status recorded for a request whose client hung up before its response started (nginx's
-convention); nobody receives it."""
-
-T = TypeVar("T")
 
 
 # The dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in its
@@ -111,53 +97,6 @@ validation itself (no per-request dependency solving); their signatures document
 ops = APIRouter()
 
 
-@dataclass
-class _Output:
-    """Shape of one endpoint's response bodies."""
-
-    endpoint: str
-    object_name: str
-    chunk_object_name: str
-    render_choice: Callable[[str, str | None], dict[str, Any]]
-    render_delta: Callable[[str, str | None, bool], dict[str, Any]]
-
-
-def _completion_choice(text: str, finish: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-
-def _completion_delta(text: str, finish: str | None, first: bool) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-
-def _chat_choice(text: str, finish: str | None) -> dict[str, Any]:
-    return {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish,
-    }
-
-
-def _chat_delta(text: str, finish: str | None, first: bool) -> dict[str, Any]:
-    delta: dict[str, Any] = {"content": text}
-    if first:
-        delta["role"] = "assistant"
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-
-COMPLETIONS = _Output(
-    "/v1/completions", "text_completion", "text_completion", _completion_choice, _completion_delta
-)
-CHAT = _Output(
-    "/v1/chat/completions",
-    "chat.completion",
-    "chat.completion.chunk",
-    _chat_choice,
-    _chat_delta,
-)
-
-
 @generation.post("/completions")
 async def completions(body: CompletionRequest, runtime: Runtime, http: Request) -> Response:
     arrival = time.perf_counter()
@@ -177,7 +116,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
     if len(prompts) == 1 and body.n == 1 and not echo and params.plain(sampling):
         request = _generation_request("cmpl", body.model, prompts[0], sampling, arrival, stream)
         _check_engines(runtime, request)
-        return await _serve(runtime, http, COMPLETIONS, request, stream, _include_usage(body))
+        return await serve(runtime, http, COMPLETIONS, request, stream, _include_usage(body))
     base = f"cmpl-{uuid.uuid4().hex}"
     choices: list[Choice] = []
     for prompt_index, token_ids in enumerate(prompts):
@@ -205,7 +144,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
         choices,
         stream,
         _include_usage(body),
-        lambda work: _unless_client_leaves(http, work),
+        lambda work: unless_client_leaves(http, work),
     )
 
 
@@ -229,7 +168,7 @@ async def chat_completions(
     if body.n == 1 and params.plain(sampling):
         request = _generation_request("chatcmpl", body.model, token_ids, sampling, arrival, stream)
         _check_engines(runtime, request)
-        return await _serve(runtime, http, CHAT, request, stream, _include_usage(body))
+        return await serve(runtime, http, CHAT, request, stream, _include_usage(body))
     base = f"chatcmpl-{uuid.uuid4().hex}"
     choices = []
     for i in range(body.n):
@@ -246,7 +185,7 @@ async def chat_completions(
         choices,
         stream,
         _include_usage(body),
-        lambda work: _unless_client_leaves(http, work),
+        lambda work: unless_client_leaves(http, work),
     )
 
 
@@ -297,13 +236,13 @@ async def models(runtime: Runtime) -> dict[str, Any]:
 async def health(runtime: Runtime) -> Response:
     """200 when the router can serve (see ``Scheduler.ready``), else 503 with the reason."""
     if runtime.pool.synced and runtime.scheduler.ready():
-        return _json(200, {"status": "ok", "models": runtime.pool.ready_models()})
+        return json_response(200, {"status": "ok", "models": runtime.pool.ready_models()})
     reason = (
         "not synced with the control plane yet"
         if not runtime.pool.synced
         else "no READY compatible prefill/decode engine pair and no READY colocated engine"
     )
-    return _json(503, NoEngineAvailable(reason, code="not_ready").envelope())
+    return json_response(503, NoEngineAvailable(reason, code="not_ready").envelope())
 
 
 @ops.get("/metrics")
@@ -338,297 +277,4 @@ def _generation_request(
         sampling=sampling,
         arrival_s=arrival_s,
         stream=stream,
-    )
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client closed its connection before its response started."""
-
-
-async def _client_left(http: Request) -> None:
-    """Returns once the client has closed the connection (the body was read already, so the
-    server's next message is ``http.disconnect``)."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_leaves(http: Request, work: Coroutine[Any, Any, T]) -> T:
-    """``work``'s result; :class:`ClientDisconnected` when the client hangs up first.
-
-    Until its response starts a request is only an awaited coroutine, and Starlette notices a
-    disconnect only while it streams: without this a client that gives up during a long prefill
-    (or on a non-streaming request) would keep both engines busy to the end. Here the request's
-    own task is cancelled instead, which cancels the engine calls ``work`` awaits; each engine
-    aborts the request and frees its blocks. ``work`` runs in this task (one extra task per
-    request, the watcher, not two: this is on every request's path)."""
-    task = asyncio.current_task()
-    assert task is not None
-    watching = True
-    left = False
-
-    def hang_up(watcher: asyncio.Task[None]) -> None:
-        nonlocal left
-        # ``watching``: the callback may run after ``work`` ended (it is scheduled, not called).
-        if watching and not watcher.cancelled() and watcher.exception() is None:
-            left = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(_client_left(http))
-    watcher.add_done_callback(hang_up)
-    try:
-        result = await work
-    except BaseException:
-        if left:  # whatever ``work`` made of the cancellation, the client is gone
-            task.uncancel()
-            raise ClientDisconnected from None
-        raise
-    finally:
-        watching = False
-        watcher.cancel()
-    if left:  # ``work`` swallowed the cancellation
-        task.uncancel()
-        raise ClientDisconnected
-    return result
-
-
-async def _collect(run: AsyncGenerator[Chunk, None]) -> tuple[str, FinishReason]:
-    """The whole text of a non-streaming request and why it finished."""
-    texts: list[str] = []
-    finish: FinishReason | None = None
-    try:
-        while finish is None:
-            chunk = await anext(run)
-            texts.append(chunk.text)
-            finish = chunk.finish_reason
-    except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
-        finish = FinishReason.STOP
-    return "".join(texts), finish
-
-
-async def _serve(
-    runtime: RouterRuntime,
-    http: Request,
-    output: _Output,
-    request: GenerationRequest,
-    stream: bool,
-    include_usage: bool,
-) -> Response:
-    """Run the request; errors up to the first token are raised (an HTTP error), later ones
-    end the stream with an error event. A client that hangs up before the response starts
-    cancels the run (counted ``client_disconnected``); after that, Starlette's own disconnect
-    handling ends the stream the same way. ``request`` passed :func:`_check_engines`."""
-    info = RunInfo()
-    run = runtime.executor.generate(request, info)
-    streaming = False
-    try:
-        if stream:
-            first = await _unless_client_leaves(http, anext(run))
-            streaming = True  # from here on ``_sse`` owns ``run``
-        else:
-            text, finish = await _unless_client_leaves(http, _collect(run))
-    except StopAsyncIteration:  # pragma: no cover - generate always yields or raises
-        raise EngineRequestFailed("the request produced no output") from None
-    except ClientDisconnected:
-        logger.info("request %s: the client left before the response started", request.request_id)
-        runtime.executor.observe_end(
-            request.arrival_s, output.endpoint, "client_disconnected", info
-        )
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except RouterError:
-        # Counted by the error handler (on_router_error); only the latency is recorded here.
-        runtime.executor.observe_latency(request.arrival_s, output.endpoint, info)
-        raise
-    finally:
-        if not streaming:
-            await run.aclose()
-    headers = _headers(request, info)
-    if stream:
-        events = _sse(runtime, output, request, info, run, first, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    body = {
-        "id": request.request_id,
-        "object": output.object_name,
-        "created": now_s(),
-        "model": request.model,
-        "choices": [output.render_choice(text, finish_text(finish))],
-        "usage": _usage(info),
-    }
-    runtime.executor.observe_end(request.arrival_s, output.endpoint, "ok", info)
-    return _json(200, body, headers)
-
-
-_TEXT_MARK = "\x00pdserve-text\x00"
-"""Stands for a streamed event's text while its JSON is rendered once per request (``_sse``)."""
-
-
-async def _sse(
-    runtime: RouterRuntime,
-    output: _Output,
-    request: GenerationRequest,
-    info: RunInfo,
-    run: AsyncGenerator[Chunk, None],
-    first: Chunk,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    created = now_s()
-    outcome = "client_disconnected"
-
-    def event(text: str, finish: FinishReason | None, is_first: bool) -> bytes:
-        body: dict[str, Any] = {
-            "id": request.request_id,
-            "object": output.chunk_object_name,
-            "created": created,
-            "model": request.model,
-            "choices": [output.render_delta(text, finish_text(finish), is_first)],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse_event(body)
-
-    # The events between the first and the last differ only in their text: rendered once
-    # around a marker, each is then the two halves around its text's JSON string.
-    halves = event(_TEXT_MARK, None, False).split(json.dumps(_TEXT_MARK).encode())
-
-    try:
-        yield event(first.text, first.finish_reason, True)
-        finish = first.finish_reason
-        while finish is None:
-            chunk = await anext(run)
-            finish = chunk.finish_reason
-            if finish is None:
-                if chunk.text and len(halves) == 2:  # (a model name holding the marker: not)
-                    yield halves[0] + json.dumps(chunk.text).encode() + halves[1]
-                elif chunk.text:
-                    yield event(chunk.text, None, False)
-            else:
-                yield event(chunk.text, finish, False)
-        if include_usage:
-            usage = {
-                "id": request.request_id,
-                "object": output.chunk_object_name,
-                "created": created,
-                "model": request.model,
-                "choices": [],
-                "usage": _usage(info),
-            }
-            yield sse_event(usage)
-        yield SSE_DONE
-        outcome = "ok"
-    except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason
-        outcome = "decode_truncated"
-        yield _error_event(EngineRequestFailed("stream ended early", code=outcome))
-    except RouterError as exc:
-        outcome = exc.code
-        logger.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
-        yield _error_event(exc)
-        yield SSE_DONE
-    finally:
-        await run.aclose()
-        runtime.executor.observe_end(request.arrival_s, output.endpoint, outcome, info)
-
-
-def _usage(info: RunInfo) -> dict[str, Any]:
-    usage = usage_body(info.prompt_tokens, info.completion_tokens, info.cached_tokens)
-    if info.migrations:
-        usage["pdserve_migrations"] = info.migrations
-    return usage
-
-
-def _error_event(error: RouterError) -> bytes:
-    return sse_event(error.envelope())
-
-
-def _headers(request: GenerationRequest, info: RunInfo) -> dict[str, str]:
-    headers = {"x-request-id": request.request_id}
-    if info.prefill_engine is not None:
-        headers["x-pdserve-prefill-engine"] = info.prefill_engine
-    if info.decode_engine is not None:
-        headers["x-pdserve-decode-engine"] = info.decode_engine
-    if info.path is not None:
-        headers["x-pdserve-execution-path"] = info.path
-    if info.migrations:
-        headers["x-pdserve-migrations"] = str(info.migrations)
-    return headers
-
-
-def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        json.dumps(body, separators=(",", ":")),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
-
-
-# -- errors --------------------------------------------------------------------------------------
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error as the OpenAI envelope; request errors counted per endpoint and code."""
-
-    def count(request: Request, code: str) -> None:
-        path = request.url.path
-        if path.startswith("/v1/"):
-            runtime: RouterRuntime | None = getattr(request.app.state, "runtime", None)
-            if runtime is not None:
-                runtime.metrics.requests.labels(endpoint=path, outcome=code).inc()
-
-    async def on_router_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RouterError)
-        count(request, exc.code)
-        headers = {"www-authenticate": "Bearer"} if exc.status_code == 401 else None
-        return _json(exc.status_code, exc.envelope(), headers)
-
-    async def on_validation_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        error = validation_error(exc)
-        count(request, error.code)
-        return _json(error.status_code, error.envelope())
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        error = RouterError(str(exc.detail), code=codes.get(exc.status_code, "http_error"))
-        error.error_type = "invalid_request_error" if exc.status_code < 500 else "api_error"
-        count(request, error.code)
-        return _json(exc.status_code, error.envelope(), dict(exc.headers or {}))
-
-    async def on_tokenizer_error(request: Request, exc: Exception) -> Response:
-        error = InvalidRequestError(str(exc), param="prompt")
-        count(request, error.code)
-        return _json(400, error.envelope())
-
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
-        count(request, "internal_error")
-        return _json(500, RouterError("internal error").envelope())
-
-    app.add_exception_handler(RouterError, on_router_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(TokenizerError, on_tokenizer_error)
-    app.add_exception_handler(Exception, on_unexpected)
-
-
-def validation_error(exc: RequestValidationError) -> InvalidRequestError:
-    """FastAPI's 422 as OpenAI's 400: the first problem, its field as ``param``."""
-    errors = exc.errors()
-    if not errors:
-        return InvalidRequestError("invalid request body")
-    first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    kind = first.get("type", "")
-    if kind == "extra_forbidden":
-        return InvalidRequestError(
-            f"unsupported parameter {param!r}", param=param, code="unsupported_parameter"
-        )
-    if kind in ("json_invalid", "model_attributes_type", "model_type", "dict_type"):
-        return InvalidRequestError(
-            f"the body must be a JSON object: {first.get('msg', '')}", code="invalid_json"
-        )
-    if kind == "missing":
-        return InvalidRequestError(f"missing required parameter {param!r}", param=param)
-    return InvalidRequestError(
-        f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param
     )

@@ -11,7 +11,7 @@ pydantic-core (``model_validate_json``), then ``endpoint(body, runtime, request)
 Errors take the same paths as before: the key check raises the router's
 ``AuthenticationError``, a body that does not validate raises FastAPI's
 ``RequestValidationError`` with pydantic's errors (loc prefixed with ``"body"`` as FastAPI does),
-and both reach the app's one exception handler table (``api.install_error_handlers``).
+and both reach the app's one exception handler table (``error_handlers.install_error_handlers``).
 """
 
 from __future__ import annotations

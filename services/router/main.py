@@ -23,9 +23,10 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
-from services.router.api import generation, install_error_handlers, ops, v1
+from services.router.api import generation, ops, v1
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, GrpcConnectorFactory
+from services.router.error_handlers import install_error_handlers
 from services.router.hot_path import HotPathApp
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime

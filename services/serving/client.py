@@ -21,7 +21,13 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.control_plane.wire import EngineLoad
-from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+from services.engines.backend import (
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
 from services.proto_gen.pdserve.v1 import (
     decode_pb2_grpc,
     engine_pb2,
@@ -138,7 +144,9 @@ class EngineClient:
     ) -> PrefillResult:
         """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is."""
         stubs = self._connect()
-        message = convert.prefill_request_to_proto(request_id, prompt_token_ids, sampling)
+        message = convert.prefill_request_to_proto(
+            PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
+        )
         with self._translated("Prefill"):
             response = await stubs.prefill.Prefill(message, timeout=timeout_s)
         return convert.prefill_result_from_proto(response)

@@ -92,14 +92,6 @@ class ReportsFailure(Protocol):
     def failure(self) -> EngineFailed | None: ...
 
 
-@runtime_checkable
-class UsesProducerViews(Protocol):
-    """A backend that checks its handles' producers itself (``checks_producers``): the host
-    hands it its :class:`ProducerViews` (the service's settings and metrics) before ``start``."""
-
-    def use_producer_views(self, views: ProducerViews) -> None: ...
-
-
 class EngineHost:
     """Hosts one engine backend as a gRPC service (see the module docstring)."""
 
@@ -173,8 +165,6 @@ class EngineHost:
         )
         if isinstance(self.backend, ExportsMetrics):
             self.registry.register(self.backend.metrics_collector())
-        if isinstance(self.backend, UsesProducerViews):
-            self.backend.use_producer_views(self.producer_views)
         if self.role.consumes_kv:
             self._producer_follower = asyncio.create_task(
                 self._follow_producers(), name="pdserve-producer-views"
@@ -182,7 +172,7 @@ class EngineHost:
         heartbeat: asyncio.Task[None] | None = None
         registered = False
         try:
-            port = await self._start_server(state, description.compat_hash)
+            port = await self._start_server(state)
             metrics_url = self._start_metrics()
             endpoint = self._advertised(port)
             spec = description.spec(self.engine_id, self.role, endpoint)
@@ -364,14 +354,14 @@ class EngineHost:
 
     # -- pieces --------------------------------------------------------------------------
 
-    async def _start_server(self, state: ServingState, compat_hash: str) -> int:
+    async def _start_server(self, state: ServingState) -> int:
         grpc_settings = self.settings.grpc
         server = grpc.aio.server(options=server_options(grpc_settings.max_message_bytes))
         # pdserve's own services through add_servicer: undecodable requests are
         # INVALID_ARGUMENT, not grpc.aio's UNKNOWN (see services.serving.handlers).
         add_servicer(server, _ENGINE_SERVICE, EngineServicer(state), state)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        role_servicer = self.service.servicer(state, self.producer_views, compat_hash)
+        role_servicer = self.service.servicer(state, self.producer_views)
         add_servicer(server, self.service.descriptor, role_servicer, state)
         tls = grpc_settings.tls()
         try:

@@ -31,8 +31,6 @@ class RoleService(ABC):
     descriptor: ServiceDescriptor
 
     @abstractmethod
-    def servicer(
-        self, state: ServingState, producer_views: ProducerViews, compat_hash: str
-    ) -> object:
+    def servicer(self, state: ServingState, producer_views: ProducerViews) -> object:
         """The servicer over ``state`` (``producer_views``: the host's view of the producers,
-        for a role that consumes KV; ``compat_hash``: this engine's compatibility hash)."""
+        for a role that consumes KV)."""

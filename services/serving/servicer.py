@@ -23,7 +23,7 @@ import grpc.aio
 from services.engines.backend import BackendDescription, EngineBackend, RequestLimits
 from services.engines.errors import EngineDraining, EngineFailed, RequestError
 from services.proto_gen.pdserve.v1 import engine_pb2, engine_pb2_grpc
-from services.serving import convert
+from services.serving import convert, fields
 from services.serving.metrics import EngineServiceMetrics
 from services.serving.status import status_for
 
@@ -54,6 +54,7 @@ class ServingState:
         on_engine_failed: Callable[[EngineFailed], None],
     ) -> None:
         self.backend = backend
+        self.description = description
         self.limits = RequestLimits.of(description)
         self.metrics = metrics
         self.engine_id = engine_id
@@ -122,7 +123,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         context: grpc.aio.ServicerContext[engine_pb2.AbortRequest, engine_pb2.AbortResponse],
     ) -> engine_pb2.AbortResponse:
         async with self.state.rpc("Abort", context, admit=False):
-            request_id = convert.validate_request_id(request.request_id)
+            request_id = fields.validate_request_id(request.request_id)
             found = await self.state.backend.abort(request_id)
             return engine_pb2.AbortResponse(found=found)
         raise AssertionError("unreachable: rpc() aborts the call on error")

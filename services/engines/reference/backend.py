@@ -4,7 +4,7 @@ Process shape (like vLLM's multiprocess executor): the host process (the service
 backend) runs the scheduler on one thread (:mod:`~services.engines.reference.engine`) and one
 process per ``(pp_rank, tp_rank)`` (:mod:`~services.engines.reference.rank`) runs the model
 shard, owns its KV pool and NIXL agent, and publishes its handshake record. The backend's
-coroutines only validate, hand work to the engine thread and await results, so the host's event
+coroutines only hand work to the engine thread and await results, so the host's event
 loop is never blocked.
 
 Roles: every engine can run a request start to finish (``decode`` without a KV handle);
@@ -12,18 +12,15 @@ Roles: every engine can run a request start to finish (``decode`` without a KV h
 with a KV handle needs ``decode`` or ``both`` (the ranks pull it from the producer, pre-warmed
 by PeerSync when the producer turned READY).
 
-Before a pull the backend checks the handle against the control plane
-(:func:`~services.engines.producer_check.producer_refusal`, read through the host's
-:class:`~services.engines.producer_check.ProducerViews`, which ride out a short control-plane
-outage on remembered views): the producer must be READY at the
-handle's generation and of the same block size, else :class:`ProducerUnavailable`, and a
-compatible KV producer, else :class:`InvalidRequest`; a lease already past is
-:class:`KVLeaseExpired`. The backend declares ``checks_producers``, so the Decode RPC does not
-check the producer a second time. A producer that simply no longer holds the handle cannot be
-told from one that does without asking it (there is no side channel besides NIXL);
-:class:`UnknownKVHandle` is therefore raised only for handles that cannot be right (naming this
-very engine, or with a block count that does not match their tokens). Every refusal and failure
-is counted in ``pdserve_reference_engine_kv_errors_total{error, reason}``.
+Requests arrive valid (the contracts of :class:`PrefillRequest` and :class:`DecodeRequest`) and
+a handle's producer was checked by the Decode RPC (READY at the handle's generation, a
+compatible KV producer of the same block size: :meth:`EngineBackend.decode`). Before a pull the
+backend refuses only what it alone can tell: a lease already past is :class:`KVLeaseExpired`. A
+producer that simply no longer holds the handle cannot be told from one that does without asking
+it (there is no side channel besides NIXL); :class:`UnknownKVHandle` is therefore raised only for
+handles that cannot be right (naming this very engine, or with a block count that does not match
+their tokens). Every refusal and pull failure is counted in
+``pdserve_reference_engine_kv_errors_total{error, reason}``.
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.wire import EngineLoad, compute_compat_hash
 from services.engines.backend import (
     BackendDescription,
@@ -48,6 +44,7 @@ from services.engines.backend import (
     FinishReason,
     Fork,
     KVHandle,
+    PrefillRequest,
     PrefillResult,
     SamplingParams,
     TokenDelta,
@@ -59,7 +56,6 @@ from services.engines.errors import (
     KVLeaseExpired,
     UnknownKVHandle,
 )
-from services.engines.producer_check import ProducerViews, producer_check_settings
 from services.engines.reference.config import ModelConfig
 from services.engines.reference.engine import EngineLoop, LoadSnapshot
 from services.engines.reference.executor import RankGroup
@@ -97,7 +93,6 @@ class ReferenceBackend(EngineBackend):
     """The reference engine; see the module docstring. One instance serves one generation:
     after :meth:`stop`, build a new one to start again."""
 
-    checks_producers = True
     forks_decode = True
 
     def __init__(
@@ -129,18 +124,9 @@ class ReferenceBackend(EngineBackend):
         self.metrics: ReferenceEngineMetrics | None = None
         self.registration: EngineRegistration | None = None
         self._engine: EngineLoop | None = None
-        self._control_plane: RedisControlPlane | None = None
-        self._producer_views: ProducerViews | None = None
         self._stopped = False
 
     # -- the seam ------------------------------------------------------------------------------
-
-    def use_producer_views(self, views: ProducerViews) -> None:
-        """Check handles' producers through ``views`` (the engine service's, with its
-        settings and metrics; see ``UsesProducerViews`` in the host); before :meth:`start`."""
-        if self._engine is not None:
-            raise EngineFailed("use_producer_views must be called before start()")
-        self._producer_views = views
 
     def describe(self) -> BackendDescription:
         config = self.config
@@ -189,16 +175,6 @@ class ReferenceBackend(EngineBackend):
             eos_token_ids=self.eos_token_ids,
             metrics=self.metrics,
         )
-        if registration.role.consumes_kv and self._producer_views is None:
-            # Not hosted by an engine service (tests, benchmarks): no service settings or
-            # metrics to count a fallback in, so none: an outage refuses, counted in kv_errors.
-            self._control_plane = RedisControlPlane(
-                producer_check_settings(registration.control_plane),
-                ControlPlaneMetrics(CollectorRegistry()),
-            )
-            self._producer_views = ProducerViews(
-                self._control_plane, max_stale_s=0.0, retry_after_s=0.0
-            )
         self._engine = EngineLoop(
             group, scheduler, self.relay, stop_timeout_s=options.stop_timeout_s
         )
@@ -216,7 +192,7 @@ class ReferenceBackend(EngineBackend):
     async def republish(self, registration: EngineRegistration) -> None:
         """Every rank publishes its handshake again under the new generation (same agents,
         same memory); handles made from now on carry it. Consumers refuse handles of the old
-        generation (the producer gate and :meth:`_check_handle`); their blocks are freed
+        generation (the Decode RPC's producer gate); their blocks are freed
         when the lease runs out."""
         engine = self._running_engine()
         current = self._running_registration()
@@ -234,18 +210,16 @@ class ReferenceBackend(EngineBackend):
         group.spawn()
         group.wait_ready(self.options.start_timeout_s)
 
-    async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> PrefillResult:
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
         registration = self._running_registration()
         if not registration.role.produces_kv:
             raise InvalidRequest(
                 f"engine {registration.engine_id} has role {registration.role}: it does not "
                 "prefill for other engines (decode without a kv_handle runs locally)"
             )
-        self._validate(request_id, prompt_token_ids, sampling)
+        request_id = request.request_id
         sink = _AsyncSink(asyncio.get_running_loop())
-        await self._submit(request_id, "prefill", prompt_token_ids, sampling, sink)
+        await self._submit(request_id, "prefill", request.prompt_token_ids, request.sampling, sink)
         try:
             item = await sink.items.get()
         except asyncio.CancelledError:
@@ -262,11 +236,6 @@ class ReferenceBackend(EngineBackend):
 
     async def _decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         registration = self._running_registration()
-        self._validate(request.request_id, request.prompt_token_ids, request.sampling)
-        if request.sampling.n != 1:
-            raise InvalidRequest("a decode samples one choice (n=1); it forks with forks")
-        if request.forks and request.kv_handle is None:
-            raise InvalidRequest("forks are only valid with a kv_handle")
         kind: RequestKind = "generate"
         if request.kv_handle is not None:
             if not registration.role.consumes_kv:
@@ -274,7 +243,7 @@ class ReferenceBackend(EngineBackend):
                     f"engine {registration.engine_id} has role {registration.role}: it does "
                     "not decode from remote KV"
                 )
-            await self._check_handle(request, request.kv_handle)
+            self._check_handle(request.kv_handle)
             kind = "remote"
         sink = _AsyncSink(asyncio.get_running_loop())
         await self._submit(
@@ -354,8 +323,6 @@ class ReferenceBackend(EngineBackend):
         if self._engine is not None:
             self._engine.stop()
             await asyncio.to_thread(self._engine.join)
-        if self._control_plane is not None:
-            await self._control_plane.close()
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
@@ -392,18 +359,6 @@ class ReferenceBackend(EngineBackend):
         assert self.registration is not None
         return self.registration
 
-    def _validate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> None:
-        if not request_id or len(request_id) > 256:
-            raise InvalidRequest("request_id must be 1 to 256 characters")
-        vocab = self.config.vocab_size
-        sampling.validate(vocab_size=vocab)
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt_token_ids must not be empty")
-        if any(not 0 <= token < vocab for token in prompt_token_ids):
-            raise InvalidRequest(f"prompt_token_ids must be in [0, {vocab})")
-
     async def _submit(
         self,
         request_id: str,
@@ -438,8 +393,8 @@ class ReferenceBackend(EngineBackend):
         with contextlib.suppress(EngineFailed):
             await self.abort(request_id)
 
-    async def _check_handle(self, request: DecodeRequest, handle: KVHandle) -> None:
-        """Refuse a handle that cannot be pulled (see the module docstring)."""
+    def _check_handle(self, handle: KVHandle) -> None:
+        """Refuse a handle this engine cannot pull (see the module docstring)."""
         assert self.metrics is not None and self.registration is not None
         metrics = self.metrics
 
@@ -447,15 +402,6 @@ class ReferenceBackend(EngineBackend):
             metrics.kv_error(getattr(error, "__name__", "error"), reason)
             return error(message)
 
-        if request.first_token_id is None:
-            raise InvalidRequest("a decode with a kv_handle needs first_token_id")
-        if not 0 <= request.first_token_id < self.config.vocab_size:
-            raise InvalidRequest("first_token_id is outside the vocabulary")
-        if handle.num_tokens != len(request.prompt_token_ids):
-            raise InvalidRequest(
-                f"the kv_handle holds {handle.num_tokens} tokens, the prompt has "
-                f"{len(request.prompt_token_ids)}"
-            )
         expected_blocks = -(-handle.num_tokens // self.options.block_size)
         if len(handle.block_ids) != expected_blocks:
             raise refuse(
@@ -476,13 +422,6 @@ class ReferenceBackend(EngineBackend):
                 "lease_expired",
                 f"the lease of {handle.request_id} on {handle.producer_engine_id} ran out",
             )
-        assert self._producer_views is not None  # consumer roles have them
-        refusal = await self._producer_views.refusal(
-            handle, compat_hash=self.compat_hash, block_size=self.options.block_size
-        )
-        if refusal is not None:
-            metrics.kv_error(refusal.error.__name__, refusal.reason)
-            raise refusal.exception()
 
 
 __all__ = ["FinishReason", "ReferenceBackend", "ReferenceEngineOptions"]

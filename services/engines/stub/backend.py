@@ -34,12 +34,10 @@ from services.engines.backend import (
     EngineRegistration,
     FinishReason,
     KVHandle,
+    PrefillRequest,
     PrefillResult,
-    RequestLimits,
-    SamplingParams,
     TokenDelta,
     Usage,
-    validate_prompt,
 )
 from services.engines.errors import (
     DuplicateRequest,
@@ -98,7 +96,6 @@ class StubBackend(EngineBackend):
         self._control_plane: RedisControlPlane | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self._limits = RequestLimits.of(self.describe())
 
     def describe(self) -> BackendDescription:
         return BackendDescription(
@@ -179,14 +176,12 @@ class StubBackend(EngineBackend):
     def _first_token(self, prompt: Sequence[int]) -> int:
         return (sum(prompt) + len(prompt)) % self.options.vocab_size
 
-    def _check_prompt(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        sampling.validate(vocab_size=self.options.vocab_size)
-        validate_prompt(prompt, self._limits)
-
-    async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> PrefillResult:
-        self._check_prompt(prompt_token_ids, sampling)
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        request_id, prompt_token_ids, sampling = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling,
+        )
         start = time.monotonic()
         running = self._admit(request_id, len(prompt_token_ids))
         try:
@@ -227,7 +222,6 @@ class StubBackend(EngineBackend):
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         sampling = request.sampling
-        self._check_prompt(request.prompt_token_ids, sampling)
         prompt_len = len(request.prompt_token_ids)
         running = self._admit(request.request_id, prompt_len + sampling.max_tokens)
         try:

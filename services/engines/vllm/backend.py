@@ -41,6 +41,7 @@ from services.engines.backend import (
     EngineRegistration,
     FinishReason,
     KVHandle,
+    PrefillRequest,
     PrefillResult,
     SamplingParams,
     TokenDelta,
@@ -50,7 +51,6 @@ from services.engines.backend import (
 from services.engines.errors import (
     EngineDraining,
     EngineFailed,
-    InvalidRequest,
     ModelConfigError,
     UnknownKVHandle,
 )
@@ -522,12 +522,12 @@ class VllmBackend(EngineBackend):
             if not self._running:
                 self._idle.set()
 
-    async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> PrefillResult:
-        sampling.validate(vocab_size=self._description.vocab_size)
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt_token_ids must not be empty")
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        request_id, prompt_token_ids, sampling = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling,
+        )
         started = time.monotonic()
         final: Any = None
         prompt_logprobs: tuple[TokenLogprobs, ...] = ()
@@ -569,7 +569,6 @@ class VllmBackend(EngineBackend):
         )
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
-        request.sampling.validate(vocab_size=self._description.vocab_size)
         prompt = list(request.prompt_token_ids)
         if request.kv_handle is not None and request.first_token_id is not None:
             prompt.append(request.first_token_id)  # vLLM continues after the producer's token

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
+from services.engines.backend import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from services.engines.errors import KVLeaseExpired, ProducerUnavailable
 from services.engines.reference.backend import ReferenceBackend
 from tests.integration.engines.conftest import PROMPTS, collect, running_engine, wait_until_free
@@ -59,7 +59,7 @@ async def test_disaggregated_equals_colocated_and_frees_both_sides(
     prompt = prompt_ids(prefill)
     colocated, _ = await collect(decode, "colocated", prompt, GREEDY)
 
-    result = await prefill.prefill("disagg", prompt, GREEDY)
+    result = await prefill.prefill(PrefillRequest("disagg", tuple(prompt), GREEDY))
     assert result.kv_handle is not None and result.finish_reason is None
     assert result.first_token_id == colocated[0]
     rest, deltas = await collect(
@@ -90,7 +90,7 @@ async def test_seeded_sampling_and_text_are_the_same_disaggregated_as_colocated(
     sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
     colocated, colocated_deltas = await collect(decode, "seeded-colocated", prompt, sampled)
 
-    result = await prefill.prefill("seeded-disagg", prompt, sampled)
+    result = await prefill.prefill(PrefillRequest("seeded-disagg", tuple(prompt), sampled))
     assert result.kv_handle is not None
     rest, deltas = await collect(
         decode,
@@ -175,7 +175,7 @@ async def test_abort_and_closing_a_stream_free_blocks(
     await closed.aclose()
     await wait_until_free(decode)
 
-    held = await prefill.prefill("held-abort", prompt_ids(prefill), GREEDY)
+    held = await prefill.prefill(PrefillRequest("held-abort", tuple(prompt_ids(prefill)), GREEDY))
     assert held.kv_handle is not None
     assert await prefill.abort("held-abort")
     await wait_until_free(prefill)
@@ -188,7 +188,7 @@ async def test_lease_expiry_frees_held_blocks_and_refuses_the_handle(
 ) -> None:
     prefill, decode = engines
     prompt = prompt_ids(prefill)
-    result = await prefill.prefill("expires", prompt, GREEDY)
+    result = await prefill.prefill(PrefillRequest("expires", tuple(prompt), GREEDY))
     assert result.kv_handle is not None
     assert prefill.load().kv_blocks_free < prefill.load().kv_blocks_total
     await wait_until_free(prefill, timeout_s=LEASE_S + 10)
@@ -212,7 +212,7 @@ async def test_handle_of_another_generation_is_producer_unavailable(
 ) -> None:
     prefill, decode = engines
     prompt = prompt_ids(prefill)
-    result = await prefill.prefill("stale", prompt, GREEDY)
+    result = await prefill.prefill(PrefillRequest("stale", tuple(prompt), GREEDY))
     assert result.kv_handle is not None
     stale = dataclasses.replace(result.kv_handle, generation=result.kv_handle.generation - 1)
     with pytest.raises(ProducerUnavailable):

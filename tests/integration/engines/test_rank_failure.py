@@ -13,7 +13,7 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.errors import EngineFailed
 from tests.integration.engines.conftest import PROMPTS, running_engine
 
@@ -45,4 +45,4 @@ async def test_killed_rank_fails_in_flight_and_later_requests(
         assert time.monotonic() - killed_at < DETECTION_BOUND_S
         assert engine.failure is not None and "(1, 0)" in str(engine.failure)
         with pytest.raises(EngineFailed):
-            await engine.prefill("after", prompt, SamplingParams())
+            await engine.prefill(PrefillRequest("after", prompt, SamplingParams()))

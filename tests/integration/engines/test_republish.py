@@ -17,6 +17,7 @@ from services.control_plane.wire import EngineRole
 from services.engines.backend import (
     EngineRegistration,
     FinishReason,
+    PrefillRequest,
     SamplingParams,
 )
 from services.engines.errors import ProducerUnavailable
@@ -51,7 +52,7 @@ async def test_republish_turns_ready_at_the_new_generation_and_decode_pulls_acro
     ):
         prompt = prefill.tokenizer.encode(PROMPTS[0])
         colocated, _ = await collect(decode, "colocated", prompt, GREEDY)
-        old = await prefill.prefill("before", prompt, GREEDY)
+        old = await prefill.prefill(PrefillRequest("before", tuple(prompt), GREEDY))
         assert old.kv_handle is not None
         old_generation = old.kv_handle.generation
 
@@ -85,7 +86,7 @@ async def test_republish_turns_ready_at_the_new_generation_and_decode_pulls_acro
             assert {r.generation for r in topology.records.values()} == {record.generation}
 
             # New handles carry the new generation, and the decode engine pulls them.
-            fresh = await prefill.prefill("after", prompt, GREEDY)
+            fresh = await prefill.prefill(PrefillRequest("after", tuple(prompt), GREEDY))
             assert fresh.kv_handle is not None
             assert fresh.kv_handle.generation == record.generation
             rest, deltas = await collect(

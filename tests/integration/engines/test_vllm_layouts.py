@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
@@ -148,7 +148,7 @@ async def disaggregated(
 ) -> tuple[int, ...]:
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     request_id = f"pd-{uuid.uuid4().hex}"
-    result = await prefill.prefill(request_id, tokens, sampling)
+    result = await prefill.prefill(PrefillRequest(request_id, tokens, sampling))
     assert result.kv_handle is not None
     out = [result.first_token_id]
     request = DecodeRequest(

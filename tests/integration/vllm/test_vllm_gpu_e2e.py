@@ -11,7 +11,7 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
 
@@ -53,7 +53,7 @@ async def test_pp2_prefill_hands_kv_to_pp1_decode_with_greedy_parity(
     ):
         prompt = list(range(100, 164))
         sampling = SamplingParams(max_tokens=16)
-        result = await prefill.prefill("req-1", prompt, sampling)
+        result = await prefill.prefill(PrefillRequest("req-1", tuple(prompt), sampling))
         assert result.kv_handle is not None
         tokens = [result.first_token_id]
         async for delta in decode.decode(

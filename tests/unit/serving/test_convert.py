@@ -10,6 +10,7 @@ from services.engines.backend import (
     DecodeRequest,
     FinishReason,
     KVHandle,
+    PrefillRequest,
     PrefillResult,
     RequestLimits,
     SamplingParams,
@@ -18,7 +19,7 @@ from services.engines.backend import (
 )
 from services.engines.errors import InvalidRequest
 from services.proto_gen.pdserve.v1 import decode_pb2, prefill_pb2, types_pb2
-from services.serving import convert
+from services.serving import convert, fields
 
 LIMITS = RequestLimits(vocab_size=1000, max_model_len=64)
 
@@ -49,13 +50,13 @@ sampling_params = st.builds(
 @given(sampling_params)
 def test_sampling_round_trips(sampling: SamplingParams) -> None:
     wire = types_pb2.SamplingParams.FromString(
-        convert.sampling_to_proto(sampling).SerializeToString()
+        fields.sampling_to_proto(sampling).SerializeToString()
     )
-    assert convert.sampling_from_proto(wire, LIMITS) == sampling
+    assert fields.sampling_from_proto(wire, LIMITS) == sampling
 
 
 def test_unset_top_p_reads_as_disabled() -> None:
-    sampling = convert.sampling_from_proto(types_pb2.SamplingParams(max_tokens=3))
+    sampling = fields.sampling_from_proto(types_pb2.SamplingParams(max_tokens=3))
     assert sampling.top_p == 1.0
     assert sampling.seed is None
 
@@ -78,11 +79,11 @@ def test_bad_sampling_is_invalid_naming_the_field(
     message: types_pb2.SamplingParams, field: str
 ) -> None:
     with pytest.raises(InvalidRequest, match=field):
-        convert.sampling_from_proto(message, LIMITS)
+        fields.sampling_from_proto(message, LIMITS)
 
 
 def test_handle_round_trips() -> None:
-    assert convert.handle_from_proto(convert.handle_to_proto(HANDLE), LIMITS) == HANDLE
+    assert fields.handle_from_proto(fields.handle_to_proto(HANDLE), LIMITS) == HANDLE
 
 
 @pytest.mark.parametrize(
@@ -95,25 +96,25 @@ def test_handle_round_trips() -> None:
         ({"block_ids": []}, "block_ids"),
         ({"num_tokens": 0}, "num_tokens"),
         ({"lease_expires_at_s": float("inf")}, "lease_expires_at_s"),
-        ({"extra": b"x" * (convert.MAX_HANDLE_EXTRA_BYTES + 1)}, "extra"),
+        ({"extra": b"x" * (fields.MAX_HANDLE_EXTRA_BYTES + 1)}, "extra"),
     ],
 )
 def test_bad_handle_is_invalid(change: dict[str, object], field: str) -> None:
-    message = convert.handle_to_proto(HANDLE)
+    message = fields.handle_to_proto(HANDLE)
     for key, value in change.items():
         if key == "block_ids":
             del message.block_ids[:]
         else:
             setattr(message, key, value)
     with pytest.raises(InvalidRequest, match=field):
-        convert.handle_from_proto(message, LIMITS)
+        fields.handle_from_proto(message, LIMITS)
 
 
 def test_prefill_request_round_trips_and_validates() -> None:
     sampling = SamplingParams(max_tokens=4, temperature=0.7, seed=3)
-    message = convert.prefill_request_to_proto("cmpl-1:a", [1, 2, 3], sampling)
-    call = convert.prefill_request_from_proto(message, LIMITS)
-    assert call == convert.PrefillCall("cmpl-1:a", (1, 2, 3), sampling)
+    request = PrefillRequest("cmpl-1:a", (1, 2, 3), sampling)
+    message = convert.prefill_request_to_proto(request)
+    assert convert.prefill_request_from_proto(message, LIMITS) == request
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,266 @@
+"""Proto (``pdserve.v1``) <-> seam types for the fields the RPC messages share.
+
+The request id rule, request bytes that did not parse (:class:`Undecodable`), sampling
+parameters, logprobs, the KV handle, usage and finish reasons. ``*_from_proto`` functions bound
+every field and raise :class:`~services.engines.errors.InvalidRequest` naming the first bad one;
+checks that need the engine (vocabulary, context length) take its
+:class:`~services.engines.backend.RequestLimits`. The RPC messages built from these are in
+:mod:`services.serving.convert`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from services.control_plane.wire import validate_identifier
+from services.engines.backend import (
+    MAX_LOGIT_BIAS,
+    FinishReason,
+    KVHandle,
+    RequestLimits,
+    SamplingParams,
+    TokenLogprobs,
+    Usage,
+)
+from services.engines.errors import InvalidRequest
+from services.proto_gen.pdserve.v1 import types_pb2
+
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_STOP_TOKEN_IDS = 256
+MAX_HANDLE_EXTRA_BYTES = 64 * 1024
+MAX_GENERATION = 2**63 - 1
+
+_FINISH_TO_PROTO = {
+    None: types_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
+
+
+def validate_request_id(request_id: str, what: str = "request_id") -> str:
+    if not _REQUEST_ID.match(request_id):
+        raise InvalidRequest(
+            f"{what} must be 1-{MAX_REQUEST_ID_CHARS} letters, digits, '.', '_', ':' or '-' "
+            f"starting with a letter or digit (got {request_id[:40]!r})"
+        )
+    return request_id
+
+
+# -- undecodable request bytes -------------------------------------------------------------
+
+MAX_DECODE_ERROR_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Request bytes that did not parse as the RPC's message.
+
+    The server's request deserializers (:mod:`services.serving.handlers`) return this instead
+    of raising, because grpc.aio answers a raising deserializer with a bare UNKNOWN before any
+    pdserve code runs. The handler answers it with :meth:`error` (INVALID_ARGUMENT) and never
+    passes it to a servicer.
+    """
+
+    rpc: str
+    message_type: str
+    size: int
+    reason: str
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(
+            f"{self.rpc}: the request could not be decoded as {self.message_type} "
+            f"({self.size} bytes): {self.reason[:MAX_DECODE_ERROR_CHARS]}"
+        )
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+
+def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
+    message = types_pb2.SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        min_p=sampling.min_p,
+        min_tokens=sampling.min_tokens,
+        logit_bias=dict(sampling.logit_bias),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+    )
+    if sampling.seed is not None:
+        message.seed = sampling.seed
+    if sampling.repetition_penalty != 1.0:
+        message.repetition_penalty = sampling.repetition_penalty
+    if sampling.logprobs is not None:
+        message.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        message.prompt_logprobs = sampling.prompt_logprobs
+    if not sampling.skip_special_tokens:
+        message.skip_special_tokens = False
+    if not sampling.spaces_between_special_tokens:
+        message.spaces_between_special_tokens = False
+    if sampling.n != 1:
+        message.n = sampling.n
+    return message
+
+
+def sampling_from_proto(
+    message: types_pb2.SamplingParams, limits: RequestLimits | None = None
+) -> SamplingParams:
+    """Validated :class:`SamplingParams`; ``top_p == 0`` is read as 1 (the proto's default)."""
+    if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if len(message.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
+    # float32 on the wire: round to the nearest short decimal so 0.7 stays 0.7.
+    sampling = SamplingParams(
+        max_tokens=message.max_tokens,
+        temperature=_float32(message.temperature),
+        top_p=_float32(message.top_p) if message.top_p != 0 else 1.0,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        presence_penalty=_float32(message.presence_penalty),
+        frequency_penalty=_float32(message.frequency_penalty),
+        repetition_penalty=(
+            _float32(message.repetition_penalty) if message.HasField("repetition_penalty") else 1.0
+        ),
+        min_p=_float32(message.min_p),
+        min_tokens=message.min_tokens,
+        logit_bias=tuple(
+            (token, max(-100.0, min(100.0, _float32(bias))))
+            for token, bias in sorted(message.logit_bias.items())
+        ),
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        skip_special_tokens=(
+            message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+        ),
+        spaces_between_special_tokens=(
+            message.spaces_between_special_tokens
+            if message.HasField("spaces_between_special_tokens")
+            else True
+        ),
+        n=message.n or 1,
+    )
+    sampling.validate(vocab_size=limits.vocab_size if limits else None)
+    return sampling
+
+
+def _float32(value: float) -> float:
+    if not math.isfinite(value):
+        return value
+    return float(f"{value:.7g}")
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        rank=entry.rank,
+        top_token_ids=[token for token, _ in entry.top],
+        top_logprobs=[logprob for _, logprob in entry.top],
+    )
+
+
+def logprobs_from_proto(message: types_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=message.token_id,
+        logprob=message.logprob,
+        rank=message.rank,
+        top=tuple(zip(message.top_token_ids, message.top_logprobs, strict=False)),
+    )
+
+
+# -- KV handle -----------------------------------------------------------------------------
+
+
+def handle_to_proto(handle: KVHandle) -> types_pb2.KVHandle:
+    return types_pb2.KVHandle(
+        producer_engine_id=handle.producer_engine_id,
+        generation=handle.generation,
+        request_id=handle.request_id,
+        block_ids=list(handle.block_ids),
+        num_tokens=handle.num_tokens,
+        lease_expires_at_s=handle.lease_expires_at_s,
+        extra=handle.extra,
+    )
+
+
+def handle_from_proto(message: types_pb2.KVHandle, limits: RequestLimits | None = None) -> KVHandle:
+    try:
+        validate_identifier(message.producer_engine_id, "kv_handle.producer_engine_id")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if not 0 < message.generation <= MAX_GENERATION:
+        raise InvalidRequest("kv_handle.generation must be > 0")
+    validate_request_id(message.request_id, "kv_handle.request_id")
+    if message.num_tokens < 1:
+        raise InvalidRequest("kv_handle.num_tokens must be >= 1")
+    if not message.block_ids:
+        raise InvalidRequest("kv_handle.block_ids must not be empty")
+    if limits is not None and len(message.block_ids) > limits.max_model_len:
+        raise InvalidRequest("kv_handle.block_ids: more blocks than the context can use")
+    if not math.isfinite(message.lease_expires_at_s) or message.lease_expires_at_s <= 0:
+        raise InvalidRequest("kv_handle.lease_expires_at_s must be a positive unix time")
+    if len(message.extra) > MAX_HANDLE_EXTRA_BYTES:
+        raise InvalidRequest(f"kv_handle.extra is larger than {MAX_HANDLE_EXTRA_BYTES} bytes")
+    return handle_as_sent(message)
+
+
+# -- usage and finish reasons --------------------------------------------------------------
+
+
+def usage_to_proto(usage: Usage) -> types_pb2.Usage:
+    return types_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+    )
+
+
+def usage_from_proto(message: types_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=message.prompt_tokens,
+        completion_tokens=message.completion_tokens,
+        cached_tokens=message.cached_tokens,
+    )
+
+
+def finish_to_proto(reason: FinishReason | None) -> types_pb2.FinishReason.ValueType:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_from_proto(value: types_pb2.FinishReason.ValueType) -> FinishReason | None:
+    # An enum value this version does not know (a newer server) reads as an error finish.
+    return _FINISH_FROM_PROTO.get(value, FinishReason.ERROR)
+
+
+def handle_as_sent(message: types_pb2.KVHandle) -> KVHandle:
+    """The handle exactly as the engine sent it (the client passes it on unchanged)."""
+    return KVHandle(
+        producer_engine_id=message.producer_engine_id,
+        generation=message.generation,
+        request_id=message.request_id,
+        block_ids=tuple(message.block_ids),
+        num_tokens=message.num_tokens,
+        lease_expires_at_s=message.lease_expires_at_s,
+        extra=message.extra,
+    )
