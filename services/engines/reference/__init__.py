@@ -6,6 +6,9 @@ Runtime (start at ``backend``):
 - ``options``: ``ReferenceEngineOptions``;
 - ``engine``: the host thread driving the scheduler and the ranks;
 - ``scheduler``: admission, continuous batching, sampling, KV hand-off (pure bookkeeping);
+- ``request_state``: a request's state in the scheduler, the planned step, block arithmetic;
+- ``outputs``: ``TokenRules`` (next token, finish rules) and the results a sequence returns;
+- ``kv_handoff``: the held handle, the pull command, a failed pull's error, a lease's outcome;
 - ``sampling``: seeded sampling and incremental detokenization with stop strings;
 - ``executor``: the rank processes (spawn, broadcast, events, death detection);
 - ``rank``: one ``(pp_rank, tp_rank)`` process (gloo, shard, KV pool, NIXL, handshake);

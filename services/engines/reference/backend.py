@@ -61,12 +61,8 @@ from services.engines.reference.engine import EngineLoop, LoadSnapshot
 from services.engines.reference.executor import RankGroup
 from services.engines.reference.metrics import RankMetricsRelay, ReferenceEngineMetrics
 from services.engines.reference.options import ReferenceEngineOptions
-from services.engines.reference.scheduler import (
-    RequestKind,
-    Scheduler,
-    SchedulerLimits,
-    SinkItem,
-)
+from services.engines.reference.request_state import RequestKind, SchedulerLimits, SinkItem
+from services.engines.reference.scheduler import Scheduler
 from services.engines.reference.sharding import ShardGeometry, ShardSpec
 from services.kv_transfer.block_pool import KV_LAYOUT
 from services.tokenization.errors import TokenizerFilesError

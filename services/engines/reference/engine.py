@@ -45,7 +45,8 @@ from services.engines.reference.messages import (
 )
 from services.engines.reference.metrics import RankMetricsRelay
 from services.engines.reference.rank import DIST_TIMEOUT_S
-from services.engines.reference.scheduler import PlannedStep, Scheduler
+from services.engines.reference.request_state import PlannedStep
+from services.engines.reference.scheduler import Scheduler
 from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)

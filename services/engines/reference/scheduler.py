@@ -1,4 +1,4 @@
-"""The reference engine's scheduler: admission, continuous batching, sampling, KV hand-off.
+"""The reference engine's scheduler: admission, continuous batching, finishing, KV hand-off.
 
 Pure bookkeeping with no processes: the engine loop (:mod:`~services.engines.reference.engine`)
 feeds it requests and rank events and runs the steps it plans. It owns the engine-wide block
@@ -30,6 +30,11 @@ new tokens go after the prompt) and recomputes the prompt's last partial block, 
 ``block_size - 1`` tokens, into a block of its own instead of copying it (no rank command; the
 prefix cache serves hits the same way). Every fork's blocks are reserved when the request is
 admitted (no preemption), and the forks' deltas carry their choice.
+
+Its parts: the request state and block arithmetic in
+:mod:`~services.engines.reference.request_state`, sampling and finishing a token in
+:mod:`~services.engines.reference.outputs`, the KV hand-off messages in
+:mod:`~services.engines.reference.kv_handoff`.
 """
 
 from __future__ import annotations
@@ -38,9 +43,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Literal, Protocol
 
 import torch
 
@@ -49,162 +51,58 @@ from services.engines.backend import (
     FirstToken,
     Fork,
     KVHandle,
-    PrefillResult,
     SamplingParams,
-    TokenDelta,
     TokenLogprobs,
-    Usage,
 )
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
-    EngineError,
     EngineOverloaded,
     InvalidRequest,
-    KVTransferFailed,
-    ProducerUnavailable,
     RequestAborted,
 )
 from services.engines.reference.batch import SequenceChunk
+from services.engines.reference.kv_handoff import (
+    held_handle,
+    lease_outcome,
+    pull_command,
+    pull_error,
+)
 from services.engines.reference.messages import (
     CancelPull,
     HoldKV,
     HostCommand,
     LeaseEnded,
     PullDone,
-    PullKV,
     ReleaseKV,
 )
 from services.engines.reference.metrics import ReferenceEngineMetrics
-from services.engines.reference.prefix_cache import PrefixCache
-from services.engines.reference.sampling import (
-    OutputText,
-    make_generator,
-    process_logits,
-    sample_token,
-    token_generator,
-    token_logprobs,
+from services.engines.reference.outputs import (
+    TokenRules,
+    abort_delta,
+    add_prompt_logprobs,
+    prefill_result,
+    token_delta,
 )
+from services.engines.reference.prefix_cache import PrefixCache
+from services.engines.reference.request_state import (
+    ABORTED,
+    EngineRequest,
+    Phase,
+    PlannedStep,
+    RequestKind,
+    RequestSink,
+    SchedulerLimits,
+    SinkItem,
+    StepEntry,
+    forked,
+)
+from services.engines.reference.sampling import make_generator
 from services.kv_transfer.allocator import BlockAllocator
 from services.tokenization.tokenizer import Tokenizer
 from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)
-
-RequestKind = Literal["generate", "prefill", "remote"]
-SinkItem = PrefillResult | TokenDelta | BaseException
-
-# Pull failures that mean "the producer is not there (at that generation)"; anything else is a
-# failed transfer.
-_UNAVAILABLE_REASONS = frozenset(
-    {"producer_unavailable", "stale_generation", "unknown_peer", "peer_removed", "peer_replaced"}
-)
-
-
-class RequestSink(Protocol):
-    """Where a request's results go (the backend bridges it to the caller's event loop)."""
-
-    def put(self, item: SinkItem) -> None: ...
-
-
-class Phase(Enum):
-    WAITING = "waiting"
-    PULLING = "pulling"
-    RUNNING = "running"
-    HELD = "held"
-    DONE = "done"
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    max_batch_tokens: int
-    max_running: int
-    max_queue: int
-    kv_lease_s: float
-    kv_pull_timeout_s: float
-    producer_connect_wait_s: float
-    prefix_caching: bool = False
-
-
-@dataclass(eq=False)
-class EngineRequest:
-    """One request's state in the scheduler."""
-
-    request_id: str
-    kind: RequestKind
-    prompt: tuple[int, ...]
-    sampling: SamplingParams
-    sink: RequestSink
-    text: OutputText
-    generator: torch.Generator
-    handle: KVHandle | None = None
-    first_token_id: int | None = None
-    phase: Phase = Phase.WAITING
-    block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    output: list[int] = field(default_factory=list)
-    arrived_at: float = 0.0
-    admitted_at: float = 0.0
-    pull_started_at: float = 0.0
-    kv_transfer_s: float | None = None
-    pull_reports: dict[RankKey, PullDone] = field(default_factory=dict)
-    lease_reports: dict[RankKey, str] = field(default_factory=dict)
-    cancelled: bool = False
-    """Aborted while ranks still work on its blocks (pull or lease): freed when they report."""
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    """With ``sampling.prompt_logprobs``: prompt tokens 1.. as their chunks are computed."""
-    prompt_logprobs_sent: bool = False
-    cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache."""
-    choice: int = 0
-    """The choice this sequence is (a fork's; tags its deltas)."""
-    forks: tuple[Fork, ...] = ()
-    """A remote request's further forks (``DecodeRequest.forks[1:]``), started once the pull
-    succeeded; their blocks are :attr:`reserved` until then."""
-    reserved: list[int] = field(default_factory=list)
-    parent: str | None = None
-    """A fork's: the id of the request it was forked from."""
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Whether the next step must return every new token's logits (prompt logprobs)."""
-        return (
-            self.sampling.prompt_logprobs is not None
-            and self.kind != "remote"
-            and self.num_computed < len(self.prompt)
-        )
-
-    @property
-    def tokens(self) -> list[int]:
-        return [*self.prompt, *self.output]
-
-    @property
-    def pending_tokens(self) -> int:
-        return len(self.prompt) + len(self.output) - self.num_computed
-
-
-@dataclass(frozen=True)
-class StepEntry:
-    request: EngineRequest
-    chunk: SequenceChunk
-
-
-@dataclass(frozen=True)
-class PlannedStep:
-    entries: tuple[StepEntry, ...]
-
-    @property
-    def chunks(self) -> tuple[SequenceChunk, ...]:
-        return tuple(entry.chunk for entry in self.entries)
-
-    @property
-    def all_tokens(self) -> bool:
-        """Whether the ranks return logits for every new token (``[T, vocab]``) instead of
-        each sequence's last: some request wants its prompt's logprobs."""
-        return any(entry.request.wants_prompt_logprobs for entry in self.entries)
 
 
 class Scheduler:
@@ -237,8 +135,7 @@ class Scheduler:
         snapshot reflects the state that produced them."""
         self.draining = False
         self._ranks = tuple(world_ranks)
-        self._tokenizer = tokenizer
-        self._eos = eos_token_ids
+        self._rules = TokenRules(tokenizer, eos_token_ids, limits.max_model_len)
         self._metrics = metrics
         self._clock = clock
         self._wall_clock = wall_clock
@@ -308,7 +205,7 @@ class Scheduler:
         if sampling.n > 1 and kind != "prefill":
             raise InvalidRequest("n > 1 is for a prefill; a decode forks with forks")
         choice = forks[0].choice if forks else 0
-        if self._blocks_total(kind, prompt, sampling, len(forks)) > limits.num_blocks:
+        if limits.blocks_total(kind, prompt, sampling, len(forks)) > limits.num_blocks:
             raise InvalidRequest(
                 f"request needs more KV blocks than the engine has ({limits.num_blocks}); "
                 "lower max_tokens"
@@ -322,7 +219,7 @@ class Scheduler:
             prompt=tuple(prompt),
             sampling=sampling.for_choice(choice) if forks else sampling,
             sink=sink,
-            text=self._output_text(sampling, released),
+            text=self._rules.output_text(sampling, released),
             generator=make_generator(sampling.for_choice(choice).seed),
             handle=handle,
             first_token_id=first_token_id,
@@ -332,34 +229,6 @@ class Scheduler:
         )
         self._requests[request_id] = request
         self._waiting.append(request)
-
-    def _output_text(self, sampling: SamplingParams, released: tuple[int, ...]) -> OutputText:
-        return OutputText(
-            self._tokenizer,
-            sampling.stop,
-            already_released=released,
-            include_stop=sampling.include_stop_str_in_output,
-            min_tokens=sampling.min_tokens,
-        )
-
-    def _blocks_total(
-        self, kind: RequestKind, prompt: Sequence[int], sampling: SamplingParams, forks: int
-    ) -> int:
-        """Worst-case blocks of a request and its further forks (each fork shares the
-        prompt's full blocks)."""
-        needed = self._blocks_needed(kind, len(prompt), sampling)
-        if forks <= 1:
-            return needed
-        return needed + (forks - 1) * (needed - len(prompt) // self.limits.block_size)
-
-    def _blocks_needed(self, kind: RequestKind, prompt_len: int, sampling: SamplingParams) -> int:
-        """Worst-case blocks: the prompt, plus every generated token but the last (whose KV is
-        never computed), capped by the context."""
-        if kind == "prefill":
-            tokens = prompt_len
-        else:
-            tokens = min(prompt_len + sampling.max_tokens - 1, self.limits.max_model_len)
-        return -(-max(tokens, 1) // self.limits.block_size)
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -393,8 +262,8 @@ class Scheduler:
         cache = self.prefix_cache
         while self._waiting and self.running_count < self.limits.max_running:
             request = self._waiting[0]
-            single = self._blocks_needed(request.kind, len(request.prompt), request.sampling)
-            needed = self._blocks_total(
+            single = self.limits.blocks_needed(request.kind, len(request.prompt), request.sampling)
+            needed = self.limits.blocks_total(
                 request.kind, request.prompt, request.sampling, len(request.forks) + 1
             )
             cached: list[int] = []
@@ -440,98 +309,15 @@ class Scheduler:
             if request.phase is not Phase.RUNNING:
                 continue  # aborted while the step ran
             if all_tokens and request.wants_prompt_logprobs:
-                self._add_prompt_logprobs(request, entry.chunk.num_cached, rows)
+                add_prompt_logprobs(request, entry.chunk.num_cached, rows)
             request.num_computed += length
             if request.pending_tokens == 0:
                 if not request.output and self.prefix_cache is not None:
                     self.prefix_cache.insert(request.prompt, request.block_ids)
-                sampling = request.sampling
-                seed = sampling.seed
-                generator = (
-                    request.generator
-                    if seed is None
-                    else token_generator(seed, len(request.output))
-                )
-                last = rows[-1]
-                stop_ids = (
-                    sampling.stop_token_ids
-                    if sampling.ignore_eos
-                    else (*sampling.stop_token_ids, *self._eos)
-                )
-                processed = process_logits(last, sampling, request.prompt, request.output, stop_ids)
-                token = sample_token(processed, sampling, generator)
-                logprobs = (
-                    token_logprobs(last, token, sampling.logprobs)
-                    if sampling.logprobs is not None
-                    else None
-                )
-                more: tuple[FirstToken, ...] = ()
-                if request.kind == "prefill" and sampling.n > 1:
-                    more = self._more_choices(request, last, processed)
+                token, logprobs, more = self._rules.next_token(request, rows[-1])
                 self._on_token(request, token, logprobs, more)
 
-    def _more_choices(
-        self, request: EngineRequest, last: torch.Tensor, processed: torch.Tensor
-    ) -> tuple[FirstToken, ...]:
-        """The first tokens of choices ``1 .. n-1`` of a prefill (see the module docstring)."""
-        firsts: list[FirstToken] = []
-        for choice in range(1, request.sampling.n):
-            sampling = request.sampling.for_choice(choice)
-            seed = sampling.seed
-            generator = make_generator(None) if seed is None else token_generator(seed, 0)
-            token = sample_token(processed, sampling, generator)
-            logprobs = (
-                token_logprobs(last, token, sampling.logprobs)
-                if sampling.logprobs is not None
-                else None
-            )
-            _, text, finish = self._judge(
-                sampling, len(request.prompt), 1, token, self._output_text(sampling, ())
-            )
-            firsts.append(FirstToken(token, text, finish, logprobs))
-        return tuple(firsts)
-
-    def _add_prompt_logprobs(self, request: EngineRequest, start: int, rows: torch.Tensor) -> None:
-        """Row ``j`` of a prompt chunk starting at ``start`` predicts prompt token
-        ``start + j + 1``."""
-        top = request.sampling.prompt_logprobs or 0
-        prompt = request.prompt
-        for j in range(rows.shape[0]):
-            position = start + j + 1
-            if position < len(prompt):
-                request.prompt_logprobs.append(token_logprobs(rows[j], prompt[position], top))
-
-    def _take_prompt_logprobs(self, request: EngineRequest) -> tuple[TokenLogprobs, ...]:
-        """The prompt logprobs, once (on the request's first result)."""
-        if request.prompt_logprobs_sent or request.sampling.prompt_logprobs is None:
-            return ()
-        request.prompt_logprobs_sent = True
-        return tuple(request.prompt_logprobs)
-
     # -- tokens and finishing ----------------------------------------------------------------
-
-    def _judge(
-        self,
-        sampling: SamplingParams,
-        prompt_len: int,
-        output_len: int,
-        token: int,
-        text: OutputText,
-    ) -> tuple[tuple[int, ...], str, FinishReason | None]:
-        """What output token ``output_len`` (1-based) returns: its ids, its text and the
-        finish it causes (EOS or a stop id past ``min_tokens``, a stop string, the length)."""
-        stops = token in sampling.stop_token_ids or (token in self._eos and not sampling.ignore_eos)
-        if stops and output_len > sampling.min_tokens:
-            return (), text.flush(), FinishReason.STOP
-        released = text.add(token)
-        if text.stopped:
-            return (token,), released, FinishReason.STOP
-        if (
-            output_len >= sampling.max_tokens
-            or prompt_len + output_len >= self.limits.max_model_len
-        ):
-            return (token,), released + text.flush(), FinishReason.LENGTH
-        return (token,), released, None
 
     def _on_token(
         self,
@@ -541,20 +327,13 @@ class Scheduler:
         more: tuple[FirstToken, ...] = (),
     ) -> None:
         request.output.append(token)
-        returned, text, finish = self._judge(
+        returned, text, finish = self._rules.judge(
             request.sampling, len(request.prompt), len(request.output), token, request.text
         )
         if request.kind == "prefill":
             self._finish_prefill(request, token, text, finish, logprobs, more)
             return
         self._emit(request, returned, text, finish, (logprobs,) if logprobs and returned else ())
-
-    def _usage(self, request: EngineRequest) -> Usage:
-        return Usage(
-            prompt_tokens=len(request.prompt),
-            completion_tokens=len(request.output),
-            cached_tokens=request.cached_tokens,
-        )
 
     def _emit(
         self,
@@ -564,17 +343,7 @@ class Scheduler:
         finish: FinishReason | None,
         logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
-        kv_s, request.kv_transfer_s = request.kv_transfer_s, None
-        delta = TokenDelta(
-            token_ids,
-            text,
-            finish,
-            self._usage(request) if finish is not None else None,
-            kv_transfer_s=kv_s,
-            logprobs=logprobs,
-            prompt_logprobs=self._take_prompt_logprobs(request),
-            choice=request.choice,
-        )
+        delta = token_delta(request, token_ids, text, finish, logprobs)
         self._deliver(request.sink, delta)
         if finish is not None:
             self._retire(request, finish)
@@ -592,33 +361,16 @@ class Scheduler:
         handle = None
         if finish is None or any(first.finish_reason is None for first in more):
             lease_s = self.limits.kv_lease_s
-            handle = KVHandle(
-                producer_engine_id=self.engine_id,
-                generation=self.generation,
-                request_id=request.request_id,
-                block_ids=tuple(request.block_ids),
-                num_tokens=len(request.prompt),
-                lease_expires_at_s=self._wall_clock() + lease_s,
+            handle = held_handle(
+                request, self.engine_id, self.generation, self._wall_clock() + lease_s
             )
             request.phase = Phase.HELD
             self._running.remove(request)
             self.outbox.append(HoldKV(request.request_id, tuple(request.block_ids), lease_s))
         self._deliver(
             request.sink,
-            PrefillResult(
-                request_id=request.request_id,
-                first_token_id=token,
-                # Held-back text stays held: the decode engine replays this token through its
-                # own OutputText and releases it exactly where a colocated engine would.
-                text=text,
-                kv_handle=handle,
-                finish_reason=finish,
-                usage=self._usage(request),
-                prefill_s=now - request.admitted_at,
-                queue_s=request.admitted_at - request.arrived_at,
-                logprobs=logprobs,
-                prompt_logprobs=self._take_prompt_logprobs(request),
-                more_choices=more,
+            prefill_result(
+                request, token, text, handle, finish, logprobs, more, now - request.admitted_at
             ),
         )
         if handle is None:
@@ -651,22 +403,9 @@ class Scheduler:
     # -- remote KV -----------------------------------------------------------------------------
 
     def _start_pull(self, request: EngineRequest) -> None:
-        handle = request.handle
-        assert handle is not None  # submit checks
         request.phase = Phase.PULLING
         request.pull_started_at = self._clock()
-        local = tuple(request.block_ids[: len(handle.block_ids)])
-        self.outbox.append(
-            PullKV(
-                request_id=request.request_id,
-                producer_engine=handle.producer_engine_id,
-                producer_generation=handle.generation,
-                remote_block_ids=handle.block_ids,
-                local_block_ids=local,
-                timeout_s=self.limits.kv_pull_timeout_s,
-                connect_wait_s=self.limits.producer_connect_wait_s,
-            )
-        )
+        self.outbox.append(pull_command(request, self.limits))
 
     def on_pull_done(self, event: PullDone) -> None:
         """One rank's pull ended; once every rank has reported, decode or fail the request."""
@@ -683,28 +422,13 @@ class Scheduler:
         if len(request.pull_reports) < len(self._ranks):
             return
         failures = [r for r in request.pull_reports.values() if not r.ok]
-        aborted = request.sink is _ABORTED
+        aborted = request.sink is ABORTED
         if failures or aborted:
             request.phase = Phase.DONE
             self._release_blocks(request)
             if aborted:
                 return
-            first = next((f for f in failures if f.reason != "cancelled"), failures[0])
-            assert request.handle is not None  # a pulling request has one
-            error: EngineError
-            if first.reason in _UNAVAILABLE_REASONS:
-                error = ProducerUnavailable(
-                    f"producer {request.handle.producer_engine_id} "
-                    f"unavailable for {request.request_id}: {first.reason} {first.message}"
-                )
-                self._metrics.kv_error("ProducerUnavailable", first.reason)
-            else:
-                error = KVTransferFailed(
-                    f"KV pull of {request.request_id} failed on rank {first.rank}: "
-                    f"{first.reason} {first.message}",
-                    first.reason,
-                )
-                self._metrics.kv_error("KVTransferFailed", first.reason)
+            error = pull_error(request, failures, self._metrics)
             self._metrics.finished("remote", FinishReason.ERROR.value)
             self._deliver(request.sink, error)
             return
@@ -727,29 +451,14 @@ class Scheduler:
         """Start fork ``fork`` of a pulled request: the prompt's full blocks shared, the rest
         of its blocks from the request's reservation (see the module docstring)."""
         full = len(request.prompt) // self.limits.block_size
-        own = self._blocks_needed("remote", len(request.prompt), request.sampling) - full
+        own = self.limits.blocks_needed("remote", len(request.prompt), request.sampling) - full
         shared = request.block_ids[:full]
         self.allocator.incref(shared)
         blocks, request.reserved = request.reserved[:own], request.reserved[own:]
         sampling = request.sampling.for_choice(fork.choice - request.choice)
-        child = EngineRequest(
-            request_id=f"{request.request_id}#{fork.choice}",
-            kind="remote",
-            prompt=request.prompt,
-            sampling=sampling,
-            sink=request.sink,
-            text=self._output_text(sampling, (fork.first_token_id,)),
-            generator=make_generator(sampling.seed),
-            first_token_id=fork.first_token_id,
-            phase=Phase.RUNNING,
-            block_ids=[*shared, *blocks],
-            num_computed=full * self.limits.block_size,
-            output=[fork.first_token_id],
-            arrived_at=request.arrived_at,
-            admitted_at=request.admitted_at,
-            choice=fork.choice,
-            parent=request.request_id,
-        )
+        text = self._rules.output_text(sampling, (fork.first_token_id,))
+        computed = full * self.limits.block_size
+        child = forked(request, fork, sampling, text, [*shared, *blocks], computed)
         self._requests[child.request_id] = child
         self._running.append(child)
         return child
@@ -763,8 +472,7 @@ class Scheduler:
         request.lease_reports[event.rank] = event.outcome
         if len(request.lease_reports) < len(self._ranks):
             return
-        outcomes = set(request.lease_reports.values())
-        outcome = next(o for o in ("aborted", "expired", "released") if o in outcomes)
+        outcome = lease_outcome(request.lease_reports.values())
         self._metrics.held_ended(outcome)
         request.phase = Phase.DONE
         self._release_blocks(request)
@@ -785,9 +493,9 @@ class Scheduler:
         if request.phase is Phase.PULLING:
             assert request.handle is not None
             request.cancelled = True
-            self._deliver(request.sink, self._abort_delta(request))
+            self._deliver(request.sink, abort_delta(request))
             self._metrics.finished(request.kind, FinishReason.ABORT.value)
-            request.sink = _ABORTED
+            request.sink = ABORTED
             self.outbox.append(CancelPull(request_id, request.handle.producer_engine_id))
             return True
         if request.kind == "prefill":
@@ -795,12 +503,9 @@ class Scheduler:
                 request.sink, RequestAborted(f"request {request_id} aborted before its first token")
             )
         else:
-            self._deliver(request.sink, self._abort_delta(request))
+            self._deliver(request.sink, abort_delta(request))
         self._retire(request, FinishReason.ABORT)
         return True
-
-    def _abort_delta(self, request: EngineRequest) -> TokenDelta:
-        return TokenDelta((), "", FinishReason.ABORT, self._usage(request), choice=request.choice)
 
     def abort_all(self) -> int:
         """Abort every request (drain's end); returns how many there were."""
@@ -810,16 +515,8 @@ class Scheduler:
     def fail_all(self, error: BaseException) -> None:
         """The engine died: every request gets ``error``; nothing is freed (no rank is left)."""
         for request in self._requests.values():
-            if request.phase is not Phase.HELD and request.sink is not _ABORTED:
+            if request.phase is not Phase.HELD and request.sink is not ABORTED:
                 self._deliver(request.sink, error)
         self._requests.clear()
         self._waiting.clear()
         self._running.clear()
-
-
-class _DiscardSink:
-    def put(self, item: SinkItem) -> None:
-        pass
-
-
-_ABORTED = _DiscardSink()

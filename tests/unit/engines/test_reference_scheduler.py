@@ -19,7 +19,8 @@ from services.engines.backend import (
 from services.engines.errors import EngineOverloaded, InvalidRequest
 from services.engines.reference.messages import HoldKV, LeaseEnded, PullDone, PullKV, ReleaseKV
 from services.engines.reference.metrics import ReferenceEngineMetrics
-from services.engines.reference.scheduler import Scheduler, SchedulerLimits, SinkItem
+from services.engines.reference.request_state import SchedulerLimits, SinkItem
+from services.engines.reference.scheduler import Scheduler
 from services.tokenization.tokenizer import ByteTokenizer
 
 VOCAB = 300
