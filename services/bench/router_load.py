@@ -1,0 +1,274 @@
+"""The measuring of ``pdserve bench router`` (:mod:`services.bench.router`), for either system.
+
+A :class:`Target` is a URL and the processes whose CPU is charged to it. :func:`measure` runs
+the windows the benchmark reports for one router: the baseline (the same client against the
+instant server) and the same through the router one at a time (``added_latency_ms``), the load
+levels (``load``, ``max_sustained_rps``) and the streamed windows (``streamed``). Each window is
+a closed loop of :mod:`services.bench.loadgen` processes, with the CPU of the router, the stubs
+and the load processes read from ``/proc`` over it. :func:`start_instant` and
+:func:`load_generator_figures` give the instant server and the load generator's own ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.bench.procs import START_TIMEOUT_S, cpu_seconds, descendants, start, stop
+from services.bench.stats import percentiles
+from services.control_plane.local_redis import free_port
+from services.supervision import ChildProcess
+
+PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
+MAX_TOKENS = 4
+STREAMED_CONCURRENCY = 8
+"""Connections of the streamed-request windows (``streamed``)."""
+
+
+def request_body(max_tokens: int, stream: bool = False) -> str:
+    """The JSON body of the bench's completion request."""
+    fields = {"model": "stub", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps({**fields, "stream": True} if stream else fields)
+
+
+BODY = request_body(MAX_TOKENS)
+SPAWN_MARGIN_S = 1.0
+"""Load processes start this long before their window (Python start-up) and warm up in it."""
+
+
+@dataclass
+class Placement:
+    """Which cores the router under test and everything else (stubs, load) run on."""
+
+    router: set[int] | None
+    others: set[int] | None
+
+    def describe(self) -> dict[str, Any]:
+        if self.router is None:
+            return {"pinned": False}
+        return {
+            "pinned": True,
+            "router_cores": sorted(self.router),
+            "stubs_and_load_cores": sorted(self.others or ()),
+        }
+
+
+@dataclass
+class Target:
+    """What one load run measures: the URL, and whose CPU is charged to it."""
+
+    url: str
+    router: Sequence[ChildProcess]
+    stubs: Sequence[ChildProcess] = ()
+
+
+def _percentiles_us(samples: Sequence[int]) -> dict[str, float]:
+    p50, p99 = percentiles(samples, (50, 99))
+    return {"p50_ms": p50 / 1e3, "p99_ms": p99 / 1e3}
+
+
+async def _load(
+    target: Target,
+    connections: int,
+    duration_s: float,
+    args: argparse.Namespace,
+    placement: Placement,
+    log_dir: Path,
+    body: str = BODY,
+) -> dict[str, Any]:
+    """One closed-loop window of ``connections`` connections over up to ``--load-processes``
+    load processes; CPU of the router, the stubs and the load processes over the window."""
+    processes = max(1, min(args.load_processes, connections))
+    shares = [connections // processes + (i < connections % processes) for i in range(processes)]
+    start_at = time.time() + SPAWN_MARGIN_S + min(1.0, duration_s / 3)
+    stop_at = start_at + duration_s
+    generators = [
+        await start(
+            f"loadgen-{i}",
+            [
+                sys.executable, "-m", "services.bench.loadgen", "run",
+                target.url, body, str(share), repr(start_at), repr(stop_at),
+            ],
+            log_dir,
+            cores=placement.others,
+            capture_stdout=True,
+        )
+        for i, share in enumerate(shares)
+    ]  # fmt: skip
+    outputs = [asyncio.ensure_future(g.communicate()) for g in generators]
+    try:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        router_pids = [pid for service in target.router for pid in descendants(service.pid)]
+        stub_pids = [pid for service in target.stubs for pid in descendants(service.pid)]
+        load_pids = [g.pid for g in generators]
+        before = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
+        await asyncio.sleep(max(0.0, stop_at - time.time()))
+        after = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
+        results = [json.loads(stdout) for stdout, _ in await asyncio.gather(*outputs)]
+    finally:
+        for generator in generators:
+            await stop(generator)
+    latencies = [sample for result in results for sample in result["latencies_us"]]
+    completed = len(latencies)
+    errors = sum(result["errors"] for result in results)
+    router_s, stub_s, load_s = (b - a for a, b in zip(before, after, strict=True))
+    per_request = 1e3 / completed if completed else float("nan")
+    return {
+        "concurrency": connections,
+        "requests_per_s": completed / duration_s,
+        "errors": errors,
+        "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
+        **_percentiles_us(latencies),
+        "router_cpu_ms_per_request": router_s * per_request,
+        "router_cores_used": router_s / duration_s,
+        "stub_cpu_ms_per_request": stub_s * per_request,
+        "load_generator_cpu_ms_per_request": load_s * per_request,
+        "load_generator_processes": processes,
+        "_latencies_us": latencies,
+    }
+
+
+async def measure(
+    target: Target,
+    instant: Target,
+    args: argparse.Namespace,
+    placement: Placement,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """The baseline (the same client, one at a time, against the instant server) right before
+    the same through the router, so both see the same machine; then the load levels."""
+    direct = await _load(instant, 1, args.latency_s, args, placement, log_dir)
+    baseline = direct.pop("_latencies_us")
+    (baseline_p50_us,) = percentiles(baseline, (50,))
+    one = await _load(target, 1, args.latency_s, args, placement, log_dir)
+    routed = one.pop("_latencies_us")
+    added = [int(sample - baseline_p50_us) for sample in routed]
+    load = []
+    for level in args.concurrency.split(","):
+        if level.strip():
+            entry = await _load(target, int(level), args.duration_s, args, placement, log_dir)
+            entry.pop("_latencies_us")
+            load.append(entry)
+    clean = [entry for entry in load if entry["errors"] == 0]
+    best = max(clean, key=lambda entry: entry["requests_per_s"]) if clean else None
+    streamed = await _streamed(target, args, placement, log_dir)
+    return {
+        "baseline_latency_ms": _percentiles_us(baseline),
+        "router_latency_ms": _percentiles_us(routed),
+        "added_latency_ms": _percentiles_us(added),
+        "router_cpu_ms_per_request": best["router_cpu_ms_per_request"] if best else None,
+        "router_cpu_ms_per_request_sequential": one["router_cpu_ms_per_request"],
+        "stub_cpu_ms_per_request": best["stub_cpu_ms_per_request"] if best else None,
+        "load": load,
+        "max_sustained_rps": best["requests_per_s"] if best else 0.0,
+        "best_concurrency": best["concurrency"] if best else None,
+        **({"streamed": streamed} if streamed is not None else {}),
+    }
+
+
+async def _streamed(
+    target: Target, args: argparse.Namespace, placement: Placement, log_dir: Path
+) -> dict[str, Any] | None:
+    """Router CPU per streamed request at two ``max_tokens`` (``--streamed-tokens``), each a
+    window of :data:`STREAMED_CONCURRENCY` connections; their difference over the token
+    difference is what one more streamed token costs the router."""
+    counts = sorted({int(n) for n in str(args.streamed_tokens).split(",") if n.strip()})
+    if not counts:
+        return None
+    if len(counts) != 2:
+        raise ValueError(f"--streamed-tokens takes two token counts, got {args.streamed_tokens!r}")
+    windows = {}
+    for count in counts:
+        body = request_body(count, stream=True)
+        entry = await _load(
+            target, STREAMED_CONCURRENCY, args.duration_s, args, placement, log_dir, body
+        )
+        entry.pop("_latencies_us")
+        windows[str(count)] = entry
+    low, high = (windows[str(count)] for count in counts)
+    clean = low["errors"] == 0 and high["errors"] == 0
+    per_token = (
+        (high["router_cpu_ms_per_request"] - low["router_cpu_ms_per_request"])
+        / (counts[1] - counts[0])
+        if clean
+        else None
+    )
+    return {
+        "concurrency": STREAMED_CONCURRENCY,
+        "max_tokens": counts,
+        "router_cpu_ms_per_request": {
+            key: entry["router_cpu_ms_per_request"] for key, entry in windows.items()
+        },
+        "requests_per_s": {key: entry["requests_per_s"] for key, entry in windows.items()},
+        "errors": {key: entry["errors"] for key, entry in windows.items()},
+        "first_error": next((e["first_error"] for e in windows.values() if e["first_error"]), None),
+        "router_cpu_ms_per_extra_token": per_token,
+    }
+
+
+async def start_instant(placement: Placement, log_dir: Path) -> tuple[ChildProcess, Target]:
+    """The instant HTTP server of the baselines and of the load generator's ceiling, on the
+    router's core (where a router under test would be)."""
+    port = free_port()
+    server = await start(
+        "instant",
+        [sys.executable, "-m", "services.bench.loadgen", "serve", str(port)],
+        log_dir,
+        cores=placement.router,
+    )
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    await wait_http(url, "POST", {}, service=server)
+    return server, Target(url, router=[server])
+
+
+async def load_generator_figures(
+    instant: Target, args: argparse.Namespace, placement: Placement, log_dir: Path
+) -> dict[str, Any]:
+    """The load generator against the instant server at the highest concurrency: its
+    ceiling and its own CPU per request."""
+    top = max(int(level) for level in args.concurrency.split(",") if level.strip())
+    ceiling = await _load(instant, top, args.duration_s, args, placement, log_dir)
+    return {
+        "kind": "services.bench.loadgen (raw HTTP/1.1 keep-alive, asyncio)",
+        "processes": args.load_processes,
+        "ceiling": {
+            "concurrency": top,
+            "requests_per_s": ceiling["requests_per_s"],
+            "errors": ceiling["errors"],
+            "cpu_ms_per_request": ceiling["load_generator_cpu_ms_per_request"],
+            "instant_server_cpu_ms_per_request": ceiling["router_cpu_ms_per_request"],
+        },
+    }
+
+
+async def wait_http(
+    url: str, method: str = "GET", body: Any = None, *, service: ChildProcess | None = None
+) -> None:
+    """Until ``url`` answers 200; fails at once, with the end of its log, if ``service``
+    exits first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if service is not None and service.returncode is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with status {service.returncode} before "
+                    f"{url} answered; the end of its stderr ({service.log_path}):\n"
+                    f"{service.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                response = await client.request(method, url, json=body)
+                if response.status_code == 200:
+                    return
+            await asyncio.sleep(0.2)
+    tail = f"; the end of its stderr:\n{service.log_tail()}" if service is not None else ""
+    raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S}s{tail}")
