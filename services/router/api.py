@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (Bearer
 key when configured), ``GET /health`` and ``GET /metrics`` (open: probes and Prometheus). A
-generation route turns the body into a :class:`~services.router.execution.GenerationRequest`
+generation route turns the body into a :class:`~services.router.generation.GenerationRequest`
 (checked against the engines of its model) and hands it to
 :func:`services.router.responses.serve` (one choice) or
 :func:`services.router.choices.serve_choices` (``n > 1``, echo, logprobs); the response
@@ -33,7 +33,7 @@ from services.router.errors import (
     InvalidRequestError,
     NoEngineAvailable,
 )
-from services.router.execution import GenerationRequest
+from services.router.generation import GenerationRequest
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

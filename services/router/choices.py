@@ -26,8 +26,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.engines.backend import FinishReason, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
-from services.router.execution import Chunk, GenerationRequest, RunInfo
 from services.router.fork import ChunkStream, forked_runs
+from services.router.generation import Chunk, GenerationRequest, RunInfo
 from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
 from services.router.runtime import RouterRuntime
 from services.tokenization.tokenizer import Tokenizer

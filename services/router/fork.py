@@ -15,8 +15,11 @@ The forked run has no failover or migration (the per-choice path has both): a fa
 either engine ends every unfinished choice with the error, as an HTTP error before the
 response starts or an SSE error event after. Bounds are the executor's: ``prefill_timeout_s``
 for the Prefill call, ``decode_timeout_s`` for the whole Decode and ``decode_idle_timeout_s``
-between two of its messages (``engine_timeout``, counted in
-``pdserve_router_engine_timeouts_total``).
+between two of its messages. The calls and their timeouts are the executor's
+(:class:`~services.router.engine_calls.EngineCalls`): a timeout is ``engine_timeout``, counted
+in ``pdserve_router_engine_timeouts_total``, fed to the engine's breaker and answered with an
+Abort of the request on that engine; a Decode that never sent a delta also releases the KV the
+prefill engine holds (an Abort there), as the executor's does.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from services.engines.backend import DecodeRequest, FinishReason, Fork, PrefillResult
+from services.router.engine_calls import BACKSTOP_GRACE_S
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
-from services.router.execution import BACKSTOP_GRACE_S, Chunk, GenerationRequest, RunInfo
+from services.router.generation import Chunk, GenerationRequest, RunInfo
 from services.router.migration import is_engine_fault
 from services.router.policies import PromptInfo
 from services.router.pool import EngineSlot
@@ -124,6 +128,7 @@ class _ForkedRun:
     ) -> None:
         assert plan.prefill is not None
         self._runtime = runtime
+        self._calls = runtime.executor.calls
         self._prefill_slot: EngineSlot = plan.prefill
         self._decode_slot = plan.decode
         self._request = request
@@ -168,36 +173,15 @@ class _ForkedRun:
                 self._queues[index].put_nowait(error)
 
     async def _prefill(self) -> PrefillResult:
-        runtime, slot, request = self._runtime, self._prefill_slot, self._request
-        bound_s = runtime.settings.prefill_timeout_s
-        started = time.perf_counter()
-        runtime.pool.call_started(slot)
-        try:
-            with runtime.pool.reserve(slot):
-                async with asyncio.timeout(bound_s):
-                    result = await slot.connector.prefill(
-                        request.request_id,
-                        request.prompt_token_ids,
-                        replace(request.sampling, n=self._n),
-                        timeout_s=bound_s + BACKSTOP_GRACE_S,
-                    )
-        except TimeoutError as exc:
-            runtime.metrics.engine_timeouts.labels(call="prefill", bound="deadline").inc()
-            runtime.pool.call_failed(slot)
-            raise EngineRequestFailed(
-                f"engine {slot.engine_id} did not answer within prefill_timeout_s={bound_s:g} s",
-                code="engine_timeout",
-                status_code=504,
-            ) from exc
-        except Exception as exc:
-            error = engine_error(exc, stage="prefill")
-            if is_engine_fault(error):
-                runtime.pool.call_failed(slot)
-            raise error from exc
-        finally:
-            self._infos[0].engine_wait_s += time.perf_counter() - started
-        runtime.pool.call_succeeded(slot)
-        runtime.metrics.ttft_phase_by("prefill").observe(time.perf_counter() - started)
+        request = self._request
+        result, elapsed = await self._calls.prefill(
+            self._prefill_slot,
+            request.request_id,
+            request.prompt_token_ids,
+            replace(request.sampling, n=self._n),
+            self._infos[0],
+        )
+        self._runtime.metrics.ttft_phase_by("prefill").observe(elapsed)
         return result
 
     def _first_tokens(self, result: PrefillResult) -> list[Fork]:
@@ -262,15 +246,12 @@ class _ForkedRun:
                         "choice finished",
                         code="decode_truncated",
                     ) from None
-                except TimeoutError as exc:
-                    runtime.metrics.engine_timeouts.labels(call="decode", bound=bound).inc()
-                    raise EngineRequestFailed(
-                        f"decode engine {slot.engine_id} sent nothing within the {bound} bound",
-                        code="engine_timeout",
-                        status_code=504,
-                    ) from exc
                 except Exception as exc:
-                    error = engine_error(exc, stage="decode")
+                    error = (
+                        self._calls.decode_timed_out(request.request_id, slot, bound, first)
+                        if isinstance(exc, TimeoutError)
+                        else engine_error(exc, stage="decode")
+                    )
                     if is_engine_fault(error):
                         runtime.pool.call_failed(slot)
                     raise error from exc
@@ -302,3 +283,6 @@ class _ForkedRun:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if first:
+                # The decode engine never started: release the KV the producer holds.
+                self._calls.abort_later(self._prefill_slot, request.request_id)

@@ -1,7 +1,7 @@
 """One generation's HTTP response: the JSON body or the SSE stream, its headers, and the
 client hang-up before it starts.
 
-:func:`serve` runs a planned :class:`~services.router.execution.GenerationRequest` on the
+:func:`serve` runs a planned :class:`~services.router.generation.GenerationRequest` on the
 executor and answers it in an endpoint's :class:`Output` shape (``/v1/completions`` or
 ``/v1/chat/completions``); :func:`unless_client_leaves` cancels the work of a client that
 hangs up first. The routes that build the request are in :mod:`services.router.api`.
@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.engines.backend import FinishReason
 from services.router.errors import EngineRequestFailed, RouterError
-from services.router.execution import Chunk, GenerationRequest, RunInfo
+from services.router.generation import Chunk, GenerationRequest, RunInfo
 from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
 from services.router.runtime import RouterRuntime
 

@@ -15,7 +15,7 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
-from services.router.execution import COALESCE_FRACTION
+from services.router.engine_calls import COALESCE_FRACTION
 from services.router.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view

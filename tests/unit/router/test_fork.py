@@ -3,6 +3,7 @@ engines), one request per choice otherwise; failures end every choice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -16,8 +17,8 @@ from tests.unit.router.fakes import FakeFactory, http, runtime, sample, view
 MODEL = "tiny"
 
 
-def pair(factory: FakeFactory, kind: str = "reference") -> RouterRuntime:
-    rt = runtime(factory)
+def pair(factory: FakeFactory, kind: str = "reference", **settings: object) -> RouterRuntime:
+    rt = runtime(factory, **settings)
     rt.pool.update("p1", view("p1", EngineRole.PREFILL, engine_kind=kind))
     rt.pool.update("d1", view("d1", EngineRole.DECODE, engine_kind=kind))
     rt.pool._synced.set()
@@ -82,3 +83,47 @@ async def test_a_failed_forked_decode_fails_every_choice(factory: FakeFactory) -
     assert reply.status_code == 502, reply.text
     assert reply.json()["error"]["code"] == "engine_failed"
     assert sample(rt, "pdserve_router_circuit_trips_total", engine="d1", role="decode") == 1
+
+
+async def test_a_stalled_forked_decode_times_out_and_is_aborted_on_both_engines(
+    factory: FakeFactory,
+) -> None:
+    """The forked run's bounds are the executor's: a decode engine that sends no first delta
+    ends every choice with ``engine_timeout`` (counted, the engine's breaker fed), the request
+    is aborted on the decode engine, and the KV the prefill engine holds is released."""
+    rt = pair(factory, decode_idle_timeout_s=0.2)
+    decode = factory.engines["d1"]
+    decode.stall_decode_after = 0
+    reply = await asyncio.wait_for(completion(rt, n=3, max_tokens=4), 5.0)
+    await rt.executor.close()  # the best-effort aborts have run
+    assert reply.status_code == 504, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "engine_timeout"
+    assert "decode_idle_timeout_s=0.2" in error["message"]
+    assert "sent no first token" in error["message"]
+    (request,) = decode.decodes
+    assert len(request.forks) == 3
+    assert decode.stalled_calls_closed == [request.request_id]  # the call was cancelled
+    assert decode.aborted == [request.request_id]  # and the engine was sent an Abort
+    assert factory.engines["p1"].aborted == [request.request_id]  # the held KV released
+    assert sample(rt, "pdserve_router_engine_timeouts_total", call="decode", bound="idle") == 1
+    assert sample(rt, "pdserve_router_aborts_total", role="decode", outcome="found") == 1
+    assert sample(rt, "pdserve_router_aborts_total", role="prefill", outcome="found") == 1
+    assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
+
+
+async def test_a_stalled_forked_prefill_times_out_and_is_aborted_on_the_prefill_engine(
+    factory: FakeFactory,
+) -> None:
+    rt = pair(factory, prefill_timeout_s=0.2)
+    prefill = factory.engines["p1"]
+    prefill.stall_prefill = True
+    reply = await asyncio.wait_for(completion(rt, n=2, max_tokens=4), 5.0)
+    await rt.executor.close()
+    assert reply.status_code == 504, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "engine_timeout"
+    assert "prefill_timeout_s=0.2" in error["message"]
+    assert prefill.aborted == prefill.stalled_calls_closed and len(prefill.aborted) == 1
+    assert not factory.engines["d1"].decodes
+    assert sample(rt, "pdserve_router_engine_timeouts_total", call="prefill", bound="deadline") == 1

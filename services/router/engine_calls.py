@@ -1,0 +1,281 @@
+"""The router's calls to one engine, with the router's own bounds, and the backstop Abort.
+
+:class:`EngineCalls` (one per router process, :attr:`Executor.calls
+<services.router.execution.Executor.calls>`) is used by the executor
+(:mod:`services.router.execution`) and the forked ``n > 1`` run (:mod:`services.router.fork`),
+so a timeout is counted, aborted on the engine and worded in one place.
+
+Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
+call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
+``decode_idle_timeout_s`` between two deltas (the first included), so a decode engine that
+stalls without dying ends its streams within the idle bound (both by one timer per stream,
+:class:`~services.router.deadline.StreamBounds`, not one per message). Either ends the call with
+``engine_timeout`` (a retryable prefill failure; a decode error, answered 504 before the first
+byte or as an SSE error event after), sends the engine an Abort (:meth:`EngineCalls.abort_later`),
+and is counted in ``pdserve_router_engine_timeouts_total{call, bound}``. The gRPC deadline of
+each call is the router's bound plus ``BACKSTOP_GRACE_S``: a backstop, so the engine gives up
+even if the router's cancellation never reaches it.
+
+Every call feeds the engine's circuit breaker through the pool (started, then succeeded or, on
+an engine fault, failed) and adds the time it waited to ``RunInfo.engine_wait_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from services.engines.backend import (
+    DecodeRequest,
+    FinishReason,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
+from services.router.config import RouterSettings
+from services.router.deadline import StreamBounds
+from services.router.errors import EngineRequestFailed, RouterError, engine_error
+from services.router.generation import GenerationRequest, RunInfo
+from services.router.metrics import RouterMetrics
+from services.router.migration import Step, is_engine_fault
+from services.router.pool import EnginePool, EngineSlot
+
+logger = logging.getLogger(__name__)
+
+COALESCE_FRACTION = 0.25
+"""A non-streamed request's decode engine holds steps, the first included, for at most this
+fraction of the idle bound (``DecodeRequest.coalesce_s`` and ``coalesce_first`` in
+decode.proto), so a live engine still answers well
+within it and a stalled one still trips it. Fewer messages per request: each costs the router
+a gRPC read."""
+
+BACKSTOP_GRACE_S = 5.0
+"""The gRPC deadline of an engine call is the router's own bound plus this, so the router's
+timer trips first (and names the bound) while the engine still learns its deadline."""
+
+ABORT_ON = frozenset({"engine_timeout", "engine_unreachable"})
+"""Prefill failures after which the engine may still run the request: it is sent an Abort."""
+
+
+class EngineCalls:
+    """Bounded engine calls and best-effort aborts; see the module docstring."""
+
+    def __init__(self, pool: EnginePool, settings: RouterSettings, metrics: RouterMetrics) -> None:
+        self._pool = pool
+        self._settings = settings
+        self._metrics = metrics
+        self._background: set[asyncio.Task[bool]] = set()
+
+    async def prefill(
+        self,
+        slot: EngineSlot,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        info: RunInfo,
+    ) -> tuple[PrefillResult, float]:
+        """One Prefill on ``slot`` within ``prefill_timeout_s``: the result and the seconds it
+        took. Raises the call's :class:`RouterError` (a timeout counted; after a timeout or an
+        unreachable engine, the request is aborted there)."""
+        started = time.perf_counter()
+        bound_s = self._settings.prefill_timeout_s
+        self._pool.call_started(slot)
+        try:
+            with self._pool.reserve(slot):
+                async with asyncio.timeout(bound_s):
+                    result = await slot.connector.prefill(
+                        request_id,
+                        prompt_token_ids,
+                        sampling,
+                        timeout_s=bound_s + BACKSTOP_GRACE_S,
+                    )
+        except Exception as exc:
+            info.engine_wait_s += time.perf_counter() - started
+            error = (
+                self._prefill_timed_out(slot)
+                if isinstance(exc, TimeoutError)
+                else engine_error(exc, stage="prefill")
+            )
+            if is_engine_fault(error):
+                self._pool.call_failed(slot)
+            if error.code in ABORT_ON:
+                self.abort_later(slot, request_id)
+            raise error from exc
+        self._pool.call_succeeded(slot)
+        elapsed = time.perf_counter() - started
+        info.engine_wait_s += elapsed
+        return result, elapsed
+
+    def _prefill_timed_out(self, slot: EngineSlot) -> RouterError:
+        self._metrics.engine_timeouts.labels(call="prefill", bound="deadline").inc()
+        return engine_error(
+            TimeoutError(
+                f"engine {slot.engine_id} did not answer within "
+                f"prefill_timeout_s={self._settings.prefill_timeout_s:g} s"
+            ),
+            stage="prefill",
+        )
+
+    async def decode(
+        self,
+        request: GenerationRequest,
+        slot: EngineSlot,
+        prefilled: PrefillResult | None,
+        info: RunInfo,
+        continuing: bool = False,
+    ) -> AsyncIterator[Step]:
+        """Stream from the decode engine within its bounds; the first step of a local run is its
+        first token. Raises the call's :class:`RouterError` (the caller feeds the breaker)."""
+        decode_request = DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            kv_handle=prefilled.kv_handle if prefilled else None,
+            first_token_id=prefilled.first_token_id if prefilled else None,
+        )
+        started = time.perf_counter()
+        whole_s = self._settings.decode_timeout_s
+        idle_s = self._settings.decode_idle_timeout_s
+        coalescing = not request.stream
+        stream = slot.connector.decode(
+            decode_request,
+            timeout_s=whole_s + BACKSTOP_GRACE_S,
+            coalesce_s=idle_s * COALESCE_FRACTION if coalescing else None,
+        )
+        bounds = StreamBounds(idle_s, whole_s)
+        first = True
+        previous = started
+        try:
+            while True:
+                waited = time.perf_counter()
+                bounds.waiting()
+                try:
+                    delta = await anext(stream)
+                except StopAsyncIteration:
+                    info.engine_wait_s += time.perf_counter() - waited
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} ended the stream without a finish reason",
+                        code="decode_truncated",
+                    ) from None
+                except asyncio.CancelledError as exc:
+                    if not bounds.expired_here():
+                        raise
+                    info.engine_wait_s += time.perf_counter() - waited
+                    assert bounds.expired is not None
+                    raise self.decode_timed_out(
+                        request.request_id, slot, bounds.expired, first
+                    ) from exc
+                except TimeoutError as exc:
+                    info.engine_wait_s += time.perf_counter() - waited
+                    # A TimeoutError the connector raised itself is its (whole-call) deadline.
+                    raise self.decode_timed_out(
+                        request.request_id, slot, "deadline", first
+                    ) from exc
+                except Exception as exc:
+                    info.engine_wait_s += time.perf_counter() - waited
+                    raise engine_error(exc, stage="decode") from exc
+                finally:
+                    bounds.done_waiting()
+                now = time.perf_counter()
+                info.engine_wait_s += now - waited
+                if first:
+                    if not continuing:
+                        self._observe_first_delta(
+                            request, prefilled, delta, now - started, info, coalesced=coalescing
+                        )
+                    first = False
+                elif not coalescing:  # a coalesced message's gap is not one token's
+                    self._metrics.itl.observe(now - previous)
+                previous = now
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise EngineRequestFailed(
+                        f"decode engine {slot.engine_id} failed the request: "
+                        f"{delta.error or 'no reason given'}",
+                        code="decode_failed",
+                    )
+                if prefilled is None and delta.usage is not None and not continuing:
+                    info.cached_tokens = delta.usage.cached_tokens
+                yield Step(
+                    delta.token_ids,
+                    delta.text,
+                    delta.finish_reason,
+                    delta.logprobs,
+                    delta.prompt_logprobs,
+                )
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            bounds.close()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def decode_timed_out(
+        self, request_id: str, slot: EngineSlot, bound: str, first: bool
+    ) -> EngineRequestFailed:
+        """Count a decode timeout, abort the request on the engine, and say which bound
+        tripped. Closing the stream (the caller's ``finally``) cancels the call as well; the
+        Abort also reaches an engine whose cancellation got lost."""
+        self._metrics.engine_timeouts.labels(call="decode", bound=bound).inc()
+        self.abort_later(slot, request_id)
+        if bound == "idle":
+            what = "first token" if first else "next token"
+            limit = f"decode_idle_timeout_s={self._settings.decode_idle_timeout_s:g} s"
+            message = f"decode engine {slot.engine_id} sent no {what} within {limit}"
+        else:
+            limit = f"decode_timeout_s={self._settings.decode_timeout_s:g} s"
+            message = f"decode engine {slot.engine_id} did not finish within {limit}"
+        logger.warning("request %s: %s; aborting it there", request_id, message)
+        return EngineRequestFailed(message, code="engine_timeout", status_code=504)
+
+    def _observe_first_delta(
+        self,
+        request: GenerationRequest,
+        prefilled: PrefillResult | None,
+        delta: TokenDelta,
+        waited_s: float,
+        info: RunInfo,
+        *,
+        coalesced: bool = False,
+    ) -> None:
+        """``coalesced``: the first message may hold the whole answer (``coalesce_first``),
+        so its wait times no first token and no inter-token gap."""
+        if prefilled is None:
+            self.observe_ttft(request, info)
+            return
+        handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
+        self._metrics.ttft_phase_by("handoff").observe(handoff)
+        if coalesced:
+            return
+        self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff, 0.0))
+        # The prefill's token went out first; the gap to the decode's first is an ITL.
+        self._metrics.itl.observe(waited_s)
+
+    def observe_ttft(self, request: GenerationRequest, info: RunInfo) -> None:
+        """The request's time to first token, by its path."""
+        self._metrics.ttft_by(str(info.path)).observe(time.perf_counter() - request.arrival_s)
+
+    def abort_later(self, slot: EngineSlot, request_id: str) -> None:
+        """Best-effort abort (a timed-out or orphaned request), without delaying the caller."""
+
+        async def abort() -> bool:
+            try:
+                found = await slot.connector.abort(request_id)
+            except Exception as exc:
+                logger.info("abort of %s on %s failed: %s", request_id, slot.engine_id, exc)
+                self._metrics.aborts.labels(role=slot.role.value, outcome="failed").inc()
+                return False
+            outcome = "found" if found else "unknown"
+            self._metrics.aborts.labels(role=slot.role.value, outcome=outcome).inc()
+            return found
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Wait for the aborts still under way."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

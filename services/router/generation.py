@@ -1,0 +1,57 @@
+"""One generation as the router runs it: the request, the chunks it yields, what the run decided.
+
+:class:`GenerationRequest` is built by the HTTP layer (:mod:`services.router.api`) and run by
+the executor (:mod:`services.router.execution`), or, for ``n > 1`` on engines that fork, by
+:mod:`services.router.fork`; both yield :class:`Chunk` and fill a :class:`RunInfo`, which the
+response layer (:mod:`services.router.responses`) turns into headers, usage and metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_s: float
+    """``time.perf_counter()`` when the HTTP request arrived."""
+    stream: bool = True
+    """Whether the client receives tokens as they come. A request that is not streamed asks
+    the decode engine to coalesce the steps after its first (see
+    :data:`services.router.engine_calls.COALESCE_FRACTION`)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output text and how many tokens produced it; the last one has ``finish_reason``."""
+
+    text: str
+    num_tokens: int
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token, when the request asked for logprobs."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """On the first chunk, when the request asked for prompt logprobs (tokens 1..)."""
+
+
+@dataclass
+class RunInfo:
+    """What a run decided and measured, filled as it goes (headers, usage, metrics)."""
+
+    path: str | None = None
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    engine_wait_s: float = 0.0
+    migrations: int = 0
+    """Times the request moved to another engine pair mid-stream (services.router.migration)."""
