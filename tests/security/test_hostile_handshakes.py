@@ -172,7 +172,7 @@ async def test_data_plane_refuses_addresses_outside_the_registered_memory_before
             with pytest.raises(IncompatiblePeerError) as caught:
                 transport.add_peer(_outside(genuine, kind))
             assert caught.value.reason == "geometry", kind
-            assert time.monotonic() - started < 5, kind
+            assert time.monotonic() - started < 15, kind  # 2**24 descriptors take minutes
         assert transport.peer_generation("prefill-hostile", (0, 0)) is None
 
         async with control_plane.watch() as watcher:

@@ -120,6 +120,22 @@ class VllmEngineOptions:
         return CPU_BLOCK_SIZE if platform is Platform.CPU else GPU_BLOCK_SIZE
 
 
+def _graph_args(options: VllmEngineOptions, platform: Platform, config: Any) -> dict[str, Any]:
+    """How vLLM runs the model (``config``: the ``vllm.config`` module): compiled by default;
+    ``enforce_eager`` without compiled graphs. On a CPU with PP > 1, vLLM 0.32.0's eager mode
+    skips the worker's warm-up run when the KV cache size is explicit (it always is here), and
+    that run is what allocates the buffers a later PP stage receives its inputs in: the first
+    request kills the engine (``assert self.intermediate_tensors is not None``). There, Dynamo
+    traces the model once and runs it eagerly (vLLM's own CPU CI setting: no inductor compile,
+    the warm-up kept)."""
+    if not options.enforce_eager:
+        return {}
+    if platform is Platform.CPU and options.pp_size > 1:
+        mode = config.CompilationMode.DYNAMO_TRACE_ONCE
+        return {"compilation_config": config.CompilationConfig(mode=mode, backend="eager")}
+    return {"enforce_eager": True}
+
+
 def read_model_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     try:
@@ -423,7 +439,7 @@ class VllmBackend(EngineBackend):
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_bytes,
             dtype=self.options.dtype,
-            enforce_eager=self.options.enforce_eager,
+            **_graph_args(self.options, platform, modules.config),
             speculative_config=self.options.speculative_config,
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
             # vLLM refuses custom logits processors with speculative decoding: there the

@@ -24,6 +24,12 @@ BIG_PRODUCER = replace(PRODUCER, block_size=16, head_size=128)
 BIG_CONSUMER = replace(CONSUMER, block_size=16, head_size=128)
 
 
+LOAD_SLACK_S = 4.5
+"""What a loaded machine may add to a configured bound (a 1.5 s lease, a 5 s pull timeout): a
+wait still ends below the harness's default pull timeout (10 s), so the configured bound is what
+ended it (the asserts are about which bound acts, not about speed)."""
+
+
 @pytest.fixture
 def spare() -> list[WorkerProcess]:
     """A fresh worker process the test may kill."""
@@ -69,7 +75,7 @@ def test_consumer_dying_mid_transfer_leaves_producer_to_free_on_lease_expiry(wor
     victim.kill()
     started = time.monotonic()
     assert producer.recv(timeout_s=30) == {"doomed": "expired"}
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 1.5 + LOAD_SLACK_S
     assert producer.call("pool_status") == (1024, 1024)
     assert (
         producer.call(
@@ -109,7 +115,7 @@ def test_dead_producer_is_reported_within_bounded_time_and_counted(workers, spar
     assert not summary["ok"]
     assert summary["action"] == "recompute"
     assert summary["failed_blocks"] == summary["local_blocks"]
-    assert summary["seconds"] < 5.5
+    assert summary["seconds"] < 5.0 + LOAD_SLACK_S
     assert summary["reasons"], summary
     labels = {
         "producer_engine": "prefill-x",
@@ -143,7 +149,7 @@ def test_producer_dying_with_a_read_in_flight_is_reported_within_bounded_time(wo
     )
     assert not summary["ok"] and summary["failed_blocks"] == summary["local_blocks"]
     assert summary["reasons"][0] in {"remote_disconnected", "transfer_error", "timeout"}
-    assert summary["seconds"] < 5.5
+    assert summary["seconds"] < 5.0 + LOAD_SLACK_S
 
 
 def test_unresponsive_producer_times_out_and_its_lease_ends(workers):

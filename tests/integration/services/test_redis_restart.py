@@ -23,6 +23,8 @@ pytestmark = pytest.mark.integration
 
 LEASE_TTL_S = 5.0
 HEARTBEAT_S = 0.5
+WAIT_S = 120.0
+"""Bound of every wait on an event: generous, so that a loaded machine delays, never fails."""
 
 
 def sample(host_registry: object, name: str, **labels: str) -> float:
@@ -72,12 +74,12 @@ async def test_stub_engine_host_registers_again_and_serves_after_redis_restart(
                 first_delta = await anext(stream)
 
                 await asyncio.to_thread(server.restart)
-                restarted = time.monotonic()
+                deadline = time.monotonic() + WAIT_S
                 assert await cp.get_engine("prefill-r") is None, "the restart lost every key"
 
                 after: dict[str, int | None] = dict.fromkeys(before)
                 while any(after[e] is None or after[e] == before[e] for e in before):
-                    assert time.monotonic() - restarted < LEASE_TTL_S, f"not READY again: {after}"
+                    assert time.monotonic() < deadline, f"not READY again: {after}"
                     await asyncio.sleep(0.05)
                     for engine_id in before:
                         after[engine_id] = await ready_generation(cp, engine_id)
@@ -91,11 +93,10 @@ async def test_stub_engine_host_registers_again_and_serves_after_redis_restart(
                 assert rest[-1].finish_reason is FinishReason.LENGTH
 
                 # Health SERVING again; new handles carry the new generation.
-                for _ in range(100):
-                    if await prefill_client.health():
-                        break
+                deadline = time.monotonic() + WAIT_S
+                while not await prefill_client.health():
+                    assert time.monotonic() < deadline, "health never SERVING again"
                     await asyncio.sleep(0.05)
-                assert await prefill_client.health()
                 result = await prefill_client.prefill(
                     "after", (4, 5, 6), SamplingParams(max_tokens=4)
                 )
@@ -160,7 +161,7 @@ async def test_heartbeats_failing_while_redis_is_down_are_counted_and_the_host_s
             labels = {"engine": "decode-r", "role": "decode", "reason": "unavailable"}
             await asyncio.to_thread(server.kill)
             try:
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + WAIT_S
                 while sample(registry, "pdserve_engine_heartbeat_failures_total", **labels) < 2:
                     assert time.monotonic() < deadline, "heartbeat failures not counted"
                     await asyncio.sleep(0.05)
@@ -179,7 +180,7 @@ async def test_heartbeats_failing_while_redis_is_down_are_counted_and_the_host_s
             # Redis is back empty: the host registers again.
             cp = RedisControlPlane(cp_settings, ControlPlaneMetrics())
             try:
-                deadline = time.monotonic() + LEASE_TTL_S
+                deadline = time.monotonic() + WAIT_S
                 while await ready_generation(cp, "decode-r") is None:
                     assert time.monotonic() < deadline, "not READY again after the outage"
                     await asyncio.sleep(0.05)
