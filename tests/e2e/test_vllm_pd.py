@@ -577,6 +577,26 @@ class TestPullPP1:
         assert (result["completed"], result["failed"]) == (20, 0)
         assert result["total_output_tokens"] == 20 * 8  # the random dataset ignores EOS
 
+    def test_seeded_sampling_through_pd_equals_colocated(
+        self, system: UpSystem, colocated: dict[str, tuple[str, str | None, int]]
+    ) -> None:
+        """Temperature 1 with a seed, with and without top-p and top-k: the producer samples
+        the first token with the seed's first draw, the decode engine continues with the
+        second (issue 16; before, it repeated the first and the texts differed). Runs before
+        decode-0 is killed: a request migrated off it re-prefills with its seed but not its
+        random state (docs/vllm.md), and the router's circuit probes the dead engine with
+        requests."""
+        client = client_of(system)
+        texts = set()
+        for prompt in SEEDED_PROMPTS:
+            for seed, top_p, top_k in SEEDED_CASES:
+                *got, path = seeded(client, prompt, seed, top_p, top_k)
+                assert path == "disaggregated"
+                want = colocated[seeded_key(prompt, seed, top_p, top_k)]
+                assert tuple(got) == want, (prompt, seed, top_p, top_k)
+                texts.add(want[0])
+        assert len(texts) == len(SEEDED_PROMPTS) * len(SEEDED_CASES)  # really sampled
+
     async def test_a_killed_decode_engine_core_migrates_its_streams(self, system: UpSystem) -> None:
         """decode-0's EngineCore (vLLM's scheduler and model on CPU) SIGKILLed mid-stream under
         a steady load: its host sees the engine dead, its streams continue on decode-1 (the
@@ -611,23 +631,6 @@ class TestPullPP1:
             for repetition in (1.0, 1.3):
                 got = penalized(client, prompt, repetition)
                 assert got == colocated[f"{PENALIZED}{repetition} {prompt}"], (prompt, repetition)
-
-    def test_seeded_sampling_through_pd_equals_colocated(
-        self, system: UpSystem, colocated: dict[str, tuple[str, str | None, int]]
-    ) -> None:
-        """Temperature 1 with a seed, with and without top-p and top-k: the producer samples
-        the first token with the seed's first draw, the decode engine continues with the
-        second (issue 16; before, it repeated the first and the texts differed)."""
-        client = client_of(system)
-        texts = set()
-        for prompt in SEEDED_PROMPTS:
-            for seed, top_p, top_k in SEEDED_CASES:
-                *got, path = seeded(client, prompt, seed, top_p, top_k)
-                assert path == "disaggregated"
-                want = colocated[seeded_key(prompt, seed, top_p, top_k)]
-                assert tuple(got) == want, (prompt, seed, top_p, top_k)
-                texts.add(want[0])
-        assert len(texts) == len(SEEDED_PROMPTS) * len(SEEDED_CASES)  # really sampled
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(
