@@ -387,3 +387,4 @@ def test_vllm_bench_serve_random_dataset_has_no_failed_request(
     result = bench_serve_random(pd.url, MODEL, model_dir, tmp_path, num_prompts=20, output_len=8)
     assert (result["completed"], result["failed"]) == (20, 0)
     assert result["total_output_tokens"] == 20 * 8
+    assert result["router_failed"] == 0

@@ -576,6 +576,7 @@ class TestPullPP1:
         result = bench_serve_random(system.url, "tiny-model", model_dir, tmp_path)
         assert (result["completed"], result["failed"]) == (20, 0)
         assert result["total_output_tokens"] == 20 * 8  # the random dataset ignores EOS
+        assert result["router_failed"] == 0
 
     def test_seeded_sampling_through_pd_equals_colocated(
         self, system: UpSystem, colocated: dict[str, tuple[str, str | None, int]]
