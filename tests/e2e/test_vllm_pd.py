@@ -11,6 +11,7 @@ batch shapes, which is not what these tests are about.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -29,6 +30,7 @@ from tokenizers import Tokenizer
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
+from tests.e2e.faults.probes import load_of
 from tests.e2e.test_failover_reference import (
     Stack,
     assert_lost_nothing,
@@ -38,6 +40,7 @@ from tests.e2e.test_failover_reference import (
     streaming_on,
 )
 from tests.e2e.up_system import UpSystem
+from tests.e2e.vllm_bench import bench_serve_random
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -159,6 +162,45 @@ def penalized(client: openai.OpenAI, prompt: str, repetition: float) -> tuple[st
     return completion.choices[0].text, completion.choices[0].finish_reason, usage.completion_tokens
 
 
+SEEDED = "seeded: "
+"""Key prefix of the colocated outputs sampled with a seed."""
+SEEDED_PROMPTS = ("Hello, world! How are you", "The quick brown fox jumps")
+SEEDED_CASES: tuple[tuple[int, float | None, int | None], ...] = (
+    (0, None, None),
+    (7, 0.9, None),
+    (12345, None, 20),
+    (99, 0.8, 10),
+)
+"""(seed, top_p, top_k) of the seeded requests; ``None`` leaves the parameter out."""
+
+
+def seeded_key(prompt: str, seed: int, top_p: float | None, top_k: int | None) -> str:
+    return f"{SEEDED}{seed} {top_p} {top_k} {prompt}"
+
+
+def seeded(
+    client: openai.OpenAI, prompt: str, seed: int, top_p: float | None, top_k: int | None
+) -> tuple[str, str | None, int, str]:
+    """Sampled at temperature 1 with ``seed``: through PD the decode engine's generator must
+    continue after the producer's draw (services/engines/vllm/seeded_draws.py). Also returns
+    the execution path."""
+    raw = client.completions.with_raw_response.create(
+        model="tiny-model",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=seed,
+        **({} if top_p is None else {"top_p": top_p}),
+        extra_body={"ignore_eos": True, **({} if top_k is None else {"top_k": top_k})},
+    )
+    completion = raw.parse()
+    usage = completion.usage
+    assert usage is not None
+    choice = completion.choices[0]
+    path = raw.headers["x-pdserve-execution-path"]
+    return choice.text, choice.finish_reason, usage.completion_tokens, path
+
+
 @pytest.fixture(scope="module")
 def colocated(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, prompts: list[str]
@@ -171,6 +213,10 @@ def colocated(
         for prompt in PENALIZED_PROMPTS:
             for repetition in (1.0, 1.3):
                 outputs[f"{PENALIZED}{repetition} {prompt}"] = penalized(client, prompt, repetition)
+        for prompt in SEEDED_PROMPTS:
+            for seed, top_p, top_k in SEEDED_CASES:
+                text, finish, tokens, _path = seeded(client, prompt, seed, top_p, top_k)
+                outputs[seeded_key(prompt, seed, top_p, top_k)] = (text, finish, tokens)
         return outputs
     finally:
         stop(system)
@@ -268,6 +314,42 @@ def assert_pd_equals_colocated(
             usage.completion_tokens,
         )
         assert got == colocated[prompt], f"prompt {prompt!r}"
+
+
+EXPIRED_LOG = "Releasing expired KV blocks for request"
+"""vLLM's warning for each request whose lease ran out on a producer rank (its blocks freed
+unread)."""
+RELEASE_BOUND_S = 300.0
+"""Bound of the wait for a producer to release everything: the lease (``--kv-lease-s``, 30 s)
+plus a loaded machine's slack."""
+
+
+async def producer_released_everything(system: UpSystem, stack: Stack, engine: str) -> int:
+    """Until every block ``engine`` held for a consumer was read and freed, or freed when its
+    lease ran out with the expiry counted: the pool full, nothing running, and
+    ``pdserve_kv_transfer_expired_leases_total`` equal to the expiries vLLM logged. A fresh
+    request every few polls flushes the stats (vLLM hands them over with the next outputs).
+    Returns the number of expiries."""
+    client = client_of(system)
+    target = stack.engine(engine)["grpc"]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RELEASE_BOUND_S
+    polls = 0
+    while True:
+        load = await load_of(target)
+        logged = log_of(system, engine).count(EXPIRED_LOG)
+        counted = engine_metric(system, engine, "pdserve_kv_transfer_expired_leases_total")
+        full = 0 < load.kv_blocks_total == load.kv_blocks_free
+        if full and load.running_requests == 0 and counted == logged:
+            return logged
+        assert loop.time() < deadline, (
+            f"{engine} not released within {RELEASE_BOUND_S}s: {load}, "
+            f"{logged} expiries logged, {counted} counted"
+        )
+        polls += 1
+        if polls % 5 == 0:
+            await asyncio.to_thread(greedy, client, fresh_prompts(1, f"release-{polls}")[0])
+        await asyncio.sleep(2.0)
 
 
 class TestPushPrefillPP2:
@@ -486,12 +568,44 @@ class TestPullPP1:
             assert own == engine_metric(system, engine, count)
             assert engine_metric(system, engine, "pdserve_kv_transfer_failures_total") == 0
 
+    def test_vllm_bench_serve_random_dataset_has_no_failed_request(
+        self, system: UpSystem, model_dir: Path, tmp_path: Path
+    ) -> None:
+        """vLLM's own benchmark client (issue 16), 20 random prompts at once over both decode
+        engines, before one of them is killed below."""
+        result = bench_serve_random(system.url, "tiny-model", model_dir, tmp_path)
+        assert (result["completed"], result["failed"]) == (20, 0)
+        assert result["total_output_tokens"] == 20 * 8  # the random dataset ignores EOS
+        assert result["router_failed"] == 0
+
+    def test_seeded_sampling_through_pd_equals_colocated(
+        self, system: UpSystem, colocated: dict[str, tuple[str, str | None, int]]
+    ) -> None:
+        """Temperature 1 with a seed, with and without top-p and top-k: the producer samples
+        the first token with the seed's first draw, the decode engine continues with the
+        second (issue 16; before, it repeated the first and the texts differed). Runs before
+        decode-0 is killed: a request migrated off it re-prefills with its seed but not its
+        random state (docs/vllm.md), and the router's circuit probes the dead engine with
+        requests."""
+        client = client_of(system)
+        texts = set()
+        for prompt in SEEDED_PROMPTS:
+            for seed, top_p, top_k in SEEDED_CASES:
+                *got, path = seeded(client, prompt, seed, top_p, top_k)
+                assert path == "disaggregated"
+                want = colocated[seeded_key(prompt, seed, top_p, top_k)]
+                assert tuple(got) == want, (prompt, seed, top_p, top_k)
+                texts.add(want[0])
+        assert len(texts) == len(SEEDED_PROMPTS) * len(SEEDED_CASES)  # really sampled
+
     async def test_a_killed_decode_engine_core_migrates_its_streams(self, system: UpSystem) -> None:
         """decode-0's EngineCore (vLLM's scheduler and model on CPU) SIGKILLed mid-stream under
         a steady load: its host sees the engine dead, its streams continue on decode-1 (the
         prompt plus the tokens so far re-prefilled on prefill-0, the KV pulled again over
         NIXL), none fails and every text equals a fault-free run's (issue 17 with vLLM; the
-        scenarios and helpers of test_failover_reference.py)."""
+        scenarios and helpers of test_failover_reference.py). Afterwards prefill-0 holds
+        nothing for the dead consumer: every block was read and freed, or expired (counted),
+        and its pool is full again."""
         stack = Stack(system)
         await fault_free_reference(stack)
         before = stack.router("pdserve_router_migrations_total")
@@ -505,6 +619,7 @@ class TestPullPP1:
         async with steady_load(system.url, workers=2) as after:  # the stack serves on
             await finished_after(after, 4)
         assert_lost_nothing(stack, after)
+        await producer_released_everything(system, stack, "prefill-0")
 
     def test_output_penalties_through_pd_equal_colocated(
         self,

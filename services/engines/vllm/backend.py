@@ -258,6 +258,11 @@ FIRST_TOKEN_ARG = "pdserve_first_token_id"
 """``SamplingParams.extra_args`` key: the producer's first token of a disaggregated decode,
 for :data:`FIRST_TOKEN_PENALTIES` (services/engines/vllm/first_token.py)."""
 
+SAMPLED_TOKENS_ARG = "pdserve_sampled_tokens"
+"""``SamplingParams.extra_args`` key: how many tokens the producer sampled for a seeded
+disaggregated decode, whose generator skips as many draws
+(services/engines/vllm/seeded_draws.py)."""
+
 FIRST_TOKEN_PENALTIES = "services.engines.vllm.first_token:FirstTokenPenalties"
 """The logits processor every vLLM engine without speculative decoding is built with
 (``logits_processors``; vLLM refuses custom ones with speculative decoding)."""
@@ -272,7 +277,9 @@ def decode_sampling(
     needs one fewer for ``min_tokens``); its prompt logprobs came from the producer. vLLM
     sees the producer's token as part of the prompt: the repetition penalty covers it; for the
     frequency and presence penalties (output only), ``first_token_id`` goes along in
-    ``extra_args`` and :data:`FIRST_TOKEN_PENALTIES` counts it as output."""
+    ``extra_args`` and :data:`FIRST_TOKEN_PENALTIES` counts it as output. A seeded decode
+    carries :data:`SAMPLED_TOKENS_ARG` (1) so that its generator continues after the
+    producer's draw."""
     kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
     if handle is not None:
         kwargs["min_tokens"] = max(0, sampling.min_tokens - 1)
@@ -283,6 +290,8 @@ def decode_sampling(
         kwargs["extra_args"] = {"kv_transfer_params": params}
         if first_token_id is not None and (sampling.frequency_penalty or sampling.presence_penalty):
             kwargs["extra_args"][FIRST_TOKEN_ARG] = first_token_id
+        if sampling.seed is not None:
+            kwargs["extra_args"][SAMPLED_TOKENS_ARG] = 1
         kwargs["max_tokens"] = max(1, sampling.max_tokens - 1)
     return kwargs
 

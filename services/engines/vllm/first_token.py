@@ -27,6 +27,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from services.engines.vllm import seeded_draws
 from services.engines.vllm.backend import FIRST_TOKEN_ARG
 
 if TYPE_CHECKING:
@@ -38,10 +39,13 @@ _State = tuple[int, float, float, float, list[int]]
 
 
 class FirstTokenPenalties(LogitsProcessor):
-    """See the module docstring."""
+    """See the module docstring. Built in every worker process of such an engine, it also
+    installs :mod:`services.engines.vllm.seeded_draws` there (seeded decodes continue the
+    producer's generator)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         self._requests: dict[int, _State] = {}
+        seeded_draws.install()
 
     def is_argmax_invariant(self) -> bool:
         return False

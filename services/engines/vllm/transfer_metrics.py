@@ -29,6 +29,9 @@ _FAILURE_KEYS = {
     "num_failed_transfers": "vllm_transfer_failed",
     "num_failed_notifications": "vllm_notification_failed",
     "num_failed_handshakes": "vllm_handshake_failed",
+    # A consumer finished reading blocks the producer had already released at lease expiry
+    # (the KV it read may have been overwritten): counted where the producer notices it.
+    "num_notifications_after_expiry": "vllm_read_after_expiry",
 }
 
 

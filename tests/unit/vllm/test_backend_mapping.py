@@ -14,6 +14,7 @@ from services.engines.errors import UnknownKVHandle
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.vllm.backend import (
     FIRST_TOKEN_ARG,
+    SAMPLED_TOKENS_ARG,
     VllmEngineOptions,
     decode_handle,
     decode_sampling,
@@ -98,6 +99,10 @@ def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_engine_id"] == "pre-0.g42" and decode["max_tokens"] == 7
     assert "extra_args" not in decode_sampling(sampling, None)
+    # Seeded: the decode's generator skips the producer's draw (services/engines/vllm/seeded_draws).
+    assert decode["extra_args"][SAMPLED_TOKENS_ARG] == 1
+    unseeded = SamplingParams(max_tokens=8, temperature=0.5)
+    assert SAMPLED_TOKENS_ARG not in decode_sampling(unseeded, handle)["extra_args"]
     # The producer's first token goes along when an output penalty needs it.
     assert FIRST_TOKEN_ARG not in decode_sampling(sampling, handle, 11)["extra_args"]
     penalized = SamplingParams(max_tokens=8, frequency_penalty=0.5)

@@ -99,6 +99,7 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
             "num_descriptors": [7, 7],
             "num_failed_transfers": [1],
             "num_kv_expired_reqs": [1, 1],
+            "num_notifications_after_expiry": [1],
         }
     )
     pair = {
@@ -115,6 +116,8 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
         value("pdserve_kv_transfer_failures_total", {**pair, "reason": "vllm_transfer_failed"}) == 1
     )
     assert value("pdserve_kv_transfer_expired_leases_total", expired) == 2
+    after_expiry = {**pair, "reason": "vllm_read_after_expiry"}
+    assert value("pdserve_kv_transfer_failures_total", after_expiry) == 1
     assert exporter.transfers == 2
     assert exporter.transfer_seconds == pytest.approx(0.006)
     consumer = VllmTransferExporter(
