@@ -66,6 +66,7 @@ from services.engines.vllm.layouts import (
 from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.engines.vllm.worker_extension import ALLOCATE_PP_BUFFER, WORKER_EXTENSION
 from services.kv_transfer.metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,22 @@ class VllmEngineOptions:
         if self.block_size is not None:
             return self.block_size
         return CPU_BLOCK_SIZE if platform is Platform.CPU else GPU_BLOCK_SIZE
+
+
+def _graph_args(options: VllmEngineOptions, platform: Platform, config: Any) -> dict[str, Any]:
+    """How vLLM runs the model (``config``: the ``vllm.config`` module): compiled by default;
+    ``enforce_eager`` without compiled graphs. On a CPU with PP > 1, vLLM 0.32.0's eager mode
+    skips the worker's warm-up run when the KV cache size is explicit (it always is here), and
+    that run is what allocates the buffers a later PP stage receives its inputs in: the first
+    request kills the engine (``assert self.intermediate_tensors is not None``). There, Dynamo
+    traces the model once and runs it eagerly (vLLM's own CPU CI setting: no inductor compile,
+    the warm-up kept)."""
+    if not options.enforce_eager:
+        return {}
+    if platform is Platform.CPU and options.pp_size > 1:
+        mode = config.CompilationMode.DYNAMO_TRACE_ONCE
+        return {"compilation_config": config.CompilationConfig(mode=mode, backend="eager")}
+    return {"enforce_eager": True}
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
@@ -347,6 +364,17 @@ def _finish_reason(reason: str | None) -> FinishReason | None:
     }.get(reason, FinishReason.ERROR)
 
 
+def _error_message(request: DecodeRequest) -> str:
+    """What a request vLLM finished with an error is told (vLLM gives no message)."""
+    if request.kv_handle is None:
+        return "vLLM ended the request with an error"
+    return (
+        f"vLLM ended the request with an error: loading its KV from "
+        f"{request.kv_handle.producer_engine_id} "
+        "failed (kv_load_failure_policy=fail; the decode engine's log names the blocks)"
+    )
+
+
 class VllmBackend(EngineBackend):
     """:class:`EngineBackend` over vLLM's ``AsyncLLM`` (GPU). See the module docstring."""
 
@@ -414,7 +442,7 @@ class VllmBackend(EngineBackend):
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_bytes,
             dtype=self.options.dtype,
-            enforce_eager=self.options.enforce_eager,
+            **_graph_args(self.options, platform, modules.config),
             speculative_config=self.options.speculative_config,
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
             # vLLM refuses custom logits processors with speculative decoding: there the
@@ -423,6 +451,12 @@ class VllmBackend(EngineBackend):
                 [FIRST_TOKEN_PENALTIES] if self.options.speculative_config is None else []
             ),
         )
+        # vLLM 0.32.0 on CPUs: an eager PP stage lacks its receive buffer (worker_extension.py).
+        pp_buffer = (
+            platform is Platform.CPU and self.options.enforce_eager and self.options.pp_size > 1
+        )
+        if pp_buffer:
+            args.worker_extension_cls = WORKER_EXTENSION
         backend = self
 
         class _LoadRecorder:
@@ -465,6 +499,8 @@ class VllmBackend(EngineBackend):
         except Exception as exc:  # vLLM raises many types at start-up; all are fatal here
             raise EngineFailed(f"vLLM failed to start: {exc}") from exc
         engine._run_output_handler()
+        if pp_buffer:
+            await engine.collective_rpc(ALLOCATE_PP_BUFFER)
         self._engine = engine
         self._registration = registration
 
@@ -569,6 +605,7 @@ class VllmBackend(EngineBackend):
                 token_ids=tuple(int(t) for t in completion.token_ids),
                 text=completion.text,
                 finish_reason=reason,
+                error=_error_message(request) if reason is FinishReason.ERROR else None,
                 usage=Usage(len(request.prompt_token_ids), produced) if reason else None,
                 logprobs=output_logprobs(
                     completion.token_ids, completion.logprobs, sampling.logprobs
