@@ -27,6 +27,11 @@ from :class:`VllmTransferExporter` once both engines have been stepped past the 
 ``descriptors_per_transfer`` come from the same counts.
 Colocated prompts differ from the disaggregated ones: vLLM's prefix cache would otherwise find
 the transferred KV.
+
+``--layouts 1x1:1x1,2x1:2x1,...`` (:mod:`services.bench.engine_layouts`) runs the TTFT figures
+for several prefill/decode layouts in one run, PP=1 -> PP=1 first, one engine pair at a time,
+and reports each layout's transfers per request, descriptors per transfer and transfer time,
+also over PP=1 -> PP=1's (no tokens/s).
 """
 
 from __future__ import annotations
