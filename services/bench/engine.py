@@ -27,6 +27,11 @@ from :class:`VllmTransferExporter` once both engines have been stepped past the 
 ``descriptors_per_transfer`` come from the same counts.
 Colocated prompts differ from the disaggregated ones: vLLM's prefix cache would otherwise find
 the transferred KV.
+
+``--layouts 1x1:1x1,2x1:2x1,...`` (:mod:`services.bench.engine_layouts`) runs the TTFT figures
+for several prefill/decode layouts in one run, PP=1 -> PP=1 first, one engine pair at a time,
+and reports each layout's transfers per request, descriptors per transfer and transfer time,
+also over PP=1 -> PP=1's (no tokens/s).
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from services.bench.engine_layouts import BASELINE, Layouts, layout_rows, parse_layouts
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
@@ -59,7 +64,14 @@ from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
-from services.engines.vllm.layouts import TransferMode
+from services.engines.vllm.layouts import (
+    KVRole,
+    TransferMode,
+    UnsupportedVllmLayout,
+    VllmLayout,
+    check_local_layout,
+    check_pair,
+)
 from services.engines.vllm.platform import (
     THREADS_BIND_ENV,
     Platform,
@@ -82,14 +94,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request")
     parser.add_argument("--ttft-tokens", type=int, default=1024, help="prompt tokens (TTFT)")
     parser.add_argument("--reps", type=int, default=5, help="TTFT repetitions (medians)")
-    parser.add_argument("--pp", type=int, default=1, help="PP of the prefill engine")
-    parser.add_argument("--tp", type=int, default=1, help="TP of the prefill engine")
+    parser.add_argument("--pp", type=int, help="PP of the prefill engine (default 1)")
+    parser.add_argument("--tp", type=int, help="TP of the prefill engine (default 1)")
     parser.add_argument(
         "--decode-pp", type=int, help="PP of the decode engine (reference: --pp; vllm: 1)"
     )
     parser.add_argument("--decode-tp", type=int, help="TP of the decode engine (default: --tp)")
     parser.add_argument(
         "--transfer-mode", choices=("push", "pull"), default="push", help="vLLM only"
+    )
+    parser.add_argument(
+        "--layouts",
+        type=parse_layouts,
+        help=(
+            "several layouts in one run, prefill PPxTP : decode PPxTP, comma-separated (e.g. "
+            f"{BASELINE},2x1:2x1,2x1:1x2): TTFT and transfer figures of each, {BASELINE} first "
+            "(added when missing) and each layout's transfer time over its; replaces --pp, "
+            "--tp, --decode-pp, --decode-tp; no tokens/s"
+        ),
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
     parser.add_argument(
@@ -99,55 +121,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass(frozen=True)
-class _Layouts:
-    prefill: tuple[int, int]
-    decode: tuple[int, int]
+class BenchArgumentError(ValueError):
+    """Flags that contradict each other, or a layout the chosen engine refuses."""
 
 
-def _layouts(args: argparse.Namespace) -> _Layouts:
-    prefill = (int(args.pp), int(args.tp))
+def _layouts(args: argparse.Namespace) -> Layouts:
+    prefill = (1 if args.pp is None else int(args.pp), 1 if args.tp is None else int(args.tp))
     default_decode_pp = 1 if args.engine == "vllm" else prefill[0]
     decode_pp = default_decode_pp if args.decode_pp is None else int(args.decode_pp)
     decode_tp = prefill[1] if args.decode_tp is None else int(args.decode_tp)
-    return _Layouts(prefill, (decode_pp, decode_tp))
+    return Layouts(prefill, (decode_pp, decode_tp))
+
+
+def _checked_layouts(args: argparse.Namespace) -> tuple[Layouts, ...]:
+    """The layouts to run, refused before any engine starts when they cannot run."""
+    if args.layouts is None:
+        chosen: tuple[Layouts, ...] = (_layouts(args),)
+    else:
+        single = ("pp", "tp", "decode_pp", "decode_tp")
+        given = [f"--{name.replace('_', '-')}" for name in single if getattr(args, name)]
+        if given:
+            raise BenchArgumentError(
+                f"--layouts replaces {', '.join(given)}: give one or the other"
+            )
+        chosen = tuple(args.layouts)
+    if args.engine == "vllm":
+        mode = TransferMode(args.transfer_mode)
+        for layouts in chosen:
+            producer = VllmLayout(KVRole.PRODUCER, mode, *layouts.prefill)
+            consumer = VllmLayout(KVRole.CONSUMER, mode, *layouts.decode)
+            try:
+                check_local_layout(producer)
+                check_local_layout(consumer)
+                check_pair(producer, consumer, num_kv_heads=MODEL.num_kv_heads)
+            except UnsupportedVllmLayout as exc:
+                raise BenchArgumentError(f"layout {layouts.name}: {exc}") from exc
+    return chosen
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
-    return asyncio.run(_run(args))
+    try:
+        layouts = _checked_layouts(args)
+    except BenchArgumentError as exc:
+        raise SystemExit(f"pdserve bench engine: {exc}") from None
+    return asyncio.run(_run(args, layouts))
 
 
-async def _run(args: argparse.Namespace) -> dict[str, object]:
+async def _run(args: argparse.Namespace, chosen: tuple[Layouts, ...]) -> dict[str, object]:
     prefill_tokens, decode_tokens = int(args.prefill_tokens), int(args.decode_tokens)
     ttft_tokens, reps = int(args.ttft_tokens), int(args.reps)
     if args.quick:
         prefill_tokens, decode_tokens, ttft_tokens, reps = 32, 8, 128, 2
-    layouts = _layouts(args)
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0, spec=MODEL)
-        with LocalRedisServer() as server:
-            settings = ControlPlaneSettings(
-                redis=RedisSettings(url=server.url),
-                namespace=f"bench{uuid.uuid4().hex[:8]}",
-                resync_interval_s=0.5,
-            )
-            async with (
-                _engine(
-                    settings, model_dir, "bench-prefill", EngineRole.PREFILL, layouts, args
-                ) as pre,
-                _engine(
-                    settings, model_dir, "bench-decode", EngineRole.DECODE, layouts, args
-                ) as dec,
-            ):
-                throughput = {
-                    "prefill_tokens_per_s": {
-                        str(b): await _prefill_rate(dec, b, prefill_tokens) for b in BATCHES
-                    },
-                    "decode_tokens_per_s": {
-                        str(b): await _decode_rate(dec, b, decode_tokens) for b in BATCHES
-                    },
-                }
-                ttft = await _ttft(pre, dec, ttft_tokens, reps)
     dtype = ReferenceEngineOptions.dtype if args.engine == "reference" else VLLM_DTYPE
     result: dict[str, object] = {
         "benchmark": "engine",
@@ -156,19 +180,66 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
             f"tiny ({MODEL.num_layers} layers, hidden {MODEL.hidden_size}, {MODEL.num_heads} "
             f"heads / {MODEL.num_kv_heads} KV heads, head_dim {MODEL.head_dim}, {dtype})"
         ),
-        "layout": {
-            "prefill": {"pp": layouts.prefill[0], "tp": layouts.prefill[1]},
-            "decode": {"pp": layouts.decode[0], "tp": layouts.decode[1]},
-        },
-        "prefill_tokens": prefill_tokens,
-        "decode_tokens": decode_tokens,
-        **throughput,
-        "ttft": ttft,
     }
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0, spec=MODEL)
+        with LocalRedisServer() as server:
+            settings = ControlPlaneSettings(
+                redis=RedisSettings(url=server.url),
+                namespace=f"bench{uuid.uuid4().hex[:8]}",
+                resync_interval_s=0.5,
+            )
+            if args.layouts is None:
+                layouts = chosen[0]
+                async with _pair(settings, model_dir, layouts, args, "") as (pre, dec):
+                    throughput = {
+                        "prefill_tokens_per_s": {
+                            str(b): await _prefill_rate(dec, b, prefill_tokens) for b in BATCHES
+                        },
+                        "decode_tokens_per_s": {
+                            str(b): await _decode_rate(dec, b, decode_tokens) for b in BATCHES
+                        },
+                    }
+                    ttft = await _ttft(pre, dec, ttft_tokens, reps)
+                result["layout"] = layouts.describe()
+                result["prefill_tokens"] = prefill_tokens
+                result["decode_tokens"] = decode_tokens
+                result.update(throughput)
+                result["ttft"] = ttft
+            else:
+                # One pair of engines per layout, started after the previous pair stopped.
+                runs = []
+                for index, layouts in enumerate(chosen):
+                    async with _pair(settings, model_dir, layouts, args, f"-{index}") as (pre, dec):
+                        runs.append((layouts, await _ttft(pre, dec, ttft_tokens, reps)))
+                result["prompt_tokens"] = ttft_tokens
+                result["reps"] = reps
+                result["baseline"] = BASELINE
+                result["layouts"] = layout_rows(runs)
     if args.engine == "vllm":
         result["transfer_mode"] = args.transfer_mode
         result["enforce_eager"] = bool(args.enforce_eager)
     return result
+
+
+@contextlib.asynccontextmanager
+async def _pair(
+    settings: ControlPlaneSettings,
+    model_dir: Path,
+    layouts: Layouts,
+    args: argparse.Namespace,
+    suffix: str,
+) -> AsyncIterator[tuple[EngineBackend, EngineBackend]]:
+    """A registered, READY prefill and decode engine of ``layouts``."""
+    async with (
+        _engine(
+            settings, model_dir, f"bench-prefill{suffix}", EngineRole.PREFILL, layouts, args
+        ) as pre,
+        _engine(
+            settings, model_dir, f"bench-decode{suffix}", EngineRole.DECODE, layouts, args
+        ) as dec,
+    ):
+        yield pre, dec
 
 
 def _reference_backend(
@@ -202,7 +273,7 @@ READY_TIMEOUT_S = {"reference": 60.0, "vllm": 600.0}
 """A vLLM engine compiles its model at start: minutes on a small machine."""
 
 
-def _cpu_binding(args: argparse.Namespace, layouts: _Layouts, role: EngineRole) -> str | None:
+def _cpu_binding(args: argparse.Namespace, layouts: Layouts, role: EngineRole) -> str | None:
     """The ``VLLM_CPU_OMP_THREADS_BIND`` a vLLM-for-CPU engine starts with: its share of the
     cores, as under ``pdserve up``; ``None`` for other engines or when the operator set one."""
     if args.engine != "vllm" or installed_platform() is not Platform.CPU:
@@ -220,7 +291,7 @@ async def _engine(
     model_dir: Path,
     engine_id: str,
     role: EngineRole,
-    layouts: _Layouts,
+    layouts: Layouts,
     args: argparse.Namespace,
 ) -> AsyncIterator[EngineBackend]:
     pp, tp = layouts.prefill if role is EngineRole.PREFILL else layouts.decode

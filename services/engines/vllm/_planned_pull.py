@@ -97,6 +97,7 @@ class PlannedPullWorker:
     _pdserve_rank: RankKey
     _pdserve_peers: dict[str, PreparedPeer]
     _pdserve_local: RegionGeometry | None
+    _pdserve_departed: set[str]
 
     def planned_init(self, geometry: ModelGeometry, pp_rank: int) -> None:
         worker: Any = self
@@ -109,6 +110,9 @@ class PlannedPullWorker:
         self._pdserve_geometry = geometry
         self._pdserve_peers = {}
         self._pdserve_local = None
+        self._pdserve_departed = set()
+        """Producer generations that left the control plane: one entry per departed generation
+        over the engine's life (a generation never comes back, so their reads fail at once)."""
 
     def _local_geometry(self) -> RegionGeometry:
         """This rank's registered regions, as its own handshake payload describes them."""
@@ -223,15 +227,19 @@ class PlannedPullWorker:
                 worker.nixl_wrapper.release_dlist_handle(remote)
         super()._cleanup_remote_engine(engine_id, log_eviction=log_eviction)  # type: ignore[misc]
 
+    def _invalidate(self, stale_engine: str) -> None:
+        """A producer generation left the control plane (main thread): remembered, then
+        vLLM's invalidation (:class:`~._connector_impl._WorkerHandshake`)."""
+        self._pdserve_departed.add(stale_engine)
+        super()._invalidate(stale_engine)  # type: ignore[misc]
+
     # -- reads ------------------------------------------------------------------------------
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         """Post this rank's planned READs of one request (vLLM's main thread)."""
         worker: Any = self
         engine_id = meta.remote.engine_id
-        if engine_id in worker._invalid_remote_engines:
-            worker._handle_failed_transfer(
-                req_id, None, worker._recv_failures, record_failed_transfer=False
-            )
+        if engine_id in self._pdserve_departed or engine_id in worker._invalid_remote_engines:
+            self._fail_unreadable(req_id, meta)
             return
         if engine_id not in worker._remote_agents:
             worker._background_nixl_handshake(req_id, engine_id, meta)
@@ -267,6 +275,23 @@ class PlannedPullWorker:
                     return  # the request failed: no sibling reads, no notifications
         for rank, count in peer.plan.notify_only:
             self._notify(req_id, peer, rank, remote_request, count)
+
+    def _fail_unreadable(self, req_id: str, meta: Any) -> None:
+        """The producer generation is gone: the request's reads fail now, named and counted
+        (vLLM's own path fails them uncounted), and vLLM ends the request per its
+        ``kv_load_failure_policy``."""
+        worker: Any = self
+        remote_blocks = [list(group) for group in meta.remote.block_ids]
+        worker._log_failure(
+            failure_type="producer_gone",
+            req_id=req_id,
+            msg=f"{meta.remote.engine_id} left the control plane before this rank's planned "
+            f"reads of its blocks {remote_blocks} into local blocks "
+            f"{[list(group) for group in meta.local_physical_block_ids]}",
+            meta=meta,
+            rank=self._pdserve_rank,
+        )
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures)
 
     def _post_read(
         self,

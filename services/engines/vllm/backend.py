@@ -372,6 +372,17 @@ def _finish_reason(reason: str | None) -> FinishReason | None:
     }.get(reason, FinishReason.ERROR)
 
 
+def _error_message(request: DecodeRequest) -> str:
+    """What a request vLLM finished with an error is told (vLLM gives no message)."""
+    if request.kv_handle is None:
+        return "vLLM ended the request with an error"
+    return (
+        f"vLLM ended the request with an error: loading its KV from "
+        f"{request.kv_handle.producer_engine_id} "
+        "failed (kv_load_failure_policy=fail; the decode engine's log names the blocks)"
+    )
+
+
 class VllmBackend(EngineBackend):
     """:class:`EngineBackend` over vLLM's ``AsyncLLM`` (GPU). See the module docstring."""
 
@@ -593,6 +604,7 @@ class VllmBackend(EngineBackend):
                 token_ids=tuple(int(t) for t in completion.token_ids),
                 text=completion.text,
                 finish_reason=reason,
+                error=_error_message(request) if reason is FinishReason.ERROR else None,
                 usage=Usage(len(request.prompt_token_ids), produced) if reason else None,
                 logprobs=output_logprobs(
                     completion.token_ids, completion.logprobs, sampling.logprobs

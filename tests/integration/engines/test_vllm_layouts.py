@@ -37,8 +37,8 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
-from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.backend import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
 from services.engines.vllm.layouts import TransferMode
@@ -181,6 +181,17 @@ def failures(engine: VllmBackend) -> float:
     )
 
 
+def moved_bytes(engine: VllmBackend) -> float:
+    exporter = engine.transfers
+    assert exporter is not None
+    return sum(
+        sample.value
+        for metric in exporter.metrics.transferred_bytes.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
+
+
 async def check_pair(
     prefill: VllmBackend,
     decode: VllmBackend,
@@ -277,3 +288,77 @@ class TestDecodePP2Uneven:
     ) -> None:
         # Each decode stage reads its layers of each head from the prefill rank holding it.
         await check_pair(prefill_tp2, decode, prefill_pp2, salt=500, reads_per_request=4)
+
+
+class TestOneKVHead:
+    """A model with one KV head (4 query heads): prefill TP=2 holds the head on both ranks."""
+
+    @pytest.fixture(scope="class")
+    def one_head_model(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        spec = TinyModelSpec(num_kv_heads=1)
+        return make_tiny_model(tmp_path_factory.mktemp("one-kv-head") / "tiny", spec=spec)
+
+    @pytest_asyncio.fixture(scope="class", loop_scope="module")
+    async def prefill(
+        self, settings: ControlPlaneSettings, one_head_model: Path
+    ) -> AsyncIterator[VllmBackend]:
+        async with vllm_engine(
+            settings, one_head_model, "pre-1kv-tp2", EngineRole.PREFILL, 1, 2
+        ) as engine:
+            yield engine
+
+    @pytest_asyncio.fixture(scope="class", loop_scope="module")
+    async def decode(
+        self, settings: ControlPlaneSettings, one_head_model: Path
+    ) -> AsyncIterator[VllmBackend]:
+        async with vllm_engine(
+            settings, one_head_model, "dec-1kv-tp1", EngineRole.DECODE, 1, 1
+        ) as engine:
+            yield engine
+
+    async def test_prefill_tp2_to_decode_tp1_reads_the_replicated_head_once(
+        self, prefill: VllmBackend, decode: VllmBackend
+    ) -> None:
+        # The decode rank reads the head from one prefill rank (one READ per request) and only
+        # notifies the other, whose blocks then free at once: check_pair's pool check.
+        before = moved_bytes(decode)
+        await check_pair(prefill, decode, prefill, salt=600, reads_per_request=1)
+        # Once: the head's K and V of every layer and block of every prompt, not twice.
+        spec = TinyModelSpec(num_kv_heads=1)
+        blocks = sum(-(-length // BLOCK_SIZE) for length in PROMPT_LENGTHS)
+        per_block = BLOCK_SIZE * 2 * spec.head_dim * 4  # K and V rows of one head, float32
+        assert moved_bytes(decode) - before == spec.num_layers * blocks * per_block
+
+    async def test_a_read_from_a_departed_prefill_fails_named_and_counted(
+        self, settings: ControlPlaneSettings, one_head_model: Path, decode: VllmBackend
+    ) -> None:
+        """The prefill stops after prefilling, before the decode reads: the request ends with
+        an explicit error (vLLM's kv_load_failure_policy "fail"), counted as a failed transfer,
+        and the decode engine frees the request's blocks and keeps serving."""
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        tokens = prompt(3 * BLOCK_SIZE + 7, 700)
+        failed_before = failures(decode)
+        async with vllm_engine(
+            settings, one_head_model, "pre-1kv-gone", EngineRole.PREFILL, 1, 1
+        ) as gone:
+            result = await gone.prefill(PrefillRequest("pd-gone", tokens, sampling))
+        assert result.kv_handle is not None
+        # Its generation left the control plane on stop; give the decode's watcher its resync.
+        await asyncio.sleep(4 * settings.resync_interval_s)
+        request = DecodeRequest(
+            "pd-gone", tokens, sampling, kv_handle=result.kv_handle,
+            first_token_id=result.first_token_id,
+        )  # fmt: skip
+        deltas = [delta async for delta in decode.decode(request)]
+        assert deltas and deltas[-1].finish_reason is FinishReason.ERROR, deltas
+        assert deltas[-1].error is not None and "pre-1kv-gone" in deltas[-1].error
+        assert sum(len(delta.token_ids) for delta in deltas) == 0  # nothing was made up
+        await step_until(decode, lambda: failures(decode) > failed_before)
+        assert failures(decode) == failed_before + 1
+
+        def decode_free() -> bool:
+            load = decode.load()
+            return load.running_requests == 0 and load.kv_blocks_free == load.kv_blocks_total
+
+        await step_until(decode, decode_free)
+        assert decode_free(), decode.load()
