@@ -63,7 +63,7 @@ from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import registered_engine
-from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
+from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import (
     KVRole,
     TransferMode,
@@ -72,6 +72,7 @@ from services.engines.vllm.layouts import (
     check_local_layout,
     check_pair,
 )
+from services.engines.vllm.options import VllmEngineOptions
 from services.engines.vllm.platform import (
     THREADS_BIND_ENV,
     Platform,

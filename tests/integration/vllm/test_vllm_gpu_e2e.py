@@ -13,7 +13,8 @@ from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.standalone import registered_engine
-from services.engines.vllm.backend import VllmBackend, VllmEngineOptions
+from services.engines.vllm.backend import VllmBackend
+from services.engines.vllm.options import VllmEngineOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -12,23 +12,21 @@ from services.control_plane.wire import EngineRole
 from services.engines.backend import EngineRegistration, SamplingParams
 from services.engines.errors import UnknownKVHandle
 from services.engines.reference.tiny_model import make_tiny_model
-from services.engines.vllm.backend import (
-    FIRST_TOKEN_ARG,
-    SAMPLED_TOKENS_ARG,
-    VllmEngineOptions,
-    decode_handle,
-    decode_sampling,
-    describe_model,
-    encode_handle,
-    kv_transfer_config,
-    prefill_sampling,
-)
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     HandshakeResolutionError,
     VllmHandshakeExtra,
 )
 from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
+from services.engines.vllm.options import VllmEngineOptions, describe_model, kv_transfer_config
+from services.engines.vllm.request_mapping import (
+    FIRST_TOKEN_ARG,
+    SAMPLED_TOKENS_ARG,
+    decode_handle,
+    decode_sampling,
+    encode_handle,
+    prefill_sampling,
+)
 
 
 @pytest.fixture(scope="module")

@@ -129,11 +129,11 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
 def test_eager_on_a_cpu_with_pp_keeps_the_warm_up_that_allocates_stage_buffers() -> None:
     from vllm import config  # noqa: PLC0415  (make test installs the vllm extra)
 
-    from services.engines.vllm.backend import VllmEngineOptions, _graph_args  # noqa: PLC0415
+    from services.engines.vllm.options import VllmEngineOptions, graph_args  # noqa: PLC0415
 
     def graph(platform: Platform, pp: int, eager: bool) -> dict[str, object]:
         options = VllmEngineOptions(Path("m"), pp_size=pp, enforce_eager=eager)
-        return _graph_args(options, platform, config)
+        return graph_args(options, platform, config)
 
     assert graph(Platform.CPU, 2, eager=False) == {} == graph(Platform.GPU, 2, eager=False)
     assert graph(Platform.CPU, 1, eager=True) == {"enforce_eager": True}

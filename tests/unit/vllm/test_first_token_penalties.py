@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.engines.backend import SamplingParams
-from services.engines.vllm.backend import FIRST_TOKEN_ARG, decode_sampling
+from services.engines.vllm.request_mapping import FIRST_TOKEN_ARG, decode_sampling
 
 VOCAB = 32
 PROMPT = [3, 4, 5]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engines.vllm.backend import SAMPLED_TOKENS_ARG
+from services.engines.vllm.request_mapping import SAMPLED_TOKENS_ARG
 
 VOCAB = 64
 SEED = 1234

@@ -1,0 +1,170 @@
+"""pdserve's engine requests in vLLM's terms and back: sampling parameters for the prefill and
+the decode (:func:`prefill_sampling`, :func:`decode_sampling`, the ``extra_args`` keys vLLM's
+workers read), the KV handle carried between them (:func:`encode_handle`,
+:func:`decode_handle`), and vLLM's finish reasons. Imports nothing of vLLM; the worker-side
+modules (``first_token``, ``seeded_draws``) import their keys from here."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from services.engines.backend import (
+    DecodeRequest,
+    FinishReason,
+    KVHandle,
+    SamplingParams,
+)
+from services.engines.errors import (
+    EngineFailed,
+    UnknownKVHandle,
+)
+from services.engines.vllm.handshake import vllm_engine_id
+
+MAX_HANDLE_EXTRA_BYTES = 64 * 1024
+"""The largest ``KVHandle.extra`` (vLLM's ``kv_transfer_params`` as JSON) accepted."""
+
+
+def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "seed": sampling.seed,
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "min_p": sampling.min_p,
+        "min_tokens": sampling.min_tokens,
+        "logit_bias": dict(sampling.logit_bias) or None,
+        "logprobs": sampling.logprobs,
+        "prompt_logprobs": sampling.prompt_logprobs,
+        "include_stop_str_in_output": sampling.include_stop_str_in_output,
+        "skip_special_tokens": sampling.skip_special_tokens,
+        "spaces_between_special_tokens": sampling.spaces_between_special_tokens,
+    }
+
+
+def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments of a prefill: one token, hand the KV off.
+
+    A request of one token ends at the prefill: no handle is returned, so vLLM is not asked to
+    hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
+    only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out."""
+    kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
+    kwargs["min_tokens"] = min(sampling.min_tokens, 1)  # vLLM: min_tokens <= max_tokens
+    if sampling.max_tokens > 1:
+        kwargs["extra_args"] = {"kv_transfer_params": {"do_remote_decode": True}}
+    return kwargs
+
+
+FIRST_TOKEN_ARG = "pdserve_first_token_id"
+"""``SamplingParams.extra_args`` key: the producer's first token of a disaggregated decode,
+for :data:`FIRST_TOKEN_PENALTIES` (services/engines/vllm/first_token.py)."""
+
+SAMPLED_TOKENS_ARG = "pdserve_sampled_tokens"
+"""``SamplingParams.extra_args`` key: how many tokens the producer sampled for a seeded
+disaggregated decode, whose generator skips as many draws
+(services/engines/vllm/seeded_draws.py)."""
+
+FIRST_TOKEN_PENALTIES = "services.engines.vllm.first_token:FirstTokenPenalties"
+"""The logits processor every vLLM engine without speculative decoding is built with
+(``logits_processors``; vLLM refuses custom ones with speculative decoding)."""
+
+
+def decode_sampling(
+    sampling: SamplingParams, handle: KVHandle | None, first_token_id: int | None = None
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments of a decode, pulling ``handle``'s KV if given.
+
+    The producer already produced the first token, so the decode generates one fewer (and
+    needs one fewer for ``min_tokens``); its prompt logprobs came from the producer. vLLM
+    sees the producer's token as part of the prompt: the repetition penalty covers it; for the
+    frequency and presence penalties (output only), ``first_token_id`` goes along in
+    ``extra_args`` and :data:`FIRST_TOKEN_PENALTIES` counts it as output. A seeded decode
+    carries :data:`SAMPLED_TOKENS_ARG` (1) so that its generator continues after the
+    producer's draw."""
+    kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
+    if handle is not None:
+        kwargs["min_tokens"] = max(0, sampling.min_tokens - 1)
+        kwargs["prompt_logprobs"] = None
+        params = decode_handle(handle)
+        params["do_remote_prefill"] = True
+        params["do_remote_decode"] = False
+        kwargs["extra_args"] = {"kv_transfer_params": params}
+        if first_token_id is not None and (sampling.frequency_penalty or sampling.presence_penalty):
+            kwargs["extra_args"][FIRST_TOKEN_ARG] = first_token_id
+        if sampling.seed is not None:
+            kwargs["extra_args"][SAMPLED_TOKENS_ARG] = 1
+        kwargs["max_tokens"] = max(1, sampling.max_tokens - 1)
+    return kwargs
+
+
+def encode_handle(
+    params: dict[str, Any],
+    *,
+    engine_id: str,
+    generation: int,
+    request_id: str,
+    num_tokens: int,
+    lease_s: float,
+) -> KVHandle:
+    """The :class:`KVHandle` of a prefilled request from vLLM's ``kv_transfer_params``."""
+    blocks = params.get("remote_block_ids") or [[]]
+    first_group = blocks[0] if blocks and isinstance(blocks[0], list) else blocks
+    extra = json.dumps(params, separators=(",", ":"), sort_keys=True).encode()
+    if len(extra) > MAX_HANDLE_EXTRA_BYTES:
+        raise EngineFailed(f"vLLM kv_transfer_params of {len(extra)} bytes exceed the handle bound")
+    return KVHandle(
+        producer_engine_id=engine_id,
+        generation=generation,
+        request_id=str(params.get("remote_request_id", request_id)),
+        block_ids=tuple(int(b) for b in first_group),
+        num_tokens=num_tokens,
+        lease_expires_at_s=time.time() + lease_s,
+        extra=extra,
+    )
+
+
+def decode_handle(handle: KVHandle) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_params`` from a handle; :class:`UnknownKVHandle` when not ours."""
+    if not handle.extra or len(handle.extra) > MAX_HANDLE_EXTRA_BYTES:
+        raise UnknownKVHandle(f"handle {handle.request_id} carries no vLLM kv_transfer_params")
+    try:
+        params = json.loads(handle.extra)
+    except ValueError as exc:
+        raise UnknownKVHandle(f"handle {handle.request_id}: invalid kv_transfer_params") from exc
+    required = ("remote_engine_id", "remote_request_id", "remote_block_ids", "tp_size")
+    if not isinstance(params, dict) or any(key not in params for key in required):
+        raise UnknownKVHandle(f"handle {handle.request_id}: kv_transfer_params lack {required}")
+    expected = vllm_engine_id(handle.producer_engine_id, handle.generation)
+    if params["remote_engine_id"] != expected:
+        raise UnknownKVHandle(
+            f"handle names {expected} but its params name {params['remote_engine_id']}"
+        )
+    return params
+
+
+def finish_reason_of(reason: str | None) -> FinishReason | None:
+    if reason is None:
+        return None
+    return {
+        "stop": FinishReason.STOP,
+        "length": FinishReason.LENGTH,
+        "abort": FinishReason.ABORT,
+    }.get(reason, FinishReason.ERROR)
+
+
+def error_message(request: DecodeRequest) -> str:
+    """What a request vLLM finished with an error is told (vLLM gives no message)."""
+    if request.kv_handle is None:
+        return "vLLM ended the request with an error"
+    return (
+        f"vLLM ended the request with an error: loading its KV from "
+        f"{request.kv_handle.producer_engine_id} "
+        "failed (kv_load_failure_policy=fail; the decode engine's log names the blocks)"
+    )
