@@ -447,7 +447,7 @@ class TestPushPrefillPP2:
         assert chat.choices[0].message.content == streamed_text
         assert chat.usage is not None and chat.usage.completion_tokens == MAX_TOKENS
         # 25 at once (the known prompts and fresh ones, so that KV really moves for each):
-        # before NIXL's agents were serialized (STRICT sync, _connector_impl), 20 concurrent
+        # before NIXL's agents were serialized (STRICT sync, _vllm_process), 20 concurrent
         # requests lost pushes (decodes that never got their KV) and once crashed a worker.
         fresh = fresh_prompts(16, "concurrent")
         with concurrent.futures.ThreadPoolExecutor(len(prompts) + len(fresh)) as pool:

@@ -1,6 +1,6 @@
 """Pull-mode reads along pdserve's transfer plan, inside vLLM 0.32.0's NIXL pull worker.
 
-Imports vLLM: loaded only by :mod:`services.engines.vllm._connector_impl`.
+Imports vLLM: loaded only by :mod:`services.engines.vllm._connector_worker`.
 
 vLLM's pull worker reads by TP ratio (``tp_mapping.compute_tp_mapping``, one agent per remote
 TP rank, ``(0, tp_rank)``): no PP-sharded producer, no PP consumer. :class:`PlannedPullWorker`
@@ -229,7 +229,7 @@ class PlannedPullWorker:
 
     def _invalidate(self, stale_engine: str) -> None:
         """A producer generation left the control plane (main thread): remembered, then
-        vLLM's invalidation (:class:`~._connector_impl._WorkerHandshake`)."""
+        vLLM's invalidation (:class:`~._connector_worker.WorkerHandshake`)."""
         self._pdserve_departed.add(stale_engine)
         super()._invalidate(stale_engine)  # type: ignore[misc]
 

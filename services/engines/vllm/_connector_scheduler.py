@@ -1,0 +1,141 @@
+"""The scheduler side of pdserve's vLLM connectors (EngineCore process): the PP x TP grid of
+handshakes published to the control plane instead of a ZMQ listener
+(:class:`SchedulerHandshake`), and vLLM's push and pull schedulers with the consumer's blocks
+clipped to the producer's. Imports vLLM: loaded by :mod:`._connector_impl`."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlHandshakePayload,
+    NixlPullConnectorScheduler,
+    NixlPushConnectorScheduler,
+)
+
+from services.control_plane.errors import ControlPlaneError
+from services.engines.vllm.contracts import clip_to_producer
+from services.engines.vllm.handshake import (
+    ConnectorSettings,
+    build_records,
+    now_clocks,
+)
+from services.engines.vllm.layouts import (
+    UnsupportedVllmLayout,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+from services.engines.vllm._connector_common import (
+    CONTROL_PLANE_HOST,
+    ControlPlaneClient,
+    model_geometry,
+    rank_transfer_info,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerHandshake(ControlPlaneClient):
+    """Scheduler-side mixin: publish the grid to the control plane instead of a ZMQ listener."""
+
+    vllm_config: VllmConfig
+    publications = 0
+
+    def _pdserve_init(self, settings: ConnectorSettings) -> None:
+        self.pdserve = settings
+        self._bridge = None
+        self.side_channel_host = CONTROL_PLANE_HOST
+        self.side_channel_port = 0
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Publish the aggregated PP x TP grid for this generation (again on every call)."""
+        parallel = self.vllm_config.parallel_config
+        expected = {
+            (pp, tp)
+            for pp in range(parallel.pipeline_parallel_size)
+            for tp in range(parallel.tensor_parallel_size)
+        }
+        if set(metadata) != expected:
+            raise UnsupportedVllmLayout(
+                f"vLLM handed over handshakes for ranks {sorted(metadata)}, expected the full "
+                f"PP x TP grid {sorted(expected)}"
+            )
+        ranks = {}
+        for rank, payload in metadata.items():
+            if not isinstance(payload, NixlHandshakePayload):
+                raise TypeError(f"rank {rank}: expected NixlHandshakePayload, got {payload!r}")
+            ranks[rank] = rank_transfer_info(payload)
+        bridge = self.bridge()
+        view = bridge.get_engine(self.pdserve.engine_id)
+        if view is None or view.record is None or view.generation != self.pdserve.generation:
+            raise ControlPlaneError(
+                f"engine {self.pdserve.engine_id} is not registered at generation "
+                f"{self.pdserve.generation} (found {view.generation if view else None}): the "
+                "host must register before starting vLLM"
+            )
+        perf_s, wall_s = now_clocks()
+        records = build_records(
+            view.record,
+            ranks,
+            model_geometry(self.vllm_config),
+            transfer_mode=self.pdserve.transfer_mode,
+            perf_s=perf_s,
+            wall_s=wall_s,
+        )
+        status = bridge.publish(view.record, records)
+        self.publications += 1
+        logger.info(
+            "published %d vLLM handshakes of %s (publication %d): %s",
+            len(records),
+            self.pdserve.vllm_engine_id,
+            self.publications,
+            status.state.value if status else "grid already complete",
+        )
+
+
+def _producer_blocks(request: Any) -> Any:
+    """The producer's block ids of a request the consumer receives, else ``None``."""
+    params = request.kv_transfer_params or {}
+    return params.get("remote_block_ids") if params.get("do_remote_prefill") else None
+
+
+def _allocated(blocks: Any) -> list[int]:
+    """Every block the consumer allocated for a request, per KV group (cached ones too)."""
+    return [len(group) for group in blocks.blocks]
+
+
+class PushScheduler(SchedulerHandshake, NixlPushConnectorScheduler):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's push registration without the consumer's blocks past the producer's
+        (:func:`~services.engines.vllm.contracts.clip_to_producer`): otherwise a prompt that
+        fills its last block exactly makes the producer's writer assert and drop the push
+        ("nixl-push-writer error; continuing"), and the request hangs."""
+        producer_blocks = _producer_blocks(request)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = self._push_pending_registrations.get(request.request_id)
+        if registration is None or not producer_blocks:
+            return
+        registration["local_block_ids"] = clip_to_producer(
+            registration["local_block_ids"], producer_blocks, _allocated(blocks)
+        )
+
+
+class PullScheduler(SchedulerHandshake, NixlPullConnectorScheduler):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's pending read without the consumer's blocks past the producer's (see
+        :class:`PushScheduler`; here ``_apply_prefix_caching`` asserts and the worker dies)."""
+        producer_blocks = _producer_blocks(request)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        pending = self._reqs_need_recv.get(request.request_id)
+        if pending is None or not producer_blocks:
+            return
+        pending_request, local_blocks, *rest = pending
+        clipped = clip_to_producer(local_blocks, producer_blocks, _allocated(blocks))
+        self._reqs_need_recv[request.request_id] = (pending_request, clipped, *rest)
