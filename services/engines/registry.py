@@ -108,7 +108,9 @@ def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBac
 
 
 def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
-    module = _import("services.engines.vllm.backend", "vllm")
+    backend_module = _import("services.engines.vllm.backend", "vllm")
+    options_module = _import("services.engines.vllm.options", "vllm")
+    layouts = _import("services.engines.vllm.layouts", "vllm")
     if options.layer_partition is not None:
         # vLLM takes an uneven split from VLLM_PP_LAYER_PARTITION, not from a flag.
         raise EngineOptionsError(
@@ -116,7 +118,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         )
     if options.num_kv_blocks is not None:
         raise EngineOptionsError("the vllm engine sizes its KV cache itself (--num-kv-blocks)")
-    vllm_options = module.VllmEngineOptions(
+    vllm_options = options_module.VllmEngineOptions(
         model_dir=_need_model(options, "vllm"),
         pp_size=options.pp_size,
         tp_size=options.tp_size,
@@ -126,13 +128,13 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         enforce_eager=options.enforce_eager,
         **({"dtype": options.dtype} if options.dtype is not None else {}),
         **(
-            {"transfer_mode": module.TransferMode(options.transfer_mode)}
+            {"transfer_mode": layouts.TransferMode(options.transfer_mode)}
             if options.transfer_mode is not None
             else {}
         ),
         **({"kv_lease_s": int(options.kv_lease_s)} if options.kv_lease_s is not None else {}),
     )
-    backend: EngineBackend = module.VllmBackend(vllm_options, registry=registry)
+    backend: EngineBackend = backend_module.VllmBackend(vllm_options, registry=registry)
     return backend
 
 

@@ -88,11 +88,19 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
     from services.engines.vllm.backend import VllmBackend  # noqa: PLC0415
 
     model = make_tiny_model(tmp_path / "tiny")
-    backend = create_backend(
-        "vllm",
-        EngineOptions(model_dir=model, pp_size=2, tp_size=1, block_size=16),
+    flags = EngineOptions(
+        model_dir=model,
+        pp_size=2,
+        tp_size=1,
+        block_size=16,
+        transfer_mode="pull",
+        kv_lease_s=7,
+        enforce_eager=True,
     )
+    backend = create_backend("vllm", flags)
     assert isinstance(backend, VllmBackend)
+    assert backend.options.transfer_mode == "pull" and backend.options.kv_lease_s == 7
+    assert backend.options.enforce_eager
     description = backend.describe()
     assert (description.pp_size, description.tp_size, description.block_size) == (2, 1, 16)
     assert description.engine_kind == "vllm"
