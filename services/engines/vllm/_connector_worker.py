@@ -59,6 +59,9 @@ class WorkerHandshake(ControlPlaneClient):
 
     vllm_config: VllmConfig
     pdserve_layout: VllmLayout
+    compat_hash: str | None = None
+    """This engine's compatibility hash (its own record's), read when the worker starts
+    following the control plane; only peers with the same hash are pre-warmed."""
 
     def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
         self.pdserve = settings
@@ -73,6 +76,9 @@ class WorkerHandshake(ControlPlaneClient):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
         # Local descriptors exist now: peers can be handshaken as they turn READY.
+        own = self.bridge().get_engine(self.pdserve.engine_id)
+        if own is not None and own.record is not None:
+            self.compat_hash = own.record.compat_hash
         self.bridge().follow(self._on_peer_change)
 
     # -- main-thread hooks -------------------------------------------------------------------
@@ -106,12 +112,15 @@ class WorkerHandshake(ControlPlaneClient):
 
     # -- pre-warm ---------------------------------------------------------------------------
     def _wanted_peer(self, view: EngineView) -> tuple[VllmLayout, bool] | None:
-        """The peer's layout and whether we only exchange notifications with it, or None."""
+        """The peer's layout and whether we only exchange notifications with it, or None
+        (not a vLLM peer of the same model and KV geometry: the router never pairs those, and
+        their handshake would fail)."""
         record = view.record
         if (
             record is None
             or record.engine_kind != "vllm"
             or record.engine_id == self.pdserve.engine_id
+            or (self.compat_hash is not None and record.compat_hash != self.compat_hash)
         ):
             return None
         own = self.pdserve_layout

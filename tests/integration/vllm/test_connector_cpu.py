@@ -394,3 +394,42 @@ def test_peer_invalidation_waits_for_vllms_main_thread(cp_settings: ControlPlane
     assert worker.invalidated == []
     assert worker.get_transfer_results() == "results"
     assert worker.invalidated == ["pre.g1"]
+
+
+def test_only_peers_of_the_same_model_and_geometry_are_pre_warmed(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    """Engines of other models share a namespace: their handshakes would fail (counted as
+    transfer failures), and the router never pairs them, so the worker leaves them alone."""
+    from services.control_plane.base import EngineView  # noqa: PLC0415
+    from services.control_plane.wire import EngineRecord, EngineRole  # noqa: PLC0415
+    from services.engines.vllm._connector_worker import WorkerHandshake  # noqa: PLC0415
+    from services.engines.vllm.layouts import KVRole, VllmLayout  # noqa: PLC0415
+
+    def prefill(engine_id: str, compat_hash: str) -> EngineView:
+        record = EngineRecord(
+            engine_id=engine_id,
+            generation=1,
+            role=EngineRole.PREFILL,
+            model="tiny",
+            compat_hash=compat_hash,
+            pp_size=1,
+            tp_size=2,
+            num_layers=7,
+            num_kv_heads=2,
+            block_size=32,
+            endpoint="127.0.0.1:1",
+            pp_aware=True,
+            lease_ttl_ms=10_000,
+            registered_at_ms=0,
+            engine_kind="vllm",
+        )
+        return EngineView(engine_id, record, None, None)
+
+    worker = WorkerHandshake()
+    settings = ConnectorSettings("dec", 1, cp_settings, TransferMode.PULL)
+    worker._pdserve_init(settings, VllmLayout(KVRole.CONSUMER, TransferMode.PULL, 1, 1))
+    worker.compat_hash = "ours"
+    same = worker._wanted_peer(prefill("pre-same", "ours"))
+    assert same is not None and same[0].tp_size == 2
+    assert worker._wanted_peer(prefill("pre-other-model", "theirs")) is None
