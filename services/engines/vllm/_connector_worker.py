@@ -59,9 +59,10 @@ class WorkerHandshake(ControlPlaneClient):
 
     vllm_config: VllmConfig
     pdserve_layout: VllmLayout
-    compat_hash: str | None = None
-    """This engine's compatibility hash (its own record's), read when the worker starts
-    following the control plane; only peers with the same hash are pre-warmed."""
+    pdserve_compat_hash: str | None = None
+    """This engine's control-plane compatibility hash (its own record's; vLLM's worker has a
+    ``compat_hash`` of its own, NIXL's), read when the worker starts following the control
+    plane; only peers with the same hash are pre-warmed."""
 
     def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
         self.pdserve = settings
@@ -78,7 +79,7 @@ class WorkerHandshake(ControlPlaneClient):
         # Local descriptors exist now: peers can be handshaken as they turn READY.
         own = self.bridge().get_engine(self.pdserve.engine_id)
         if own is not None and own.record is not None:
-            self.compat_hash = own.record.compat_hash
+            self.pdserve_compat_hash = own.record.compat_hash
         self.bridge().follow(self._on_peer_change)
 
     # -- main-thread hooks -------------------------------------------------------------------
@@ -120,7 +121,10 @@ class WorkerHandshake(ControlPlaneClient):
             record is None
             or record.engine_kind != "vllm"
             or record.engine_id == self.pdserve.engine_id
-            or (self.compat_hash is not None and record.compat_hash != self.compat_hash)
+            or (
+                self.pdserve_compat_hash is not None
+                and record.compat_hash != self.pdserve_compat_hash
+            )
         ):
             return None
         own = self.pdserve_layout

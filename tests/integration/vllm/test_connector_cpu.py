@@ -429,7 +429,7 @@ def test_only_peers_of_the_same_model_and_geometry_are_pre_warmed(
     worker = WorkerHandshake()
     settings = ConnectorSettings("dec", 1, cp_settings, TransferMode.PULL)
     worker._pdserve_init(settings, VllmLayout(KVRole.CONSUMER, TransferMode.PULL, 1, 1))
-    worker.compat_hash = "ours"
+    worker.pdserve_compat_hash = "ours"
     same = worker._wanted_peer(prefill("pre-same", "ours"))
     assert same is not None and same[0].tp_size == 2
     assert worker._wanted_peer(prefill("pre-other-model", "theirs")) is None
