@@ -171,26 +171,24 @@ async def step_until(engine: VllmBackend, done: object, *, rounds: int = 20) -> 
         await asyncio.sleep(0.2)
 
 
-def failures(engine: VllmBackend) -> float:
+def counted(engine: VllmBackend, counter: str) -> float:
+    """One of the engine's ``pdserve_kv_transfer_*`` counters, summed over its labels."""
     exporter = engine.transfers
     assert exporter is not None
     return sum(
         sample.value
-        for metric in exporter.metrics.failures.collect()
+        for metric in getattr(exporter.metrics, counter).collect()
         for sample in metric.samples
         if sample.name.endswith("_total")
     )
+
+
+def failures(engine: VllmBackend) -> float:
+    return counted(engine, "failures")
 
 
 def moved_bytes(engine: VllmBackend) -> float:
-    exporter = engine.transfers
-    assert exporter is not None
-    return sum(
-        sample.value
-        for metric in exporter.metrics.transferred_bytes.collect()
-        for sample in metric.samples
-        if sample.name.endswith("_total")
-    )
+    return counted(engine, "transferred_bytes")
 
 
 async def check_pair(
