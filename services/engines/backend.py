@@ -93,6 +93,13 @@ class SamplingParams:
     """Prefill only: first tokens (choices) to sample from the prompt; choice ``i`` of a
     seeded request samples as one seeded with ``seed + i`` (vLLM's rule for ``n > 1``). A
     decode forks with :attr:`DecodeRequest.forks` instead and keeps ``n == 1``."""
+    output_tokens_in_prompt: int = 0
+    """A continuation (the router's next leg of a request that broke on another engine): the
+    last this-many prompt tokens are output the request already produced. The frequency and
+    presence penalties count them as output and a seeded request's random stream continues
+    after their draws, so the leg samples what an unbroken run would (``min_tokens`` and
+    ``max_tokens`` are the leg's own: the caller subtracts). At most the prompt's length
+    (:func:`validate_continuation`)."""
 
     def validate(self, *, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad field."""
@@ -139,6 +146,8 @@ class SamplingParams:
             count = getattr(self, name)
             if count is not None and not 0 <= count <= MAX_LOGPROBS:
                 raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {count}")
+        if self.output_tokens_in_prompt < 0:
+            raise InvalidRequest("output_tokens_in_prompt must be >= 0")
 
     @property
     def penalized(self) -> bool:
@@ -187,6 +196,16 @@ def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[in
     if bad is not None:
         raise InvalidRequest(f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
     return tuple(token_ids)
+
+
+def validate_continuation(sampling: SamplingParams, prompt_len: int) -> None:
+    """Raise :class:`InvalidRequest` when ``sampling`` claims more output in the prompt than
+    the prompt's ``prompt_len`` tokens."""
+    if sampling.output_tokens_in_prompt > prompt_len:
+        raise InvalidRequest(
+            f"output_tokens_in_prompt ({sampling.output_tokens_in_prompt}) exceeds the prompt's "
+            f"{prompt_len} tokens"
+        )
 
 
 class FinishReason(StrEnum):
@@ -318,9 +337,9 @@ class PrefillRequest:
     ``-``; ``prompt_token_ids`` passed :func:`validate_prompt` for the engine's
     :class:`RequestLimits` (not empty, ids in ``[0, vocab_size)``, room to generate within
     ``max_model_len``); ``sampling`` passed :meth:`SamplingParams.validate` with the engine's
-    vocabulary, and ``sampling.n > 1`` only on an engine with
-    :attr:`EngineBackend.forks_decode`. A backend trusts all of this and checks only what
-    depends on its own state (its role, admission).
+    vocabulary and :func:`validate_continuation` with the prompt, and ``sampling.n > 1`` only
+    on an engine with :attr:`EngineBackend.forks_decode`. A backend trusts all of this and
+    checks only what depends on its own state (its role, admission).
     """
 
     request_id: str

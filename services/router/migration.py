@@ -15,9 +15,12 @@ breaks through an engine's fault, the next leg continues the same request on oth
 
 Every next leg is a *continuation*: its prompt is the original prompt plus every token the
 request produced so far (the client already has them, the prefill's first token included),
-its ``max_tokens`` what is left, its other sampling fields unchanged. Greedy output is exactly
-the output of an unbroken run; a seeded sampled request continues with the same seed but not
-the same random state (engines cannot hand it over), so it is reproducible only without faults.
+its ``max_tokens`` what is left, and ``output_tokens_in_prompt`` says how many of its prompt
+tokens are output: the engine counts them in the frequency and presence penalties and a seeded
+request's random stream skips their draws. Greedy output, penalized or not, is exactly the
+output of an unbroken run, and so is a seeded request's wherever the engines sample each token
+with one draw of the request's own stream (the reference engine; vLLM's V1 runner, CPU included;
+vLLM's V2 runner keys its noise by position).
 
 Text: an engine releases text lagging its tokens (an incomplete UTF-8 character, a possible
 stop-string prefix), and a continuation's engine knows nothing of the tokens before its prompt's
@@ -135,7 +138,9 @@ class Progress:
 
     def sampling(self) -> SamplingParams:
         """The current leg's sampling: what is left of ``max_tokens`` and ``min_tokens``; the
-        prompt's logprobs went out with the first leg."""
+        prompt's logprobs went out with the first leg; the tokens so far, at the end of the
+        leg's prompt, counted as output (``output_tokens_in_prompt``: the output penalties and
+        a seeded random stream continue as in an unbroken run)."""
         if not self.generated:
             return self._sampling
         return replace(
@@ -143,6 +148,7 @@ class Progress:
             max_tokens=self.left(),
             min_tokens=max(self._sampling.min_tokens - len(self.generated), 0),
             prompt_logprobs=None,
+            output_tokens_in_prompt=len(self.generated),
         )
 
     def left(self) -> int:

@@ -31,6 +31,7 @@ from services.engines.backend import (
     RequestLimits,
     SamplingParams,
     TokenDelta,
+    validate_continuation,
     validate_prompt,
 )
 from services.engines.errors import InvalidRequest
@@ -73,6 +74,7 @@ def prefill_request_from_proto(
         if message.HasField("sampling")
         else SamplingParams()
     )
+    validate_continuation(sampling, len(prompt))
     return PrefillRequest(request_id, prompt, sampling)
 
 
@@ -200,6 +202,7 @@ def decode_request_from_proto(
         if message.HasField("sampling")
         else SamplingParams()
     )
+    validate_continuation(sampling, len(prompt))
     handle: KVHandle | None = None
     first_token_id: int | None = None
     if message.HasField("kv_handle"):

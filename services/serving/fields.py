@@ -112,6 +112,8 @@ def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
         message.spaces_between_special_tokens = False
     if sampling.n != 1:
         message.n = sampling.n
+    if sampling.output_tokens_in_prompt:
+        message.output_tokens_in_prompt = sampling.output_tokens_in_prompt
     return message
 
 
@@ -156,6 +158,7 @@ def sampling_from_proto(
             else True
         ),
         n=message.n or 1,
+        output_tokens_in_prompt=message.output_tokens_in_prompt,
     )
     sampling.validate(vocab_size=limits.vocab_size if limits else None)
     return sampling

@@ -1,6 +1,8 @@
 """Zero lost requests when one engine process dies: a real ``pdserve up`` stack (reference
 engine, its own Redis) with two prefill and two decode engines, under a steady load of
-concurrent streamed and non-streamed greedy requests sent with the official ``openai`` client.
+concurrent streamed and non-streamed requests sent with the official ``openai`` client: greedy,
+greedy with output penalties, and seeded sampled (``SAMPLING``), each deterministic, so a
+request that continued on other engines must give an unbroken run's text.
 
 The scenarios run in file order on one stack, each leaving it in a known state for the next:
 
@@ -53,6 +55,13 @@ PROMPTS = tuple(
     f"prompt {index}: " + "the quick brown fox jumps over the lazy dog " * (2 + index % 3)
     for index in range(6)
 )
+SAMPLING = (
+    {"temperature": 0},
+    {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 1.0},
+    {"temperature": 1.0, "seed": 1234},
+)
+"""Prompt ``i``'s sampling is ``SAMPLING[i % 3]``: a continuation must count the tokens before
+it in the output penalties and continue the seeded random stream after their draws."""
 
 
 @dataclass
@@ -86,13 +95,14 @@ class Load:
 
 
 async def one_request(client: openai.AsyncOpenAI, outcome: Outcome) -> None:
-    """One greedy completion; records the text or the error, never raises."""
+    """One completion of its prompt (``SAMPLING``); records the text or the error, never
+    raises."""
     body = {
         "model": MODEL,
         "prompt": PROMPTS[outcome.prompt],
         "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True},
+        **SAMPLING[outcome.prompt % len(SAMPLING)],
+        "extra_body": {"ignore_eos": True, "repetition_penalty": 1.2},
     }
     try:
         async with asyncio.timeout(REQUEST_BOUND_S):

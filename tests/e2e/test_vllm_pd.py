@@ -584,9 +584,8 @@ class TestPullPP1:
         """Temperature 1 with a seed, with and without top-p and top-k: the producer samples
         the first token with the seed's first draw, the decode engine continues with the
         second (issue 16; before, it repeated the first and the texts differed). Runs before
-        decode-0 is killed: a request migrated off it re-prefills with its seed but not its
-        random state (docs/vllm.md), and the router's circuit probes the dead engine with
-        requests."""
+        decode-0 is killed, whose circuit the router probes with requests: equal to colocated
+        without a migration (the kill test's load checks seeded requests that migrate)."""
         client = client_of(system)
         texts = set()
         for prompt in SEEDED_PROMPTS:
@@ -598,12 +597,27 @@ class TestPullPP1:
                 texts.add(want[0])
         assert len(texts) == len(SEEDED_PROMPTS) * len(SEEDED_CASES)  # really sampled
 
+    def test_output_penalties_through_pd_equal_colocated(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        """Runs before decode-0 is killed: equal to colocated without a migration (the kill
+        test's load checks penalized and seeded requests that migrate)."""
+        client = client_of(system)
+        for prompt in PENALIZED_PROMPTS:
+            for repetition in (1.0, 1.3):
+                got = penalized(client, prompt, repetition)
+                assert got == colocated[f"{PENALIZED}{repetition} {prompt}"], (prompt, repetition)
+
     async def test_a_killed_decode_engine_core_migrates_its_streams(self, system: UpSystem) -> None:
         """decode-0's EngineCore (vLLM's scheduler and model on CPU) SIGKILLed mid-stream under
         a steady load: its host sees the engine dead, its streams continue on decode-1 (the
         prompt plus the tokens so far re-prefilled on prefill-0, the KV pulled again over
-        NIXL), none fails and every text equals a fault-free run's (issue 17 with vLLM; the
-        scenarios and helpers of test_failover_reference.py). Afterwards prefill-0 holds
+        NIXL), none fails and every text equals a fault-free run's, penalized and seeded
+        sampled requests included (issue 17 with vLLM; the scenarios and helpers of
+        test_failover_reference.py). Afterwards prefill-0 holds
         nothing for the dead consumer: every block was read and freed, or expired (counted),
         and its pool is full again."""
         stack = Stack(system)
@@ -620,18 +634,6 @@ class TestPullPP1:
             await finished_after(after, 4)
         assert_lost_nothing(stack, after)
         await producer_released_everything(system, stack, "prefill-0")
-
-    def test_output_penalties_through_pd_equal_colocated(
-        self,
-        system: UpSystem,
-        prompts: list[str],
-        colocated: dict[str, tuple[str, str | None, int]],
-    ) -> None:
-        client = client_of(system)
-        for prompt in PENALIZED_PROMPTS:
-            for repetition in (1.0, 1.3):
-                got = penalized(client, prompt, repetition)
-                assert got == colocated[f"{PENALIZED}{repetition} {prompt}"], (prompt, repetition)
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(

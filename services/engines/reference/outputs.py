@@ -82,9 +82,8 @@ class TokenRules:
         asked for) and, for an ``n > 1`` prefill, the first tokens of choices ``1 .. n-1``."""
         sampling = request.sampling
         seed = sampling.seed
-        generator = (
-            request.generator if seed is None else token_generator(seed, len(request.output))
-        )
+        position = sampling.output_tokens_in_prompt + len(request.output)
+        generator = request.generator if seed is None else token_generator(seed, position)
         stop_ids = (
             sampling.stop_token_ids
             if sampling.ignore_eos

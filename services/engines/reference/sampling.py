@@ -4,7 +4,8 @@ Both run in the engine's host process on the last stage's logits, one request at
 request's tokens depend only on its own logits and its own generator: with a ``seed`` the same
 tokens come out whatever the layout or the other requests batched with it. A seeded request draws
 output token ``i`` from :func:`token_generator` ``(seed, i)``, so the tokens are also the same
-when the first token was sampled by a prefill engine and the rest by a decode engine.
+when the first token was sampled by a prefill engine and the rest by a decode engine, or when a
+continuation (``SamplingParams.output_tokens_in_prompt``) samples the rest on other engines.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def process_logits(
     ``min_tokens`` (``stop_ids``, EOS included, masked while fewer than ``min_tokens`` were
     generated), then the repetition (prompt and output), frequency and presence (output)
     penalties. ``output``: every output token so far, a producer's first token included, so
-    a disaggregated request is penalized exactly as a colocated one."""
+    a disaggregated request is penalized exactly as a colocated one; the frequency and
+    presence penalties also count the prompt's last ``params.output_tokens_in_prompt`` tokens
+    (a continuation's output from earlier legs)."""
     processed = logits.to(torch.float32)
     if params.logit_bias:
         processed = processed.clone()
@@ -62,7 +65,9 @@ def process_logits(
     if not params.penalized:
         return processed
     vocab = processed.shape[-1]
-    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=vocab)[:vocab]
+    earlier = params.output_tokens_in_prompt
+    counted = [*prompt[len(prompt) - earlier :], *output] if earlier else list(output)
+    counts = torch.bincount(torch.tensor(counted, dtype=torch.long), minlength=vocab)[:vocab]
     processed = processed.clone()
     if params.repetition_penalty != 1.0:
         seen = counts > 0

@@ -59,7 +59,7 @@ from services.engines.vllm.options import (
 )
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
 from services.engines.vllm.request_mapping import (
-    FIRST_TOKEN_PENALTIES,
+    OUTPUT_IN_PROMPT_PENALTIES,
     decode_sampling,
     encode_handle,
     error_message,
@@ -164,9 +164,10 @@ class VllmBackend(EngineBackend):
             speculative_config=self.options.speculative_config,
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
             # vLLM refuses custom logits processors with speculative decoding: there the
-            # first token stays out of the output penalties (docs/architecture.md).
+            # output vLLM sees as prompt stays out of the output penalties
+            # (docs/architecture.md).
             logits_processors=(
-                [FIRST_TOKEN_PENALTIES] if self.options.speculative_config is None else []
+                [OUTPUT_IN_PROMPT_PENALTIES] if self.options.speculative_config is None else []
             ),
         )
         backend = self
@@ -262,7 +263,7 @@ class VllmBackend(EngineBackend):
         final: Any = None
         prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         async for output in self._generate(
-            request_id, prompt_token_ids, prefill_sampling(sampling)
+            request_id, prompt_token_ids, prefill_sampling(sampling, prompt_token_ids)
         ):
             final = output
             prompt_logprobs = prompt_logprobs or prompt_logprobs_of(
@@ -302,7 +303,9 @@ class VllmBackend(EngineBackend):
         prompt = list(request.prompt_token_ids)
         if request.kv_handle is not None and request.first_token_id is not None:
             prompt.append(request.first_token_id)  # vLLM continues after the producer's token
-        kwargs = decode_sampling(request.sampling, request.kv_handle, request.first_token_id)
+        kwargs = decode_sampling(
+            request.sampling, request.prompt_token_ids, request.kv_handle, request.first_token_id
+        )
         produced = 1 if request.kv_handle is not None else 0
         first = True
         sampling = request.sampling

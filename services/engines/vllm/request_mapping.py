@@ -2,7 +2,7 @@
 the decode (:func:`prefill_sampling`, :func:`decode_sampling`, the ``extra_args`` keys vLLM's
 workers read), the KV handle carried between them (:func:`encode_handle`,
 :func:`decode_handle`), and vLLM's finish reasons. Imports nothing of vLLM; the worker-side
-modules (``first_token``, ``seeded_draws``) import their keys from here."""
+modules (``output_in_prompt``, ``seeded_draws``) import their keys from here."""
 
 from __future__ import annotations
 
@@ -49,58 +49,87 @@ def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
-def prefill_sampling(sampling: SamplingParams) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments of a prefill: one token, hand the KV off.
-
-    A request of one token ends at the prefill: no handle is returned, so vLLM is not asked to
-    hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
-    only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out."""
-    kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
-    kwargs["min_tokens"] = min(sampling.min_tokens, 1)  # vLLM: min_tokens <= max_tokens
-    if sampling.max_tokens > 1:
-        kwargs["extra_args"] = {"kv_transfer_params": {"do_remote_decode": True}}
-    return kwargs
-
-
-FIRST_TOKEN_ARG = "pdserve_first_token_id"
-"""``SamplingParams.extra_args`` key: the producer's first token of a disaggregated decode,
-for :data:`FIRST_TOKEN_PENALTIES` (services/engines/vllm/first_token.py)."""
+OUTPUT_IN_PROMPT_ARG = "pdserve_output_in_prompt"
+"""``SamplingParams.extra_args`` key: the request's output tokens that vLLM sees as prompt (a
+continuation's tokens so far, a disaggregated decode's first token), for
+:data:`OUTPUT_IN_PROMPT_PENALTIES` (services/engines/vllm/output_in_prompt.py)."""
 
 SAMPLED_TOKENS_ARG = "pdserve_sampled_tokens"
-"""``SamplingParams.extra_args`` key: how many tokens the producer sampled for a seeded
-disaggregated decode, whose generator skips as many draws
+"""``SamplingParams.extra_args`` key: how many tokens of a seeded request were sampled before
+vLLM's (earlier legs, the producer's first token): its generator skips as many draws
 (services/engines/vllm/seeded_draws.py)."""
 
-FIRST_TOKEN_PENALTIES = "services.engines.vllm.first_token:FirstTokenPenalties"
+OUTPUT_IN_PROMPT_PENALTIES = "services.engines.vllm.output_in_prompt:OutputInPromptPenalties"
 """The logits processor every vLLM engine without speculative decoding is built with
 (``logits_processors``; vLLM refuses custom ones with speculative decoding)."""
 
 
-def decode_sampling(
-    sampling: SamplingParams, handle: KVHandle | None, first_token_id: int | None = None
+def _earlier_output(
+    sampling: SamplingParams, prompt: tuple[int, ...], produced: tuple[int, ...]
 ) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments of a decode, pulling ``handle``'s KV if given.
+    """The ``extra_args`` that carry output vLLM sees as prompt: the prompt's last
+    ``sampling.output_tokens_in_prompt`` tokens (a continuation's), then ``produced`` (the
+    producer's first token of a disaggregated decode)."""
+    earlier = sampling.output_tokens_in_prompt
+    tokens = (*prompt[len(prompt) - earlier :], *produced) if earlier else produced
+    extra: dict[str, Any] = {}
+    if tokens and (sampling.frequency_penalty or sampling.presence_penalty):
+        extra[OUTPUT_IN_PROMPT_ARG] = list(tokens)
+    if tokens and sampling.seed is not None and not sampling.greedy:
+        extra[SAMPLED_TOKENS_ARG] = len(tokens)
+    return extra
+
+
+def prefill_sampling(sampling: SamplingParams, prompt: tuple[int, ...]) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments of a prefill of ``prompt``: one token, hand
+    the KV off.
+
+    A request of one token ends at the prefill: no handle is returned, so vLLM is not asked to
+    hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
+    only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out. A
+    continuation's output in the prompt goes along as :func:`decode_sampling` says."""
+    kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
+    kwargs["min_tokens"] = min(sampling.min_tokens, 1)  # vLLM: min_tokens <= max_tokens
+    extra = _earlier_output(sampling, prompt, ())
+    if sampling.max_tokens > 1:
+        extra["kv_transfer_params"] = {"do_remote_decode": True}
+    if extra:
+        kwargs["extra_args"] = extra
+    return kwargs
+
+
+def decode_sampling(
+    sampling: SamplingParams,
+    prompt: tuple[int, ...],
+    handle: KVHandle | None,
+    first_token_id: int | None = None,
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments of a decode of ``prompt``, pulling
+    ``handle``'s KV if given.
 
     The producer already produced the first token, so the decode generates one fewer (and
     needs one fewer for ``min_tokens``); its prompt logprobs came from the producer. vLLM
-    sees the producer's token as part of the prompt: the repetition penalty covers it; for the
-    frequency and presence penalties (output only), ``first_token_id`` goes along in
-    ``extra_args`` and :data:`FIRST_TOKEN_PENALTIES` counts it as output. A seeded decode
-    carries :data:`SAMPLED_TOKENS_ARG` (1) so that its generator continues after the
-    producer's draw."""
+    sees the producer's token as part of the prompt, and so are a continuation's tokens so
+    far (``sampling.output_tokens_in_prompt``): the repetition penalty covers them; for the
+    frequency and presence penalties (output only) they go along in ``extra_args``
+    (:data:`OUTPUT_IN_PROMPT_ARG`) and :data:`OUTPUT_IN_PROMPT_PENALTIES` counts them as
+    output. A seeded request carries :data:`SAMPLED_TOKENS_ARG` (how many of them) so that
+    its generator continues after their draws."""
     kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
+    produced: tuple[int, ...] = ()
+    extra: dict[str, Any] = {}
     if handle is not None:
         kwargs["min_tokens"] = max(0, sampling.min_tokens - 1)
         kwargs["prompt_logprobs"] = None
         params = decode_handle(handle)
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False
-        kwargs["extra_args"] = {"kv_transfer_params": params}
-        if first_token_id is not None and (sampling.frequency_penalty or sampling.presence_penalty):
-            kwargs["extra_args"][FIRST_TOKEN_ARG] = first_token_id
-        if sampling.seed is not None:
-            kwargs["extra_args"][SAMPLED_TOKENS_ARG] = 1
+        extra["kv_transfer_params"] = params
         kwargs["max_tokens"] = max(1, sampling.max_tokens - 1)
+        produced = (first_token_id,) if first_token_id is not None else ()
+    extra.update(_earlier_output(sampling, prompt, produced))
+    if extra:
+        kwargs["extra_args"] = extra
     return kwargs
 
 

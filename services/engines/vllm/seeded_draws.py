@@ -1,7 +1,7 @@
 """A seeded vLLM decode continues the producer's random stream instead of restarting it.
 
-Imports vLLM: installed in vLLM's worker processes by :class:`FirstTokenPenalties` (the logits
-processor every vLLM engine without speculative decoding is built with), never by the
+Imports vLLM: installed in vLLM's worker processes by :class:`OutputInPromptPenalties` (the
+logits processor every vLLM engine without speculative decoding is built with), never by the
 services.
 
 vLLM 0.32.0's V1 model runner (the runner on CPUs, and wherever the V2 runner is unsupported)
@@ -11,7 +11,8 @@ gives a seeded request its own ``torch.Generator``, created in
 token. A disaggregated decode is a new request to vLLM, so its generator starts afresh and its
 first sample repeats the draw the producer already made for the first token: the text differs
 from colocated vLLM's. The decode request carries, in ``SamplingParams.extra_args``,
-``SAMPLED_TOKENS_ARG``: how many tokens the producer sampled; :func:`install` wraps
+``SAMPLED_TOKENS_ARG``: how many tokens were sampled before it (the producer's first token, and
+a continuation's tokens from earlier legs, which its prefill skips too); :func:`install` wraps
 ``_update_states`` so that a request created with it gets its generator advanced by that many
 draws, each made by the runner's own sampler on a row as wide as the vocabulary (the draw a
 sampled token costs on this platform: a ``randint`` on CPUs, an ``exponential_`` over the row

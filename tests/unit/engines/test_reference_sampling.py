@@ -128,3 +128,22 @@ def test_min_p_drops_unlikely_tokens() -> None:
     params = SamplingParams(temperature=1.0, min_p=0.5)
     picks = {sample_token(logits, params, make_generator(seed)) for seed in range(200)}
     assert picks == {0, 2}
+
+
+def test_a_continuation_penalizes_its_prompts_output_as_an_unbroken_run() -> None:
+    """The router's next leg (``output_tokens_in_prompt``): the prompt's last tokens are the
+    output of earlier legs, penalized as output exactly as in the unbroken request."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from services.engines.reference.sampling import process_logits  # noqa: PLC0415
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    params = SamplingParams(
+        max_tokens=8, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0
+    )
+    unbroken = process_logits(logits, params, prompt=[1], output=[0, 2, 0, 4], stop_ids=[])
+    continued = replace(params, max_tokens=6, output_tokens_in_prompt=2)
+    got = process_logits(logits, continued, prompt=[1, 0, 2], output=[0, 4], stop_ids=[])
+    torch.testing.assert_close(got, unbroken)
+    as_prompt = process_logits(logits, params, prompt=[1, 0, 2], output=[0, 4], stop_ids=[])
+    assert not torch.allclose(as_prompt, unbroken)  # what the field is for

@@ -132,6 +132,7 @@ async def test_a_pull_from_a_dead_producer_is_prefilled_again_elsewhere(
     # The continuation carried the first token in its prompt and asked for the rest.
     continued = [d for d in factory.engines["d1"].decodes if d.request_id.endswith(".m1")]
     assert continued and all(d.sampling.max_tokens == 3 for d in continued)
+    assert all(d.sampling.output_tokens_in_prompt == 1 for d in continued)  # output, not prompt
     assert all(d.prompt_token_ids[-1] == 7 for d in continued)  # the prefill's first token
     assert sample(rt, "pdserve_router_migrations_total", reason="kv_transfer_failed") == 0
 
@@ -204,6 +205,8 @@ async def test_a_decode_engine_dying_mid_stream_is_migrated_without_the_client_n
     first = [d for d in decodes if ".m" not in d.request_id]
     assert len(moved) == 1 and len(first) == 1
     assert moved[0].sampling.max_tokens == 6
+    assert moved[0].sampling.output_tokens_in_prompt == 4  # the tokens so far count as output
+    assert first[0].sampling.output_tokens_in_prompt == 0
     assert moved[0].prompt_token_ids[: len(first[0].prompt_token_ids)] == first[0].prompt_token_ids
     assert len(moved[0].prompt_token_ids) == len(first[0].prompt_token_ids) + 4
 

@@ -134,6 +134,24 @@ def test_bad_prefill_request_is_invalid(request_id: str, tokens: list[int], matc
         convert.prefill_request_from_proto(message, LIMITS)
 
 
+def test_a_continuations_output_in_prompt_round_trips_and_is_bounded_by_the_prompt() -> None:
+    continued = SamplingParams(max_tokens=4, presence_penalty=0.5, output_tokens_in_prompt=2)
+    request = PrefillRequest("cmpl-1.m1", (1, 2, 3), continued)
+    message = convert.prefill_request_to_proto(request)
+    assert convert.prefill_request_from_proto(message, LIMITS) == request
+    decode = DecodeRequest("cmpl-1.m1", (1, 2, 3), continued)
+    assert convert.decode_request_from_proto(convert.decode_request_to_proto(decode), LIMITS) == (
+        decode
+    )
+    message.sampling.output_tokens_in_prompt = 4
+    with pytest.raises(InvalidRequest, match="output_tokens_in_prompt"):
+        convert.prefill_request_from_proto(message, LIMITS)
+    too_many = convert.decode_request_to_proto(decode)
+    too_many.sampling.output_tokens_in_prompt = 4
+    with pytest.raises(InvalidRequest, match="output_tokens_in_prompt"):
+        convert.decode_request_from_proto(too_many, LIMITS)
+
+
 def test_prefill_result_round_trips_with_and_without_handle() -> None:
     usage = Usage(prompt_tokens=5, completion_tokens=1, cached_tokens=2)
     held = PrefillResult("req-1", 42, "x", HANDLE, None, usage, prefill_s=0.25, queue_s=0.5)

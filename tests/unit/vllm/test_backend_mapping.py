@@ -20,7 +20,7 @@ from services.engines.vllm.handshake import (
 from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
 from services.engines.vllm.options import VllmEngineOptions, describe_model, kv_transfer_config
 from services.engines.vllm.request_mapping import (
-    FIRST_TOKEN_ARG,
+    OUTPUT_IN_PROMPT_ARG,
     SAMPLED_TOKENS_ARG,
     decode_handle,
     decode_sampling,
@@ -41,6 +41,8 @@ def registration(role: EngineRole = EngineRole.PREFILL) -> EngineRegistration:
     )
     return EngineRegistration("pre-0", 42, role, settings)
 
+
+PROMPT = (5, 6, 7, 8, 9)
 
 PARAMS = {
     "do_remote_prefill": False,
@@ -83,29 +85,51 @@ def test_kv_transfer_config_needs_pull_mode_for_pp_decode(model_dir: Path) -> No
 
 def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:
     sampling = SamplingParams(max_tokens=8, temperature=0.5, top_k=0, seed=3)
-    prefill = prefill_sampling(sampling)
+    prefill = prefill_sampling(sampling, PROMPT)
     assert prefill["max_tokens"] == 1 and prefill["top_k"] == -1
     assert prefill["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True}}
     # One token ends at the prefill: vLLM must not hold its blocks for a consumer.
-    assert "extra_args" not in prefill_sampling(SamplingParams(max_tokens=1))
+    assert "extra_args" not in prefill_sampling(SamplingParams(max_tokens=1), PROMPT)
     handle = encode_handle(
         PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
     )
     assert handle.block_ids == (3, 4, 5) and handle.request_id == "r1"
-    decode = decode_sampling(sampling, handle)
+    decode = decode_sampling(sampling, PROMPT, handle, 11)
     params = decode["extra_args"]["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_engine_id"] == "pre-0.g42" and decode["max_tokens"] == 7
-    assert "extra_args" not in decode_sampling(sampling, None)
+    assert "extra_args" not in decode_sampling(sampling, PROMPT, None)
     # Seeded: the decode's generator skips the producer's draw (services/engines/vllm/seeded_draws).
     assert decode["extra_args"][SAMPLED_TOKENS_ARG] == 1
     unseeded = SamplingParams(max_tokens=8, temperature=0.5)
-    assert SAMPLED_TOKENS_ARG not in decode_sampling(unseeded, handle)["extra_args"]
+    assert SAMPLED_TOKENS_ARG not in decode_sampling(unseeded, PROMPT, handle, 11)["extra_args"]
     # The producer's first token goes along when an output penalty needs it.
-    assert FIRST_TOKEN_ARG not in decode_sampling(sampling, handle, 11)["extra_args"]
+    assert OUTPUT_IN_PROMPT_ARG not in decode["extra_args"]
     penalized = SamplingParams(max_tokens=8, frequency_penalty=0.5)
-    assert decode_sampling(penalized, handle, 11)["extra_args"][FIRST_TOKEN_ARG] == 11
-    assert "extra_args" not in decode_sampling(penalized, None, 11)
+    carried = decode_sampling(penalized, PROMPT, handle, 11)["extra_args"]
+    assert carried[OUTPUT_IN_PROMPT_ARG] == [11]
+    assert "extra_args" not in decode_sampling(penalized, PROMPT, None, 11)
+
+
+def test_a_continuation_counts_its_prompts_output_in_penalties_and_draws() -> None:
+    """The router's next leg of a broken request: the prompt's last tokens are output."""
+    handle = encode_handle(
+        PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
+    )
+    continued = SamplingParams(
+        max_tokens=6, presence_penalty=0.5, temperature=1.0, seed=7, output_tokens_in_prompt=2
+    )
+    prefill = prefill_sampling(continued, PROMPT)["extra_args"]
+    assert prefill[OUTPUT_IN_PROMPT_ARG] == list(PROMPT[-2:])
+    assert prefill[SAMPLED_TOKENS_ARG] == 2
+    remote = decode_sampling(continued, PROMPT, handle, 11)["extra_args"]
+    assert remote[OUTPUT_IN_PROMPT_ARG] == [*PROMPT[-2:], 11]
+    assert remote[SAMPLED_TOKENS_ARG] == 3
+    local = decode_sampling(continued, PROMPT, None)["extra_args"]
+    assert (local[OUTPUT_IN_PROMPT_ARG], local[SAMPLED_TOKENS_ARG]) == (list(PROMPT[-2:]), 2)
+    # Greedy and unpenalized: nothing to carry.
+    plain = SamplingParams(max_tokens=6, output_tokens_in_prompt=2)
+    assert "extra_args" not in decode_sampling(plain, PROMPT, None)
 
 
 def test_foreign_or_mismatched_handles_are_unknown() -> None:
@@ -145,7 +169,7 @@ def test_vllm_sampling_parameters_map_to_vllm_sampling_params() -> None:
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
     )
-    prefill = VllmSamplingParams(**prefill_sampling(sampling))
+    prefill = VllmSamplingParams(**prefill_sampling(sampling, PROMPT))
     assert prefill.max_tokens == 1
     assert (prefill.presence_penalty, prefill.frequency_penalty) == (0.5, -0.25)
     # One token on the prefill: min_tokens is capped there (vLLM: min_tokens <= max_tokens).
@@ -157,12 +181,12 @@ def test_vllm_sampling_parameters_map_to_vllm_sampling_params() -> None:
     handle = encode_handle(
         PARAMS, engine_id="pre-0", generation=42, request_id="r1", num_tokens=40, lease_s=30
     )
-    local = VllmSamplingParams(**decode_sampling(sampling, None))
+    local = VllmSamplingParams(**decode_sampling(sampling, PROMPT, None))
     assert (local.max_tokens, local.min_tokens, local.prompt_logprobs) == (8, 3, 1)
-    remote = decode_sampling(sampling, handle)
+    remote = decode_sampling(sampling, PROMPT, handle, 11)
     # The producer made the first token (and the prompt's logprobs).
     assert (remote["max_tokens"], remote["min_tokens"], remote["prompt_logprobs"]) == (7, 2, None)
-    neutral = VllmSamplingParams(**prefill_sampling(SamplingParams()))
+    neutral = VllmSamplingParams(**prefill_sampling(SamplingParams(), PROMPT))
     assert neutral.logit_bias is None and neutral.logprobs is None
 
 
