@@ -70,6 +70,8 @@ LEASE_TTL_S = 10.0
 """The control plane's default lease TTL (``ControlPlaneSettings.lease_ttl_s``)."""
 POOL_BOUND_S = 15.0
 """Block pools are full again within this once the requests ended."""
+KV_LEASE_S = 30.0
+"""The prefill engines' KV lease (the reference engine's default ``kv_lease_s``)."""
 PREFILL_TIMEOUT_S = 10.0
 """The stack's router prefill deadline (``PDSERVE_ROUTER_PREFILL_TIMEOUT_S``)."""
 DECODE_IDLE_TIMEOUT_S = 10.0
@@ -246,8 +248,8 @@ def assert_no_hang(results: list[Result]) -> None:
     assert not [r for r in results if r.timed_out], "a request hit the client bound (a hang)"
 
 
-async def wait_pool_full(grpc_target: str) -> None:
-    deadline = time.monotonic() + POOL_BOUND_S
+async def wait_pool_full(grpc_target: str, bound_s: float = POOL_BOUND_S) -> None:
+    deadline = time.monotonic() + bound_s
     while True:
         load = await load_of(grpc_target)
         if load.kv_blocks_free == load.kv_blocks_total and load.running_requests == 0:
@@ -564,6 +566,10 @@ async def test_a_redis_outage_under_load_is_ridden_out_then_everyone_reconverges
         decode_metrics, "pdserve_engine_producer_check_fallbacks_total", outcome="last_known"
     )
     exits_before = stack.up.output().count(" exited with status")
+    assert stack.extra[0].endpoints.metrics is not None
+    expired_before = metric(
+        stack.extra[0].endpoints.metrics, "pdserve_kv_transfer_expired_leases_total"
+    )
     times: dict[str, float] = {}
     restarts: list[asyncio.Task[None]] = []
 
@@ -625,8 +631,18 @@ async def test_a_redis_outage_under_load_is_ridden_out_then_everyone_reconverges
         + metric(router, "pdserve_control_plane_watch_resyncs_total")
         > redis_errors_before
     )
-    for target in (stack.extra[0].grpc, stack.engine("decode-1")["grpc"]):
-        await wait_pool_full(target)
+    await wait_pool_full(stack.engine("decode-1")["grpc"])
+    # Redis came back empty: until the producer registered again, the decode engines had
+    # dropped it (peer_removed), so a transfer that ended then could not notify it. Its
+    # blocks stay held until the lease ends, counted as expired: full within lease + bound,
+    # and past the pool bound only through an expired lease.
+    producer = stack.extra[0]
+    started = time.monotonic()
+    await wait_pool_full(producer.grpc, KV_LEASE_S + POOL_BOUND_S)
+    if time.monotonic() - started > POOL_BOUND_S:
+        assert producer.endpoints.metrics is not None
+        expired = metric(producer.endpoints.metrics, "pdserve_kv_transfer_expired_leases_total")
+        assert expired > expired_before, "blocks held past the pool bound, no lease expired"
 
 
 def service_alive(stack: Stack) -> bool:
