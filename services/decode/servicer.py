@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from services.engines.backend import FinishReason, KVHandle, TokenDelta, Usage
+from services.engines.backend import DecodeRequest, FinishReason, KVHandle, TokenDelta, Usage
 from services.engines.errors import EngineFailed, EngineStalled, InvalidRequest, RequestError
 from services.engines.producer_check import ProducerViews
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -173,13 +173,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 raise InvalidRequest(
                     "DecodeOnce decodes one sequence: a forked decode streams (Decode)"
                 )
-            if parsed.kv_handle is not None:
-                await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
             collector = _Collector(self, parsed.prompt_token_ids)
-            task = asyncio.get_running_loop().create_task(
-                collector.run(state.backend.decode(parsed))
-            )
+            # The producer check and the pull run within the idle bound, as a stream's first
+            # message would.
+            task = asyncio.get_running_loop().create_task(collector.run(parsed))
             try:
                 loop = asyncio.get_running_loop()
                 wait_s = idle_s
@@ -244,8 +242,12 @@ class _Collector:
         self.failure_code = grpc.StatusCode.INTERNAL
         """The status code name of a failure after the first step (the outcome label)."""
 
-    async def run(self, stream: AsyncIterator[TokenDelta]) -> None:
-        state = self._servicer.state
+    async def run(self, request: DecodeRequest) -> None:
+        servicer = self._servicer
+        state = servicer.state
+        if request.kv_handle is not None:
+            await servicer.gate.check(request.kv_handle)
+        stream = state.backend.decode(request)
         loop = asyncio.get_running_loop()
         try:
             while True:

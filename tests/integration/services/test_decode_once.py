@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import grpc.aio
@@ -17,7 +18,7 @@ import pytest
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, FinishReason, Fork, SamplingParams, TokenDelta
-from services.engines.errors import EngineStalled, InvalidRequest
+from services.engines.errors import EngineStalled, InvalidRequest, ProducerUnavailable
 from services.engines.stub import StubBackend, StubOptions
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.router.errors import engine_error
@@ -169,7 +170,7 @@ async def test_a_caller_that_goes_away_aborts_the_decode_once_request(
         await client.close()
 
 
-async def test_decode_once_refuses_a_missing_idle_bound_and_forks_and_is_unknown_to_a_prefill(
+async def test_decode_once_refuses_bad_bounds_forks_and_orphan_handles_and_a_prefill_lacks_it(
     cp_settings: ControlPlaneSettings,
 ) -> None:
     settings = service_settings(cp_settings)
@@ -198,6 +199,17 @@ async def test_decode_once_refuses_a_missing_idle_bound_and_forks_and_is_unknown
         )
         with pytest.raises(InvalidRequest, match="forked decode streams"):
             await decode.decode_once(request, idle_timeout_s=30, timeout_s=CALL_BOUND_S)
+        # The producer gate answers as for Decode: a handle of an unknown producer.
+        assert result.kv_handle is not None
+        orphan = DecodeRequest(
+            "orphan",
+            (5, 6),
+            sampling,
+            replace(result.kv_handle, producer_engine_id="prefill-gone"),
+            result.first_token_id,
+        )
+        with pytest.raises(ProducerUnavailable):
+            await decode.decode_once(orphan, idle_timeout_s=30, timeout_s=CALL_BOUND_S)
         # A prefill engine serves no DecodeService: UNIMPLEMENTED, translated at the boundary.
         with pytest.raises(ProtocolMismatch) as mismatch:
             await prefill.decode_once(
