@@ -24,6 +24,8 @@
     │   ├── KVTransferFailed        the pull failed (reason attached)     -> UNAVAILABLE
     │   ├── EngineOverloaded        admission refused (queue or KV full)  -> RESOURCE_EXHAUSTED
     │   ├── RequestAborted          aborted before its first token        -> CANCELLED
+    │   ├── EngineStalled           no step within the caller's idle
+    │   │                           bound (DecodeOnce); aborted           -> DEADLINE_EXCEEDED
     │   └── EngineDraining          the engine stopped admitting          -> UNAVAILABLE
     └── EngineFailed                a rank died or the engine cannot run  -> INTERNAL
 
@@ -107,6 +109,11 @@ class RequestAborted(RequestError):
     with ``FinishReason.ABORT`` instead)."""
 
 
+class EngineStalled(RequestError):
+    """No step of a request came within the idle bound its caller set (the ``DecodeOnce`` RPC's
+    ``idle_timeout_s``): the engine stalls without failing. The request was aborted."""
+
+
 class EngineDraining(RequestError):
     """The engine is draining (shutting down) and admits no new request."""
 
@@ -123,6 +130,7 @@ __all__ = [
     "EngineError",
     "EngineFailed",
     "EngineOverloaded",
+    "EngineStalled",
     "InvalidRequest",
     "KVLeaseExpired",
     "KVTransferFailed",

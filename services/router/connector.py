@@ -9,11 +9,14 @@ from anything in a request. :class:`GrpcConnectorFactory` wraps the services' gR
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+from services.engines.errors import EngineStalled
 from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES, EngineClient
+from services.serving.convert import merge_deltas
 from services.serving.tls import ClientTLS
 
 
@@ -52,6 +55,42 @@ class EngineConnector(abc.ABC):
         """Stream the request's tokens; closing the iterator early aborts the request. With
         ``coalesce_s`` the engine may send the steps after the first together, at most that
         long after its previous message (for a caller that does not stream them on)."""
+
+    async def decode_once(
+        self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
+    ) -> TokenDelta:
+        """The request's whole result as one delta (for a caller that does not stream it on).
+        When no step comes within ``idle_timeout_s`` (the first included) the engine's request
+        is aborted and :class:`~services.engines.errors.EngineStalled` raised; ``timeout_s``
+        bounds the whole call. Cancelling the awaiting task aborts the request. A stream that
+        ends without a finish is returned without one (the caller decides).
+
+        This default reads :meth:`decode` to its end under the idle bound; the gRPC connector
+        makes one ``DecodeOnce`` call instead (the engine enforces the bound)."""
+        stream = self.decode(request, timeout_s=timeout_s)
+        steps: list[TokenDelta] = []
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(idle_timeout_s) as bound:
+                        step = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if not bound.expired():
+                        raise
+                    raise EngineStalled(
+                        f"no step of {request.request_id} within "
+                        f"idle_timeout_s={idle_timeout_s:g} s"
+                    ) from None
+                steps.append(step)
+                if step.finish_reason is not None:
+                    break
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return merge_deltas(steps) if steps else TokenDelta((), "")
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:
@@ -96,6 +135,13 @@ class GrpcConnector(EngineConnector):
         coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         return self._client.decode(request, timeout_s=timeout_s, coalesce_s=coalesce_s)
+
+    async def decode_once(
+        self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
+    ) -> TokenDelta:
+        return await self._client.decode_once(
+            request, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s
+        )
 
     async def abort(self, request_id: str) -> bool:
         return await self._client.abort(request_id)

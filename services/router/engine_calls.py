@@ -9,12 +9,19 @@ Bounds: the router times every engine call itself, so it can say which bound tri
 call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
 ``decode_idle_timeout_s`` between two deltas (the first included), so a decode engine that
 stalls without dying ends its streams within the idle bound (both by one timer per stream,
-:class:`~services.router.deadline.StreamBounds`, not one per message). Either ends the call with
-``engine_timeout`` (a retryable prefill failure; a decode error, answered 504 before the first
-byte or as an SSE error event after), sends the engine an Abort (:meth:`EngineCalls.abort_later`),
-and is counted in ``pdserve_router_engine_timeouts_total{call, bound}``. The gRPC deadline of
-each call is the router's bound plus ``BACKSTOP_GRACE_S``: a backstop, so the engine gives up
-even if the router's cancellation never reaches it.
+:class:`~services.router.deadline.StreamBounds`, not one per message). A non-streamed request
+decodes with one unary call (``DecodeOnce``, :meth:`EngineConnector.decode_once
+<services.router.connector.EngineConnector.decode_once>`: one answer costs the router less
+than a stream): the router bounds it by ``decode_timeout_s`` and hands the engine the idle
+bound, which the engine enforces between its own steps (it aborts the request and answers
+``EngineStalled``, counted here as an idle timeout); an engine that answers nothing at all is
+ended by the whole-call bound, or sooner by the channel's keepalive (unreachable). A tripped
+bound ends the call with ``engine_timeout`` (a retryable prefill failure; a decode error,
+answered 504 before the first byte or as an SSE error event after), sends the engine an Abort
+(:meth:`EngineCalls.abort_later`), and is counted in
+``pdserve_router_engine_timeouts_total{call, bound}``. The gRPC deadline of each call is the
+router's bound plus ``BACKSTOP_GRACE_S``: a backstop, so the engine gives up even if the
+router's cancellation never reaches it.
 
 Every call feeds the engine's circuit breaker through the pool (started, then succeeded or, on
 an engine fault, failed) and adds the time it waited to ``RunInfo.engine_wait_s``.
@@ -34,6 +41,7 @@ from services.engines.backend import (
     SamplingParams,
     TokenDelta,
 )
+from services.engines.errors import EngineStalled
 from services.router.config import RouterSettings
 from services.router.deadline import StreamBounds
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
@@ -43,13 +51,6 @@ from services.router.migration import Step, is_engine_fault
 from services.router.pool import EnginePool, EngineSlot
 
 logger = logging.getLogger(__name__)
-
-COALESCE_FRACTION = 0.25
-"""A non-streamed request's decode engine holds steps, the first included, for at most this
-fraction of the idle bound (``DecodeRequest.coalesce_s`` and ``coalesce_first`` in
-decode.proto), so a live engine still answers well
-within it and a stalled one still trips it. Fewer messages per request: each costs the router
-a gRPC read."""
 
 BACKSTOP_GRACE_S = 5.0
 """The gRPC deadline of an engine call is the router's own bound plus this, so the router's
@@ -135,15 +136,20 @@ class EngineCalls:
             kv_handle=prefilled.kv_handle if prefilled else None,
             first_token_id=prefilled.first_token_id if prefilled else None,
         )
+        if not request.stream:
+            delta = await self._decode_once(request, decode_request, slot, prefilled, info)
+            if not continuing:
+                self._observe_first_delta(request, prefilled, delta, 0.0, info, coalesced=True)
+            if delta.finish_reason is FinishReason.ERROR and delta.token_ids:
+                # The tokens before the failure count as made (as a stream's would): a
+                # migration continues after them.
+                yield Step(delta.token_ids, delta.text, None, delta.logprobs, delta.prompt_logprobs)
+            yield self._step(delta, slot, prefilled is None and not continuing, info)
+            return
         started = time.perf_counter()
         whole_s = self._settings.decode_timeout_s
         idle_s = self._settings.decode_idle_timeout_s
-        coalescing = not request.stream
-        stream = slot.connector.decode(
-            decode_request,
-            timeout_s=whole_s + BACKSTOP_GRACE_S,
-            coalesce_s=idle_s * COALESCE_FRACTION if coalescing else None,
-        )
+        stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
         bounds = StreamBounds(idle_s, whole_s)
         first = True
         previous = started
@@ -182,28 +188,12 @@ class EngineCalls:
                 info.engine_wait_s += now - waited
                 if first:
                     if not continuing:
-                        self._observe_first_delta(
-                            request, prefilled, delta, now - started, info, coalesced=coalescing
-                        )
+                        self._observe_first_delta(request, prefilled, delta, now - started, info)
                     first = False
-                elif not coalescing:  # a coalesced message's gap is not one token's
+                else:
                     self._metrics.itl.observe(now - previous)
                 previous = now
-                if delta.finish_reason is FinishReason.ERROR:
-                    raise EngineRequestFailed(
-                        f"decode engine {slot.engine_id} failed the request: "
-                        f"{delta.error or 'no reason given'}",
-                        code="decode_failed",
-                    )
-                if prefilled is None and delta.usage is not None and not continuing:
-                    info.cached_tokens = delta.usage.cached_tokens
-                yield Step(
-                    delta.token_ids,
-                    delta.text,
-                    delta.finish_reason,
-                    delta.logprobs,
-                    delta.prompt_logprobs,
-                )
+                yield self._step(delta, slot, prefilled is None and not continuing, info)
                 if delta.finish_reason is not None:
                     return
         finally:
@@ -212,16 +202,69 @@ class EngineCalls:
             if aclose is not None:
                 await aclose()
 
+    async def _decode_once(
+        self,
+        request: GenerationRequest,
+        decode_request: DecodeRequest,
+        slot: EngineSlot,
+        prefilled: PrefillResult | None,
+        info: RunInfo,
+    ) -> TokenDelta:
+        """The whole decode in one unary call (see the module docstring): its one delta, with a
+        finish reason. Raises the call's :class:`RouterError`."""
+        started = time.perf_counter()
+        whole_s = self._settings.decode_timeout_s
+        try:
+            async with asyncio.timeout(whole_s):
+                delta = await slot.connector.decode_once(
+                    decode_request,
+                    idle_timeout_s=self._settings.decode_idle_timeout_s,
+                    timeout_s=whole_s + BACKSTOP_GRACE_S,
+                )
+        except TimeoutError as exc:  # ours, or the connector's own (whole-call) deadline
+            info.engine_wait_s += time.perf_counter() - started
+            raise self.decode_timed_out(request.request_id, slot, "deadline", None) from exc
+        except EngineStalled as exc:
+            info.engine_wait_s += time.perf_counter() - started
+            raise self.decode_timed_out(request.request_id, slot, "idle", None) from exc
+        except Exception as exc:
+            info.engine_wait_s += time.perf_counter() - started
+            raise engine_error(exc, stage="decode") from exc
+        info.engine_wait_s += time.perf_counter() - started
+        if delta.finish_reason is None:
+            raise EngineRequestFailed(
+                f"decode engine {slot.engine_id} ended the request without a finish reason",
+                code="decode_truncated",
+            )
+        return delta
+
+    def _step(
+        self, delta: TokenDelta, slot: EngineSlot, local_first_leg: bool, info: RunInfo
+    ) -> Step:
+        """A decode delta as the leg's step; an ERROR finish raises ``decode_failed``."""
+        if delta.finish_reason is FinishReason.ERROR:
+            raise EngineRequestFailed(
+                f"decode engine {slot.engine_id} failed the request: "
+                f"{delta.error or 'no reason given'}",
+                code="decode_failed",
+            )
+        if local_first_leg and delta.usage is not None:
+            info.cached_tokens = delta.usage.cached_tokens
+        return Step(
+            delta.token_ids, delta.text, delta.finish_reason, delta.logprobs, delta.prompt_logprobs
+        )
+
     def decode_timed_out(
-        self, request_id: str, slot: EngineSlot, bound: str, first: bool
+        self, request_id: str, slot: EngineSlot, bound: str, first: bool | None
     ) -> EngineRequestFailed:
         """Count a decode timeout, abort the request on the engine, and say which bound
-        tripped. Closing the stream (the caller's ``finally``) cancels the call as well; the
-        Abort also reaches an engine whose cancellation got lost."""
+        tripped (``first``: whether no token had come, ``None`` when the caller cannot tell, a
+        unary call). Closing the stream (the caller's ``finally``) cancels the call as well;
+        the Abort also reaches an engine whose cancellation got lost."""
         self._metrics.engine_timeouts.labels(call="decode", bound=bound).inc()
         self.abort_later(slot, request_id)
         if bound == "idle":
-            what = "first token" if first else "next token"
+            what = "token" if first is None else "first token" if first else "next token"
             limit = f"decode_idle_timeout_s={self._settings.decode_idle_timeout_s:g} s"
             message = f"decode engine {slot.engine_id} sent no {what} within {limit}"
         else:
@@ -240,8 +283,8 @@ class EngineCalls:
         *,
         coalesced: bool = False,
     ) -> None:
-        """``coalesced``: the first message may hold the whole answer (``coalesce_first``),
-        so its wait times no first token and no inter-token gap."""
+        """``coalesced``: the delta is the whole answer (a unary decode), so its wait times no
+        first token and no inter-token gap."""
         if prefilled is None:
             self.observe_ttft(request, info)
             return

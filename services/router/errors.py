@@ -118,6 +118,7 @@ ENGINE_ERRORS: Mapping[type[BaseException], EngineErrorRule] = MappingProxyType(
         engine_errors.EngineDraining: EngineErrorRule("engine_draining", 503, True),
         engine_errors.EngineFailed: EngineErrorRule("engine_failed", retryable=True),
         TimeoutError: EngineErrorRule("engine_timeout", 504, True),
+        engine_errors.EngineStalled: EngineErrorRule("engine_timeout", 504, True),
         engine_errors.UnknownKVHandle: EngineErrorRule("kv_handle_unknown"),
         engine_errors.KVLeaseExpired: EngineErrorRule("kv_lease_expired"),
         engine_errors.ProducerUnavailable: EngineErrorRule("producer_unavailable", 503),

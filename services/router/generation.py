@@ -24,9 +24,8 @@ class GenerationRequest:
     arrival_s: float
     """``time.perf_counter()`` when the HTTP request arrived."""
     stream: bool = True
-    """Whether the client receives tokens as they come. A request that is not streamed asks
-    the decode engine to coalesce the steps after its first (see
-    :data:`services.router.engine_calls.COALESCE_FRACTION`)."""
+    """Whether the client receives tokens as they come. A request that is not streamed decodes
+    with one unary call (see :mod:`services.router.engine_calls`)."""
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class RouterMetrics:
         self.itl = LoopHistogram(
             "pdserve_router_itl_seconds",
             "Time between two token deltas of one streamed request (a non-streamed one's "
-            "decode answers in one coalesced message: no gaps).",
+            "decode answers in one message: no gaps).",
             _LATENCY_BUCKETS,
         )
         r.register(self.itl)

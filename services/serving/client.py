@@ -174,6 +174,20 @@ class EngineClient:
             if not call.done():
                 call.cancel()
 
+    async def decode_once(
+        self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
+    ) -> TokenDelta:
+        """The request's whole result in one delta (``DecodeOnce``): the engine aborts the
+        request and this raises :class:`~services.engines.errors.EngineStalled` when no step
+        comes within ``idle_timeout_s``; ``timeout_s`` bounds the whole call. Cancelling the
+        awaiting task cancels the call and the engine aborts the request. A result without a
+        finish reason is returned as it is (the caller decides)."""
+        stubs = self._connect()
+        message = convert.decode_request_to_proto(request, idle_timeout_s=idle_timeout_s)
+        with self._translated("DecodeOnce"):
+            chunk = await stubs.decode.DecodeOnce(message, timeout=timeout_s)
+        return convert.delta_from_proto(chunk)
+
     async def abort(self, request_id: str, *, timeout_s: float | None = 5.0) -> bool:
         """Abort a running request or release held KV; ``False`` when the engine does not
         know the id."""

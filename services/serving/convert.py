@@ -138,14 +138,20 @@ def _first_to_proto(first: FirstToken) -> prefill_pb2.FirstToken:
 
 
 MAX_COALESCE_S = 3600.0
+MAX_IDLE_TIMEOUT_S = 86400.0
+"""Bound of ``DecodeRequest.idle_timeout_s`` (decode.proto)."""
 """Bound of ``DecodeRequest.coalesce_s``."""
 
 
 def decode_request_to_proto(
-    request: DecodeRequest, *, coalesce_s: float | None = None
+    request: DecodeRequest,
+    *,
+    coalesce_s: float | None = None,
+    idle_timeout_s: float | None = None,
 ) -> decode_pb2.DecodeRequest:
-    """``coalesce_s``: a transport choice of the caller, not part of the request (see
-    decode.proto); set, it asks for the first message to be held too (``coalesce_first``)."""
+    """``coalesce_s`` and ``idle_timeout_s``: transport choices of the caller, not part of the
+    request (see decode.proto); ``coalesce_s`` set asks for the first message to be held too
+    (``coalesce_first``), ``idle_timeout_s`` is ``DecodeOnce``'s bound."""
     message = decode_pb2.DecodeRequest(
         request_id=request.request_id,
         token_ids=list(request.prompt_token_ids),
@@ -160,7 +166,21 @@ def decode_request_to_proto(
     if coalesce_s is not None:
         message.coalesce_s = coalesce_s
         message.coalesce_first = True
+    if idle_timeout_s is not None:
+        message.idle_timeout_s = idle_timeout_s
     return message
+
+
+def idle_timeout_from_proto(message: decode_pb2.DecodeRequest) -> float:
+    """``DecodeOnce``'s ``idle_timeout_s`` (required, in ``(0, MAX_IDLE_TIMEOUT_S]``)."""
+    if not message.HasField("idle_timeout_s"):
+        raise InvalidRequest("idle_timeout_s is required by DecodeOnce")
+    value = message.idle_timeout_s
+    if not (math.isfinite(value) and 0 < value <= MAX_IDLE_TIMEOUT_S):
+        raise InvalidRequest(
+            f"idle_timeout_s must be within (0, {MAX_IDLE_TIMEOUT_S:g}], not {value}"
+        )
+    return value
 
 
 def coalesce_from_proto(message: decode_pb2.DecodeRequest) -> float:

@@ -18,6 +18,7 @@ from services.engines.errors import (
     EngineDraining,
     EngineFailed,
     EngineOverloaded,
+    EngineStalled,
     InvalidRequest,
     KVLeaseExpired,
     KVTransferFailed,
@@ -42,6 +43,7 @@ _CODE_OF: dict[type[Exception], grpc.StatusCode] = {
     EngineDraining: grpc.StatusCode.UNAVAILABLE,
     EngineOverloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestAborted: grpc.StatusCode.CANCELLED,
+    EngineStalled: grpc.StatusCode.DEADLINE_EXCEEDED,
     EngineFailed: grpc.StatusCode.INTERNAL,
 }
 _CLASS_BY_NAME: dict[str, type[Exception]] = {cls.__name__: cls for cls in _CODE_OF}

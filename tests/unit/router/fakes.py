@@ -66,7 +66,12 @@ class FakeEngine(EngineConnector):
     prefills: list[str] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
     coalesce: list[float | None] = field(default_factory=list)
-    """The ``coalesce_s`` of each decode call."""
+    """The ``coalesce_s`` of each decode stream."""
+    once: list[str] = field(default_factory=list)
+    """Request ids decoded with one unary call (``decode_once``, the ABC's default over
+    :meth:`decode`, which records the call in ``decodes`` too)."""
+    idle_bounds: list[float] = field(default_factory=list)
+    """The ``idle_timeout_s`` of each ``decode_once``."""
     aborted: list[str] = field(default_factory=list)
     closed: bool = False
 
@@ -132,6 +137,15 @@ class FakeEngine(EngineConnector):
             return
         async for delta in self._sequence(request, 1 if request.kv_handle is not None else 0):
             yield delta
+
+    async def decode_once(
+        self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
+    ) -> TokenDelta:
+        self.once.append(request.request_id)
+        self.idle_bounds.append(idle_timeout_s)
+        return await super().decode_once(
+            request, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s
+        )
 
     async def _sequence(self, request: DecodeRequest, start: int) -> AsyncIterator[TokenDelta]:
         text = "".join(word(i) for i in range(start))

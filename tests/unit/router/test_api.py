@@ -15,7 +15,6 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
-from services.router.engine_calls import COALESCE_FRACTION
 from services.router.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view
@@ -63,15 +62,20 @@ async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, fac
     )
 
 
-async def test_only_a_non_streamed_request_asks_the_decode_engine_to_coalesce(client, factory, rt):
-    await client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+async def test_only_a_non_streamed_request_decodes_with_one_unary_call(client, factory, rt):
+    """A non-streamed request's decode is one ``decode_once`` carrying the router's idle bound
+    (the engine enforces it); a streamed one streams, one message per step."""
+    once = await client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    assert once.choices[0].text == " w0 w1 w2 w3"
     stream = await client.completions.create(
         model=MODEL, prompt="hello there", max_tokens=4, stream=True
     )
     text = "".join([chunk.choices[0].text async for chunk in stream])
     assert text == " w0 w1 w2 w3"
-    idle_s = rt.settings.decode_idle_timeout_s
-    assert factory.engines["d1"].coalesce == [idle_s * COALESCE_FRACTION, None]
+    engine = factory.engines["d1"]
+    assert len(engine.decodes) == 2 and engine.once == [engine.decodes[0].request_id]
+    assert engine.idle_bounds == [rt.settings.decode_idle_timeout_s]
+    assert engine.coalesce == [None, None]
 
 
 async def test_chat_stream_with_usage_ends_with_done(rt):

@@ -211,6 +211,32 @@ async def test_a_decode_engine_dying_mid_stream_is_migrated_without_the_client_n
     assert len(moved[0].prompt_token_ids) == len(first[0].prompt_token_ids) + 4
 
 
+async def test_a_non_streamed_request_on_a_stalled_decode_engine_migrates(
+    factory: FakeFactory,
+) -> None:
+    """The unary decode's idle bound trips on d1 (it stalls after 2 tokens): the request
+    continues on d2, counted as an ``engine_timeout`` migration, the client gets every token."""
+    factory.engines["d1"] = FakeEngine("d1", stall_decode_after=2)
+    rt = prepared(
+        factory,
+        ("p1", EngineRole.PREFILL),
+        ("d1", EngineRole.DECODE),
+        ("d2", EngineRole.DECODE),
+        decode_idle_timeout_s=0.2,
+    )
+    for _ in range(2):  # whichever decode engine comes first
+        reply = await completion(rt, max_tokens=6)
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 6
+    await rt.executor.close()  # the best-effort aborts have run
+    stalled = factory.engines["d1"]
+    assert stalled.once and stalled.aborted == stalled.once
+    assert sample(rt, "pdserve_router_migrations_total", reason="engine_timeout") == 1
+    assert sample(rt, "pdserve_router_engine_timeouts_total", call="decode", bound="idle") == 1
+
+
 async def test_one_decode_engine_only_fails_explicitly_and_at_once(factory: FakeFactory) -> None:
     rt = prepared(factory, ("p1", EngineRole.PREFILL), ("d1", EngineRole.DECODE))
     factory.engines["d1"].decode_error = EngineFailed("rank (0, 0) exited")

@@ -17,9 +17,11 @@ import pydantic
 import pytest
 
 from services.control_plane.wire import EngineRole
+from services.engines.backend import DecodeRequest, TokenDelta
+from services.engines.errors import EngineStalled
 from services.router.config import RouterSettings
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeFactory, http, prepared, sample
+from tests.unit.router.fakes import FakeEngine, FakeFactory, http, prepared, sample
 
 MODEL = "tiny"
 IDLE_S = 0.2
@@ -175,6 +177,82 @@ async def test_stalled_prefill_engines_time_out_are_aborted_and_the_request_runs
         == 1
     )
     assert sample(rt, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
+
+
+class StallsOnce(FakeEngine):
+    """A decode engine that enforces the unary call's idle bound itself, as the gRPC
+    ``DecodeOnce`` does: it answers ``EngineStalled`` (its request aborted there)."""
+
+    async def decode_once(
+        self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
+    ) -> TokenDelta:
+        self.once.append(request.request_id)
+        self.idle_bounds.append(idle_timeout_s)
+        raise EngineStalled(f"engine {self.engine_id} produced no next token within the bound")
+
+
+async def test_a_non_streamed_decode_the_engine_reports_stalled_is_an_idle_timeout(
+    factory: FakeFactory,
+) -> None:
+    """The engine's ``EngineStalled`` is the router's idle bound tripping: ``engine_timeout``
+    (504 before the first byte), counted ``bound="idle"``, the request aborted on the engine."""
+    factory.engines["d1"] = StallsOnce("d1")
+    rt = disaggregated(factory, decode_idle_timeout_s=IDLE_S)
+    response = await post(
+        rt, "/v1/completions", body={"model": MODEL, "prompt": "abc", "max_tokens": 8}
+    )
+    await rt.executor.close()
+    assert response.status_code == 504, response.text
+    error = response.json()["error"]
+    assert error["code"] == "engine_timeout"
+    assert "decode_idle_timeout_s=0.2" in error["message"]
+    decode = factory.engines["d1"]
+    assert decode.idle_bounds == [IDLE_S]  # the router's bound went to the engine
+    assert decode.aborted == decode.once
+    assert timeouts(rt, "decode", "idle") == 1
+    assert timeouts(rt, "decode", "deadline") == 0
+    outcome = sample(
+        rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="engine_timeout"
+    )
+    assert outcome == 1
+
+
+async def test_a_non_streamed_decode_stalled_mid_way_is_an_idle_timeout_and_aborted(
+    factory: FakeFactory,
+) -> None:
+    """The same through the connector's own bound (the seam's default ``decode_once``)."""
+    rt = disaggregated(factory, decode_idle_timeout_s=IDLE_S)
+    decode = factory.engines["d1"]
+    decode.stall_decode_after = 2
+    response = await post(
+        rt, "/v1/completions", body={"model": MODEL, "prompt": "abc", "max_tokens": 8}
+    )
+    await rt.executor.close()
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "engine_timeout"
+    request_id = decode.decodes[-1].request_id
+    assert decode.once == [request_id]
+    assert decode.stalled_calls_closed == [request_id]
+    assert decode.aborted == [request_id]
+    assert timeouts(rt, "decode", "idle") == 1
+
+
+async def test_a_slow_but_live_non_streamed_decode_ends_at_the_whole_call_deadline(
+    factory: FakeFactory,
+) -> None:
+    rt = disaggregated(factory, decode_timeout_s=0.3, decode_idle_timeout_s=HANG_S)
+    factory.engines["d1"].delta_delay_s = 0.05  # never idle for long, but 100 tokens take 5 s
+    response = await post(
+        rt, "/v1/completions", body={"model": MODEL, "prompt": "abc", "max_tokens": 100}
+    )
+    await rt.executor.close()
+    assert response.status_code == 504, response.text
+    error = response.json()["error"]
+    assert error["code"] == "engine_timeout"
+    assert "did not finish within decode_timeout_s=0.3" in error["message"]
+    assert timeouts(rt, "decode", "deadline") == 1
+    assert timeouts(rt, "decode", "idle") == 0
+    assert factory.engines["d1"].aborted == factory.engines["d1"].once
 
 
 def test_the_idle_timeout_is_read_from_the_environment_and_must_be_positive(

@@ -39,6 +39,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.DecodeOnce = channel.unary_unary(
+                '/pdserve.v1.DecodeService/DecodeOnce',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeChunk.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -65,11 +70,38 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeOnce(self, request, context):
+        """Decode a request to its end and answer with the whole result in one message (unary): the
+        tokens, text, finish_reason, usage, kv_transfer_s and logprobs of every step, as Decode's
+        messages would carry them together. For a caller that does not stream to its client (a
+        non-streamed completion): one unary call costs the caller less than a stream.
+        idle_timeout_s is required: when no step comes within it (the first included), the engine
+        aborts the request and fails the call with DEADLINE_EXCEEDED (trailing metadata
+        pdserve-error: EngineStalled), so a stalled engine that still answers RPCs ends the call
+        within that bound; the caller keeps an overall deadline for an engine that answers
+        nothing. forks are refused (a forked decode streams: Decode); coalesce_s is ignored.
+        Cancelling the call aborts the request and frees its blocks.
+
+        Errors: those of Decode before its first message, and
+        INVALID_ARGUMENT    idle_timeout_s missing, not positive, not finite or over 86400; forks
+        DEADLINE_EXCEEDED   no step within idle_timeout_s (EngineStalled); the request is aborted
+        A failure after the first step answers with finish_reason ERROR and error set (the steps
+        before it included), as Decode's last message would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeChunk.SerializeToString,
+            ),
+            'DecodeOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecodeOnce,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeChunk.SerializeToString,
             ),
@@ -99,6 +131,33 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Decode',
+            pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/DecodeOnce',
             pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeChunk.FromString,
             options,

@@ -50,6 +50,24 @@ class DecodeServiceStub:
       RESOURCE_EXHAUSTED  queue or KV pool full
     After the first message a failure ends the stream with finish_reason ERROR and error set.
     """
+    DecodeOnce: _grpc.UnaryUnaryMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.DecodeChunk]
+    """Decode a request to its end and answer with the whole result in one message (unary): the
+    tokens, text, finish_reason, usage, kv_transfer_s and logprobs of every step, as Decode's
+    messages would carry them together. For a caller that does not stream to its client (a
+    non-streamed completion): one unary call costs the caller less than a stream.
+    idle_timeout_s is required: when no step comes within it (the first included), the engine
+    aborts the request and fails the call with DEADLINE_EXCEEDED (trailing metadata
+    pdserve-error: EngineStalled), so a stalled engine that still answers RPCs ends the call
+    within that bound; the caller keeps an overall deadline for an engine that answers
+    nothing. forks are refused (a forked decode streams: Decode); coalesce_s is ignored.
+    Cancelling the call aborts the request and frees its blocks.
+
+    Errors: those of Decode before its first message, and
+      INVALID_ARGUMENT    idle_timeout_s missing, not positive, not finite or over 86400; forks
+      DEADLINE_EXCEEDED   no step within idle_timeout_s (EngineStalled); the request is aborted
+    A failure after the first step answers with finish_reason ERROR and error set (the steps
+    before it included), as Decode's last message would.
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -70,6 +88,24 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
                           this engine draining
       RESOURCE_EXHAUSTED  queue or KV pool full
     After the first message a failure ends the stream with finish_reason ERROR and error set.
+    """
+    DecodeOnce: _aio.UnaryUnaryMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.DecodeChunk]  # type: ignore[assignment]
+    """Decode a request to its end and answer with the whole result in one message (unary): the
+    tokens, text, finish_reason, usage, kv_transfer_s and logprobs of every step, as Decode's
+    messages would carry them together. For a caller that does not stream to its client (a
+    non-streamed completion): one unary call costs the caller less than a stream.
+    idle_timeout_s is required: when no step comes within it (the first included), the engine
+    aborts the request and fails the call with DEADLINE_EXCEEDED (trailing metadata
+    pdserve-error: EngineStalled), so a stalled engine that still answers RPCs ends the call
+    within that bound; the caller keeps an overall deadline for an engine that answers
+    nothing. forks are refused (a forked decode streams: Decode); coalesce_s is ignored.
+    Cancelling the call aborts the request and frees its blocks.
+
+    Errors: those of Decode before its first message, and
+      INVALID_ARGUMENT    idle_timeout_s missing, not positive, not finite or over 86400; forks
+      DEADLINE_EXCEEDED   no step within idle_timeout_s (EngineStalled); the request is aborted
+    A failure after the first step answers with finish_reason ERROR and error set (the steps
+    before it included), as Decode's last message would.
     """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -94,6 +130,30 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
                               this engine draining
           RESOURCE_EXHAUSTED  queue or KV pool full
         After the first message a failure ends the stream with finish_reason ERROR and error set.
+        """
+
+    @_abc_1.abstractmethod
+    def DecodeOnce(
+        self,
+        request: _decode_pb2.DecodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decode_pb2.DecodeChunk, _abc.Awaitable[_decode_pb2.DecodeChunk]]:
+        """Decode a request to its end and answer with the whole result in one message (unary): the
+        tokens, text, finish_reason, usage, kv_transfer_s and logprobs of every step, as Decode's
+        messages would carry them together. For a caller that does not stream to its client (a
+        non-streamed completion): one unary call costs the caller less than a stream.
+        idle_timeout_s is required: when no step comes within it (the first included), the engine
+        aborts the request and fails the call with DEADLINE_EXCEEDED (trailing metadata
+        pdserve-error: EngineStalled), so a stalled engine that still answers RPCs ends the call
+        within that bound; the caller keeps an overall deadline for an engine that answers
+        nothing. forks are refused (a forked decode streams: Decode); coalesce_s is ignored.
+        Cancelling the call aborts the request and frees its blocks.
+
+        Errors: those of Decode before its first message, and
+          INVALID_ARGUMENT    idle_timeout_s missing, not positive, not finite or over 86400; forks
+          DEADLINE_EXCEEDED   no step within idle_timeout_s (EngineStalled); the request is aborted
+        A failure after the first step answers with finish_reason ERROR and error set (the steps
+        before it included), as Decode's last message would.
         """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
