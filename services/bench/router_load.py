@@ -122,20 +122,26 @@ async def _load(
     completed = len(latencies)
     errors = sum(result["errors"] for result in results)
     router_s, stub_s, load_s = (b - a for a, b in zip(before, after, strict=True))
-    per_request = 1e3 / completed if completed else float("nan")
+    # No request completed within the window (requests longer than it): no per-request
+    # figure (null in the JSON, never NaN).
+    per_request = 1e3 / completed if completed else None
     return {
         "concurrency": connections,
         "requests_per_s": completed / duration_s,
         "errors": errors,
         "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
         **_percentiles_us(latencies),
-        "router_cpu_ms_per_request": router_s * per_request,
+        "router_cpu_ms_per_request": _per_request(router_s, per_request),
         "router_cores_used": router_s / duration_s,
-        "stub_cpu_ms_per_request": stub_s * per_request,
-        "load_generator_cpu_ms_per_request": load_s * per_request,
+        "stub_cpu_ms_per_request": _per_request(stub_s, per_request),
+        "load_generator_cpu_ms_per_request": _per_request(load_s, per_request),
         "load_generator_processes": processes,
         "_latencies_us": latencies,
     }
+
+
+def _per_request(cpu_s: float, ms_per_request_second: float | None) -> float | None:
+    return cpu_s * ms_per_request_second if ms_per_request_second is not None else None
 
 
 async def measure(
@@ -197,10 +203,10 @@ async def _streamed(
         windows[str(count)] = entry
     low, high = (windows[str(count)] for count in counts)
     clean = low["errors"] == 0 and high["errors"] == 0
+    measured = (low["router_cpu_ms_per_request"], high["router_cpu_ms_per_request"])
     per_token = (
-        (high["router_cpu_ms_per_request"] - low["router_cpu_ms_per_request"])
-        / (counts[1] - counts[0])
-        if clean
+        (measured[1] - measured[0]) / (counts[1] - counts[0])
+        if clean and None not in measured
         else None
     )
     return {
