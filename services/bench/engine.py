@@ -85,6 +85,9 @@ MODEL = TinyModelSpec(max_position_embeddings=2048)
 ENGINES = ("reference", "vllm")
 VLLM_DTYPE = "float32"
 VLLM_BLOCK_SIZE = 128
+QUICK_VLLM_KV_CACHE_BYTES = 64 << 20
+"""``--quick``: a vLLM engine's KV cache a rank (its CPU default is 1 GiB, allocated and
+registered at every start): about 9,000 tokens of the tiny model, far above what --quick holds."""
 FLUSH_ROUNDS = 10
 """At most this many flush requests per engine until vLLM's late transfer stats stop moving."""
 
@@ -231,16 +234,24 @@ async def _pair(
     args: argparse.Namespace,
     suffix: str,
 ) -> AsyncIterator[tuple[EngineBackend, EngineBackend]]:
-    """A registered, READY prefill and decode engine of ``layouts``."""
-    async with (
-        _engine(
-            settings, model_dir, f"bench-prefill{suffix}", EngineRole.PREFILL, layouts, args
-        ) as pre,
-        _engine(
-            settings, model_dir, f"bench-decode{suffix}", EngineRole.DECODE, layouts, args
-        ) as dec,
-    ):
+    """A registered, READY prefill and decode engine of ``layouts``, started one after the
+    other and stopped together (a vLLM engine's stop waits seconds for its processes)."""
+    stacks = (contextlib.AsyncExitStack(), contextlib.AsyncExitStack())
+    try:
+        pre, dec = [
+            await stack.enter_async_context(
+                _engine(settings, model_dir, f"bench-{role.value}{suffix}", role, layouts, args)
+            )
+            for stack, role in zip(stacks, (EngineRole.PREFILL, EngineRole.DECODE), strict=True)
+        ]
         yield pre, dec
+    finally:
+        stopped = await asyncio.gather(
+            *(stack.aclose() for stack in stacks), return_exceptions=True
+        )
+        for outcome in stopped:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
 
 def _reference_backend(
@@ -265,6 +276,7 @@ def _vllm_backend(model_dir: Path, pp: int, tp: int, args: argparse.Namespace) -
         transfer_mode=TransferMode(args.transfer_mode),
         block_size=VLLM_BLOCK_SIZE,
         dtype=VLLM_DTYPE,
+        kv_cache_bytes=QUICK_VLLM_KV_CACHE_BYTES if args.quick else None,
         enforce_eager=bool(args.enforce_eager),
     )
     return VllmBackend(options, registry=CollectorRegistry())

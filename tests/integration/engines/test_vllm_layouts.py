@@ -28,6 +28,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ pytestmark = [
 BLOCK_SIZE = 32
 MAX_TOKENS = 8
 READY_TIMEOUT_S = 900.0
+KV_CACHE_BYTES = 64 << 20
+"""Each engine's KV cache (vLLM's CPU default here is 1 GiB a rank, 13 ranks in this module):
+about 9,000 tokens of the tiny model a rank, far above what the prompts hold, and allocated in a
+fraction of the time on a loaded machine."""
 PROMPT_LENGTHS = (BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 7)
 """Just under, at and just over a block (the decode holds one token more than the prefill
 did), and several blocks."""
@@ -97,6 +102,7 @@ async def vllm_engine(
         transfer_mode=TransferMode.PULL,
         block_size=BLOCK_SIZE,
         dtype="float32",
+        kv_cache_bytes=KV_CACHE_BYTES,
         enforce_eager=True,  # compiling the graphs costs minutes here and moves no KV
     )
     backend = VllmBackend(options, registry=CollectorRegistry())
@@ -289,8 +295,22 @@ class TestDecodePP2Uneven:
         await check_pair(prefill_tp2, decode, prefill_pp2, salt=500, reads_per_request=4)
 
 
+@dataclass
+class Stoppable:
+    """An engine a test may stop before its fixture ends (the fixture then finds it stopped)."""
+
+    engine: VllmBackend
+    stack: contextlib.AsyncExitStack
+
+    async def stop(self) -> None:
+        await self.stack.aclose()
+
+
 class TestOneKVHead:
-    """A model with one KV head (4 query heads): prefill TP=2 holds the head on both ranks."""
+    """A model with one KV head (4 query heads): prefill TP=2 holds the head on both ranks.
+
+    The tests run in this order: the last one stops the prefill (a vLLM engine costs half a
+    minute or more to start here, so no third engine is started only to leave)."""
 
     @pytest.fixture(scope="class")
     def one_head_model(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -300,11 +320,12 @@ class TestOneKVHead:
     @pytest_asyncio.fixture(scope="class", loop_scope="module")
     async def prefill(
         self, settings: ControlPlaneSettings, one_head_model: Path
-    ) -> AsyncIterator[VllmBackend]:
-        async with vllm_engine(
-            settings, one_head_model, "pre-1kv-tp2", EngineRole.PREFILL, 1, 2
-        ) as engine:
-            yield engine
+    ) -> AsyncIterator[Stoppable]:
+        async with contextlib.AsyncExitStack() as stack:
+            engine = await stack.enter_async_context(
+                vllm_engine(settings, one_head_model, "pre-1kv-tp2", EngineRole.PREFILL, 1, 2)
+            )
+            yield Stoppable(engine, stack)
 
     @pytest_asyncio.fixture(scope="class", loop_scope="module")
     async def decode(
@@ -316,12 +337,12 @@ class TestOneKVHead:
             yield engine
 
     async def test_prefill_tp2_to_decode_tp1_reads_the_replicated_head_once(
-        self, prefill: VllmBackend, decode: VllmBackend
+        self, prefill: Stoppable, decode: VllmBackend
     ) -> None:
         # The decode rank reads the head from one prefill rank (one READ per request) and only
         # notifies the other, whose blocks then free at once: check_pair's pool check.
         before = moved_bytes(decode)
-        await check_pair(prefill, decode, prefill, salt=600, reads_per_request=1)
+        await check_pair(prefill.engine, decode, prefill.engine, salt=600, reads_per_request=1)
         # Once: the head's K and V of every layer and block of every prompt, not twice.
         spec = TinyModelSpec(num_kv_heads=1)
         blocks = sum(-(-length // BLOCK_SIZE) for length in PROMPT_LENGTHS)
@@ -329,7 +350,7 @@ class TestOneKVHead:
         assert moved_bytes(decode) - before == spec.num_layers * blocks * per_block
 
     async def test_a_read_from_a_departed_prefill_fails_named_and_counted(
-        self, settings: ControlPlaneSettings, one_head_model: Path, decode: VllmBackend
+        self, settings: ControlPlaneSettings, prefill: Stoppable, decode: VllmBackend
     ) -> None:
         """The prefill stops after prefilling, before the decode reads: the request ends with
         an explicit error (vLLM's kv_load_failure_policy "fail"), counted as a failed transfer,
@@ -337,10 +358,8 @@ class TestOneKVHead:
         sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         tokens = prompt(3 * BLOCK_SIZE + 7, 700)
         failed_before = failures(decode)
-        async with vllm_engine(
-            settings, one_head_model, "pre-1kv-gone", EngineRole.PREFILL, 1, 1
-        ) as gone:
-            result = await gone.prefill(PrefillRequest("pd-gone", tokens, sampling))
+        result = await prefill.engine.prefill(PrefillRequest("pd-gone", tokens, sampling))
+        await prefill.stop()
         assert result.kv_handle is not None
         # Its generation left the control plane on stop; give the decode's watcher its resync.
         await asyncio.sleep(4 * settings.resync_interval_s)
@@ -350,7 +369,7 @@ class TestOneKVHead:
         )  # fmt: skip
         deltas = [delta async for delta in decode.decode(request)]
         assert deltas and deltas[-1].finish_reason is FinishReason.ERROR, deltas
-        assert deltas[-1].error is not None and "pre-1kv-gone" in deltas[-1].error
+        assert deltas[-1].error is not None and "pre-1kv-tp2" in deltas[-1].error
         assert sum(len(delta.token_ids) for delta in deltas) == 0  # nothing was made up
         await step_until(decode, lambda: failures(decode) > failed_before)
         assert failures(decode) == failed_before + 1
