@@ -10,8 +10,8 @@ Two systems, each a router in front of one instant prefill and one instant decod
   (``max_tokens=1``, ``kv_transfer_params`` back) and a vLLM decode would.
 
 Equal stub work: for a non-streamed request each router makes one prefill call answered in one
-message and one decode call answered in one message (pdserve's decode is coalesced with
-``coalesce_first``); pdserve's decode engine checks the KV handle's producer against its
+message and one decode call answered in one message (pdserve's is a unary ``DecodeOnce``);
+pdserve's decode engine checks the KV handle's producer against its
 watcher's cached view (no Redis read per call), as vllm-router's stubs read nothing.
 
 Figures, per system:

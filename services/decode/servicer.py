@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -82,20 +81,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         state = self.state
         async with state.rpc("Decode", context) as outcome:
             parsed = convert.decode_request_from_proto(request, state.limits)
-            coalesce_s = convert.coalesce_from_proto(request)
-            if parsed.forks:
-                if not state.backend.forks_decode:
-                    raise InvalidRequest(
-                        f"engine {state.engine_id} cannot fork a decode: send one per choice"
-                    )
-                coalesce_s = 0.0  # forks' chunks of different choices never merge
+            if parsed.forks and not state.backend.forks_decode:
+                raise InvalidRequest(
+                    f"engine {state.engine_id} cannot fork a decode: send one per choice"
+                )
             # The stream ends once each of its sequences (forks) has finished.
             left = parsed.sequences
             if parsed.kv_handle is not None:
                 await self.gate.check(parsed.kv_handle)
             outcome.request_id = parsed.request_id
             stream = state.backend.decode(parsed)
-            called_at = time.monotonic()
             try:
                 # Pull errors come before the first delta: they become the call's status.
                 first = await anext(stream)
@@ -105,18 +100,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     )
                 last = first
                 failure_code = grpc.StatusCode.INTERNAL  # a backend's own ERROR finish
-                held: list[TokenDelta] = []
-                if (
-                    coalesce_s
-                    and request.coalesce_first
-                    and first.finish_reason is None
-                    and time.monotonic() - called_at < coalesce_s
-                ):
-                    held.append(first)  # goes out with the next message
-                    sent_at = called_at
-                else:
-                    yield convert.delta_to_proto(first)
-                    sent_at = time.monotonic()
+                yield convert.delta_to_proto(first)
                 if first.finish_reason is not None:
                     left -= 1
                 while left > 0 and last.finish_reason not in _ENDS_ALL:
@@ -129,18 +113,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         failure_code = status_for(exc)[0]
                     if last.finish_reason is not None:
                         left -= 1
-                    if coalesce_s:
-                        # Held steps go out with the finish, or once coalesce_s passed.
-                        held.append(last)
-                        now = time.monotonic()
-                        if last.finish_reason is None and now - sent_at < coalesce_s:
-                            continue
-                        last = convert.merge_deltas(held)
-                        held.clear()
-                        sent_at = now
                     yield convert.delta_to_proto(last)
-                if held:  # the stream ended without a finish: what was held still goes out
-                    yield convert.delta_to_proto(convert.merge_deltas(held))
                 # Outcome labels as in docs/metrics.md: ok, aborted, or a status code name.
                 if last.finish_reason is FinishReason.ABORT:
                     outcome.label = "aborted"

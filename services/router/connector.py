@@ -50,11 +50,8 @@ class EngineConnector(abc.ABC):
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream the request's tokens; closing the iterator early aborts the request. With
-        ``coalesce_s`` the engine may send the steps after the first together, at most that
-        long after its previous message (for a caller that does not stream them on)."""
+        """Stream the request's tokens; closing the iterator early aborts the request."""
 
     async def decode_once(
         self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
@@ -132,9 +129,8 @@ class GrpcConnector(EngineConnector):
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        return self._client.decode(request, timeout_s=timeout_s, coalesce_s=coalesce_s)
+        return self._client.decode(request, timeout_s=timeout_s)
 
     async def decode_once(
         self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None

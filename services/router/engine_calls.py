@@ -139,7 +139,7 @@ class EngineCalls:
         if not request.stream:
             delta = await self._decode_once(request, decode_request, slot, prefilled, info)
             if not continuing:
-                self._observe_first_delta(request, prefilled, delta, 0.0, info, coalesced=True)
+                self._observe_first_delta(request, prefilled, delta, 0.0, info, whole=True)
             if delta.finish_reason is FinishReason.ERROR and delta.token_ids:
                 # The tokens before the failure count as made (as a stream's would): a
                 # migration continues after them.
@@ -281,16 +281,16 @@ class EngineCalls:
         waited_s: float,
         info: RunInfo,
         *,
-        coalesced: bool = False,
+        whole: bool = False,
     ) -> None:
-        """``coalesced``: the delta is the whole answer (a unary decode), so its wait times no
+        """``whole``: the delta is the whole answer (a unary decode), so its wait times no
         first token and no inter-token gap."""
         if prefilled is None:
             self.observe_ttft(request, info)
             return
         handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
         self._metrics.ttft_phase_by("handoff").observe(handoff)
-        if coalesced:
+        if whole:
             return
         self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff, 0.0))
         # The prefill's token went out first; the gap to the decode's first is an ITL.

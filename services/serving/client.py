@@ -156,15 +156,12 @@ class EngineClient:
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Errors before the first delta raise; closing the
         iterator early (``aclose``, ``break`` in ``async for`` then garbage collection, or the
-        consuming task being cancelled) cancels the call and the engine aborts the request.
-        ``coalesce_s``: see ``DecodeRequest.coalesce_s`` in decode.proto; the first message
-        may be held too (``coalesce_first``), so a short answer is one message."""
+        consuming task being cancelled) cancels the call and the engine aborts the request."""
         stubs = self._connect()
-        message = convert.decode_request_to_proto(request, coalesce_s=coalesce_s)
+        message = convert.decode_request_to_proto(request)
         call = stubs.decode.Decode(message, timeout=timeout_s)
         try:
             with self._translated("Decode"):

@@ -137,21 +137,15 @@ def _first_to_proto(first: FirstToken) -> prefill_pb2.FirstToken:
 # -- decode --------------------------------------------------------------------------------
 
 
-MAX_COALESCE_S = 3600.0
 MAX_IDLE_TIMEOUT_S = 86400.0
 """Bound of ``DecodeRequest.idle_timeout_s`` (decode.proto)."""
-"""Bound of ``DecodeRequest.coalesce_s``."""
 
 
 def decode_request_to_proto(
-    request: DecodeRequest,
-    *,
-    coalesce_s: float | None = None,
-    idle_timeout_s: float | None = None,
+    request: DecodeRequest, *, idle_timeout_s: float | None = None
 ) -> decode_pb2.DecodeRequest:
-    """``coalesce_s`` and ``idle_timeout_s``: transport choices of the caller, not part of the
-    request (see decode.proto); ``coalesce_s`` set asks for the first message to be held too
-    (``coalesce_first``), ``idle_timeout_s`` is ``DecodeOnce``'s bound."""
+    """``idle_timeout_s``: ``DecodeOnce``'s bound, a transport choice of the caller, not part
+    of the request (see decode.proto)."""
     message = decode_pb2.DecodeRequest(
         request_id=request.request_id,
         token_ids=list(request.prompt_token_ids),
@@ -163,9 +157,6 @@ def decode_request_to_proto(
         message.first_token_id = request.first_token_id
     for fork in request.forks:
         message.forks.add(choice=fork.choice, first_token_id=fork.first_token_id)
-    if coalesce_s is not None:
-        message.coalesce_s = coalesce_s
-        message.coalesce_first = True
     if idle_timeout_s is not None:
         message.idle_timeout_s = idle_timeout_s
     return message
@@ -180,16 +171,6 @@ def idle_timeout_from_proto(message: decode_pb2.DecodeRequest) -> float:
         raise InvalidRequest(
             f"idle_timeout_s must be within (0, {MAX_IDLE_TIMEOUT_S:g}], not {value}"
         )
-    return value
-
-
-def coalesce_from_proto(message: decode_pb2.DecodeRequest) -> float:
-    """The request's ``coalesce_s`` (0 when unset: one message per step)."""
-    if not message.HasField("coalesce_s"):
-        return 0.0
-    value = message.coalesce_s
-    if not (math.isfinite(value) and 0 <= value <= MAX_COALESCE_S):
-        raise InvalidRequest(f"coalesce_s must be within [0, {MAX_COALESCE_S:g}], not {value}")
     return value
 
 

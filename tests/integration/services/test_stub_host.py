@@ -41,7 +41,6 @@ from services.proto_gen.pdserve.v1 import (
     prefill_pb2_grpc,
     types_pb2,
 )
-from services.serving import convert
 from services.serving.client import EngineClient, EngineClientPool
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
 from tests.integration.services.conftest import hosted, service_settings
@@ -453,57 +452,3 @@ async def test_engine_failure_mid_stream_stops_the_host_with_exit_code_1(
         assert await dec.exit_code() == 1
         assert await control_plane.get_engine("decode-j") is None
         await client.close()
-
-
-async def test_a_coalesced_decode_answers_in_one_message_with_the_same_tokens(
-    cp_settings: ControlPlaneSettings,
-) -> None:
-    """``coalesce_s`` with ``coalesce_first`` (the client sets both): every step in one message
-    with the finish; without ``coalesce_first`` the first message alone (it times the first
-    token), then the rest; the same ids, text and usage as one message per step. A bad value is
-    INVALID_ARGUMENT."""
-    settings = service_settings(cp_settings)
-    async with (
-        hosted(settings, StubBackend(), engine_id="prefill-c", role=EngineRole.PREFILL) as pre,
-        hosted(settings, StubBackend(), engine_id="decode-c", role=EngineRole.DECODE) as dec,
-    ):
-        prefill, decode = EngineClient(pre.endpoints.grpc), EngineClient(dec.endpoints.grpc)
-        answers = []
-        for request_id, coalesce_s in (("per-step", None), ("coalesced", 60.0)):
-            prompt = (5, 6, 7)
-            sampling = SamplingParams(max_tokens=6)
-            result = await prefill.prefill(request_id, prompt, sampling)
-            request = DecodeRequest(
-                request_id, prompt, sampling, result.kv_handle, result.first_token_id
-            )
-            answers.append([d async for d in decode.decode(request, coalesce_s=coalesce_s)])
-        channel = grpc.aio.insecure_channel(dec.endpoints.grpc)
-        stub = decode_pb2_grpc.DecodeServiceStub(channel)
-        result = await prefill.prefill("first-alone", prompt, sampling)
-        message = convert.decode_request_to_proto(
-            DecodeRequest("first-alone", prompt, sampling, result.kv_handle, result.first_token_id),
-            coalesce_s=60.0,
-        )
-        message.coalesce_first = False
-        first_alone = [convert.delta_from_proto(chunk) async for chunk in stub.Decode(message)]
-        per_step, coalesced = answers
-        assert len(per_step) == 6  # five tokens, then the finish
-        assert len(coalesced) == 1
-        assert len(first_alone) == 2
-        assert first_alone[0] == per_step[0]
-        for answer in (coalesced, first_alone):
-            assert [t for d in answer for t in d.token_ids] == [
-                t for d in per_step for t in d.token_ids
-            ]
-            assert "".join(d.text for d in answer) == "".join(d.text for d in per_step)
-            assert answer[-1].finish_reason is per_step[-1].finish_reason is FinishReason.LENGTH
-            assert answer[-1].usage == per_step[-1].usage
-        message = decode_pb2.DecodeRequest(request_id="bad", token_ids=[1], coalesce_s=-1.0)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            async for _ in stub.Decode(message):
-                pass
-        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "coalesce_s" in (caught.value.details() or "")
-        await channel.close()
-        await prefill.close()
-        await decode.close()

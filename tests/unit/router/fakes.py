@@ -65,8 +65,6 @@ class FakeEngine(EngineConnector):
     cached_tokens: int = 0
     prefills: list[str] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
-    coalesce: list[float | None] = field(default_factory=list)
-    """The ``coalesce_s`` of each decode stream."""
     once: list[str] = field(default_factory=list)
     """Request ids decoded with one unary call (``decode_once``, the ABC's default over
     :meth:`decode`, which records the call in ``decodes`` too)."""
@@ -116,10 +114,8 @@ class FakeEngine(EngineConnector):
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         self.decodes.append(request)
-        self.coalesce.append(coalesce_s)
         if self.decode_error is not None:
             raise self.decode_error
         if request.forks:  # one sequence per fork, interleaved, each tagged with its choice

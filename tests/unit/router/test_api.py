@@ -75,7 +75,6 @@ async def test_only_a_non_streamed_request_decodes_with_one_unary_call(client, f
     engine = factory.engines["d1"]
     assert len(engine.decodes) == 2 and engine.once == [engine.decodes[0].request_id]
     assert engine.idle_bounds == [rt.settings.decode_idle_timeout_s]
-    assert engine.coalesce == [None, None]
 
 
 async def test_chat_stream_with_usage_ends_with_done(rt):

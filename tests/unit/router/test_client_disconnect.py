@@ -53,7 +53,6 @@ class SlowEngine(FakeEngine):
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         self.decodes.append(request)
         yield TokenDelta((100,), " w0", None)

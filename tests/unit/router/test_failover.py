@@ -75,12 +75,11 @@ class BlamesProducer(FakeEngine):
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         if request.kv_handle is not None and request.kv_handle.producer_engine_id == self.dead:
             self.decodes.append(request)
             raise KVTransferFailed("the producer is gone", "remote_disconnected")
-        async for delta in super().decode(request, timeout_s=timeout_s, coalesce_s=coalesce_s):
+        async for delta in super().decode(request, timeout_s=timeout_s):
             yield delta
 
 
@@ -92,11 +91,10 @@ class FailsFirstLegs(FakeEngine):
         request: DecodeRequest,
         *,
         timeout_s: float | None = None,
-        coalesce_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         if ".m" in request.request_id:
             self.fail_decode_after = None
-        async for delta in super().decode(request, timeout_s=timeout_s, coalesce_s=coalesce_s):
+        async for delta in super().decode(request, timeout_s=timeout_s):
             yield delta
 
 

@@ -30,28 +30,11 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     KV_HANDLE_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
-    COALESCE_S_FIELD_NUMBER: _builtins.int
-    COALESCE_FIRST_FIELD_NUMBER: _builtins.int
     FORKS_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     """The producer's first token (required with kv_handle; not repeated in the stream)."""
-    coalesce_s: _builtins.float
-    """When set and > 0, messages after the first may carry several steps: the engine holds
-    steps and sends them together once this many seconds passed since its last message, or
-    with the finish. The first message is not held (it times the first token) unless
-    coalesce_first. A caller that does not stream to its client (a non-streamed completion)
-    sets both to answer in one message instead of one per token; the tokens, text and usage
-    are the same. At most
-    3600; negative or not finite is INVALID_ARGUMENT.
-    """
-    coalesce_first: _builtins.bool
-    """With coalesce_s > 0: the first message may be held as well (from the start of the call,
-    at most coalesce_s), so an answer that ends within coalesce_s comes as one message. For a
-    caller that needs neither the first token's time nor its text before the end (a
-    non-streamed completion). Ignored without coalesce_s.
-    """
     idle_timeout_s: _builtins.float
     """DecodeOnce only (required there; ignored by Decode): the longest the engine waits for the
     request's next step, the first included, before it aborts the request (see DecodeOnce).
@@ -68,7 +51,7 @@ class DecodeRequest(_message.Message):
         sampling.n > 1): one transfer, the prompt's full blocks shared. first_token_id must be
         forks[0].first_token_id. Each sequence samples as a request seeded with sampling.seed +
         choice would. Chunks then carry the choice they belong to; the call ends once every fork
-        finished (an ERROR ends all). coalesce_s is ignored. At most 128 forks, distinct choices.
+        finished (an ERROR ends all). At most 128 forks, distinct choices.
         """
 
     def __init__(
@@ -79,23 +62,17 @@ class DecodeRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         kv_handle: _types_pb2.KVHandle | None = ...,
         first_token_id: _builtins.int | None = ...,
-        coalesce_s: _builtins.float | None = ...,
-        coalesce_first: _builtins.bool = ...,
         forks: _abc.Iterable[Global___Fork] | None = ...,
         idle_timeout_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "first_token_id", b"first_token_id", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s", "_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "coalesce_first", b"coalesce_first", "coalesce_s", b"coalesce_s", "first_token_id", b"first_token_id", "forks", b"forks", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "first_token_id", b"first_token_id", "forks", b"forks", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__coalesce_s: _TypeAlias = _typing.Literal["coalesce_s"]  # noqa: Y015
-    _WhichOneofArgType__coalesce_s: _TypeAlias = _typing.Literal["_coalesce_s", b"_coalesce_s"]  # noqa: Y015
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
     _WhichOneofReturnType__idle_timeout_s: _TypeAlias = _typing.Literal["idle_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__idle_timeout_s: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s"]  # noqa: Y015
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__coalesce_s) -> _WhichOneofReturnType__coalesce_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_id) -> _WhichOneofReturnType__first_token_id | None: ...
     @_typing.overload

@@ -79,7 +79,7 @@ class DecodeServiceServicer:
         aborts the request and fails the call with DEADLINE_EXCEEDED (trailing metadata
         pdserve-error: EngineStalled), so a stalled engine that still answers RPCs ends the call
         within that bound; the caller keeps an overall deadline for an engine that answers
-        nothing. forks are refused (a forked decode streams: Decode); coalesce_s is ignored.
+        nothing. forks are refused (a forked decode streams: Decode).
         Cancelling the call aborts the request and frees its blocks.
 
         Errors: those of Decode before its first message, and
