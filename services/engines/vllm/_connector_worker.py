@@ -59,10 +59,6 @@ class WorkerHandshake(ControlPlaneClient):
 
     vllm_config: VllmConfig
     pdserve_layout: VllmLayout
-    pdserve_compat_hash: str | None = None
-    """This engine's control-plane compatibility hash (its own record's; vLLM's worker has a
-    ``compat_hash`` of its own, NIXL's), read when the worker starts following the control
-    plane; only peers with the same hash are pre-warmed."""
 
     def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
         self.pdserve = settings
@@ -77,9 +73,6 @@ class WorkerHandshake(ControlPlaneClient):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
         # Local descriptors exist now: peers can be handshaken as they turn READY.
-        own = self.bridge().get_engine(self.pdserve.engine_id)
-        if own is not None and own.record is not None:
-            self.pdserve_compat_hash = own.record.compat_hash
         self.bridge().follow(self._on_peer_change)
 
     # -- main-thread hooks -------------------------------------------------------------------
@@ -122,8 +115,8 @@ class WorkerHandshake(ControlPlaneClient):
             or record.engine_kind != "vllm"
             or record.engine_id == self.pdserve.engine_id
             or (
-                self.pdserve_compat_hash is not None
-                and record.compat_hash != self.pdserve_compat_hash
+                self.pdserve.compat_hash is not None
+                and record.compat_hash != self.pdserve.compat_hash
             )
         ):
             return None

@@ -118,7 +118,7 @@ class VllmBackend(EngineBackend):
         return self._description
 
     async def start(self, registration: EngineRegistration) -> None:
-        transfer = kv_transfer_config(self.options, registration)
+        transfer = kv_transfer_config(self.options, registration, self._description.compat_hash)
         self.transfers = VllmTransferExporter(
             self.transfer_metrics,
             registration.engine_id,
@@ -135,7 +135,9 @@ class VllmBackend(EngineBackend):
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if decision.use_v2 else "0"
         password = registration.control_plane.redis.password
         if password is not None:
-            password_env = connector_settings(self.options, registration).redis_password_env
+            password_env = connector_settings(
+                self.options, registration, self._description.compat_hash
+            ).redis_password_env
             os.environ[password_env] = password.get_secret_value()
         platform = installed_platform()
         kv_cache_bytes = self.options.kv_cache_bytes

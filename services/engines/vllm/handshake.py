@@ -95,6 +95,10 @@ class ConnectorSettings:
     generation: Generation
     control_plane: ControlPlaneSettings
     transfer_mode: TransferMode = TransferMode.PUSH
+    compat_hash: str | None = None
+    """The engine's control-plane compatibility hash (model and KV geometry): its workers
+    pre-warm only peers with the same (the router never pairs others, and their handshakes
+    would fail). ``None`` only in tests that build a worker by hand: every peer."""
     resolve_timeout_s: float = 10.0
     redis_password_env: str = REDIS_PASSWORD_ENV
 
@@ -111,6 +115,7 @@ class ConnectorSettings:
                 "generation": self.generation,
                 "control_plane": control_plane,
                 "transfer_mode": self.transfer_mode.value,
+                "compat_hash": self.compat_hash,
                 "resolve_timeout_s": self.resolve_timeout_s,
                 "redis_password_env": self.redis_password_env,
             }
@@ -136,6 +141,7 @@ class ConnectorSettings:
                 generation=int(raw["generation"]),
                 control_plane=ControlPlaneSettings.model_validate(control_plane),
                 transfer_mode=TransferMode(raw.get("transfer_mode", "push")),
+                compat_hash=None if raw.get("compat_hash") is None else str(raw["compat_hash"]),
                 resolve_timeout_s=float(raw.get("resolve_timeout_s", 10.0)),
                 redis_password_env=password_env,
             )

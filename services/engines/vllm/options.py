@@ -149,24 +149,27 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
 
 
 def connector_settings(
-    options: VllmEngineOptions, registration: EngineRegistration
+    options: VllmEngineOptions, registration: EngineRegistration, compat_hash: str
 ) -> ConnectorSettings:
-    """The settings pdserve's connector in vLLM's processes gets for this engine."""
+    """The settings pdserve's connector in vLLM's processes gets for this engine
+    (``compat_hash``: its :func:`describe_model`'s)."""
     return ConnectorSettings(
         registration.engine_id,
         registration.generation,
         registration.control_plane,
         options.transfer_mode,
+        compat_hash,
     )
 
 
 def kv_transfer_config(
-    options: VllmEngineOptions, registration: EngineRegistration
+    options: VllmEngineOptions, registration: EngineRegistration, compat_hash: str
 ) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for this engine: pdserve's connector, role, generation."""
+    """vLLM's ``kv_transfer_config`` for this engine: pdserve's connector, role, generation
+    (``compat_hash``: its :func:`describe_model`'s)."""
     role = _ROLE[registration.role]
     check_local_layout(VllmLayout(role, options.transfer_mode, options.pp_size, options.tp_size))
-    settings = connector_settings(options, registration)
+    settings = connector_settings(options, registration, compat_hash)
     extra = settings.to_extra_config()
     extra["kv_lease_duration"] = options.kv_lease_s
     return {

@@ -427,9 +427,8 @@ def test_only_peers_of_the_same_model_and_geometry_are_pre_warmed(
         return EngineView(engine_id, record, None, None)
 
     worker = WorkerHandshake()
-    settings = ConnectorSettings("dec", 1, cp_settings, TransferMode.PULL)
+    settings = ConnectorSettings("dec", 1, cp_settings, TransferMode.PULL, compat_hash="ours")
     worker._pdserve_init(settings, VllmLayout(KVRole.CONSUMER, TransferMode.PULL, 1, 1))
-    worker.pdserve_compat_hash = "ours"
     same = worker._wanted_peer(prefill("pre-same", "ours"))
     assert same is not None and same[0].tp_size == 2
     assert worker._wanted_peer(prefill("pre-other-model", "theirs")) is None

@@ -64,23 +64,25 @@ def test_describe_reads_config_only(model_dir: Path) -> None:
 
 
 def test_kv_transfer_config_names_connector_generation_and_hides_password(model_dir: Path) -> None:
-    config = kv_transfer_config(VllmEngineOptions(model_dir, pp_size=2), registration())
+    config = kv_transfer_config(VllmEngineOptions(model_dir, pp_size=2), registration(), "h1")
     assert config["kv_connector"] == "PdservePushConnector"
     assert config["kv_connector_module_path"] == "services.engines.vllm.connector"
     assert (config["kv_role"], config["engine_id"]) == ("kv_producer", "pre-0.g42")
     assert "s3cret" not in repr(config)
     parsed = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"])
-    assert (parsed.engine_id, parsed.generation) == ("pre-0", 42)
+    assert (parsed.engine_id, parsed.generation, parsed.compat_hash) == ("pre-0", 42, "h1")
     assert parsed.control_plane.namespace == "prod" and parsed.control_plane.redis.password is None
 
 
 def test_kv_transfer_config_needs_pull_mode_for_pp_decode(model_dir: Path) -> None:
     with pytest.raises(UnsupportedVllmLayout, match="pull mode"):
-        kv_transfer_config(VllmEngineOptions(model_dir, pp_size=2), registration(EngineRole.DECODE))
+        kv_transfer_config(
+            VllmEngineOptions(model_dir, pp_size=2), registration(EngineRole.DECODE), "h1"
+        )
     pull = VllmEngineOptions(model_dir, pp_size=2, transfer_mode=TransferMode.PULL)
-    config = kv_transfer_config(pull, registration(EngineRole.DECODE))
+    config = kv_transfer_config(pull, registration(EngineRole.DECODE), "h1")
     assert config["kv_role"] == "kv_consumer"
-    assert kv_transfer_config(pull, registration())["kv_role"] == "kv_producer"
+    assert kv_transfer_config(pull, registration(), "h1")["kv_role"] == "kv_producer"
 
 
 def test_prefill_and_decode_sampling_carry_kv_transfer_params() -> None:
