@@ -12,6 +12,7 @@ from services.config import ControlPlaneSettings
 from services.serving.tls import ClientTLS
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
+GrpcClientName = Literal["h2", "grpcio"]
 
 
 class EngineGrpcSettings(BaseModel):
@@ -22,6 +23,10 @@ class EngineGrpcSettings(BaseModel):
     (the handshake fails and the request is answered 502/503, never sent in the clear).
     """
 
+    client: GrpcClientName = "h2"
+    """The gRPC client of the router's calls to engines: ``h2`` (pdserve's own, HTTP/2 frames
+    handled on the event loop: about half grpc.aio's CPU per call, docs/architecture.md "Hot
+    path") or ``grpcio`` (grpc.aio). Both speak the same gRPC to the same engines."""
     tls: bool = False
     """Dial engines over TLS (``ca_file``, else the system roots, checks their certificate)."""
     tls_ca_file: Path | None = None

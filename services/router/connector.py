@@ -3,7 +3,8 @@
 The router calls engines only through this seam, and only engines it found READY in the control
 plane: a connector is built from an :class:`~services.control_plane.wire.EngineRecord`, never
 from anything in a request. :class:`GrpcConnectorFactory` wraps the services' gRPC client
-(``services.serving.client.EngineClient``); unit tests use a fake.
+(``services.serving.h2_client.H2EngineClient`` by default, or grpc.aio's
+``services.serving.client.EngineClient``); unit tests use a fake.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from collections.abc import AsyncIterator, Sequence
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
 from services.engines.errors import EngineStalled
+from services.router.config import GrpcClientName
 from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES, EngineClient
 from services.serving.convert import merge_deltas
+from services.serving.h2_client import H2EngineClient
 from services.serving.tls import ClientTLS
 
 
@@ -107,9 +110,10 @@ class ConnectorFactory(abc.ABC):
 
 
 class GrpcConnector(EngineConnector):
-    """:class:`EngineConnector` over ``services.serving.client.EngineClient``."""
+    """:class:`EngineConnector` over a gRPC engine client: both clients have the same calls,
+    messages and errors."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: H2EngineClient | EngineClient) -> None:
         self._client = client
 
     async def prefill(
@@ -147,18 +151,23 @@ class GrpcConnector(EngineConnector):
 
 
 class GrpcConnectorFactory(ConnectorFactory):
-    """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``), over TLS
-    when ``tls`` is given (its files are read here, so a missing one fails at start-up)."""
+    """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``) with
+    ``client`` (:data:`~services.router.config.GrpcClientName`), over TLS when ``tls`` is given
+    (its files are read here, so a missing one fails at start-up)."""
 
     def __init__(
-        self, tls: ClientTLS | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        tls: ClientTLS | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        client: GrpcClientName = "h2",
     ) -> None:
         if tls is not None:
             tls.credentials()
         self._tls = tls
         self._max_message_bytes = max_message_bytes
+        self._client = H2EngineClient if client == "h2" else EngineClient
 
     def connect(self, record: EngineRecord) -> EngineConnector:
         return GrpcConnector(
-            EngineClient(record.endpoint, tls=self._tls, max_message_bytes=self._max_message_bytes)
+            self._client(record.endpoint, tls=self._tls, max_message_bytes=self._max_message_bytes)
         )

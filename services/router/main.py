@@ -88,7 +88,9 @@ def create_app(
             yield
             return
         registry = CollectorRegistry()
-        factory = connectors or GrpcConnectorFactory(settings.engine_grpc.client_tls())
+        factory = connectors or GrpcConnectorFactory(
+            settings.engine_grpc.client_tls(), client=settings.engine_grpc.client
+        )
         built = RouterRuntime.build(settings, factory, RouterMetrics(registry))
         app.state.runtime = built
         control_plane = RedisControlPlane(settings.control_plane, ControlPlaneMetrics(registry))

@@ -1,0 +1,153 @@
+"""The router's calls to one engine over :class:`~services.serving.h2grpc.H2GrpcChannel`:
+:class:`H2EngineClient`, the same calls, messages and errors as
+:class:`~services.serving.client.EngineClient` (Prefill, Decode, DecodeOnce, Abort) at a
+fraction of grpc.aio's CPU per call (docs/architecture.md, "Hot path").
+
+Errors are those of ``EngineClient``: the engine's :mod:`services.engines.errors` class rebuilt
+from the status and its trailing metadata, and
+:class:`~services.serving.errors.EngineUnreachable` for the transport's failures, through the
+one table of :mod:`services.serving.status`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError
+
+from services.engines.backend import (
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
+from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
+from services.serving import convert
+from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.errors import ProtocolMismatch
+from services.serving.h2grpc import CallFailed, H2GrpcChannel, client_ssl_context
+from services.serving.status import error_from_status
+from services.serving.tls import ClientTLS
+
+_PREFILL = b"/pdserve.v1.PrefillService/Prefill"
+_DECODE = b"/pdserve.v1.DecodeService/Decode"
+_DECODE_ONCE = b"/pdserve.v1.DecodeService/DecodeOnce"
+_ABORT = b"/pdserve.v1.EngineService/Abort"
+
+
+class H2EngineClient:
+    """A client of one engine service at ``target`` (``host:port``), over TLS with ``tls``.
+
+    The connection is opened on the first call within the running event loop; safe for
+    concurrent calls from that loop. ``close`` when done.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: ClientTLS | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.target = target
+        context = None
+        if tls is not None:
+            context = client_ssl_context(
+                tls.ca_file.read_bytes() if tls.ca_file else None,
+                str(tls.cert_file) if tls.cert_file else None,
+                str(tls.key_file) if tls.key_file else None,
+            )
+        self._channel = H2GrpcChannel(
+            target,
+            max_message_bytes=max_message_bytes,
+            ssl_context=context,
+            server_name=tls.server_name if tls is not None else None,
+        )
+
+    @contextlib.contextmanager
+    def _translated(self, rpc: str) -> Iterator[None]:
+        """A failed call's status as the engine's error class (:mod:`services.serving.status`)."""
+        try:
+            yield
+        except CallFailed as exc:
+            metadata = tuple((key, value) for key, value in exc.metadata)
+            raise error_from_status(
+                exc.code, exc.details, metadata, target=self.target, rpc=rpc
+            ) from None
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+    ) -> PrefillResult:
+        """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is."""
+        message = convert.prefill_request_to_proto(
+            PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
+        )
+        with self._translated("Prefill"):
+            data = await self._channel.unary(
+                _PREFILL, message.SerializeToString(), timeout_s=timeout_s
+            )
+        return convert.prefill_result_from_proto(
+            _parsed(prefill_pb2.PrefillResponse(), data, "Prefill", self.target)
+        )
+
+    async def decode(
+        self, request: DecodeRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream the request's tokens. Errors before the first delta raise; closing the
+        iterator early cancels the call and the engine aborts the request."""
+        payload = convert.decode_request_to_proto(request).SerializeToString()
+        stream = self._channel.server_stream(_DECODE, payload, timeout_s=timeout_s)
+        try:
+            with self._translated("Decode"):
+                async for data in stream:
+                    chunk = _parsed(decode_pb2.DecodeChunk(), data, "Decode", self.target)
+                    yield convert.delta_from_proto(chunk)
+        finally:
+            await stream.aclose()
+
+    async def decode_once(
+        self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
+    ) -> TokenDelta:
+        """The request's whole result in one delta (``DecodeOnce``), as
+        :meth:`EngineClient.decode_once <services.serving.client.EngineClient.decode_once>`."""
+        message = convert.decode_request_to_proto(request, idle_timeout_s=idle_timeout_s)
+        with self._translated("DecodeOnce"):
+            data = await self._channel.unary(
+                _DECODE_ONCE, message.SerializeToString(), timeout_s=timeout_s
+            )
+        return convert.delta_from_proto(
+            _parsed(decode_pb2.DecodeChunk(), data, "DecodeOnce", self.target)
+        )
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = 5.0) -> bool:
+        """Abort a running request or release held KV; ``False`` when the engine does not
+        know the id."""
+        payload = engine_pb2.AbortRequest(request_id=request_id).SerializeToString()
+        with self._translated("Abort"):
+            data = await self._channel.unary(_ABORT, payload, timeout_s=timeout_s)
+        return _parsed(engine_pb2.AbortResponse(), data, "Abort", self.target).found
+
+    async def close(self) -> None:
+        """Close the connection (in-flight calls fail); the next call opens a new one."""
+        await self._channel.close()
+
+
+_Message = TypeVar(
+    "_Message", prefill_pb2.PrefillResponse, decode_pb2.DecodeChunk, engine_pb2.AbortResponse
+)
+
+
+def _parsed(message: _Message, data: bytes, rpc: str, target: str) -> _Message:
+    try:
+        message.ParseFromString(data)
+    except DecodeError as exc:
+        raise ProtocolMismatch(f"{rpc} on engine {target}: unreadable answer: {exc}") from None
+    return message

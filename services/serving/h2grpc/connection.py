@@ -1,0 +1,555 @@
+"""One HTTP/2 connection carrying gRPC calls: an :class:`asyncio.Protocol` on the event loop.
+
+Above it: :class:`~services.serving.h2grpc.channel.H2GrpcChannel`, which opens connections,
+starts calls and reads their messages. Below it: the loop's transport (TCP, or TLS with ALPN
+``h2``). What never crosses: frames. Callers see :class:`Call` objects (messages, then a status)
+and :class:`~services.serving.h2grpc.errors.CallFailed`.
+
+The protocol work is done where the bytes arrive, in :meth:`H2Connection.data_received`, with no
+thread and no task of its own: receive flow control (the client's windows are opened to the
+maximum at once and topped up as data arrives), send flow control (a request larger than the
+server's windows waits for WINDOW_UPDATE), SETTINGS, PING answers, keepalive pings (a missing
+answer closes the connection, failing its calls UNAVAILABLE, as gRPC's keepalive does), GOAWAY
+(calls the server did not take fail UNAVAILABLE; no new call is started here), RST_STREAM, the
+server's MAX_CONCURRENT_STREAMS (a call waits for a free stream) and the response's
+headers, length-prefixed messages and trailers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import logging
+import os
+import struct
+from typing import cast
+
+import grpc
+from hpack import HPACKDecodingError
+
+from services.serving.h2grpc import frames
+from services.serving.h2grpc.errors import CallFailed, Metadata
+from services.serving.h2grpc.frames import ErrorCode, Flag, FrameType, Setting
+from services.serving.h2grpc.hpack_decoder import Fields, HpackDecoder
+
+logger = logging.getLogger(__name__)
+
+_RECEIVE_TOP_UP = 1 << 30
+"""Received bytes after which a window (connection or stream) is opened again."""
+
+_CLIENT_SETTINGS = frames.settings(
+    {Setting.ENABLE_PUSH: 0, Setting.INITIAL_WINDOW_SIZE: frames.MAX_WINDOW}
+) + frames.window_update(0, frames.MAX_WINDOW - frames.DEFAULT_WINDOW)
+
+
+class Call:
+    """One call's stream: what the server sent so far, then its status.
+
+    ``messages`` fills as messages arrive; ``code`` is ``None`` while the call is open and
+    the call's status once it ended (OK included); :meth:`wait` returns when either moved.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_connection",
+        "_deadline",
+        "_headers_seen",
+        "_received",
+        "_send_window",
+        "_streaming",
+        "_waiter",
+        "code",
+        "details",
+        "messages",
+        "metadata",
+        "stream_id",
+    )
+
+    def __init__(self, connection: H2Connection, stream_id: int, *, streaming: bool) -> None:
+        self.stream_id = stream_id
+        self.messages: collections.deque[bytes] = collections.deque()
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.metadata: Metadata = ()
+        self._connection = connection
+        self._streaming = streaming
+        self._waiter: asyncio.Future[None] | None = None
+        self._buffer: bytes | bytearray = b""
+        self._headers_seen = False
+        self._send_window = connection.peer_initial_window
+        self._received = 0
+        self._deadline: asyncio.TimerHandle | None = None
+
+    async def wait(self) -> None:
+        """Until a message arrives (streaming calls) or the call ends."""
+        if self.code is not None or (self._streaming and self.messages):
+            return
+        self._waiter = self._connection.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def failure(self) -> CallFailed:
+        assert self.code is not None and self.code is not grpc.StatusCode.OK
+        return CallFailed(self.code, self.details, self.metadata)
+
+    def cancel(self) -> None:
+        """End the call on the client's side (RST_STREAM CANCEL) if it is still open."""
+        if self.code is None:
+            self._connection.reset(self, grpc.StatusCode.CANCELLED, "cancelled by the client")
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class H2Connection(asyncio.Protocol):
+    """The client's end of one HTTP/2 connection (see the module docstring)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        target: str,
+        *,
+        authority: bytes,
+        tls: bool,
+        max_message_bytes: int,
+        keepalive_s: float,
+        keepalive_timeout_s: float,
+    ) -> None:
+        self.loop = loop
+        self.target = target
+        self._authority = authority
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
+        self._keepalive_s = keepalive_s
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._transport: asyncio.Transport | None = None
+        self._out: list[bytes] = []
+        self._decoder = HpackDecoder()
+        self._pending = b""
+        self._header_block: tuple[int, int, bytearray] | None = None
+        self._calls: dict[int, Call] = {}
+        self._next_stream_id = 1
+        self._prefixes: dict[bytes, bytes] = {}
+        self._first_block = True
+        self.peer_initial_window = frames.DEFAULT_WINDOW
+        self._peer_max_frame = frames.DEFAULT_MAX_FRAME
+        self._peer_max_streams = 2**31
+        self._send_window = frames.DEFAULT_WINDOW
+        self._received = 0
+        self._window_waiters: list[asyncio.Future[None]] = []
+        self._stream_waiters: list[asyncio.Future[None]] = []
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._ping_deadline: asyncio.TimerHandle | None = None
+        self.closed_reason: str | None = None
+        self.going_away = False
+        self.settled: asyncio.Future[None] = loop.create_future()
+        """Done when the server's first SETTINGS came (its limits known): calls start after."""
+
+    # -- the connection's life ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self._transport = cast(asyncio.Transport, transport)
+        self._transport.write(frames.PREFACE + _CLIENT_SETTINGS)
+        self._ping_timer = self.loop.call_later(self._keepalive_s, self._send_keepalive)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = self.closed_reason or (
+            f"connection to {self.target} lost: {exc}"
+            if exc
+            else f"{self.target} closed the connection"
+        )
+        self.closed_reason = reason
+        self._transport = None
+        for timer in (self._ping_timer, self._ping_deadline):
+            if timer is not None:
+                timer.cancel()
+        for call in list(self._calls.values()):
+            self._finish(call, grpc.StatusCode.UNAVAILABLE, reason)
+        self._wake_all(self._window_waiters)
+        self._wake_all(self._stream_waiters)
+        if not self.settled.done():
+            self.settled.set_exception(CallFailed(grpc.StatusCode.UNAVAILABLE, reason))
+
+    @property
+    def is_open(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def usable(self) -> bool:
+        """Whether a new call may start here (open, no GOAWAY, stream ids left)."""
+        return (
+            self._transport is not None and not self.going_away and self._next_stream_id < 2**31 - 1
+        )
+
+    def close(self, reason: str) -> None:
+        if self._transport is not None:
+            self.closed_reason = reason
+            self._write(frames.goaway(0, ErrorCode.NO_ERROR))
+            self._flush()
+            self._transport.close()
+
+    def _fail_connection(self, code: ErrorCode, reason: str) -> None:
+        logger.warning("HTTP/2 connection to %s failed: %s", self.target, reason)
+        if self._transport is not None:
+            self.closed_reason = reason
+            self._write(frames.goaway(0, code))
+            self._flush()
+            self._transport.abort()
+
+    def _write(self, data: bytes) -> None:
+        """Queue ``data``; what the calls of one loop iteration queue goes out in one write."""
+        if self._transport is None:
+            return
+        self._out.append(data)
+        if len(self._out) == 1:
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self._transport is not None and out:
+            self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    # -- starting calls -----------------------------------------------------------------------
+
+    async def start(
+        self, path: bytes, payload: bytes, *, deadline: float | None, streaming: bool
+    ) -> Call:
+        """Send one call's request (headers and its single message) and return its
+        :class:`Call`; raises :class:`CallFailed` UNAVAILABLE when the connection cannot take
+        it. ``deadline`` is the loop's clock; the call is reset and fails DEADLINE_EXCEEDED
+        when it comes."""
+        while len(self._calls) >= self._peer_max_streams and self.usable:
+            await self._wait_on(self._stream_waiters)
+        if not self.usable:
+            raise CallFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                self.closed_reason or f"connection to {self.target} is going away",
+            )
+        stream_id = self._next_stream_id
+        self._next_stream_id += 2
+        call = Call(self, stream_id, streaming=streaming)
+        self._calls[stream_id] = call
+        block = self._prefixes.get(path)
+        if block is None:
+            block = frames.request_headers_prefix(path, self._authority, tls=self._tls)
+            self._prefixes[path] = block
+        if self._first_block:
+            block = frames.TABLE_SIZE_ZERO + block
+            self._first_block = False
+        if deadline is not None:
+            block += frames.timeout_field(deadline - self.loop.time())
+            call._deadline = self.loop.call_at(deadline, self._deadline_passed, call)
+        headers = frames.frame(FrameType.HEADERS, Flag.END_HEADERS, stream_id, block)
+        body = frames.message(payload)
+        size = len(body)
+        if size <= self._peer_max_frame and size <= self._send_window and size <= call._send_window:
+            self._send_window -= size
+            call._send_window -= size
+            self._write(headers + frames.frame(FrameType.DATA, Flag.END_STREAM, stream_id, body))
+        else:
+            self._write(headers)
+            await self._send_body(call, body)
+        return call
+
+    async def _send_body(self, call: Call, body: bytes) -> None:
+        """Send ``body`` in frames within the server's windows, waiting for WINDOW_UPDATEs."""
+        view = memoryview(body)
+        while view and call.code is None:
+            room = min(self._peer_max_frame, self._send_window, call._send_window, len(view))
+            if room <= 0:
+                if self._transport is None:
+                    return
+                await self._wait_on(self._window_waiters)
+                continue
+            chunk, view = view[:room], view[room:]
+            self._send_window -= room
+            call._send_window -= room
+            flags = Flag.END_STREAM if not view else 0
+            self._write(frames.frame(FrameType.DATA, flags, call.stream_id, bytes(chunk)))
+
+    async def _wait_on(self, waiters: list[asyncio.Future[None]]) -> None:
+        waiter = self.loop.create_future()
+        waiters.append(waiter)
+        await waiter
+
+    @staticmethod
+    def _wake_all(waiters: list[asyncio.Future[None]]) -> None:
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        waiters.clear()
+
+    # -- ending calls ---------------------------------------------------------------------------
+
+    def reset(self, call: Call, code: grpc.StatusCode, details: str) -> None:
+        """End ``call`` from the client's side: RST_STREAM CANCEL, then the given status."""
+        if call.code is None:
+            self._write(frames.rst_stream(call.stream_id, ErrorCode.CANCEL))
+            self._finish(call, code, details)
+
+    def _deadline_passed(self, call: Call) -> None:
+        call._deadline = None
+        self.reset(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _finish(
+        self, call: Call, code: grpc.StatusCode, details: str, metadata: Metadata = ()
+    ) -> None:
+        if call.code is not None:
+            return
+        call.code, call.details, call.metadata = code, details, metadata
+        if call._deadline is not None:
+            call._deadline.cancel()
+            call._deadline = None
+        self._calls.pop(call.stream_id, None)
+        call._wake()
+        if self._stream_waiters:
+            self._wake_all(self._stream_waiters)
+        if self.going_away and not self._calls:
+            self.close("GOAWAY: every call finished")
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._pending:
+            data = self._pending + data
+        offset, end = 0, len(data)
+        while end - offset >= frames.FRAME_HEADER_BYTES:
+            length, kind, flags, stream_id = frames.parse_frame_header(data, offset)
+            start = offset + frames.FRAME_HEADER_BYTES
+            if end - start < length:
+                break
+            payload = data[start : start + length]
+            offset = start + length
+            if self._header_block is not None and kind != FrameType.CONTINUATION:
+                self._fail_connection(ErrorCode.PROTOCOL_ERROR, "header block interrupted")
+                return
+            if kind == FrameType.DATA:
+                self._on_data(stream_id, flags, payload)
+            elif kind == FrameType.HEADERS:
+                self._on_headers(stream_id, flags, payload)
+            elif kind == FrameType.CONTINUATION:
+                self._on_continuation(stream_id, flags, payload)
+            elif kind == FrameType.RST_STREAM:
+                self._on_reset(stream_id, payload)
+            elif kind == FrameType.SETTINGS:
+                self._on_settings(flags, payload)
+            elif kind == FrameType.PING:
+                self._on_ping(flags, payload)
+            elif kind == FrameType.GOAWAY:
+                self._on_goaway(payload)
+            elif kind == FrameType.WINDOW_UPDATE:
+                self._on_window_update(stream_id, payload)
+            elif kind == FrameType.PUSH_PROMISE:
+                self._fail_connection(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE with push disabled")
+                return
+            if self._transport is None:
+                return
+        self._pending = data[offset:] if offset < end else b""
+
+    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+        length = len(payload)
+        self._received += length
+        if self._received >= _RECEIVE_TOP_UP:
+            self._write(frames.window_update(0, self._received))
+            self._received = 0
+        if flags & Flag.PADDED:
+            payload = payload[1 : length - payload[0]] if length else b""
+        call = self._calls.get(stream_id)
+        if call is None:
+            return  # a call the client ended already
+        call._received += length
+        if call._received >= _RECEIVE_TOP_UP and not flags & Flag.END_STREAM:
+            self._write(frames.window_update(stream_id, call._received))
+            call._received = 0
+        # A message over several frames gathers in a bytearray; whole ones are cut from the frame.
+        buffer: bytes | bytearray = call._buffer
+        if buffer:
+            buffer += payload
+        else:
+            buffer = payload
+        position, size_now, got = 0, len(buffer), False
+        while size_now - position >= frames.MESSAGE_PREFIX_BYTES:
+            compressed, size = struct.unpack_from(">BL", buffer, position)
+            if compressed:
+                self.reset(call, grpc.StatusCode.INTERNAL, "compressed message, none was asked for")
+                return
+            if size > self._max_message_bytes:
+                self.reset(
+                    call,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"received message larger than max ({size} vs. {self._max_message_bytes})",
+                )
+                return
+            end = position + frames.MESSAGE_PREFIX_BYTES + size
+            if end > size_now:
+                break
+            call.messages.append(bytes(buffer[position + frames.MESSAGE_PREFIX_BYTES : end]))
+            position, got = end, True
+        if position == size_now:
+            call._buffer = b""
+        elif position or not isinstance(buffer, bytearray):
+            call._buffer = bytearray(buffer[position:])
+        else:
+            call._buffer = buffer
+        if flags & Flag.END_STREAM:
+            self._finish(
+                call, grpc.StatusCode.INTERNAL, "the server ended the stream without trailers"
+            )
+        elif got and call._streaming:
+            call._wake()
+
+    def _on_headers(self, stream_id: int, flags: int, payload: bytes) -> None:
+        start, end = 0, len(payload)
+        if flags & Flag.PADDED:
+            start, end = 1, end - payload[0]
+        if flags & Flag.PRIORITY:
+            start += 5
+        block = payload[start:end]
+        if flags & Flag.END_HEADERS:
+            self._on_header_block(stream_id, flags, block)
+        else:
+            self._header_block = (stream_id, flags, bytearray(block))
+
+    def _on_continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if self._header_block is None or self._header_block[0] != stream_id:
+            self._fail_connection(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            return
+        self._header_block[2].extend(payload)
+        if flags & Flag.END_HEADERS:
+            stream, first_flags, block = self._header_block
+            self._header_block = None
+            self._on_header_block(stream, first_flags, bytes(block))
+
+    def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        try:
+            # Decoded for every stream, ended ones too: the decoder's table follows the server's.
+            fields = self._decoder.decode(block)
+        except HPACKDecodingError as exc:
+            self._fail_connection(ErrorCode.COMPRESSION_ERROR, f"bad header block: {exc}")
+            return
+        call = self._calls.get(stream_id)
+        if call is None:
+            return
+        ended = bool(flags & Flag.END_STREAM)
+        if not call._headers_seen:
+            call._headers_seen = True
+            status = next((value for name, value in fields if name == ":status"), "")
+            if status != "200":
+                self._finish(
+                    call,
+                    frames.status_of_http(int(status) if status.isdigit() else 0),
+                    f"HTTP status {status or 'missing'} from {self.target} (not a gRPC answer)",
+                )
+                return
+            if not ended:
+                return
+        self._on_trailers(call, fields)
+
+    def _on_trailers(self, call: Call, fields: Fields) -> None:
+        code: grpc.StatusCode | None = None
+        details = ""
+        metadata: list[tuple[str, str | bytes]] = []
+        for name, value in fields:
+            if name == "grpc-status":
+                code = frames.STATUS_BY_NUMBER.get(int(value) if value.isdigit() else -1)
+                if code is None:
+                    code = grpc.StatusCode.UNKNOWN
+            elif name == "grpc-message":
+                details = frames.grpc_message(value)
+            elif name.endswith("-bin"):
+                metadata.append((name, base64.b64decode(value + "==")))
+            elif not name.startswith((":", "grpc-")) and name != "content-type":
+                metadata.append((name, value))
+        if code is None:
+            code, details = grpc.StatusCode.UNKNOWN, "the server's trailers carry no grpc-status"
+        elif code is grpc.StatusCode.OK and call._buffer:
+            code, details = grpc.StatusCode.INTERNAL, "the stream ended inside a message"
+        self._finish(call, code, details, tuple(metadata))
+
+    def _on_reset(self, stream_id: int, payload: bytes) -> None:
+        call = self._calls.get(stream_id)
+        if call is not None and len(payload) == 4:
+            (error,) = struct.unpack(">L", payload)
+            self._finish(
+                call,
+                frames.status_of_reset(error),
+                f"stream reset by {self.target} (HTTP/2 error {error})",
+            )
+
+    def _on_settings(self, flags: int, payload: bytes) -> None:
+        if flags & Flag.ACK:
+            return
+        if not self.settled.done():
+            self.settled.set_result(None)
+        for offset in range(0, len(payload) - len(payload) % 6, 6):
+            key, value = struct.unpack_from(">HL", payload, offset)
+            if key == Setting.INITIAL_WINDOW_SIZE:
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for call in self._calls.values():
+                    call._send_window += delta
+                if delta > 0:
+                    self._wake_all(self._window_waiters)
+            elif key == Setting.MAX_FRAME_SIZE:
+                self._peer_max_frame = value
+            elif key == Setting.MAX_CONCURRENT_STREAMS:
+                self._peer_max_streams = value
+                self._wake_all(self._stream_waiters)
+        self._write(frames.SETTINGS_ACK)
+
+    def _on_ping(self, flags: int, payload: bytes) -> None:
+        if not flags & Flag.ACK:
+            self._write(frames.ping(payload, ack=True))
+        elif self._ping_deadline is not None:
+            self._ping_deadline.cancel()
+            self._ping_deadline = None
+            self._ping_timer = self.loop.call_later(self._keepalive_s, self._send_keepalive)
+
+    def _on_goaway(self, payload: bytes) -> None:
+        last_stream_id, error = struct.unpack_from(">LL", payload)
+        last_stream_id &= frames.MAX_WINDOW
+        self.going_away = True
+        self.closed_reason = f"{self.target} sent GOAWAY (HTTP/2 error {error})"
+        for stream_id, call in list(self._calls.items()):
+            if stream_id > last_stream_id:
+                self._finish(call, grpc.StatusCode.UNAVAILABLE, self.closed_reason)
+        self._wake_all(self._stream_waiters)
+        if not self._calls and self._transport is not None:
+            self._transport.close()
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        (increment,) = struct.unpack(">L", payload)
+        if stream_id == 0:
+            self._send_window += increment & frames.MAX_WINDOW
+        else:
+            call = self._calls.get(stream_id)
+            if call is None:
+                return
+            call._send_window += increment & frames.MAX_WINDOW
+        if self._window_waiters:
+            self._wake_all(self._window_waiters)
+
+    # -- keepalive ----------------------------------------------------------------------------
+
+    def _send_keepalive(self) -> None:
+        self._ping_timer = None
+        if self._transport is None:
+            return
+        self._write(frames.ping(os.urandom(8)))
+        self._ping_deadline = self.loop.call_later(self._keepalive_timeout_s, self._keepalive_lost)
+
+    def _keepalive_lost(self) -> None:
+        self._ping_deadline = None
+        reason = (
+            f"{self.target} did not answer a keepalive ping within {self._keepalive_timeout_s:g} s"
+        )
+        logger.warning("%s: closing the connection", reason)
+        self.closed_reason = reason
+        if self._transport is not None:
+            self._transport.abort()

@@ -1,0 +1,135 @@
+"""HPACK decoding of a server's header blocks (RFC 7541), with a cache for the common case.
+
+A gRPC server's responses repeat: after a connection's first answers, the headers and trailers of
+a successful call are indexed fields (one byte each) naming entries of the dynamic table, and
+literals that are not indexed (``grpc-message`` empty). Such a block does not change the table and
+decodes to the same fields as long as the table has not changed, so :class:`HpackDecoder` keeps
+its results by block, stamped with the table's version; a block that indexes a field or resizes
+the table is decoded in full. Huffman-coded strings are decoded
+with the ``hpack`` package's table.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hpack import HPACKDecodingError
+from hpack.huffman_table import decode_huffman
+from hpack.table import HeaderTable
+
+Fields = tuple[tuple[str, str], ...]
+
+_STATIC: tuple[tuple[str, str], ...] = tuple(
+    (name.decode(), value.decode()) for name, value in HeaderTable.STATIC_TABLE
+)
+_ENTRY_OVERHEAD = 32
+_CACHE_LIMIT = 256
+
+
+class HpackDecoder:
+    """One connection's decoder (one per direction and connection: it follows the encoder's
+    dynamic table). Raises ``hpack.HPACKDecodingError`` on a malformed block."""
+
+    def __init__(self, max_table_size: int = 4096) -> None:
+        self._limit = max_table_size
+        self._max_size = max_table_size
+        self._size = 0
+        self._dynamic: deque[tuple[str, str]] = deque()
+        self._version = 0
+        self._cache: dict[bytes, tuple[int, Fields]] = {}
+
+    def decode(self, block: bytes) -> Fields:
+        cached = self._cache.get(block)
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        fields, stateless = self._decode(block)
+        if stateless:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[block] = (self._version, fields)
+        return fields
+
+    def _decode(self, block: bytes) -> tuple[Fields, bool]:
+        fields: list[tuple[str, str]] = []
+        stateless = True
+        offset, end = 0, len(block)
+        while offset < end:
+            first = block[offset]
+            if first & 0x80:
+                index, offset = _integer(block, offset, 7)
+                fields.append(self._entry(index))
+                continue
+            if first & 0x40:
+                name, value, offset = self._literal(block, offset, 6)
+                fields.append((name, value))
+                self._insert(name, value)
+                stateless = False
+            elif first & 0x20:
+                stateless = False
+                size, offset = _integer(block, offset, 5)
+                if size > self._limit:
+                    raise HPACKDecodingError(f"table size {size} over the limit {self._limit}")
+                self._max_size = size
+                self._evict()
+            else:
+                name, value, offset = self._literal(block, offset, 4)
+                fields.append((name, value))
+        return tuple(fields), stateless
+
+    def _entry(self, index: int) -> tuple[str, str]:
+        if 0 < index <= len(_STATIC):
+            return _STATIC[index - 1]
+        dynamic = index - len(_STATIC) - 1
+        if 0 <= dynamic < len(self._dynamic):
+            return self._dynamic[dynamic]
+        raise HPACKDecodingError(f"header index {index} out of range")
+
+    def _literal(self, block: bytes, offset: int, prefix: int) -> tuple[str, str, int]:
+        index, offset = _integer(block, offset, prefix)
+        if index:
+            name = self._entry(index)[0]
+        else:
+            name, offset = _string(block, offset)
+        value, offset = _string(block, offset)
+        return name, value, offset
+
+    def _insert(self, name: str, value: str) -> None:
+        self._dynamic.appendleft((name, value))
+        self._size += len(name.encode()) + len(value.encode()) + _ENTRY_OVERHEAD
+        self._evict()
+        self._version += 1
+
+    def _evict(self) -> None:
+        while self._size > self._max_size and self._dynamic:
+            name, value = self._dynamic.pop()
+            self._size -= len(name.encode()) + len(value.encode()) + _ENTRY_OVERHEAD
+        self._version += 1
+
+
+def _integer(block: bytes, offset: int, prefix: int) -> tuple[int, int]:
+    limit = (1 << prefix) - 1
+    value = block[offset] & limit
+    offset += 1
+    if value < limit:
+        return value, offset
+    shift = 0
+    while True:
+        if offset >= len(block) or shift > 28:
+            raise HPACKDecodingError("truncated or oversized integer")
+        byte = block[offset]
+        offset += 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, offset
+
+
+def _string(block: bytes, offset: int) -> tuple[str, int]:
+    if offset >= len(block):
+        raise HPACKDecodingError("truncated string")
+    huffman = block[offset] & 0x80
+    length, offset = _integer(block, offset, 7)
+    if offset + length > len(block):
+        raise HPACKDecodingError("truncated string")
+    raw = block[offset : offset + length]
+    return (decode_huffman(raw) if huffman else raw).decode("utf-8", "replace"), offset + length
