@@ -28,6 +28,7 @@ from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, GrpcConnectorFactory
 from services.router.error_handlers import install_error_handlers
 from services.router.hot_path import HotPathApp
+from services.router.http_protocol import CoalescingHttpToolsProtocol
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 from services.serving.ready import format_ready_line
@@ -188,6 +189,7 @@ async def serve(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=10,
+        http=CoalescingHttpToolsProtocol,
     )
     server = uvicorn.Server(config)
     sockets = [reuse_port_socket(settings.host, settings.port)] if settings.reuse_port else None
