@@ -92,7 +92,9 @@ def create_app(
         factory = connectors or GrpcConnectorFactory(
             settings.engine_grpc.client_tls(), client=settings.engine_grpc.client
         )
-        built = RouterRuntime.build(settings, factory, RouterMetrics(registry))
+        metrics = RouterMetrics(registry)
+        metrics.engine_grpc_client.labels(client=settings.engine_grpc.client).set(1)
+        built = RouterRuntime.build(settings, factory, metrics)
         app.state.runtime = built
         control_plane = RedisControlPlane(settings.control_plane, ControlPlaneMetrics(registry))
         follower = asyncio.create_task(built.pool.follow(control_plane), name="pdserve-router-pool")

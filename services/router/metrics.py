@@ -181,6 +181,13 @@ class RouterMetrics:
         )
         self.circuit_state = CircuitGauge()
         r.register(self.circuit_state)
+        self.engine_grpc_client = Gauge(
+            "pdserve_router_engine_grpc_client",
+            "The gRPC client of the router's engine calls: 1 for the one in use (h2: "
+            "pdserve's own; grpcio: grpc.aio).",
+            ["client"],
+            registry=r,
+        )
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)

@@ -1,7 +1,8 @@
 """The router through real processes (``pdserve up --engine stub``) with the ``openai`` client.
 
 Stub engines answer instantly with deterministic tokens, so this checks the router's HTTP
-surface, headers, API keys, metrics and retries across real gRPC and HTTP, fast. Model output
+surface, headers, API keys, metrics and retries across real gRPC and HTTP, fast, with each of
+the router's gRPC clients (``h2``, the default, and ``grpcio``). Model output
 (stop strings, sampling with seeds, PD vs colocated) is checked on the reference engine in
 test_router_reference.py.
 """
@@ -24,8 +25,11 @@ API_KEY = "e2e-secret-key"
 MODEL = "stub"
 
 
-@pytest.fixture(scope="module")
-def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpSystem]:
+@pytest.fixture(scope="module", params=["h2", "grpcio"])
+def system(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[UpSystem]:
+    """The stack, once with each of the router's gRPC clients (the same tests pass on both)."""
     work_dir = tmp_path_factory.mktemp("up-stub")
     up = UpSystem(
         work_dir,
@@ -34,10 +38,16 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpSystem]:
         "--prefill-replicas",
         "2",
         "--no-restart",  # prefill-0 is killed below and must stay dead
-        env={"PDSERVE_ROUTER_API_KEYS": f'["{API_KEY}"]', "PDSERVE_ROUTER_POLICY": "least_loaded"},
+        env={
+            "PDSERVE_ROUTER_API_KEYS": f'["{API_KEY}"]',
+            "PDSERVE_ROUTER_POLICY": "least_loaded",
+            "PDSERVE_ROUTER_ENGINE_GRPC__CLIENT": request.param,
+        },
     )
     try:
-        yield up.wait_ready()
+        up.wait_ready()
+        assert up.metric("pdserve_router_engine_grpc_client", client=request.param) == 1
+        yield up
     finally:
         pids = [engine["pid"] for engine in up.endpoints.get("engines", {}).values()]
         status = up.stop()

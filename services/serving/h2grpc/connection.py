@@ -254,7 +254,11 @@ class H2Connection(asyncio.Protocol):
             self._write(headers + frames.frame(FrameType.DATA, Flag.END_STREAM, stream_id, body))
         else:
             self._write(headers)
-            await self._send_body(call, body)
+            try:
+                await self._send_body(call, body)
+            except BaseException:
+                call.cancel()  # a caller that left mid-request leaves no half-sent stream
+                raise
         return call
 
     async def _send_body(self, call: Call, body: bytes) -> None:
