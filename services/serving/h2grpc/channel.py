@@ -21,7 +21,8 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
-from services.serving.h2grpc.connection import Call, H2Connection
+from services.serving.h2grpc.call import Call
+from services.serving.h2grpc.connection import H2Connection
 from services.serving.h2grpc.errors import CallFailed
 
 DEFAULT_KEEPALIVE_S = 10.0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import logging
 import os
 import struct
@@ -29,6 +28,7 @@ import grpc
 from hpack import HPACKDecodingError
 
 from services.serving.h2grpc import frames
+from services.serving.h2grpc.call import Call
 from services.serving.h2grpc.errors import CallFailed, Metadata
 from services.serving.h2grpc.frames import ErrorCode, Flag, FrameType, Setting
 from services.serving.h2grpc.hpack_decoder import Fields, HpackDecoder
@@ -41,69 +41,6 @@ _RECEIVE_TOP_UP = 1 << 30
 _CLIENT_SETTINGS = frames.settings(
     {Setting.ENABLE_PUSH: 0, Setting.INITIAL_WINDOW_SIZE: frames.MAX_WINDOW}
 ) + frames.window_update(0, frames.MAX_WINDOW - frames.DEFAULT_WINDOW)
-
-
-class Call:
-    """One call's stream: what the server sent so far, then its status.
-
-    ``messages`` fills as messages arrive; ``code`` is ``None`` while the call is open and
-    the call's status once it ended (OK included); :meth:`wait` returns when either moved.
-    """
-
-    __slots__ = (
-        "_buffer",
-        "_connection",
-        "_deadline",
-        "_headers_seen",
-        "_received",
-        "_send_window",
-        "_streaming",
-        "_waiter",
-        "code",
-        "details",
-        "messages",
-        "metadata",
-        "stream_id",
-    )
-
-    def __init__(self, connection: H2Connection, stream_id: int, *, streaming: bool) -> None:
-        self.stream_id = stream_id
-        self.messages: collections.deque[bytes] = collections.deque()
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.metadata: Metadata = ()
-        self._connection = connection
-        self._streaming = streaming
-        self._waiter: asyncio.Future[None] | None = None
-        self._buffer: bytes | bytearray = b""
-        self._headers_seen = False
-        self._send_window = connection.peer_initial_window
-        self._received = 0
-        self._deadline: asyncio.TimerHandle | None = None
-
-    async def wait(self) -> None:
-        """Until a message arrives (streaming calls) or the call ends."""
-        if self.code is not None or (self._streaming and self.messages):
-            return
-        self._waiter = self._connection.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def failure(self) -> CallFailed:
-        assert self.code is not None and self.code is not grpc.StatusCode.OK
-        return CallFailed(self.code, self.details, self.metadata)
-
-    def cancel(self) -> None:
-        """End the call on the client's side (RST_STREAM CANCEL) if it is still open."""
-        if self.code is None:
-            self._connection.reset(self, grpc.StatusCode.CANCELLED, "cancelled by the client")
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class H2Connection(asyncio.Protocol):
@@ -244,13 +181,13 @@ class H2Connection(asyncio.Protocol):
             self._first_block = False
         if deadline is not None:
             block += frames.timeout_field(deadline - self.loop.time())
-            call._deadline = self.loop.call_at(deadline, self._deadline_passed, call)
+            call.deadline = self.loop.call_at(deadline, self._deadline_passed, call)
         headers = frames.frame(FrameType.HEADERS, Flag.END_HEADERS, stream_id, block)
         body = frames.message(payload)
         size = len(body)
-        if size <= self._peer_max_frame and size <= self._send_window and size <= call._send_window:
+        if size <= self._peer_max_frame and size <= self._send_window and size <= call.send_window:
             self._send_window -= size
-            call._send_window -= size
+            call.send_window -= size
             self._write(headers + frames.frame(FrameType.DATA, Flag.END_STREAM, stream_id, body))
         else:
             self._write(headers)
@@ -265,7 +202,7 @@ class H2Connection(asyncio.Protocol):
         """Send ``body`` in frames within the server's windows, waiting for WINDOW_UPDATEs."""
         view = memoryview(body)
         while view and call.code is None:
-            room = min(self._peer_max_frame, self._send_window, call._send_window, len(view))
+            room = min(self._peer_max_frame, self._send_window, call.send_window, len(view))
             if room <= 0:
                 if self._transport is None:
                     return
@@ -273,7 +210,7 @@ class H2Connection(asyncio.Protocol):
                 continue
             chunk, view = view[:room], view[room:]
             self._send_window -= room
-            call._send_window -= room
+            call.send_window -= room
             flags = Flag.END_STREAM if not view else 0
             self._write(frames.frame(FrameType.DATA, flags, call.stream_id, bytes(chunk)))
 
@@ -298,7 +235,7 @@ class H2Connection(asyncio.Protocol):
             self._finish(call, code, details)
 
     def _deadline_passed(self, call: Call) -> None:
-        call._deadline = None
+        call.deadline = None
         self.reset(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def _finish(
@@ -307,11 +244,11 @@ class H2Connection(asyncio.Protocol):
         if call.code is not None:
             return
         call.code, call.details, call.metadata = code, details, metadata
-        if call._deadline is not None:
-            call._deadline.cancel()
-            call._deadline = None
+        if call.deadline is not None:
+            call.deadline.cancel()
+            call.deadline = None
         self._calls.pop(call.stream_id, None)
-        call._wake()
+        call.wake()
         if self._stream_waiters:
             self._wake_all(self._stream_waiters)
         if self.going_away and not self._calls:
@@ -367,12 +304,12 @@ class H2Connection(asyncio.Protocol):
         call = self._calls.get(stream_id)
         if call is None:
             return  # a call the client ended already
-        call._received += length
-        if call._received >= _RECEIVE_TOP_UP and not flags & Flag.END_STREAM:
-            self._write(frames.window_update(stream_id, call._received))
-            call._received = 0
+        call.received += length
+        if call.received >= _RECEIVE_TOP_UP and not flags & Flag.END_STREAM:
+            self._write(frames.window_update(stream_id, call.received))
+            call.received = 0
         # A message over several frames gathers in a bytearray; whole ones are cut from the frame.
-        buffer: bytes | bytearray = call._buffer
+        buffer: bytes | bytearray = call.buffer
         if buffer:
             buffer += payload
         else:
@@ -396,17 +333,17 @@ class H2Connection(asyncio.Protocol):
             call.messages.append(bytes(buffer[position + frames.MESSAGE_PREFIX_BYTES : end]))
             position, got = end, True
         if position == size_now:
-            call._buffer = b""
+            call.buffer = b""
         elif position or not isinstance(buffer, bytearray):
-            call._buffer = bytearray(buffer[position:])
+            call.buffer = bytearray(buffer[position:])
         else:
-            call._buffer = buffer
+            call.buffer = buffer
         if flags & Flag.END_STREAM:
             self._finish(
                 call, grpc.StatusCode.INTERNAL, "the server ended the stream without trailers"
             )
-        elif got and call._streaming:
-            call._wake()
+        elif got and call.streaming:
+            call.wake()
 
     def _on_headers(self, stream_id: int, flags: int, payload: bytes) -> None:
         start, end = 0, len(payload)
@@ -441,8 +378,8 @@ class H2Connection(asyncio.Protocol):
         if call is None:
             return
         ended = bool(flags & Flag.END_STREAM)
-        if not call._headers_seen:
-            call._headers_seen = True
+        if not call.headers_seen:
+            call.headers_seen = True
             status = next((value for name, value in fields if name == ":status"), "")
             if status != "200":
                 self._finish(
@@ -472,7 +409,7 @@ class H2Connection(asyncio.Protocol):
                 metadata.append((name, value))
         if code is None:
             code, details = grpc.StatusCode.UNKNOWN, "the server's trailers carry no grpc-status"
-        elif code is grpc.StatusCode.OK and call._buffer:
+        elif code is grpc.StatusCode.OK and call.buffer:
             code, details = grpc.StatusCode.INTERNAL, "the stream ended inside a message"
         self._finish(call, code, details, tuple(metadata))
 
@@ -497,7 +434,7 @@ class H2Connection(asyncio.Protocol):
                 delta = value - self.peer_initial_window
                 self.peer_initial_window = value
                 for call in self._calls.values():
-                    call._send_window += delta
+                    call.send_window += delta
                 if delta > 0:
                     self._wake_all(self._window_waiters)
             elif key == Setting.MAX_FRAME_SIZE:
@@ -535,7 +472,7 @@ class H2Connection(asyncio.Protocol):
             call = self._calls.get(stream_id)
             if call is None:
                 return
-            call._send_window += increment & frames.MAX_WINDOW
+            call.send_window += increment & frames.MAX_WINDOW
         if self._window_waiters:
             self._wake_all(self._window_waiters)
 
@@ -550,10 +487,11 @@ class H2Connection(asyncio.Protocol):
 
     def _keepalive_lost(self) -> None:
         self._ping_deadline = None
+        if self._transport is None:
+            return
         reason = (
             f"{self.target} did not answer a keepalive ping within {self._keepalive_timeout_s:g} s"
         )
         logger.warning("%s: closing the connection", reason)
         self.closed_reason = reason
-        if self._transport is not None:
-            self._transport.abort()
+        self._transport.abort()

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import grpc.aio
 import pytest
+import uvloop
 
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
 
@@ -279,3 +282,50 @@ async def test_a_frozen_server_is_found_by_the_keepalive_ping(
         assert await asyncio.wait_for(channel.unary(ECHO, b"z", timeout_s=30), CALL_BOUND_S) == b"z"
     finally:
         await channel.close()
+
+
+@pytest.mark.parametrize("loop_factory", [uvloop.new_event_loop, asyncio.new_event_loop])
+def test_a_loop_late_past_the_ping_bound_still_reads_the_answer(
+    server_process: tuple[subprocess.Popen[str], int],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """The keepalive runs on the router's loop (grpc.aio's ran on gRPC's threads): a loop held
+    past a ping's bound while the answer arrived must read it before it judges the connection,
+    which lives on with its calls."""
+    _, port = server_process
+
+    async def scenario() -> None:
+        channel = _channel(port, keepalive_s=0.2, keepalive_timeout_s=0.5)
+        try:
+            assert await asyncio.wait_for(channel.unary(ECHO, b"a", timeout_s=30), 60) == b"a"
+            connection = channel._connection
+            assert connection is not None
+            sock = connection._transport.get_extra_info("socket")  # type: ignore[union-attr]
+            blocked: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            send_keepalive = connection._send_keepalive
+
+            def send_then_block() -> None:
+                # The next ping goes out, then the loop is held (as a long callback would hold
+                # it) past the ping's bound and until the answer is in the socket.
+                send_keepalive()
+                connection._flush()
+                bound = time.monotonic() + 0.5 + 0.2
+                readable: list[int] = []
+                for _ in range(6000):  # 60 s at most
+                    readable, _, _ = select.select([sock.fileno()], [], [], 0.01)
+                    if readable and time.monotonic() > bound:
+                        break
+                    time.sleep(0.01)
+                connection._send_keepalive = send_keepalive  # type: ignore[method-assign]
+                blocked.set_result(bool(readable) and time.monotonic() > bound)
+
+            connection._send_keepalive = send_then_block  # type: ignore[method-assign]
+            assert await asyncio.wait_for(blocked, 60)
+            await asyncio.sleep(0.3)  # the late timer, the read, the verdict
+            assert channel._connection is connection and connection.is_open
+            assert await asyncio.wait_for(channel.unary(ECHO, b"b", timeout_s=30), 60) == b"b"
+        finally:
+            await channel.close()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(scenario())
