@@ -161,8 +161,11 @@ class GrpcConnectorFactory(ConnectorFactory):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         client: GrpcClientName = "h2",
     ) -> None:
-        if tls is not None:
-            tls.credentials()
+        if tls is not None:  # its files read now: a missing one fails at start-up
+            if client == "h2":
+                tls.ssl_context  # noqa: B018 - built once, shared by every engine's client
+            else:
+                tls.credentials()
         self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._client = H2EngineClient if client == "h2" else EngineClient

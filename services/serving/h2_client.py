@@ -28,7 +28,7 @@ from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
 from services.serving import convert
 from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES
 from services.serving.errors import ProtocolMismatch
-from services.serving.h2grpc import CallFailed, H2GrpcChannel, client_ssl_context
+from services.serving.h2grpc import CallFailed, H2GrpcChannel
 from services.serving.status import error_from_status
 from services.serving.tls import ClientTLS
 
@@ -53,17 +53,10 @@ class H2EngineClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.target = target
-        context = None
-        if tls is not None:
-            context = client_ssl_context(
-                tls.ca_file.read_bytes() if tls.ca_file else None,
-                str(tls.cert_file) if tls.cert_file else None,
-                str(tls.key_file) if tls.key_file else None,
-            )
         self._channel = H2GrpcChannel(
             target,
             max_message_bytes=max_message_bytes,
-            ssl_context=context,
+            ssl_context=tls.ssl_context if tls is not None else None,
             server_name=tls.server_name if tls is not None else None,
         )
 

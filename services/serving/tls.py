@@ -6,10 +6,14 @@ path in the message, not on the first request.
 
 from __future__ import annotations
 
+import functools
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from services.serving.h2grpc import client_ssl_context
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -51,6 +55,18 @@ class ClientTLS:
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("ClientTLS: cert_file and key_file go together")
+
+    @functools.cached_property
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same material for the router's own gRPC client (ALPN ``h2``), read once."""
+        if self.cert_file is not None and self.key_file is not None:
+            _read(self.cert_file, "TLS certificate")  # a missing file named, as credentials()
+            _read(self.key_file, "TLS key")
+        return client_ssl_context(
+            _read(self.ca_file, "CA") if self.ca_file else None,
+            str(self.cert_file) if self.cert_file else None,
+            str(self.key_file) if self.key_file else None,
+        )
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

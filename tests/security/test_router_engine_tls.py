@@ -86,8 +86,9 @@ def test_engine_grpc_settings_are_checked_at_start_up(tmp_path: Path, pki: Path)
         EngineGrpcSettings(tls_ca_file=pki / "ca.pem")
     assert EngineGrpcSettings().client_tls() is None
     missing = tmp_path / "missing-ca.pem"
-    with pytest.raises(ValueError, match=r"missing-ca\.pem"):
-        GrpcConnectorFactory(ClientTLS(ca_file=missing))
+    for client in ("h2", "grpcio"):
+        with pytest.raises(ValueError, match=r"missing-ca\.pem"):
+            GrpcConnectorFactory(ClientTLS(ca_file=missing), client=client)
     settings = RouterSettings.model_validate(
         {"engine_grpc": {"tls": True, "tls_ca_file": str(pki / "ca.pem")}}
     )

@@ -208,13 +208,13 @@ class H2GrpcChannel:
 
 
 def client_ssl_context(
-    ca_data: bytes | None, cert_file: str | None, key_file: str | None
+    ca_pem: bytes | None, cert_file: str | None, key_file: str | None
 ) -> ssl.SSLContext:
-    """A client TLS context for gRPC: the CA (system roots when ``None``), an optional client
-    certificate, and ALPN ``h2``."""
+    """A client TLS context for gRPC: the CA (PEM; system roots when ``None``), an optional
+    client certificate and key (files), and ALPN ``h2``."""
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    if ca_data is not None:
-        context.load_verify_locations(cadata=ca_data.decode())
+    if ca_pem is not None:
+        context.load_verify_locations(cadata=ca_pem.decode())
     if cert_file is not None and key_file is not None:
         context.load_cert_chain(cert_file, key_file)
     context.set_alpn_protocols(["h2"])
