@@ -66,9 +66,8 @@ class H2EngineClient:
         try:
             yield
         except CallFailed as exc:
-            metadata = tuple((key, value) for key, value in exc.metadata)
             raise error_from_status(
-                exc.code, exc.details, metadata, target=self.target, rpc=rpc
+                exc.code, exc.details, exc.metadata, target=self.target, rpc=rpc
             ) from None
 
     async def prefill(
