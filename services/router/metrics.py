@@ -9,13 +9,13 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.router.health import CircuitGauge
 
-M = TypeVar("M", Counter, Histogram)
+M = TypeVar("M", bound=Counter)
 
 InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
 """``(engine, role, requests in flight)`` of every READY engine, read at scrape time."""
@@ -108,47 +108,41 @@ class RouterMetrics:
             ["role", "outcome"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = self._loop_histogram(
             "pdserve_router_ttft_seconds",
             "Request arrival to its first token, by execution path.",
+            _LATENCY_BUCKETS,
             ["path"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.ttft_phase = Histogram(
+        self.ttft_phase = self._loop_histogram(
             "pdserve_router_ttft_phase_seconds",
             "Parts of a disaggregated request's first tokens: prefill (the Prefill call), "
             "handoff (KV transfer reported by the decode engine), first_decode_token (the "
             "rest of the wait for the decode engine's first token).",
+            _LATENCY_BUCKETS,
             ["phase"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.itl = LoopHistogram(
+        self.itl = self._loop_histogram(
             "pdserve_router_itl_seconds",
             "Time between two token deltas of one streamed request (a non-streamed one's "
             "decode answers in one message: no gaps).",
             _LATENCY_BUCKETS,
         )
-        r.register(self.itl)
-        self.e2e = Histogram(
+        self.e2e = self._loop_histogram(
             "pdserve_router_e2e_latency_seconds",
             "Request arrival to its last byte, by endpoint.",
+            _LATENCY_BUCKETS,
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.queue_time = Histogram(
+        self.queue_time = self._loop_histogram(
             "pdserve_router_queue_time_seconds",
             "Request arrival to its first engine call (parsing, tokenizing, scheduling).",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.overhead = Histogram(
+        self.overhead = self._loop_histogram(
             "pdserve_router_overhead_seconds",
             "Router time of a request excluding the time spent waiting on engine calls.",
-            buckets=_OVERHEAD_BUCKETS,
-            registry=r,
+            _OVERHEAD_BUCKETS,
         )
         self.engine_inflight = InflightGauge()
         r.register(self.engine_inflight)
@@ -191,9 +185,20 @@ class RouterMetrics:
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)
-        self.ttft_by = Children(self.ttft)
-        self.ttft_phase_by = Children(self.ttft_phase)
-        self.e2e_by = Children(self.e2e)
+        self.ttft_by = self.ttft.labels
+        self.ttft_phase_by = self.ttft_phase.labels
+        self.e2e_by = self.e2e.labels
+
+    def _loop_histogram(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labelnames: Sequence[str] = (),
+    ) -> LoopHistogram:
+        histogram = LoopHistogram(name, documentation, buckets, labelnames)
+        self.registry.register(histogram)
+        return histogram
 
 
 class Children(Generic[M]):
@@ -234,33 +239,69 @@ class InflightGauge(Collector):
 
 
 class LoopHistogram(Collector):
-    """An unlabelled histogram observed once per streamed token: a bucket index by bisection
-    and two list updates, no lock (``prometheus_client.Histogram`` takes two locks and scans
-    its bounds per observation, about 6% of the router's CPU on a 64-token stream). Only for
-    the event loop's thread, which also serves ``/metrics``; exposed as a
-    ``prometheus_client`` histogram is (cumulative ``le`` buckets, ``+Inf``, ``_sum``,
-    ``_count``)."""
+    """A histogram observed on the request path: a bucket index by bisection and two list
+    updates, no lock (``prometheus_client.Histogram`` takes two locks and scans its bounds in
+    Python per observation: about 6% of the router's CPU on a 64-token stream for the ITL, and
+    its six observations per request showed on a non-streamed one). Only for the event loop's
+    thread, which also serves ``/metrics``; exposed as a ``prometheus_client`` histogram is
+    (cumulative ``le`` buckets, ``+Inf``, ``_sum``, ``_count``; no ``_created``). With
+    ``labelnames``, :meth:`labels` gives each label set's child, made once (label values are
+    bounded on the request path); without, :meth:`observe` is the one series'."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labelnames: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self._bounds = tuple(float(bound) for bound in buckets)
-        self._counts = [0] * (len(self._bounds) + 1)  # the last is +Inf
-        self._sum = 0.0
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _LoopSeries] = {}
+        self._only = None if self._labelnames else self.labels()
 
     def observe(self, amount: float) -> None:
-        self._counts[bisect_left(self._bounds, amount)] += 1
-        self._sum += amount
+        """Observe ``amount`` on the unlabelled histogram's one series."""
+        if self._only is None:
+            raise ValueError(f"{self.name} has labels {self._labelnames}: observe a child's")
+        self._only.observe(amount)
+
+    def labels(self, *values: str) -> _LoopSeries:
+        """The series of ``values`` (the label values in declared order), made on first use."""
+        series = self._children.get(values)
+        if series is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self.name} takes labels {self._labelnames}, got {values!r}")
+            series = self._children[values] = _LoopSeries(self._bounds)
+        return series
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        cumulative = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, count in zip((*self._bounds, float("inf")), self._counts, strict=True):
-            cumulative += count
-            buckets.append((_le(bound), cumulative))
-        yield HistogramMetricFamily(
-            self.name, self.documentation, buckets=buckets, sum_value=self._sum
-        )
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self._labelnames)
+        for values, series in self._children.items():
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*self._bounds, float("inf")), series.counts, strict=True):
+                cumulative += count
+                buckets.append((_le(bound), cumulative))
+            family.add_metric(list(values), buckets, series.total)
+        yield family
+
+
+class _LoopSeries:
+    """One label set's buckets and sum (see :class:`LoopHistogram`)."""
+
+    __slots__ = ("_bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self._bounds, amount)] += 1
+        self.total += amount
 
 
 def _le(bound: float) -> str:
