@@ -10,6 +10,8 @@ checks that need the engine (vocabulary, context length) take its
 
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 from dataclasses import dataclass
@@ -82,7 +84,11 @@ class Undecodable:
 # -- sampling ------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)
 def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
+    """The message of ``sampling``, made once per distinct value (a router sends each
+    request's sampling twice, Prefill and Decode, and most requests share theirs): the message
+    is shared, so callers copy it (as a message constructor's field does) and never change it."""
     message = types_pb2.SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,

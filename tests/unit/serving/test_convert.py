@@ -55,6 +55,15 @@ def test_sampling_round_trips(sampling: SamplingParams) -> None:
     assert fields.sampling_from_proto(wire, LIMITS) == sampling
 
 
+def test_the_shared_sampling_message_is_copied_into_each_request() -> None:
+    sampling = SamplingParams(max_tokens=7, temperature=0.5, stop=("x",))
+    first = convert.prefill_request_to_proto(PrefillRequest("req-a", (1, 2), sampling))
+    first.sampling.max_tokens = 99  # a change to one request's copy
+    second = convert.prefill_request_to_proto(PrefillRequest("req-b", (1, 2), sampling))
+    assert second.sampling.max_tokens == 7
+    assert fields.sampling_to_proto(sampling).max_tokens == 7
+
+
 def test_unset_top_p_reads_as_disabled() -> None:
     sampling = fields.sampling_from_proto(types_pb2.SamplingParams(max_tokens=3))
     assert sampling.top_p == 1.0
