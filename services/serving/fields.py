@@ -11,7 +11,6 @@ checks that need the engine (vocabulary, context length) take its
 from __future__ import annotations
 
 import functools
-
 import math
 import re
 from dataclasses import dataclass
