@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import os
 import time
-import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -117,7 +117,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
         request = _generation_request("cmpl", body.model, prompts[0], sampling, arrival, stream)
         _check_engines(runtime, request)
         return await serve(runtime, http, COMPLETIONS, request, stream, _include_usage(body))
-    base = f"cmpl-{uuid.uuid4().hex}"
+    base = f"cmpl-{_random_hex()}"
     choices: list[Choice] = []
     for prompt_index, token_ids in enumerate(prompts):
         echo_text = runtime.tokenizer.decode(token_ids) if echo else ""
@@ -169,7 +169,7 @@ async def chat_completions(
         request = _generation_request("chatcmpl", body.model, token_ids, sampling, arrival, stream)
         _check_engines(runtime, request)
         return await serve(runtime, http, CHAT, request, stream, _include_usage(body))
-    base = f"chatcmpl-{uuid.uuid4().hex}"
+    base = f"chatcmpl-{_random_hex()}"
     choices = []
     for i in range(body.n):
         request = _generation_request(
@@ -260,6 +260,12 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
+def _random_hex() -> str:
+    """128 random bits as 32 hex digits (a request id's tail; ``uuid4().hex`` built a ``UUID``
+    object per request for the same digits)."""
+    return os.urandom(16).hex()
+
+
 def _generation_request(
     prefix: str,
     model: str,
@@ -271,7 +277,7 @@ def _generation_request(
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     return GenerationRequest(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        request_id=f"{prefix}-{_random_hex()}",
         model=model,
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,

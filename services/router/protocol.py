@@ -105,7 +105,10 @@ _CHAT_ONLY = {
 
 
 def _neutral_problem(body: BaseModel, names: list[str]) -> tuple[str, str] | None:
+    given = body.model_fields_set  # a field the request left out holds its default
     for name in names:
+        if name not in given:
+            continue
         value = getattr(body, name)
         default = NEUTRAL_EXTENSIONS[name]
         if value == default or (value is None and default in ([], False)):
