@@ -14,6 +14,7 @@ engines that serve the request's model:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 from services.control_plane.wire import EngineRecord
@@ -101,9 +102,20 @@ def plain(sampling: SamplingParams) -> bool:
     return sampling.logprobs is None and sampling.prompt_logprobs is None
 
 
+_extended_values = operator.attrgetter(*EXTENDED_PARAMS)
+_NEUTRAL_VALUES = _extended_values(_NEUTRAL)
+
+
 def non_default(sampling: SamplingParams) -> list[str]:
     """The extended fields ``sampling`` sets to something other than their default."""
-    return [name for name in EXTENDED_PARAMS if getattr(sampling, name) != getattr(_NEUTRAL, name)]
+    values = _extended_values(sampling)
+    if values == _NEUTRAL_VALUES:  # most requests: one C-level read and compare
+        return []
+    return [
+        name
+        for name, value, neutral in zip(EXTENDED_PARAMS, values, _NEUTRAL_VALUES, strict=True)
+        if value != neutral
+    ]
 
 
 def check_engines(records: Iterable[EngineRecord], sampling: SamplingParams) -> None:

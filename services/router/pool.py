@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.control_plane.base import ControlPlane, EngineView
@@ -106,16 +106,14 @@ class EnginePool:
 
     # -- reservations ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def reserve(self, slot: EngineSlot) -> Iterator[EngineSlot]:
-        """Count a request in flight on ``slot`` for the duration of the block."""
-        slot.inflight += 1
-        try:
-            yield slot
-        finally:
-            slot.inflight -= 1
-            if slot.retired and slot.inflight == 0:
-                self._close_later(slot.connector)
+    def reserve(self, slot: EngineSlot) -> Reservation:
+        """Count a request in flight on ``slot`` for the duration of a ``with`` block."""
+        return Reservation(self, slot)
+
+    def _released(self, slot: EngineSlot) -> None:
+        slot.inflight -= 1
+        if slot.retired and slot.inflight == 0:
+            self._close_later(slot.connector)
 
     # -- health feedback (services.router.health) --------------------------------------------
 
@@ -241,3 +239,22 @@ class EnginePool:
                 await slot.connector.close()
         if self._closers:
             await asyncio.gather(*self._closers, return_exceptions=True)
+
+
+class Reservation:
+    """A request in flight on an engine slot (:meth:`EnginePool.reserve`): ``inflight`` counts
+    it from ``__enter__`` to ``__exit__``, and a retired slot's connector closes when its last
+    reservation ends. A class, not a ``contextlib`` generator: two per request."""
+
+    __slots__ = ("_pool", "_slot")
+
+    def __init__(self, pool: EnginePool, slot: EngineSlot) -> None:
+        self._pool = pool
+        self._slot = slot
+
+    def __enter__(self) -> EngineSlot:
+        self._slot.inflight += 1
+        return self._slot
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._pool._released(self._slot)
