@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -299,8 +300,10 @@ def _headers(request: GenerationRequest, info: RunInfo) -> dict[str, str]:
 
 
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    """``body`` as compact UTF-8 JSON (pydantic-core's encoder, as vLLM's server answers:
+    a non-finite float is ``null``, never the invalid ``NaN``)."""
     return Response(
-        json.dumps(body, separators=(",", ":")),
+        pydantic_core.to_json(body),
         status_code=status,
         media_type="application/json",
         headers=headers,
