@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from services.control_plane.base import ControlPlane, EngineView
@@ -73,6 +73,8 @@ class EnginePool:
         self._metrics = metrics
         self._breaker = breaker
         self._slots: dict[EngineId, EngineSlot] = {}
+        self._ordered: dict[frozenset[EngineRole] | None, tuple[EngineSlot, ...]] = {}
+        """:meth:`slots`' answers; cleared whenever ``_slots`` changes."""
         self._registered_models: dict[EngineId, str] = {}
         self._synced = asyncio.Event()
         self._closers: set[asyncio.Task[None]] = set()
@@ -81,12 +83,16 @@ class EnginePool:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def slots(self, roles: Iterable[EngineRole] | None = None) -> list[EngineSlot]:
-        """READY engines, optionally of some roles, in a stable order (by engine id)."""
-        wanted = None if roles is None else set(roles)
-        return [
-            slot for _, slot in sorted(self._slots.items()) if wanted is None or slot.role in wanted
-        ]
+    def slots(self, roles: Collection[EngineRole] | None = None) -> tuple[EngineSlot, ...]:
+        """READY engines, optionally of some roles, in a stable order (by engine id). Kept per
+        ``roles`` until the pool changes: the request path asks three times per request."""
+        key = None if roles is None else frozenset(roles)
+        ordered = self._ordered.get(key)
+        if ordered is None:
+            ordered = self._ordered[key] = tuple(
+                slot for _, slot in sorted(self._slots.items()) if key is None or slot.role in key
+            )
+        return ordered
 
     def get(self, engine_id: EngineId) -> EngineSlot | None:
         return self._slots.get(engine_id)
@@ -165,6 +171,7 @@ class EnginePool:
                 record, self._connectors.connect(record), load, health=self._breaker()
             )
             self._slots[engine_id] = current
+            self._ordered.clear()
             logger.info(
                 "engine %s (%s, generation %d) joined at %s",
                 engine_id,
@@ -177,6 +184,7 @@ class EnginePool:
 
     def _remove(self, slot: EngineSlot) -> None:
         del self._slots[slot.engine_id]
+        self._ordered.clear()
         slot.retired = True
         logger.info("engine %s left the pool", slot.engine_id)
         role = slot.role.value
@@ -234,6 +242,7 @@ class EnginePool:
         """Close every connector."""
         slots = list(self._slots.values())
         self._slots.clear()
+        self._ordered.clear()
         for slot in slots:
             with contextlib.suppress(Exception):
                 await slot.connector.close()

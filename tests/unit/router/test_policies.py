@@ -275,6 +275,21 @@ def test_engines_leave_the_pool_as_soon_as_they_are_not_ready():
     assert sample(rt, "pdserve_router_ready_engines", role="prefill") == 1
 
 
+def test_the_pools_ordered_slots_follow_joins_leaves_and_replacements():
+    rt = runtime()
+    pool = pool_of(rt, view("p", PREFILL), view("d2", DECODE))
+    decode_roles = (DECODE, BOTH)
+    assert [s.engine_id for s in pool.slots(decode_roles)] == ["d2"]  # (kept from here on)
+    pool_of(rt, view("d1", BOTH))
+    assert [s.engine_id for s in pool.slots(decode_roles)] == ["d1", "d2"]
+    assert [s.engine_id for s in pool.slots()] == ["d1", "d2", "p"]
+    before = pool.slots((PREFILL,))[0]
+    pool_of(rt, view("p", PREFILL, generation=2))  # a new record: a new slot
+    assert pool.slots((PREFILL,))[0] is not before
+    pool.update("d2", None)
+    assert [s.engine_id for s in pool.slots(decode_roles)] == ["d1"]
+
+
 def test_colocated_router_runs_everything_on_decode_engines_and_is_ready_with_one():
     rt = runtime(colocated=True)
     pool_of(rt, view("p", PREFILL), view("d", DECODE))
