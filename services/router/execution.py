@@ -42,7 +42,6 @@ from services.router.migration import (
     NoContinuation,
     Progress,
     Step,
-    chain,
     is_engine_fault,
     is_migratable,
     prefill_phase,
@@ -101,7 +100,7 @@ class Executor:
             leg = self._leg(request, progress, info, avoid_prefill, avoid_decode, planned)
             try:
                 try:
-                    first_step = await anext(leg)
+                    step = await anext(leg)
                 except NoContinuation as nowhere:
                     assert last_error is not None
                     # One replica of the role: the client gets the failure itself, at once.
@@ -111,8 +110,7 @@ class Executor:
                         code=last_error.code,
                         status_code=last_error.status_code,
                     ) from last_error
-                leg = chain(first_step, leg)
-                async for step in leg:
+                while True:
                     text, finish = progress.add(step)
                     info.completion_tokens = len(progress.generated)
                     yield Chunk(
@@ -120,7 +118,10 @@ class Executor:
                     )
                     if finish is not None:  # (a stop string found across a join ends the leg)
                         return
-                return
+                    try:
+                        step = await anext(leg)
+                    except StopAsyncIteration:
+                        return
             except LegFailed as failure:
                 error, slot = failure.error, failure.slot
                 last_error = error

@@ -34,17 +34,14 @@ number of tokens the client received, ``prompt_tokens`` the original prompt.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
-from typing import Literal, TypeVar
+from typing import Literal
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.pool import EngineSlot
 from services.tokenization.output_text import OutputText
 from services.tokenization.tokenizer import Tokenizer
-
-T = TypeVar("T")
 
 Phase = Literal["connect", "prefill", "kv_wait", "kv_pull"]
 
@@ -199,13 +196,3 @@ class NoContinuation(Exception):
     def __init__(self, error: RouterError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-async def chain(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-    """``first``, then ``rest`` (closed with this generator)."""
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()

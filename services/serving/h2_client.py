@@ -11,8 +11,7 @@ one table of :mod:`services.serving.status`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError
@@ -59,16 +58,10 @@ class H2EngineClient:
             ssl_context=tls.ssl_context if tls is not None else None,
             server_name=tls.server_name if tls is not None else None,
         )
-
-    @contextlib.contextmanager
-    def _translated(self, rpc: str) -> Iterator[None]:
-        """A failed call's status as the engine's error class (:mod:`services.serving.status`)."""
-        try:
-            yield
-        except CallFailed as exc:
-            raise error_from_status(
-                exc.code, exc.details, exc.metadata, target=self.target, rpc=rpc
-            ) from None
+        # A failed call's status as the engine's error class (services.serving.status).
+        self._errors = {
+            rpc: _StatusAsError(target, rpc) for rpc in ("Prefill", "Decode", "DecodeOnce", "Abort")
+        }
 
     async def prefill(
         self,
@@ -82,7 +75,7 @@ class H2EngineClient:
         message = convert.prefill_request_to_proto(
             PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
         )
-        with self._translated("Prefill"):
+        with self._errors["Prefill"]:
             data = await self._channel.unary(
                 _PREFILL, message.SerializeToString(), timeout_s=timeout_s
             )
@@ -98,7 +91,7 @@ class H2EngineClient:
         payload = convert.decode_request_to_proto(request).SerializeToString()
         stream = self._channel.server_stream(_DECODE, payload, timeout_s=timeout_s)
         try:
-            with self._translated("Decode"):
+            with self._errors["Decode"]:
                 async for data in stream:
                     chunk = _parsed(decode_pb2.DecodeChunk(), data, "Decode", self.target)
                     yield convert.delta_from_proto(chunk)
@@ -111,7 +104,7 @@ class H2EngineClient:
         """The request's whole result in one delta (``DecodeOnce``), as
         :meth:`EngineClient.decode_once <services.serving.client.EngineClient.decode_once>`."""
         message = convert.decode_request_to_proto(request, idle_timeout_s=idle_timeout_s)
-        with self._translated("DecodeOnce"):
+        with self._errors["DecodeOnce"]:
             data = await self._channel.unary(
                 _DECODE_ONCE, message.SerializeToString(), timeout_s=timeout_s
             )
@@ -123,13 +116,34 @@ class H2EngineClient:
         """Abort a running request or release held KV; ``False`` when the engine does not
         know the id."""
         payload = engine_pb2.AbortRequest(request_id=request_id).SerializeToString()
-        with self._translated("Abort"):
+        with self._errors["Abort"]:
             data = await self._channel.unary(_ABORT, payload, timeout_s=timeout_s)
         return _parsed(engine_pb2.AbortResponse(), data, "Abort", self.target).found
 
     async def close(self) -> None:
         """Close the connection (in-flight calls fail); the next call opens a new one."""
         await self._channel.close()
+
+
+class _StatusAsError:
+    """A ``with`` block whose :class:`CallFailed` leaves as the engine's error class, named by
+    the client's target and the RPC. Holds no state of a call: one per RPC, reused (a
+    ``contextlib`` generator cost two objects and a generator per call)."""
+
+    __slots__ = ("_rpc", "_target")
+
+    def __init__(self, target: str, rpc: str) -> None:
+        self._target = target
+        self._rpc = rpc
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, CallFailed):
+            raise error_from_status(
+                exc.code, exc.details, exc.metadata, target=self._target, rpc=self._rpc
+            ) from None
 
 
 _Message = TypeVar(
