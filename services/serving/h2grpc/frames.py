@@ -183,15 +183,22 @@ _TIMEOUT_UNITS_NS = (
 )
 
 
+_TIMEOUT_NAME = b"\x00" + hpack_string(b"grpc-timeout")
+"""A ``grpc-timeout`` literal's first part (its value, at most 9 bytes, follows its length)."""
+
+
 def timeout_field(timeout_s: float) -> bytes:
     """The ``grpc-timeout`` field for ``timeout_s`` (at most 8 digits, the finest unit that fits,
-    rounded up so the server never ends the call before the client's own deadline)."""
+    rounded up so the server never ends the call before the client's own deadline): the same
+    bytes as ``literal(b"grpc-timeout", value)``, the name encoded once."""
     nanoseconds = max(math.ceil(timeout_s * 1e9), 1)
+    value = b"99999999H"
     for unit_ns, unit in _TIMEOUT_UNITS_NS:
         count = -(-nanoseconds // unit_ns)
         if count < 100_000_000:
-            return literal(b"grpc-timeout", b"%d%s" % (count, unit))
-    return literal(b"grpc-timeout", b"99999999H")
+            value = b"%d%s" % (count, unit)
+            break
+    return _TIMEOUT_NAME + bytes((len(value),)) + value
 
 
 def message(payload: bytes) -> bytes:

@@ -37,7 +37,14 @@ def test_request_headers_decode_to_grpc_fields_and_reset_the_table() -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "field"),
-    [(0.0, "1n"), (0.05, "50000000n"), (0.25, "250000u"), (120.0, "120000m"), (1e9, "16666667M")],
+    [
+        (0.0, "1n"),
+        (0.05, "50000000n"),
+        (0.25, "250000u"),
+        (120.0, "120000m"),
+        (1e9, "16666667M"),
+        (1e15, "99999999H"),  # beyond every unit: the largest value
+    ],
 )
 def test_timeouts_use_at_most_eight_digits_and_never_round_down(seconds: float, field: str) -> None:
     assert hpack.Decoder().decode(frames.timeout_field(seconds)) == [("grpc-timeout", field)]
