@@ -12,7 +12,9 @@ NIXL/UCX behaviour the data plane relies on (measured with nixl 1.5.1, UCX backe
 - NIXL's progress thread busy-polls a whole core, so it is off by default (:class:`NixlConfig`).
   Without it the consumer progresses its reads when it checks them, and the producer
   progresses connection set-up when it fetches notifications: ``make_connection`` returns at
-  once and the consumer's first read waits until the producer next polls.
+  once and the consumer's first read waits until the producer next polls. A ``send_notif`` to
+  a peer whose connection is still being set up is queued in UCX and leaves only while the
+  sender progresses (a read check or a notification fetch): stop polling and it never arrives.
 - Once connected, a read of an established peer often completes inside ``transfer``.
 - A dead peer makes ``transfer``, ``check_xfer_state`` and ``send_notif`` raise
   ``nixlRemoteDisconnectError`` within milliseconds (UCX peer error handling, the UCX backend's

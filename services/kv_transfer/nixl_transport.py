@@ -54,6 +54,10 @@ from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)
 
+INBOX_LIMIT = 4096
+"""Notifications :meth:`NixlTransport.poll` keeps (it progresses the agent) until the next
+:meth:`NixlTransport.poll_notifications`; beyond it they are dropped and reported rejected."""
+
 
 @dataclass
 class _Peer:
@@ -91,6 +95,8 @@ class NixlTransport(KVTransport):
         self._peers: dict[PeerKey, _Peer] = {}
         self._local_dlists: dict[Range, Handle] = {}
         self._pulls: dict[tuple[EngineId, RequestId], PullState] = {}
+        self._inbox: list[tuple[str, bytes]] = []
+        self._inbox_dropped = 0
         self._closed = False
 
     # -- identity ------------------------------------------------------------------------------
@@ -379,6 +385,7 @@ class NixlTransport(KVTransport):
 
     def poll(self) -> list[PullResult]:
         self._check_open()
+        self._progress()
         now = self._clock()
         results: list[PullResult] = []
         for key, pull in list(self._pulls.items()):
@@ -403,6 +410,22 @@ class NixlTransport(KVTransport):
                 del self._pulls[key]
                 results.append(pull.result(self._clock()))
         return results
+
+    def _progress(self) -> None:
+        """Progress the agent once, keeping what arrives for :meth:`poll_notifications`.
+
+        A notice sent as a pull ends may wait in UCX until the connection to its producer is set
+        up (a replica nobody read was only connected, never read from), and UCX moves it only
+        while this agent progresses. Checking reads progresses it while pulls are pending; after
+        the last one this call does (the notification fetch is the one NIXL call that progresses
+        without a transfer handle), so a consumer with nothing left to read still delivers.
+        """
+        for sender, messages in self._agent.notifications().items():
+            for message in messages:
+                if len(self._inbox) < INBOX_LIMIT:
+                    self._inbox.append((sender, message))
+                else:
+                    self._inbox_dropped += 1
 
     def _notify(self, pull: PullState) -> None:
         for rank, ok in pull.due_notifications():
@@ -430,15 +453,22 @@ class NixlTransport(KVTransport):
 
     def poll_notifications(self) -> Notifications:
         self._check_open()
-        raw = self._agent.notifications()
+        arrived = self._agent.notifications()
+        inbox, self._inbox = self._inbox, []
+        inbox.extend((sender, message) for sender, got in arrived.items() for message in got)
         received: list[KVNotification] = []
         rejected: list[str] = []
-        for sender, messages in raw.items():
-            for message in messages:
-                try:
-                    received.append(decode_notification(message))
-                except NotificationDecodeError as exc:  # a remote agent is a trust boundary
-                    rejected.append(f"from {sender[:64]!r}: {exc}")
+        for sender, message in inbox:
+            try:
+                received.append(decode_notification(message))
+            except NotificationDecodeError as exc:  # a remote agent is a trust boundary
+                rejected.append(f"from {sender[:64]!r}: {exc}")
+        if self._inbox_dropped:
+            rejected.append(
+                f"{self._inbox_dropped} notifications dropped: more than {INBOX_LIMIT} "
+                "arrived between two polls of them"
+            )
+            self._inbox_dropped = 0
         return Notifications(tuple(received), tuple(rejected))
 
     # -- shutdown ------------------------------------------------------------------------------

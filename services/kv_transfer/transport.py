@@ -18,6 +18,8 @@ Consumer rank, per request
      :class:`PullResult` naming any failed reads and blocks. When every read from one producer
      worker has ended, the transport sends that worker one
      :class:`~services.kv_transfer.protocol.KVNotification` (``ok`` false after a failure).
+     A notice may still wait on its connection's set-up when the pull is returned, so a
+     consumer keeps calling :meth:`KVTransport.poll` while idle: it progresses the transport.
   6. :meth:`KVTransport.cancel_pull` on abort.
 
 Consumer rank, when a producer engine goes away or restarts
@@ -236,7 +238,9 @@ class KVTransport(ABC):
         """Progress pending pulls; return those that ended since the last call (step 5).
 
         Each pull is returned exactly once. Reads past their deadline are aborted
-        (``timeout``). Notifications to producers are sent here.
+        (``timeout``). Notifications to producers are sent here, and every call progresses
+        their delivery, also with no pull pending; notifications this worker receives meanwhile
+        wait for :meth:`poll_notifications`.
         """
 
     @abstractmethod

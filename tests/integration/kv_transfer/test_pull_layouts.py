@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.kv_transfer.planning import notification_plan
 from tests.integration.kv_transfer.harness import (
     EngineSpec,
     WorkerProcess,
@@ -131,3 +132,59 @@ def test_producer_tp_above_kv_heads_reads_one_replica_and_frees_all(workers):
     producer = EngineSpec("prefill-e", 1, num_layers=2, num_kv_heads=2, pp=1, tp=4)
     consumer = EngineSpec("decode-e", 1, num_layers=2, num_kv_heads=2, pp=1, tp=2, role="decode")
     assert_all_good(run_pulls(workers, producer, consumer, REQUESTS), REQUESTS)
+
+
+def test_a_replica_nobody_read_is_notified_by_a_consumer_that_only_polls_afterwards(workers):
+    """The notice to an unread replica goes out when the pull ends; that replica's agent only
+    progresses later (so UCX cannot deliver it yet), and the consumer then has no read left to
+    check. Its idle polls must still progress the agent until the notice is through."""
+    producer = EngineSpec("prefill-f", 1, num_layers=2, num_kv_heads=2, pp=1, tp=4)
+    consumer = EngineSpec("decode-f", 1, num_layers=2, num_kv_heads=2, pp=1, tp=2, role="decode")
+    p_ranks, c_ranks = producer.ranks(), consumer.ranks()
+    plan = notification_plan(consumer.layout(), producer.layout())
+    unread = {remote for remotes in plan.notify_only.values() for remote in remotes}
+    assert unread, "the layout must leave a replica unread"
+    producers = dict(zip(p_ranks, workers[: len(p_ranks)], strict=True))
+    consumers = workers[len(p_ranks) : len(p_ranks) + len(c_ranks)]
+    for rank, worker in producers.items():
+        worker.send("setup", engine=producer, rank=rank)
+    for worker, rank in zip(consumers, c_ranks, strict=True):
+        worker.send("setup", engine=consumer, rank=rank)
+    records = {rank_field(rank): worker.recv() for rank, worker in producers.items()}
+    for worker in consumers:
+        worker.recv()
+    request_id, n_blocks, seed = "req-f", 4, 3
+    ids = {
+        w.call("prefill", request_id=request_id, n_blocks=n_blocks, seed=seed)
+        for w in producers.values()
+    }
+    assert len(ids) == 1
+    remote_ids = ids.pop()
+    read = [worker for rank, worker in producers.items() if rank not in unread]
+    for worker in read:
+        worker.send("serve", request_ids=[request_id])
+    for worker in consumers:
+        worker.send("connect", engine=engine_record_bytes(producer), records=records)
+    for worker in consumers:
+        worker.recv()
+    for worker in consumers:
+        worker.send(
+            "pull",
+            request_id=request_id,
+            producer_engine=producer.engine_id,
+            generation=producer.generation,
+            remote_ids=remote_ids,
+            seed=seed,
+        )
+    summaries = [worker.recv() for worker in consumers]
+    for worker in consumers:
+        worker.progress()
+    for rank in sorted(unread):  # only now do the unread replicas progress their agents
+        producers[rank].send("serve", request_ids=[request_id])
+    ended = {rank: worker.recv() for rank, worker in producers.items()}
+    for worker in consumers:
+        worker.settle()
+    for summary in summaries:
+        assert summary["ok"] and summary["problems"] == [], summary
+        assert summary["unnotified"] == [], summary
+    assert ended == {rank: {request_id: "released"} for rank in p_ranks}, ended
