@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from services.router.runtime import RouterRuntime
 
@@ -50,7 +51,7 @@ class DirectRoute(APIRoute):
         async def handler(request: Request) -> Response:
             runtime: RouterRuntime = request.app.state.runtime
             await check(request, runtime)
-            raw = await request.body()
+            raw = await _body_of(request)
             if not _json_content_type(request.headers.get("content-type")):
                 # As FastAPI: a body that is not declared JSON is not parsed as JSON.
                 raise RequestValidationError(
@@ -80,6 +81,22 @@ class DirectRoute(APIRoute):
 
         self.handler = handler
         return handler
+
+
+async def _body_of(request: Request) -> bytes:
+    """The request's body from its ASGI messages, as ``Request.body`` reads it (which goes
+    through an async generator, registered with the loop and closed, per request); a client
+    that hangs up first raises Starlette's ``ClientDisconnect`` as there. The body is not kept
+    on ``request``: nothing on this path reads it twice."""
+    receive = request.receive
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _json_content_type(value: str | None) -> bool:

@@ -302,9 +302,30 @@ def _headers(request: GenerationRequest, info: RunInfo) -> dict[str, str]:
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
     """``body`` as compact UTF-8 JSON (pydantic-core's encoder, as vLLM's server answers:
     a non-finite float is ``null``, never the invalid ``NaN``)."""
-    return Response(
-        pydantic_core.to_json(body),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+    return JSONBytesResponse(pydantic_core.to_json(body), status, headers)
+
+
+class JSONBytesResponse(Response):
+    """A Starlette response of JSON already encoded, with ``headers`` (names in any case)
+    followed by ``content-length`` and ``content-type: application/json``: what
+    ``Response(body, media_type="application/json", headers=...)`` sends, its header list built
+    directly (Starlette's scans it for the two names and looks up the media type's charset; on
+    every request's path)."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, status_code: int, headers: dict[str, str] | None) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body
+        raw = (
+            [
+                (name.lower().encode("latin-1"), value.encode("latin-1"))
+                for name, value in headers.items()
+            ]
+            if headers
+            else []
+        )
+        raw.append((b"content-length", str(len(body)).encode()))
+        raw.append((b"content-type", b"application/json"))
+        self.raw_headers = raw

@@ -132,3 +132,22 @@ async def test_keys_engine_errors_and_bugs_keep_their_envelopes(direct: bool) ->
         )
         == 1
     )
+
+
+async def test_a_body_sent_in_pieces_is_read_whole() -> None:
+    """A chunked upload arrives as several ASGI messages; the direct path joins them."""
+    _, rt = _runtime()
+    whole = json.dumps(GOOD).encode()
+
+    async def pieces() -> Any:
+        for start in range(0, len(whole), 7):
+            yield whole[start : start + 7]
+
+    headers = {"content-type": "application/json"}
+    async with _client(rt, direct=True) as client:
+        split = await client.post("/v1/completions", content=pieces(), headers=headers)
+        at_once = await client.post("/v1/completions", content=whole, headers=headers)
+    assert split.status_code == 200, split.text
+    assert split.json()["choices"] == at_once.json()["choices"]
+    assert split.headers["content-type"] == "application/json"
+    assert split.headers["content-length"] == str(len(split.content))
