@@ -176,13 +176,13 @@ async def test_data_plane_refuses_addresses_outside_the_registered_memory_before
             sliced.append(args)
             return slice_descriptors(*args)
 
-        monkeypatch.setattr(nixl_transport, "slice_descriptors", recording_slice)
-        for kind in GEOMETRY_CASES:
-            with pytest.raises(IncompatiblePeerError) as caught:
-                transport.add_peer(_outside(genuine, kind))
-            assert caught.value.reason == "geometry", kind
-            assert sliced == [], kind  # refused before a descriptor row is built
-        monkeypatch.undo()
+        with monkeypatch.context() as patched:
+            patched.setattr(nixl_transport, "slice_descriptors", recording_slice)
+            for kind in GEOMETRY_CASES:
+                with pytest.raises(IncompatiblePeerError) as caught:
+                    transport.add_peer(_outside(genuine, kind))
+                assert caught.value.reason == "geometry", kind
+                assert sliced == [], kind  # refused before a descriptor row is built
         assert transport.peer_generation("prefill-hostile", (0, 0)) is None
 
         async with control_plane.watch() as watcher:
