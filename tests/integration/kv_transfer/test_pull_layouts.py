@@ -20,8 +20,10 @@ def run_pulls(
     producer: EngineSpec,
     consumer: EngineSpec,
     requests: list[tuple[str, int, int]],
+    serving_late: frozenset[tuple[int, int]] = frozenset(),
 ) -> dict[str, object]:
-    """Producers prefill ``requests`` ``(id, blocks, seed)``; every consumer rank pulls each."""
+    """Producers prefill ``requests`` ``(id, blocks, seed)``; every consumer rank pulls each.
+    The producer ranks in ``serving_late`` start polling only once every pull has returned."""
     p_ranks, c_ranks = producer.ranks(), consumer.ranks()
     assert len(p_ranks) + len(c_ranks) <= len(workers)
     producers = workers[: len(p_ranks)]
@@ -42,8 +44,10 @@ def run_pulls(
         }
         assert len(ids) == 1, "producer ranks must agree on block ids"
         remote[request_id] = ids.pop()
-    for worker in producers:  # producers poll while consumers connect and pull
-        worker.send("serve", request_ids=[r[0] for r in requests])
+    request_ids = [r[0] for r in requests]
+    for worker, rank in zip(producers, p_ranks, strict=True):
+        if rank not in serving_late:  # producers poll while consumers connect and pull
+            worker.send("serve", request_ids=request_ids)
     for worker in consumers:
         worker.send("connect", engine=engine_record_bytes(producer), records=records)
     for worker in consumers:
@@ -64,6 +68,9 @@ def run_pulls(
     # a notification to a replica nobody read may still sit in UCX when the pull returns.
     for worker in consumers:
         worker.progress()
+    for worker, rank in zip(producers, p_ranks, strict=True):
+        if rank in serving_late:
+            worker.send("serve", request_ids=request_ids)
     ended = [worker.recv() for worker in producers]
     for worker in consumers:
         worker.settle()
@@ -140,51 +147,11 @@ def test_a_replica_nobody_read_is_notified_by_a_consumer_that_only_polls_afterwa
     check. Its idle polls must still progress the agent until the notice is through."""
     producer = EngineSpec("prefill-f", 1, num_layers=2, num_kv_heads=2, pp=1, tp=4)
     consumer = EngineSpec("decode-f", 1, num_layers=2, num_kv_heads=2, pp=1, tp=2, role="decode")
-    p_ranks, c_ranks = producer.ranks(), consumer.ranks()
     plan = notification_plan(consumer.layout(), producer.layout())
-    unread = {remote for remotes in plan.notify_only.values() for remote in remotes}
+    unread = frozenset(remote for remotes in plan.notify_only.values() for remote in remotes)
     assert unread, "the layout must leave a replica unread"
-    producers = dict(zip(p_ranks, workers[: len(p_ranks)], strict=True))
-    consumers = workers[len(p_ranks) : len(p_ranks) + len(c_ranks)]
-    for rank, worker in producers.items():
-        worker.send("setup", engine=producer, rank=rank)
-    for worker, rank in zip(consumers, c_ranks, strict=True):
-        worker.send("setup", engine=consumer, rank=rank)
-    records = {rank_field(rank): worker.recv() for rank, worker in producers.items()}
-    for worker in consumers:
-        worker.recv()
-    request_id, n_blocks, seed = "req-f", 4, 3
-    ids = {
-        w.call("prefill", request_id=request_id, n_blocks=n_blocks, seed=seed)
-        for w in producers.values()
-    }
-    assert len(ids) == 1
-    remote_ids = ids.pop()
-    read = [worker for rank, worker in producers.items() if rank not in unread]
-    for worker in read:
-        worker.send("serve", request_ids=[request_id])
-    for worker in consumers:
-        worker.send("connect", engine=engine_record_bytes(producer), records=records)
-    for worker in consumers:
-        worker.recv()
-    for worker in consumers:
-        worker.send(
-            "pull",
-            request_id=request_id,
-            producer_engine=producer.engine_id,
-            generation=producer.generation,
-            remote_ids=remote_ids,
-            seed=seed,
-        )
-    summaries = [worker.recv() for worker in consumers]
-    for worker in consumers:
-        worker.progress()
-    for rank in sorted(unread):  # only now do the unread replicas progress their agents
-        producers[rank].send("serve", request_ids=[request_id])
-    ended = {rank: worker.recv() for rank, worker in producers.items()}
-    for worker in consumers:
-        worker.settle()
-    for summary in summaries:
-        assert summary["ok"] and summary["problems"] == [], summary
+    requests = [("req-f", 4, 3)]
+    outcome = run_pulls(workers, producer, consumer, requests, serving_late=unread)
+    assert_all_good(outcome, requests)
+    for summary in outcome["summaries"]:  # type: ignore[attr-defined]
         assert summary["unnotified"] == [], summary
-    assert ended == {rank: {request_id: "released"} for rank in p_ranks}, ended
