@@ -114,6 +114,15 @@ class KVTransferMetrics:
             ["producer_engine", "consumer_engine", "producer_rank"],
             registry=self.registry,
         )
+        self.released = Counter(
+            "pdserve_kv_transfer_released_total",
+            "Requests whose producer blocks were freed at once, before any read, because no "
+            "consumer will read them, by reason (consumer_holds_prompt: the consumer's prefix "
+            "cache held every block; push_failed: the push failed and the request goes on "
+            "elsewhere).",
+            ["producer_engine", "consumer_engine", "reason"],
+            registry=self.registry,
+        )
         self.notifications = Counter(
             "pdserve_kv_transfer_notifications_total",
             "Completion notifications received by producers, by outcome (counted, duplicate, "

@@ -41,7 +41,12 @@ _LATENCY_BUCKETS = (
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
-FALLBACK_REASONS = ("no_prefill_engine", "prefill_circuit_open", "prefill_failed")
+FALLBACK_REASONS = (
+    "no_prefill_engine",
+    "prefill_circuit_open",
+    "prefill_failed",
+    "kv_handoff_failed",
+)
 """Every ``reason`` of ``pdserve_router_fallbacks_total``."""
 
 
@@ -76,7 +81,8 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "pdserve_router_fallbacks_total",
             "Requests that ran differently from the plan, by reason (no_prefill_engine, "
-            "prefill_circuit_open, prefill_failed).",
+            "prefill_circuit_open, prefill_failed, kv_handoff_failed: the decode engine could "
+            "not get the KV of any prefill engine left).",
             ["reason"],
             registry=r,
         )

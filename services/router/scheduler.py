@@ -119,7 +119,15 @@ class Scheduler:
                     f"no READY prefill engine compatible with a decode engine of {model!r}"
                     + (" whose circuit is closed" if paired else "")
                 )
-            reason = "prefill_circuit_open" if paired else "no_prefill_engine"
+            if paired:
+                reason = "prefill_circuit_open"
+            elif avoid_prefill and any(
+                s.record.model == model for s in self._pool.slots(PREFILL_ROLES)
+            ):
+                # Every prefill engine left was one whose KV this request could not get.
+                reason = "kv_handoff_failed"
+            else:
+                reason = "no_prefill_engine"
             self._metrics.fallbacks.labels(reason=reason).inc()
             return self._local(decodes, prompt, reason)
         paired = healthy

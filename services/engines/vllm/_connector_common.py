@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlAgentMetadata,
     NixlHandshakePayload,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from services.engines.vllm.contracts import RELEASE_REASONS
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     ControlPlaneBridge,
@@ -30,6 +33,7 @@ from services.engines.vllm.layouts import (
     parse_layer_partition,
     vllm_layer_ranges,
 )
+from services.engines.vllm.transfer_metrics import release_stat_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -127,3 +131,31 @@ class ControlPlaneClient:
         if self._bridge is not None:
             self._bridge.close()
         super().shutdown()  # type: ignore[misc]
+
+
+_RELEASE_KEYS = tuple(release_stat_key(reason) for reason in RELEASE_REASONS)
+
+
+class PdserveNixlStats(NixlKVConnectorStats):
+    """vLLM's NIXL transfer stats plus pdserve's releases (a request's producer blocks freed at
+    once because no consumer will read them), one list per reason like vLLM's failure counts,
+    so they travel the same way: workers and the scheduler -> EngineCore's aggregate -> the
+    engine service's stat loggers (:mod:`~services.engines.vllm.transfer_metrics`)."""
+
+    def reset(self) -> None:
+        super().reset()
+        for key in _RELEASE_KEYS:
+            self.data[key] = []
+
+    def record_release(self, reason: str) -> None:
+        self.data[release_stat_key(reason)].append(1)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(key) for key in _RELEASE_KEYS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        # Tolerates either side lacking pdserve's keys (vLLM's own class, an older peer).
+        if not other.is_empty():
+            for key, values in other.data.items():
+                self.data.setdefault(key, []).extend(values)
+        return self

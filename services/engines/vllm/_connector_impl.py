@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 from services.engines.vllm._connector_common import (
+    PdserveNixlStats,
     layout_of,
 )
 from services.engines.vllm._connector_scheduler import PullScheduler, PushScheduler
@@ -133,6 +134,18 @@ class _PdserveConnectorBase(NixlBaseConnector):
         results.finished_sending = once.filter("send", results.finished_sending)
         results.finished_recving = once.filter("recv", results.finished_recving)
         return results
+
+    def get_kv_connector_stats(self) -> Any:
+        """The worker's stats (vLLM's); on the scheduler side, what pdserve's scheduler counted
+        (vLLM's own connector has none there), which vLLM adds to the workers'."""
+        if self.connector_worker is not None:
+            return super().get_kv_connector_stats()
+        stats = self.connector_scheduler.pdserve_stats
+        return None if stats.is_empty() else stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return PdserveNixlStats(data=data) if data is not None else PdserveNixlStats()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.connector_worker is not None

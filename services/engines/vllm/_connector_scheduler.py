@@ -18,7 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 )
 
 from services.control_plane.errors import ControlPlaneError
-from services.engines.vllm.contracts import clip_to_producer
+from services.engines.vllm.contracts import (
+    RELEASE_KEY,
+    clip_to_producer,
+    holds_producer_blocks,
+)
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     build_records,
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
 from services.engines.vllm._connector_common import (
     CONTROL_PLANE_HOST,
     ControlPlaneClient,
+    PdserveNixlStats,
     model_geometry,
     rank_transfer_info,
 )
@@ -48,6 +53,9 @@ class SchedulerHandshake(ControlPlaneClient):
 
     def _pdserve_init(self, settings: ConnectorSettings) -> None:
         self.pdserve = settings
+        self.pdserve_stats = PdserveNixlStats()
+        """What this side counts (releases it decides), taken by the facade's
+        ``get_kv_connector_stats``: vLLM's scheduler adds them to the workers' stats."""
         self._bridge = None
         self.side_channel_host = CONTROL_PLANE_HOST
         self.side_channel_port = 0
@@ -111,13 +119,53 @@ def _allocated(blocks: Any) -> list[int]:
     return [len(group) for group in blocks.blocks]
 
 
-class PushScheduler(SchedulerHandshake, NixlPushConnectorScheduler):
+class ReceiveNothingOnFullHit:
+    """Consumer-side mixin: a request whose producer blocks this engine's prefix cache already
+    holds loads nothing (see :func:`~services.engines.vllm.contracts.holds_producer_blocks`).
+
+    vLLM 0.32.0 counts the consumer's prompt (pdserve's decode request: the prompt plus the
+    producer's first token) against its local hit and asks for the rest asynchronously even
+    when that rest is only the first token's slot, which no producer block holds: push then
+    registered no block while the producer pushed its last one (the writer asserted, the
+    request hung), pull parked the request for an empty read. Answering "nothing to load"
+    instead lets vLLM compute that slot locally at once; ``update_state_after_alloc`` tells the
+    producer to free its blocks."""
+
+    block_size: int
+    pdserve_stats: PdserveNixlStats
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        count, load_async = super().get_num_new_matched_tokens(  # type: ignore[misc]
+            request, num_computed_tokens
+        )
+        producer_blocks = _producer_blocks(request)
+        if count > 0 and holds_producer_blocks(
+            producer_blocks, num_computed_tokens, self.block_size
+        ):
+            logger.debug(
+                "request %s: the prefix cache holds all %d computed tokens of the producer's "
+                "blocks; nothing to load",
+                request.request_id,
+                num_computed_tokens,
+            )
+            return 0, False
+        return count, load_async
+
+
+class PushScheduler(ReceiveNothingOnFullHit, SchedulerHandshake, NixlPushConnectorScheduler):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM's push registration without the consumer's blocks past the producer's
         (:func:`~services.engines.vllm.contracts.clip_to_producer`): otherwise a prompt that
         fills its last block exactly makes the producer's writer assert and drop the push
-        ("nixl-push-writer error; continuing"), and the request hangs."""
+        ("nixl-push-writer error; continuing"), and the request hangs. With nothing to receive
+        (a full prefix-cache hit), a release registration instead: the producer frees the
+        request's blocks at once (vLLM's own push scheduler stages nothing then, and the
+        producer held them until its lease ran out)."""
         producer_blocks = _producer_blocks(request)
+        if producer_blocks and num_external_tokens <= 0:
+            self.pdserve_stats.record_release("consumer_holds_prompt")
+            self._stage_release(request, blocks, "consumer_holds_prompt")
+            return
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         registration = self._push_pending_registrations.get(request.request_id)
         if registration is None or not producer_blocks:
@@ -126,12 +174,42 @@ class PushScheduler(SchedulerHandshake, NixlPushConnectorScheduler):
             registration["local_block_ids"], producer_blocks, _allocated(blocks)
         )
 
+    def _stage_release(self, request: Any, blocks: Any, reason: str) -> None:
+        """Send the producer a registration of no block (vLLM's PUSH_REG, shipped by the
+        workers on the next step) that names ``reason``; nothing is awaited here."""
+        params = request.kv_transfer_params
+        self._push_pending_registrations[request.request_id] = {
+            "request_id": request.request_id,
+            "decode_engine_id": self.engine_id,
+            "decode_host": self.side_channel_host,
+            "decode_port": self.side_channel_port,
+            "decode_tp_size": self.vllm_config.parallel_config.tensor_parallel_size,
+            "local_block_ids": [[] for _group in blocks.blocks],
+            "remote_engine_id": params["remote_engine_id"],
+            "remote_host": params["remote_host"],
+            "remote_port": params["remote_port"],
+            "remote_tp_size": params["tp_size"],
+            "remote_pp_size": params.get("pp_size", 1),
+            RELEASE_KEY: reason,
+        }
+        params["do_remote_prefill"] = False  # one hand-off per request, as vLLM marks it
+        logger.info(
+            "request %s: nothing to receive from %s (%s); asking it to free its blocks",
+            request.request_id,
+            params["remote_engine_id"],
+            reason,
+        )
 
-class PullScheduler(SchedulerHandshake, NixlPullConnectorScheduler):
+
+class PullScheduler(ReceiveNothingOnFullHit, SchedulerHandshake, NixlPullConnectorScheduler):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM's pending read without the consumer's blocks past the producer's (see
-        :class:`PushScheduler`; here ``_apply_prefix_caching`` asserts and the worker dies)."""
+        :class:`PushScheduler`; here ``_apply_prefix_caching`` asserts and the worker dies).
+        A full prefix-cache hit is vLLM's empty read: the worker notifies every producer rank
+        it owes, which frees the blocks at once."""
         producer_blocks = _producer_blocks(request)
+        if producer_blocks and num_external_tokens <= 0:
+            self.pdserve_stats.record_release("consumer_holds_prompt")
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         pending = self._reqs_need_recv.get(request.request_id)
         if pending is None or not producer_blocks:

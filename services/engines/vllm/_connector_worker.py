@@ -12,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
     NixlPushConnectorWorker,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.platforms import current_platform
 
@@ -26,7 +28,12 @@ from services.control_plane.base import EngineView
 from services.control_plane.errors import ControlPlaneError
 from services.control_plane.wire import EngineId, EngineRole
 from services.engines.vllm._planned_pull import PlannedPullWorker, remote_agent_metadata
-from services.engines.vllm.contracts import FinishedOnce
+from services.engines.vllm.contracts import (
+    PUSH_FAILED_KEY,
+    RELEASE_KEY,
+    FinishedOnce,
+    no_blocks,
+)
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     HandshakeResolutionError,
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 from services.engines.vllm._connector_common import (
     CONTROL_PLANE_HOST,
     ControlPlaneClient,
+    PdserveNixlStats,
     model_geometry,
 )
 
@@ -249,7 +257,144 @@ class WorkerHandshake(ControlPlaneClient):
 
 
 class PushWorker(WorkerHandshake, NixlPushConnectorWorker):
-    pass
+    """vLLM's push worker with the hand-off's two missing answers (see
+    :mod:`~services.engines.vllm.contracts`): a producer frees a request's blocks at once when
+    the consumer registered nothing to receive, and a push it cannot carry out is reported to
+    the consumer at once, which fails its receive instead of waiting for the WRITE.
+
+    Producer side: :meth:`_do_start_push_kv` (writer thread) releases or pushes; a push that
+    raised, or a WRITE that failed (:meth:`_handle_failed_transfer`), is queued, and
+    :meth:`get_transfer_results` (main thread) tells the consumer and reports the request's
+    blocks free once no WRITE of it is in flight. Consumer side: a failure notice arrives on
+    vLLM's PUSH_REG channel (:meth:`_handle_push_reg_notif`) and fails the receive through
+    vLLM's own queue."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.xfer_stats = PdserveNixlStats()
+        self._pdserve_push_targets: dict[str, dict[str, Any]] = {}
+        """Producer: the consumer registration each started push writes to (writer thread
+        adds, main thread removes once the request is reported done)."""
+        self._pdserve_failed_pushes: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        """Producer: (request, what failed) to tell the consumer and free (main thread)."""
+        self._pdserve_releasing: set[str] = set()
+        """Producer (main thread): failed pushes waiting for their last WRITE to finish."""
+
+    # -- producer, writer thread ------------------------------------------------------------
+    def _do_start_push_kv(
+        self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]
+    ) -> None:
+        reason = registration_data.get(RELEASE_KEY)
+        if reason is not None or no_blocks(registration_data.get("local_block_ids")):
+            logger.info(
+                "request %s: %s receives nothing (%s); freeing its blocks",
+                request_id,
+                registration_data.get("decode_engine_id"),
+                reason or "no block registered",
+            )
+            self._mark_done_sending(request_id)
+            return
+        self._pdserve_push_targets[request_id] = registration_data
+        try:
+            super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+        except Exception as exc:
+            logger.exception("request %s: push to %s failed", request_id,
+                             registration_data.get("decode_engine_id"))  # fmt: skip
+            self.xfer_stats.record_failed_transfer()
+            self._pdserve_failed_pushes.put((request_id, f"{type(exc).__name__}: {exc}"))
+
+    def _mark_done_sending(self, request_id: str) -> None:
+        """Report the request's blocks free on the next step: vLLM reports a request whose
+        list of WRITE handles is empty as done (and frees its blocks if it holds any)."""
+        with self._sending_transfers_lock:
+            self._sending_transfers.setdefault(request_id, [])
+        self._push_writer_wake.set()
+
+    # -- producer, main thread --------------------------------------------------------------
+    def _handle_failed_transfer(self, req_id: str, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's failure bookkeeping; for a push of ours (a WRITE submission that raised on
+        the writer thread, or a WRITE that completed in error on the main thread) the consumer
+        is told and the blocks freed as well."""
+        if req_id in self._pdserve_push_targets:
+            self._pdserve_failed_pushes.put((req_id, "a WRITE failed"))
+        return super()._handle_failed_transfer(req_id, handle, *args, **kwargs)
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = super().get_transfer_results()
+        while True:
+            try:
+                request_id, what = self._pdserve_failed_pushes.get_nowait()
+            except queue.Empty:
+                break
+            target = self._pdserve_push_targets.get(request_id)
+            if target is not None and request_id not in self._pdserve_releasing:
+                self._tell_consumer(request_id, target, what)
+                self._pdserve_releasing.add(request_id)
+        for request_id in list(self._pdserve_releasing):
+            with self._sending_transfers_lock:
+                in_flight = request_id in self._sending_transfers
+                self._send_failures.discard(request_id)
+            if in_flight:
+                continue  # a sibling WRITE still reads the blocks: free once it finished
+            self._pdserve_releasing.discard(request_id)
+            if request_id in self._reqs_to_send or request_id in self._reqs_to_process:
+                self._reqs_to_send.pop(request_id, None)
+                self._reqs_to_process.discard(request_id)
+                results.finished_sending.add(request_id)
+                self._evict_finished_inbox.put(request_id)
+                self.xfer_stats.record_release("push_failed")
+        for request_id in results.finished_sending:
+            self._pdserve_push_targets.pop(request_id, None)
+        return results
+
+    def _tell_consumer(self, request_id: str, target: dict[str, Any], what: str) -> None:
+        """Send the consumer's ranks a failure notice for its request (best effort: a consumer
+        that cannot be told waits for the router's idle bound, as before)."""
+        engine_id = target["decode_engine_id"]
+        notice = PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(
+            {"request_id": target["request_id"], PUSH_FAILED_KEY: f"{self.engine_id}: {what}"}
+        )
+        with self._handshake_lock:
+            agents = dict(self._remote_agents.get(engine_id) or {})
+        logger.error(
+            "request %s: the push to %s failed (%s); telling its %d rank(s) and freeing the blocks",
+            request_id,
+            engine_id,
+            what,
+            len(agents),
+        )
+        for rank, agent in agents.items():
+            try:
+                self.nixl_wrapper.send_notif(agent, notif_msg=notice)
+            except Exception as exc:
+                self._log_failure(
+                    failure_type="push_failure_notice_failed",
+                    req_id=request_id,
+                    error=exc,
+                    remote_rank=rank,
+                )
+                self.xfer_stats.record_failed_notification()
+
+    # -- consumer, writer thread ------------------------------------------------------------
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        try:
+            payload = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX) :])
+        except Exception:
+            payload = None  # vLLM's own handler logs it
+        if isinstance(payload, dict) and PUSH_FAILED_KEY in payload:
+            request_id = payload.get("request_id")
+            if isinstance(request_id, str):
+                logger.error(
+                    "request %s: the producer could not push its KV (%s); failing the receive",
+                    request_id,
+                    payload[PUSH_FAILED_KEY],
+                )
+                self.xfer_stats.record_failed_transfer()
+                self._failed_recv_reqs.put(request_id)
+            return
+        super()._handle_push_reg_notif(notif)
 
 
 class PullWorker(PlannedPullWorker, WorkerHandshake, NixlPullConnectorWorker):

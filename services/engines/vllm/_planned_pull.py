@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlAgentMetadata,
     NixlHandshakePayload,
@@ -98,6 +99,9 @@ class PlannedPullWorker:
     _pdserve_peers: dict[str, PreparedPeer]
     _pdserve_local: RegionGeometry | None
     _pdserve_departed: set[str]
+    _pdserve_notices: dict[str, dict[Any, tuple[PreparedPeer, RankKey, str, int]]]
+    """Per request, each posted READ's notification (peer, producer rank, remote request,
+    count), sent by hand should the READ fail; dropped once the request is reported."""
 
     def planned_init(self, geometry: ModelGeometry, pp_rank: int) -> None:
         worker: Any = self
@@ -110,6 +114,7 @@ class PlannedPullWorker:
         self._pdserve_geometry = geometry
         self._pdserve_peers = {}
         self._pdserve_local = None
+        self._pdserve_notices = {}
         self._pdserve_departed = set()
         """Producer generations that left the control plane: one entry per departed generation
         over the engine's life (a generation never comes back, so their reads fail at once)."""
@@ -247,11 +252,13 @@ class PlannedPullWorker:
         worker._engine_last_active[engine_id] = time.perf_counter()
         peer = self._pdserve_peers[engine_id]
         local_groups, remote_groups = meta.local_physical_block_ids, meta.remote.block_ids
-        if len(local_groups) != 1 or len(remote_groups) != 1:
+        if len(local_groups) > 1 or len(remote_groups) != 1:
             raise UnsupportedVllmLayout(
-                f"{len(local_groups)} KV cache groups: planned reads serve one (full attention)"
+                f"{len(remote_groups)} KV cache groups: planned reads serve one (full attention)"
             )
-        local_ids, remote_ids = list(local_groups[0]), list(remote_groups[0])
+        # vLLM stages a full local hit with no group at all: an empty read.
+        local_ids = list(local_groups[0]) if local_groups else []
+        remote_ids = list(remote_groups[0])
         if len(local_ids) > len(remote_ids):
             raise UnsupportedVllmLayout(
                 f"request {req_id}: {len(local_ids)} local blocks for {len(remote_ids)} remote"
@@ -267,12 +274,19 @@ class PlannedPullWorker:
                 worker._recving_transfers.setdefault(req_id, [])
         else:
             worker._recving_transfers.setdefault(req_id, [])
-            for read, local_handle, remote_handle in peer.handles:
+            for index, (read, local_handle, remote_handle) in enumerate(peer.handles):
                 if not self._post_read(
                     req_id, engine_id, read, local_handle, remote_handle, local_ids, remote_ids,
-                    f"{remote_request}:{read.notifiers}".encode(), peer.plan,
+                    f"{remote_request}:{read.notifiers}".encode(), peer, remote_request,
                 ):  # fmt: skip
-                    return  # the request failed: no sibling reads, no notifications
+                    # The request failed: no sibling read is posted, and the producer ranks of
+                    # the failed and the unposted reads are told now, so they free the blocks
+                    # at once instead of at lease expiry (vLLM's worker leaves them waiting).
+                    for unread, _local, _remote in peer.handles[index:]:
+                        self._notify(
+                            req_id, peer, unread.remote_rank, remote_request, unread.notifiers
+                        )
+                    break
         for rank, count in peer.plan.notify_only:
             self._notify(req_id, peer, rank, remote_request, count)
 
@@ -303,17 +317,22 @@ class PlannedPullWorker:
         local_ids: list[int],
         remote_ids: list[int],
         notif: bytes,
-        plan: RankTransferPlan,
+        peer: PreparedPeer,
+        remote_request: str,
     ) -> bool:
         worker: Any = self
         handle = None
         try:
-            local_idx, remote_idx = plan.block_indices(read, local_ids, remote_ids)
+            local_idx, remote_idx = peer.plan.block_indices(read, local_ids, remote_ids)
             handle = worker.nixl_wrapper.make_prepped_xfer(
                 "READ", local_handle, local_idx, remote_handle, remote_idx, notif_msg=notif
             )
             worker.nixl_wrapper.transfer(handle)
             worker._recving_transfers[req_id].append(handle)
+            # Should this READ fail, its notification never reaches the producer: sent then.
+            self._pdserve_notices.setdefault(req_id, {})[handle] = (
+                peer, read.remote_rank, remote_request, read.notifiers
+            )  # fmt: skip
             return True
         except Exception as e:
             worker._log_failure(
@@ -328,6 +347,20 @@ class PlannedPullWorker:
             if not worker._handle_failed_transfer(req_id, handle, worker._recv_failures):
                 worker._recving_transfers[req_id].append(handle)
             return False
+
+    def _handle_failed_transfer(self, req_id: str, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's failure bookkeeping; a planned READ that completed in error also tells its
+        producer rank, which then frees the blocks at once (its READ's notification is lost)."""
+        notice = self._pdserve_notices.get(req_id, {}).pop(handle, None)
+        if notice is not None:
+            self._notify(req_id, *notice)
+        return super()._handle_failed_transfer(req_id, handle, *args, **kwargs)  # type: ignore[misc]
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results: KVConnectorTransferResults = super().get_transfer_results()  # type: ignore[misc]
+        for req_id in results.finished_recving:
+            self._pdserve_notices.pop(req_id, None)
+        return results
 
     def _notify(
         self, req_id: str, peer: PreparedPeer, rank: RankKey, remote_request: str, count: int

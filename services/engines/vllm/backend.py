@@ -45,6 +45,7 @@ from services.engines.backend import (
 from services.engines.errors import (
     EngineDraining,
     EngineFailed,
+    KVTransferFailed,
 )
 from services.engines.vllm import detokenizer
 from services.engines.vllm.contracts import decide_model_runner
@@ -315,6 +316,16 @@ class VllmBackend(EngineBackend):
             completion = output.outputs[0]
             produced += len(completion.token_ids)
             reason = finish_reason_of(completion.finish_reason)
+            if (
+                first
+                and reason is FinishReason.ERROR
+                and not completion.token_ids
+                and request.kv_handle is not None
+            ):
+                # vLLM ended the request before its first token: loading the KV failed
+                # (kv_load_failure_policy=fail). Raised before any delta, so the router
+                # re-prefills elsewhere or decodes locally, counted, at once.
+                raise KVTransferFailed(error_message(request), "vllm_kv_load_failed")
             yield TokenDelta(
                 token_ids=tuple(int(t) for t in completion.token_ids),
                 text=completion.text,

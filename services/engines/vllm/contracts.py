@@ -7,6 +7,16 @@ A worker that reports an id twice makes the aggregator finish the request one re
 which frees KV another rank is still sending. :class:`FinishedOnce` sits between the NIXL worker
 and the aggregator: it passes each id once per direction and drops (and counts) repeats.
 
+*Nothing to receive.* A decode engine whose prefix cache already holds every block the producer
+computed (the same prompt again, a prompt at a block multiple) transfers nothing:
+:func:`holds_producer_blocks` decides it in the consumer's scheduler, which then loads nothing
+asynchronously (vLLM computes the first token's slot locally) and tells the producer at once, so
+the producer frees its blocks instead of holding them for a lease (push: a release registration,
+:data:`RELEASE_KEY`; pull: vLLM's empty read, a notification per producer rank). A push the
+producer cannot carry out is reported to the consumer at once (:data:`PUSH_FAILED_KEY`), whose
+request then fails per vLLM's ``kv_load_failure_policy`` instead of waiting for a WRITE that will
+never come.
+
 *Model-runner choice.* With speculative decoding, KV saves must be finalized (``wait_for_save``)
 after the drafter wrote its KV (vLLM PR #43719); vLLM 0.32.0's V1 model runner defers the
 finalization past the drafter, and pdserve has not verified the V2 runner's order. The rule of
@@ -106,6 +116,41 @@ def decide_model_runner(
         f"KV connector {kv_connector} ({kv_role}) active with speculative decoding: V1 runner, "
         "which finalizes KV saves after the drafter",
     )
+
+
+RELEASE_KEY = "pdserve_release"
+"""A push registration carrying this key (its value the reason) asks the producer for nothing:
+it frees the request's blocks at once and counts the release by that reason."""
+
+PUSH_FAILED_KEY = "pdserve_push_failed"
+"""A notification from the producer on vLLM's push-registration channel carrying this key (its
+value what failed) fails the consumer's receive of that request at once."""
+
+RELEASE_REASONS = ("consumer_holds_prompt", "push_failed")
+"""Every reason a producer frees a request's blocks at once, before any consumer read them:
+the consumer's prefix cache held every block, or the push failed (the request goes on
+elsewhere)."""
+
+
+def _groups(block_ids: Any) -> list[Sequence[int]]:
+    """Block ids per KV group; a flat list is one group."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids)
+    return [block_ids or ()]
+
+
+def holds_producer_blocks(producer: Any, num_computed_tokens: int, block_size: int) -> bool:
+    """Whether a consumer whose prefix cache computed ``num_computed_tokens`` (whole blocks)
+    already holds every block the producer computed (``producer``: its block ids per group,
+    or one flat group), so nothing is to be transferred. ``False`` when the producer holds no
+    block (then there is nothing to release either)."""
+    most = max((len(group) for group in _groups(producer)), default=0)
+    return most > 0 and num_computed_tokens >= most * block_size
+
+
+def no_blocks(block_ids: Any) -> bool:
+    """Whether a block-id list (per group or flat) names no block at all."""
+    return not any(_groups(block_ids))
 
 
 def clip_to_producer(local: Any, producer: Any, allocated: Sequence[int]) -> Any:

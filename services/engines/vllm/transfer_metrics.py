@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.control_plane.wire import EngineId
+from services.engines.vllm.contracts import RELEASE_REASONS
 from services.kv_transfer.metrics import KVTransferMetrics
 
 UNKNOWN_PEER = "unknown"
@@ -33,6 +34,11 @@ _FAILURE_KEYS = {
     # (the KV it read may have been overwritten): counted where the producer notices it.
     "num_notifications_after_expiry": "vllm_read_after_expiry",
 }
+
+
+def release_stat_key(reason: str) -> str:
+    """The stats key counting releases for ``reason`` (one of ``contracts.RELEASE_REASONS``)."""
+    return f"pdserve_released_{reason}"
 
 
 class VllmTransferExporter:
@@ -96,6 +102,15 @@ class VllmTransferExporter:
         expired = len(stats.get("num_kv_expired_reqs") or ())
         if expired and self.producer:
             self._expired_leases().inc(expired)
+        for reason in RELEASE_REASONS:
+            released = len(stats.get(release_stat_key(reason)) or ())
+            if released:
+                self.metrics.released.labels(**self._engines(), reason=reason).inc(released)
+
+    def _engines(self) -> dict[str, str]:
+        own, peer = self.engine_id, UNKNOWN_PEER
+        producer, consumer = (own, peer) if self.producer else (peer, own)
+        return {"producer_engine": producer, "consumer_engine": consumer}
 
 
 def _floats(values: Sequence[Any] | None) -> list[float]:
