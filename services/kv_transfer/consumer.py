@@ -160,23 +160,32 @@ class KVConsumer:
         local_block_ids: Sequence[int] | BlockArray,
         timeout_s: float | None = None,
     ) -> None:
-        """Start reading ``request_id``'s KV; its outcome comes from :meth:`poll`.
+        """Start reading ``request_id``'s KV; its outcome comes from :meth:`poll`. No block
+        (the consumer holds them all) only notifies the producer ranks, which free at once.
 
         Raises :class:`UnknownPeerError` when the producer engine is not connected (it never
         turned READY here, or was disconnected), and :class:`PullSpecError` for inconsistent
         block ids. Everything else comes back as data: a request prefilled by a generation that
         is no longer the connected one fails every read with ``stale_generation``.
         """
-        self._transport.start_pull(
-            self.spec(
-                request_id,
-                producer_engine=producer_engine,
-                producer_generation=producer_generation,
-                remote_block_ids=remote_block_ids,
-                local_block_ids=local_block_ids,
-                timeout_s=timeout_s,
-            )
+        spec = self.spec(
+            request_id,
+            producer_engine=producer_engine,
+            producer_generation=producer_generation,
+            remote_block_ids=remote_block_ids,
+            local_block_ids=local_block_ids,
+            timeout_s=timeout_s,
         )
+        self._transport.start_pull(spec)
+        identity = self._transport.identity
+        if self._metrics is not None and not len(spec.local_block_ids) and identity.rank == (0, 0):
+            # The consumer held every block (its prefix cache): this pull only notifies.
+            # Counted once per request, by the engine's first rank.
+            self._metrics.released.labels(
+                producer_engine=producer_engine,
+                consumer_engine=identity.engine_id,
+                reason="consumer_holds_prompt",
+            ).inc()
 
     def spec(
         self,

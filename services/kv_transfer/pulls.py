@@ -110,7 +110,7 @@ class PullState:
                 seconds=max(r.completed_at - r.posted_at, 0.0),
             )
             for r in self.reads
-            if r.failure is None
+            if r.failure is None and len(r.local_ids)  # a read of no block moved nothing
         )
         return PullResult(
             request_id=self.spec.request_id,

@@ -189,6 +189,7 @@ class Executor:
                 raise
             raise NoContinuation(exc) from exc
         planned()
+        progress.decode_on(plan.decode.record.engine_kind)
         if not continuing:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id

@@ -65,6 +65,11 @@ PRODUCER_GONE: dict[str, Phase] = {
 }
 """Decode errors, before the first delta, that blame the producer of the KV: the phase."""
 
+ENDS_BEFORE_INCOMPLETE = frozenset({"vllm"})
+"""Engine kinds whose text ends before a trailing incomplete UTF-8 character (vLLM's
+detokenizer never releases one); the others release it, as ``U+FFFD``, when the request ends.
+A continued request's text, which the router detokenizes, ends as its last engine's would."""
+
 _MIGRATABLE = ENGINE_FAULTS | {"engine_overloaded", "engine_draining", "request_cancelled"}
 
 
@@ -110,6 +115,8 @@ class Progress:
         self.generated: list[int] = []
         self._text: OutputText | None = None
         self.legs = 1
+        self.end_releases_incomplete = True
+        """Whether the text ends with a trailing incomplete character (see :meth:`decode_on`)."""
 
     @property
     def continuing(self) -> bool:
@@ -170,13 +177,20 @@ class Progress:
             if self._text.stopped:
                 return "".join(pieces), FinishReason.STOP
         if step.finish_reason is not None:
-            pieces.append(self._text.flush())
+            pieces.append(self._text.flush(incomplete=self.end_releases_incomplete))
         return "".join(pieces), step.finish_reason
 
     def finish_text(self) -> str:
         """Text still held when the request ends without another step (``max_tokens`` were
         all produced when the broken leg ended)."""
-        return self._text.flush() if self._text is not None else ""
+        if self._text is None:
+            return ""
+        return self._text.flush(incomplete=self.end_releases_incomplete)
+
+    def decode_on(self, engine_kind: str) -> None:
+        """The current leg decodes on an engine of ``engine_kind``: the request's text ends by
+        that engine's rule."""
+        self.end_releases_incomplete = engine_kind not in ENDS_BEFORE_INCOMPLETE
 
 
 class LegFailed(Exception):

@@ -71,11 +71,17 @@ class OutputText:
                     break
         return self._release(full, end - hold)
 
-    def flush(self) -> str:
-        """At the end of the request: release whatever was held back (no stop string came)."""
+    def flush(self, *, incomplete: bool = True) -> str:
+        """At the end of the request: release whatever was held back (no stop string came);
+        with ``incomplete`` false, except a trailing incomplete UTF-8 character (vLLM's
+        detokenizer never releases one: its text ends before it)."""
         if self.stopped:
             return ""
-        return self._release(self._text(), None)
+        full = self._text()
+        end = len(full)
+        while not incomplete and end > self._released and full[end - 1] == "\ufffd":
+            end -= 1
+        return self._release(full, end)
 
     def _release(self, full: str, end: int | None) -> str:
         stop_at = len(full) if end is None else end

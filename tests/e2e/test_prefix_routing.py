@@ -1,6 +1,7 @@
 """The prefix-aware policy over engines' real prefix caches, through ``pdserve up`` with two
 prefill engines (reference engine): a repeated prompt prefix lands on the engine that holds
-it, which reports it in ``usage.prompt_tokens_details.cached_tokens``."""
+it, which reports it in ``usage.prompt_tokens_details.cached_tokens``; and the decode engine's
+prefix cache holds what it pulled, so a repeated prompt pulls only the blocks it lacks."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem
+from tests.e2e.vllm_handoff import RELEASED, completion, on_engine, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,3 +71,69 @@ def test_a_repeated_prefix_lands_where_the_engine_reports_it_cached(pd: UpSystem
         other, _ = complete(pd, f"{index} {'xyz' * index} unrelated words here.")
         engines.add(other)
     assert len(engines) == 2  # both prefill engines served requests
+
+
+BLOCK = 16
+"""The reference engine's default block size."""
+METRICS_BOUND_S = 60.0
+"""How long a rank's relayed counters may lag (each rank sends them every second)."""
+
+
+def test_repeated_prompts_at_block_multiples_pull_only_what_the_decode_lacks(
+    pd: UpSystem,
+) -> None:
+    """Issue 29 on the reference engine: prompts of 1x, 2x and 1x + 1 blocks and one shorter
+    than a block, sent again and again between fresh ones. The decode engine's prefix cache
+    holds a pulled prompt's full blocks, so a repeated request pulls only the blocks past the
+    hit (one read per request while a block is missing), and a prompt it holds whole pulls
+    nothing: its producer is only notified and frees at once, counted as a release. Every
+    answer equals the decode engine's own greedy run of the prompt."""
+    decode = pd.endpoints["engines"]["decode-0"]
+    decode_metrics, prefill_urls = (
+        pd.endpoints["metrics"]["decode-0"],
+        [url for name, url in pd.endpoints["metrics"].items() if name.startswith("prefill")],
+    )
+    repeated = [token_prompt(n, 29_100 + n) for n in (BLOCK, 2 * BLOCK, BLOCK + 1, BLOCK // 2)]
+    want = [on_engine(decode["grpc"], tokens, 4) for tokens in repeated]
+    client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="unused", max_retries=0)
+
+    def send(tokens: list[int]) -> str:
+        text, _finish, _count, path = completion(client, tokens, 4)
+        assert path == "disaggregated"
+        return text
+
+    def counters() -> tuple[float, float]:
+        return (
+            metric(decode_metrics, RELEASED, reason="consumer_holds_prompt"),
+            metric(decode_metrics, "pdserve_kv_transfer_latency_seconds_count"),
+        )
+
+    def expired() -> float:
+        return sum(metric(url, "pdserve_kv_transfer_expired_leases_total") for url in prefill_urls)
+
+    def settled(target: tuple[float, float]) -> tuple[float, float]:
+        """The counters once they reached ``target`` (each rank relays a cumulative snapshot
+        every second), or as they were at the bound."""
+        deadline = time.monotonic() + METRICS_BOUND_S
+        while (now := counters()) < target and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return now
+
+    expired_before = expired()
+    # The decode engine ran each prompt itself (want): it holds their full blocks from here on.
+    # A first full hit marks where counting starts: the snapshot that shows its release also
+    # holds every read before it.
+    released_before, _ = counters()
+    assert send(repeated[0]) == want[0]
+    released, reads = settled((released_before + 1, 0))
+    assert released == released_before + 1
+    rounds = 3
+    for round_ in range(rounds):
+        for tokens, expected in zip(repeated, want, strict=True):
+            assert send(tokens) == expected, (round_, len(tokens))
+        send(token_prompt(BLOCK + 3, 29_200 + round_))  # fresh: pulled whole
+    # Per round: 1x and 2x pull nothing, 1x + 1 and the short one one block, the fresh one two
+    # blocks: three reads (one producer rank each).
+    target = (released + 2 * rounds, reads + 3 * rounds)
+    assert settled(target) == target, f"from {(released, reads)}"
+    assert expired() == expired_before

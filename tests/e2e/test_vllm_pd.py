@@ -19,7 +19,8 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,16 @@ from tests.e2e.test_failover_reference import (
 )
 from tests.e2e.up_system import UpSystem
 from tests.e2e.vllm_bench import bench_serve_random
+from tests.e2e.vllm_handoff import (
+    FAILURES,
+    RELEASED,
+    completion,
+    counted_until,
+    failing,
+    handoff_env,
+    on_engine,
+    token_prompt,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -76,18 +87,30 @@ def prompt_of_length(tokenizer: Tokenizer, length: int, offset: int) -> str:
     raise AssertionError(f"no prefix of {text!r} encodes to {length} tokens")
 
 
+LENGTHS = (BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1)
+"""Token counts of the first prompts of :func:`prompts` (:func:`prompt_of` finds one)."""
+
+
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[str]:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    lengths = [BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1]
-    chosen = [prompt_of_length(tokenizer, n, offset=i) for i, n in enumerate(lengths)]
+    chosen = [prompt_of_length(tokenizer, n, offset=i) for i, n in enumerate(LENGTHS)]
     chosen += [prompt_of_length(tokenizer, 5 * BLOCK_SIZE + 7, offset=3)]  # several blocks
-    chosen += ["Hello, world! How are you", "The quick brown fox jumps", "What is the capital"]
+    chosen += [SHORT_PROMPT, "The quick brown fox jumps", "What is the capital"]
     assert len(chosen) >= 8
     return chosen
 
 
-def start(work_dir: Path, model: Path, *args: str) -> UpSystem:
+SHORT_PROMPT = "Hello, world! How are you"
+"""A prompt shorter than one block."""
+
+
+def prompt_of(prompts: list[str], length: int) -> str:
+    """The prompt of :func:`prompts` that is ``length`` tokens long (one of :data:`LENGTHS`)."""
+    return prompts[LENGTHS.index(length)]
+
+
+def start(work_dir: Path, model: Path, *args: str, env: dict[str, str] | None = None) -> UpSystem:
     system = UpSystem(
         work_dir,
         "--engine",
@@ -101,6 +124,7 @@ def start(work_dir: Path, model: Path, *args: str) -> UpSystem:
         "--no-restart",  # a killed prefill engine is restarted by the test itself
         f"--engine-arg={EAGER}",
         *args,
+        env=env,
         scrub_env=True,
     )
     return system.wait_ready(timeout_s=START_TIMEOUT_S)
@@ -281,14 +305,16 @@ def wait_prewarmed(system: UpSystem, *, push: bool, timeout_s: float = 120.0) ->
 
 
 def fresh_prompts(count: int, tag: str) -> list[str]:
-    """Prompts no engine has seen: repeated ones move no KV, the decode engine's prefix cache
-    already holds them (vLLM then registers no block for the push)."""
+    """Prompts no engine has seen, so that their KV moves (a repeated prompt's blocks may be in
+    the decode engine's prefix cache already: see the repeated-prompt tests)."""
     return [f"Request {tag}-{n}: " + " ".join(WORDS) for n in range(count)]
 
 
 def pd_stack(work_dir: Path, model: Path, *args: str, push: bool) -> Iterator[UpSystem]:
-    """A PD stack for a test class: started, pre-warmed, stopped cleanly afterwards."""
-    system = start(work_dir, model, *args)
+    """A PD stack for a test class: started, pre-warmed, stopped cleanly afterwards; with
+    :func:`~tests.e2e.vllm_handoff.handoff_env` (repeated prompts disaggregated, injectable
+    transfer failures)."""
+    system = start(work_dir, model, *args, env=handoff_env(work_dir))
     try:
         wait_prewarmed(system, push=push)
         yield system
@@ -350,6 +376,149 @@ async def producer_released_everything(system: UpSystem, stack: Stack, engine: s
         if polls % 5 == 0:
             await asyncio.to_thread(greedy, client, fresh_prompts(1, f"release-{polls}")[0])
         await asyncio.sleep(2.0)
+
+
+REPEATED = (BLOCK_SIZE, 2 * BLOCK_SIZE, BLOCK_SIZE + 1)
+"""Prompt lengths the repeated-prompt checks send again and again: 1x and 2x a block (the decode
+engine then holds every block the producer computed: nothing moves, the producer frees at once)
+and 1x + 1 (it holds the first block: only the second moves)."""
+FULL_HITS_PER_ROUND = 2
+"""Of :data:`REPEATED`, the prompts the decode engine holds whole once it served them."""
+
+
+def decodes_of(system: UpSystem) -> list[str]:
+    return sorted(name for name in system.endpoints["engines"] if name.startswith("decode"))
+
+
+def released(system: UpSystem, reason: str, engines: list[str]) -> float:
+    return sum(engine_metric(system, engine, RELEASED, reason=reason) for engine in engines)
+
+
+def flush(system: UpSystem) -> Callable[[int], object]:
+    """A fresh request per call: hands an idle engine's last connector stats over."""
+    client = client_of(system)
+    return lambda round_: greedy(client, fresh_prompts(1, f"flush-{uuid.uuid4().hex}")[0])
+
+
+def producer_expiries_after_release(system: UpSystem) -> int:
+    """Waits until prefill-0 holds nothing for any consumer; the leases that ran out so far."""
+    return asyncio.run(producer_released_everything(system, Stack(system), "prefill-0"))
+
+
+def check_repeated_prompts(
+    system: UpSystem,
+    prompts: list[str],
+    colocated: dict[str, tuple[str, str | None, int]],
+    rounds: int,
+) -> None:
+    """Issue 29: prompts at 1x, 2x and 1x + 1 blocks and one shorter than a block, sent again
+    and again between fresh ones, all disaggregated: greedy output equal to colocated vLLM's
+    every time (before the fix the second 1x and 2x requests hung until the router's idle bound
+    and failed); every full hit is counted on the decode engine that decided it, exactly once
+    (``consumer_holds_prompt``), and the producer frees every request's blocks without a lease
+    running out."""
+    client = client_of(system)
+    decodes = decodes_of(system)
+    repeated = [prompt_of(prompts, length) for length in REPEATED]
+    for prompt in repeated:  # from here on, some decode engine holds each of them
+        greedy(client, prompt)
+    before = released(system, "consumer_holds_prompt", decodes)
+    expired = log_of(system, "prefill-0").count(EXPIRED_LOG)
+    fresh = fresh_prompts(rounds, f"repeat-{uuid.uuid4().hex}")
+    for round_ in range(rounds):
+        for prompt in [*repeated, SHORT_PROMPT]:
+            *got, path = completion(client, prompt, MAX_TOKENS)
+            assert (tuple(got), path) == (colocated[prompt], "disaggregated"), (round_, prompt)
+        *_, path = completion(client, fresh[round_], MAX_TOKENS)
+        assert path == "disaggregated"
+    # One decode engine holds each prompt whole from its second send there on: at most one
+    # miss per other decode engine and prompt; with one decode engine, every send is a hit.
+    most = before + FULL_HITS_PER_ROUND * rounds
+    least = before + FULL_HITS_PER_ROUND * (rounds - (len(decodes) - 1))
+
+    def total() -> float:
+        return released(system, "consumer_holds_prompt", decodes)
+
+    assert least <= counted_until(total, least, flush(system)) <= most
+    if len(decodes) == 1:
+        assert counted_until(total, most, flush(system)) == most
+    assert sum(engine_metric(system, name, FAILURES) for name in [*decodes, "prefill-0"]) == 0
+    assert producer_expiries_after_release(system) == expired
+
+
+def check_vllm_edge_cases(system: UpSystem) -> None:
+    """vLLM's own PD edge-case test (``tests/v1/kv_connector/nixl_integration/
+    test_edge_cases.py``) through ``pdserve up``: (1) a prompt shorter than a block; (2) a full
+    prefix-cache hit on the decode engine but not on the prefill (the decode engines primed by
+    running the prompt themselves, as vLLM's test asks its decode server); (3) a partial hit on
+    the decode engine. Each disaggregated and equal to the decode engine's own greedy run; (2)
+    moved nothing and is the one release counted."""
+    client = client_of(system)
+    decodes = decodes_of(system)
+    targets = [system.endpoints["engines"][name]["grpc"] for name in decodes]
+    before = released(system, "consumer_holds_prompt", decodes)
+    salt = uuid.uuid4().int % 10_000
+    short = token_prompt(BLOCK_SIZE // 2, salt)
+    *got, path = completion(client, short, MAX_TOKENS)
+    assert (got[0], path) == (on_engine(targets[0], short, MAX_TOKENS), "disaggregated")
+    held = token_prompt(2 * BLOCK_SIZE, salt + 1)
+    wants = {on_engine(target, held, MAX_TOKENS) for target in targets}
+    assert len(wants) == 1
+    *got, path = completion(client, held, MAX_TOKENS)
+    assert (got[0], path) == (wants.pop(), "disaggregated")
+    longer = held + token_prompt(BLOCK_SIZE + 8, salt + 2)
+    *got, path = completion(client, longer, MAX_TOKENS)
+    assert (got[0], path) == (on_engine(targets[0], longer, MAX_TOKENS), "disaggregated")
+
+    def total() -> float:
+        return released(system, "consumer_holds_prompt", decodes)
+
+    assert counted_until(total, before + 1, flush(system)) == before + 1
+
+
+def check_failed_transfer(
+    system: UpSystem,
+    prompts: list[str],
+    colocated: dict[str, tuple[str, str | None, int]],
+    operation: str,
+    producer_releases: int,
+) -> None:
+    """Issue 29: every ``operation`` (``WRITE``: push, ``READ``: pull) failing at submission, a
+    request whose KV must move still answers 200 with colocated vLLM's text: the failure reaches
+    the decode engine at once (a failure notice from the producer, or its own failed READ), the
+    router re-prefills elsewhere or, with no other prefill engine, decodes locally, counted
+    (``kv_handoff_failed``), never after the router's idle bound; the producer frees the blocks
+    at once (``producer_releases`` counted as ``push_failed`` on it), no lease runs out."""
+    client = client_of(system)
+    decodes = decodes_of(system)
+
+    def router(name: str, **labels: str) -> float:
+        return engine_metric(system, "router", name, **labels)
+
+    def consumer_failures() -> float:
+        return sum(engine_metric(system, name, FAILURES) for name in decodes)
+
+    def pushes_released() -> float:
+        return released(system, "push_failed", ["prefill-0"])
+
+    fallbacks = router("pdserve_router_fallbacks_total", reason="kv_handoff_failed")
+    retries = router("pdserve_router_prefill_retries_total", phase="kv_pull")
+    idle = router("pdserve_router_engine_timeouts_total", call="decode", bound="idle")
+    failed, freed = consumer_failures(), pushes_released()
+    expired = log_of(system, "prefill-0").count(EXPIRED_LOG)
+    # Neither can be a full hit on a decode engine: the producer holds a partial last block.
+    chosen = [prompt_of(prompts, BLOCK_SIZE - 1), prompt_of(prompts, 2 * BLOCK_SIZE + 1)]
+    with failing(system, operation):
+        for prompt in chosen:
+            *got, _path = completion(client, prompt, MAX_TOKENS)
+            assert tuple(got) == colocated[prompt], prompt
+    assert router("pdserve_router_fallbacks_total", reason="kv_handoff_failed") == fallbacks + 2
+    assert router("pdserve_router_prefill_retries_total", phase="kv_pull") == retries + 2
+    assert router("pdserve_router_engine_timeouts_total", call="decode", bound="idle") == idle
+    assert counted_until(consumer_failures, failed + 2, flush(system)) >= failed + 2
+    want = freed + producer_releases
+    assert counted_until(pushes_released, want, flush(system)) == want
+    assert producer_expiries_after_release(system) == expired
 
 
 class TestPushPrefillPP2:
@@ -454,6 +623,26 @@ class TestPushPrefillPP2:
             results = list(pool.map(lambda p: greedy(client, p), [*prompts, *fresh]))
         assert results[: len(prompts)] == [colocated[prompt] for prompt in prompts]
         assert [tokens for _text, _finish, tokens in results[len(prompts) :]] == [MAX_TOKENS] * 16
+
+    def test_repeated_prompts_at_block_multiples_move_only_what_the_decode_lacks(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        check_repeated_prompts(system, prompts, colocated, rounds=2)
+
+    def test_vllm_edge_cases_short_full_and_partial_decode_hits(self, system: UpSystem) -> None:
+        check_vllm_edge_cases(system)
+
+    def test_a_failed_push_is_answered_at_once_from_another_path(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        """Both prefill stages fail their WRITEs of each of the 2 requests: 4 releases."""
+        check_failed_transfer(system, prompts, colocated, "WRITE", producer_releases=4)
 
     def test_prefill_killed_under_load_then_restarted_under_the_same_id(
         self,
@@ -596,6 +785,27 @@ class TestPullPP1:
                 assert tuple(got) == want, (prompt, seed, top_p, top_k)
                 texts.add(want[0])
         assert len(texts) == len(SEEDED_PROMPTS) * len(SEEDED_CASES)  # really sampled
+
+    def test_repeated_prompts_at_block_multiples_move_only_what_the_decode_lacks(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        """Over two decode engines: each repeated prompt hits on the engine holding it."""
+        check_repeated_prompts(system, prompts, colocated, rounds=3)
+
+    def test_vllm_edge_cases_short_full_and_partial_decode_hits(self, system: UpSystem) -> None:
+        check_vllm_edge_cases(system)
+
+    def test_a_failed_read_is_answered_at_once_from_another_path(
+        self,
+        system: UpSystem,
+        prompts: list[str],
+        colocated: dict[str, tuple[str, str | None, int]],
+    ) -> None:
+        """The failed READ's producer rank is told by the decode engine: nothing expires."""
+        check_failed_transfer(system, prompts, colocated, "READ", producer_releases=0)
 
     def test_output_penalties_through_pd_equal_colocated(
         self,

@@ -41,15 +41,18 @@ def held_handle(
 
 
 def pull_command(request: EngineRequest, limits: SchedulerLimits) -> PullKV:
-    """The command that has every rank pull its share of a remote decode's prompt KV."""
+    """The command that has every rank pull its share of a remote decode's prompt KV: the
+    blocks past the request's prefix-cache hit (none when it holds them all: the pull then
+    only notifies the producer ranks, which free the blocks at once)."""
     handle = request.handle
     assert handle is not None  # submit checks
+    held = request.cached_tokens // limits.block_size
     return PullKV(
         request_id=request.request_id,
         producer_engine=handle.producer_engine_id,
         producer_generation=handle.generation,
-        remote_block_ids=handle.block_ids,
-        local_block_ids=tuple(request.block_ids[: len(handle.block_ids)]),
+        remote_block_ids=handle.block_ids[held:],
+        local_block_ids=tuple(request.block_ids[held : len(handle.block_ids)]),
         timeout_s=limits.kv_pull_timeout_s,
         connect_wait_s=limits.producer_connect_wait_s,
     )

@@ -267,12 +267,14 @@ class Scheduler:
                 request.kind, request.prompt, request.sampling, len(request.forks) + 1
             )
             cached: list[int] = []
-            if (
-                cache is not None
-                and request.kind != "remote"
-                and request.sampling.prompt_logprobs is None
-            ):
-                cached = cache.match(request.prompt)
+            if cache is not None and request.sampling.prompt_logprobs is None:
+                # A remote request's KV for every prompt token may be cached (its first token
+                # is computed here anyway): only the blocks past the hit are pulled.
+                cached = cache.match(
+                    (*request.prompt, request.first_token_id)
+                    if request.kind == "remote" and request.first_token_id is not None
+                    else request.prompt
+                )
             if needed - len(cached) > self.free_blocks():
                 if cached:
                     self.allocator.free(cached)

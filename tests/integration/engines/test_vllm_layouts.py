@@ -18,7 +18,9 @@ For every pair: greedy tokens through PD equal the colocated run of the same pro
 PP=2 prefill engine (token for token), the decode engine's NIXL worker timed the planned reads
 (each decode rank one read per producer rank it needs: the KV moved, nothing was recomputed,
 no transfer failed), and the producer's KV pool is entirely free afterwards (every producer rank
-was notified by every consumer rank that read from it).
+was notified by every consumer rank that read from it). Then the same prompts again, which the
+decode engine's prefix cache now holds in part or whole: equal again, only the missing blocks
+read, the whole hit read nothing and counted as a release.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
+from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
+from services.engines.errors import KVTransferFailed
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend
@@ -219,6 +222,21 @@ async def check_pair(
     # Every decode rank's planned READs of every request completed, and nothing else ran.
     assert exporter.transfers == expected
     assert failures(decode) == 0 and failures(prefill) == 0
+    # The same prompts again (issue 29; the producer's prefix cache holds them too): the decode
+    # engine now holds the one-block prompt whole, so nothing moves and the producer is told to
+    # free at once (one release counted); of the others it holds the first blocks at most, and
+    # the planned READs move the rest (the 31-token one again whole: its cached block also holds
+    # the first token, which a prefix-cache hit never covers).
+    released = counted(decode, "released")
+    for tokens in prompts:
+        want = await colocated(reference, tokens)
+        assert await disaggregated(prefill, decode, tokens) == want, f"again {len(tokens)}"
+    whole = sum(1 for tokens in prompts if len(tokens) % BLOCK_SIZE == 0)
+    expected += reads_per_request * (len(prompts) - whole)
+    await step_until(decode, lambda: counted(decode, "released") >= released + whole)
+    await step_until(decode, lambda: exporter.transfers >= expected)
+    assert (exporter.transfers, counted(decode, "released")) == (expected, released + whole)
+    assert failures(decode) == 0 and failures(prefill) == 0
 
     def producer_free() -> bool:
         load = prefill.load()
@@ -343,18 +361,23 @@ class TestOneKVHead:
         # notifies the other, whose blocks then free at once: check_pair's pool check.
         before = moved_bytes(decode)
         await check_pair(prefill.engine, decode, prefill.engine, salt=600, reads_per_request=1)
-        # Once: the head's K and V of every layer and block of every prompt, not twice.
+        # Once: the head's K and V of every layer and block of every prompt, not twice; when
+        # the prompts come again, only the blocks past the decode engine's prefix-cache hit
+        # (the partial last block of each, nothing of the one-block prompt).
         spec = TinyModelSpec(num_kv_heads=1)
-        blocks = sum(-(-length // BLOCK_SIZE) for length in PROMPT_LENGTHS)
+        first = sum(-(-length // BLOCK_SIZE) for length in PROMPT_LENGTHS)
+        again = sum(1 for length in PROMPT_LENGTHS if length % BLOCK_SIZE)
+        blocks = first + again
         per_block = BLOCK_SIZE * 2 * spec.head_dim * 4  # K and V rows of one head, float32
         assert moved_bytes(decode) - before == spec.num_layers * blocks * per_block
 
     async def test_a_read_from_a_departed_prefill_fails_named_and_counted(
         self, settings: ControlPlaneSettings, prefill: Stoppable, decode: VllmBackend
     ) -> None:
-        """The prefill stops after prefilling, before the decode reads: the request ends with
-        an explicit error (vLLM's kv_load_failure_policy "fail"), counted as a failed transfer,
-        and the decode engine frees the request's blocks and keeps serving."""
+        """The prefill stops after prefilling, before the decode reads: the request fails with
+        ``KVTransferFailed`` naming the producer before any token (vLLM's
+        kv_load_failure_policy "fail"), counted as a failed transfer, and the decode engine
+        frees the request's blocks and keeps serving."""
         sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         tokens = prompt(3 * BLOCK_SIZE + 7, 700)
         failed_before = failures(decode)
@@ -367,10 +390,10 @@ class TestOneKVHead:
             "pd-gone", tokens, sampling, kv_handle=result.kv_handle,
             first_token_id=result.first_token_id,
         )  # fmt: skip
-        deltas = [delta async for delta in decode.decode(request)]
-        assert deltas and deltas[-1].finish_reason is FinishReason.ERROR, deltas
-        assert deltas[-1].error is not None and "pre-1kv-tp2" in deltas[-1].error
-        assert sum(len(delta.token_ids) for delta in deltas) == 0  # nothing was made up
+        # Before any token (nothing made up): the router re-prefills elsewhere or locally.
+        with pytest.raises(KVTransferFailed, match="loading its KV from pre-1kv-tp2 failed"):
+            async for delta in decode.decode(request):
+                raise AssertionError(f"a delta of a request whose KV is gone: {delta}")
         await step_until(decode, lambda: failures(decode) > failed_before)
         assert failures(decode) == failed_before + 1
 

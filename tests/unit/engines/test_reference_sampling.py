@@ -57,6 +57,20 @@ def test_false_stop_prefix_is_released_and_multibyte_waits() -> None:
     assert out.flush() == "" and not out.stopped
 
 
+def test_an_incomplete_character_at_the_end_is_released_or_not_by_the_engine_rule() -> None:
+    tokenizer = ByteTokenizer()
+    euro = _ids(tokenizer, "€")
+    for incomplete in (True, False):
+        out = OutputText(tokenizer, ["END"])
+        assert "".join(out.add(t) for t in [*_ids(tokenizer, "abEN"), *euro[:2]]) == "ab"
+        # "EN" was held as a possible stop, the two bytes as an incomplete character: the stop
+        # prefix is released either way, the character only by the reference engine's rule
+        # (vLLM's text ends before it).
+        out.flush(incomplete=incomplete)
+        assert out.text.rstrip("\ufffd") == "abEN"
+        assert out.text.endswith("\ufffd") is incomplete
+
+
 def test_already_released_tokens_count_for_stops_and_release_held_text_once() -> None:
     tokenizer = ByteTokenizer()
     first, *rest = _ids(tokenizer, "E!ND")
