@@ -119,7 +119,7 @@ class KVTransferMetrics:
             "Requests whose producer blocks were freed at once, before any read, because no "
             "consumer will read them, by reason (consumer_holds_prompt: the consumer's prefix "
             "cache held every block; push_failed: the push failed and the request goes on "
-            "elsewhere).",
+            "elsewhere; consumer_gone: the router aborted the request, no consumer will come).",
             ["producer_engine", "consumer_engine", "reason"],
             registry=self.registry,
         )

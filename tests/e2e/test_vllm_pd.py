@@ -50,6 +50,7 @@ from tests.e2e.vllm_handoff import (
     failing,
     handoff_env,
     on_engine,
+    prefill_then_abort,
     token_prompt,
 )
 
@@ -634,6 +635,21 @@ class TestPushPrefillPP2:
 
     def test_vllm_edge_cases_short_full_and_partial_decode_hits(self, system: UpSystem) -> None:
         check_vllm_edge_cases(system)
+
+    def test_a_prefill_no_consumer_will_read_is_freed_when_aborted(self, system: UpSystem) -> None:
+        """Issue 29: the router aborts a prefilled request its decode engine refused, failed
+        or left; both prefill stages free the KV at once (``consumer_gone``), no lease runs
+        out."""
+        target = system.endpoints["engines"]["prefill-0"]["grpc"]
+        before = released(system, "consumer_gone", ["prefill-0"])
+        expired = log_of(system, "prefill-0").count(EXPIRED_LOG)
+        assert prefill_then_abort(target, token_prompt(2 * BLOCK_SIZE + 5, 29_300))
+
+        def total() -> float:
+            return released(system, "consumer_gone", ["prefill-0"])
+
+        assert counted_until(total, before + 2, flush(system)) == before + 2
+        assert producer_expiries_after_release(system) == expired
 
     def test_a_failed_push_is_answered_at_once_from_another_path(
         self,

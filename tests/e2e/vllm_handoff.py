@@ -92,6 +92,25 @@ def on_engine(target: str, token_ids: Sequence[int], max_tokens: int) -> str:
     return asyncio.run(run())
 
 
+def prefill_then_abort(target: str, token_ids: Sequence[int]) -> bool:
+    """Prefill ``token_ids`` on the engine at ``target`` (gRPC), then abort the request as the
+    router does when no decode engine will read its KV; whether the engine held any."""
+
+    async def run() -> bool:
+        client = EngineClient(target)
+        try:
+            request_id = f"orphan-{uuid.uuid4().hex}"
+            result = await client.prefill(
+                request_id, tuple(token_ids), SamplingParams(max_tokens=4, temperature=0.0)
+            )
+            assert result.kv_handle is not None
+            return await client.abort(request_id)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
 def counted_until(
     total: Callable[[], float], want: float, flush: Callable[[int], object], rounds: int = 8
 ) -> float:

@@ -77,6 +77,10 @@ class WorkerHandshake(ControlPlaneClient):
         self._stale_peers: queue.SimpleQueue[str] = queue.SimpleQueue()
         """Peer generations gone from the control plane, invalidated on vLLM's main thread."""
         self.finished_once = FinishedOnce()
+        self.xfer_stats = PdserveNixlStats()
+        self._pdserve_released_held: set[str] = set()
+        """Held requests the engine service gave up on (:meth:`release_held`), reported free
+        on the next step (main thread only)."""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
@@ -105,7 +109,33 @@ class WorkerHandshake(ControlPlaneClient):
     def get_transfer_results(self) -> KVConnectorTransferResults:
         self._apply_peer_changes()
         results: KVConnectorTransferResults = super().get_transfer_results()  # type: ignore[misc]
+        worker: Any = self
+        for request_id in self._pdserve_released_held:
+            if worker._reqs_to_send.pop(request_id, None) is not None or (
+                request_id in worker._reqs_to_process
+            ):
+                worker._reqs_to_process.discard(request_id)
+                results.finished_sending.add(request_id)
+                worker.xfer_stats.record_release("consumer_gone")
+                self._on_released(request_id)
+        self._pdserve_released_held.clear()
         return results
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the KV held for ``request_id`` on the next step, counted as ``consumer_gone``
+        (:mod:`~services.engines.vllm.worker_extension`; main thread). Whether it is held."""
+        worker: Any = self
+        held = request_id in worker._reqs_to_send or request_id in worker._reqs_to_process
+        if held and not self._in_flight(request_id):
+            self._pdserve_released_held.add(request_id)
+        return held
+
+    def _in_flight(self, request_id: str) -> bool:
+        """Whether a transfer of the request's blocks is under way (then it ends as usual)."""
+        return False
+
+    def _on_released(self, request_id: str) -> None:
+        """A held request was reported free by :meth:`release_held`."""
 
     def _evict_stale_engines(self) -> None:
         if self._bridge is not None and self._bridge.on_loop_thread():
@@ -273,7 +303,6 @@ class PushWorker(WorkerHandshake, NixlPushConnectorWorker):
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.xfer_stats = PdserveNixlStats()
         self._pdserve_push_targets: dict[str, dict[str, Any]] = {}
         """Producer: the consumer registration each started push writes to (writer thread
         adds, main thread removes once the request is reported done)."""
@@ -376,6 +405,14 @@ class PushWorker(WorkerHandshake, NixlPushConnectorWorker):
                     remote_rank=rank,
                 )
                 self.xfer_stats.record_failed_notification()
+
+    def _in_flight(self, request_id: str) -> bool:
+        with self._sending_transfers_lock:
+            return request_id in self._sending_transfers
+
+    def _on_released(self, request_id: str) -> None:
+        self._evict_finished_inbox.put(request_id)  # the writer drops what it still holds
+        self._push_writer_wake.set()
 
     # -- consumer, writer thread ------------------------------------------------------------
     def _handle_push_reg_notif(self, notif: bytes) -> None:

@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,9 +69,14 @@ from services.engines.vllm.request_mapping import (
     prefill_sampling,
 )
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.engines.vllm.worker_extension import RELEASE_HELD_KV, WORKER_EXTENSION
 from services.kv_transfer.metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
+
+HELD_REMEMBERED = 65536
+"""Prefilled requests :class:`VllmBackend` remembers for :meth:`VllmBackend.abort`: far more than
+a producer holds within one KV lease."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,10 @@ class VllmBackend(EngineBackend):
         self._engine: Any = None
         self._registration: EngineRegistration | None = None
         self._running: set[str] = set()
+        self._held: OrderedDict[str, str] = OrderedDict()
+        """Prefilled requests whose KV vLLM may still hold for a consumer -> vLLM's own id of
+        them (what its workers know), the most recent :data:`HELD_REMEMBERED` (older ones'
+        leases ran out long ago): :meth:`abort` frees them."""
         self._draining = False
         self._stats: dict[str, float] = {}
         self._kv_blocks_total = 0
@@ -172,6 +182,7 @@ class VllmBackend(EngineBackend):
             logits_processors=(
                 [OUTPUT_IN_PROMPT_PENALTIES] if self.options.speculative_config is None else []
             ),
+            worker_extension_cls=WORKER_EXTENSION,
         )
         backend = self
 
@@ -281,6 +292,7 @@ class VllmBackend(EngineBackend):
         assert self._registration is not None
         handle = None
         if not ended and final.kv_transfer_params:
+            self._hold(request_id, final.kv_transfer_params)
             handle = encode_handle(
                 final.kv_transfer_params,
                 engine_id=self._registration.engine_id,
@@ -301,6 +313,13 @@ class VllmBackend(EngineBackend):
             logprobs=firsts[-1] if firsts else None,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _hold(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        vllm_request_id = kv_transfer_params.get("remote_request_id")
+        if isinstance(vllm_request_id, str):
+            self._held[request_id] = vllm_request_id
+            while len(self._held) > HELD_REMEMBERED:
+                self._held.popitem(last=False)
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         prompt = list(request.prompt_token_ids)
@@ -344,10 +363,25 @@ class VllmBackend(EngineBackend):
             first = False
 
     async def abort(self, request_id: str) -> bool:
-        if self._engine is None or request_id not in self._running:
+        """A running request is aborted in vLLM; a prefilled one whose KV vLLM holds for a
+        consumer has it freed now on every worker (the router aborts it when no consumer will
+        come), instead of at the end of its lease."""
+        if self._engine is None:
             return False
-        await self._engine.abort(request_id)
-        return True
+        if request_id in self._running:
+            await self._engine.abort(request_id)
+            return True
+        vllm_request_id = self._held.pop(request_id, None)
+        if vllm_request_id is None:
+            return False
+        released = await self._engine.collective_rpc(RELEASE_HELD_KV, args=(vllm_request_id,))
+        logger.info(
+            "request %s: freed the KV held for its consumer on %d of %d worker(s)",
+            request_id,
+            sum(bool(held) for held in released),
+            len(released),
+        )
+        return any(released)
 
     def load(self) -> EngineLoad:
         stats = self._stats

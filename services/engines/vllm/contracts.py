@@ -126,10 +126,11 @@ PUSH_FAILED_KEY = "pdserve_push_failed"
 """A notification from the producer on vLLM's push-registration channel carrying this key (its
 value what failed) fails the consumer's receive of that request at once."""
 
-RELEASE_REASONS = ("consumer_holds_prompt", "push_failed")
+RELEASE_REASONS = ("consumer_holds_prompt", "push_failed", "consumer_gone")
 """Every reason a producer frees a request's blocks at once, before any consumer read them:
-the consumer's prefix cache held every block, or the push failed (the request goes on
-elsewhere)."""
+the consumer's prefix cache held every block, the push failed (the request goes on elsewhere),
+or no consumer will come (the router aborted the prefilled request: its decode engine refused
+it, failed or is gone)."""
 
 
 def _groups(block_ids: Any) -> list[Sequence[int]]:

@@ -97,13 +97,18 @@ async def vllm_engine(
     pp: int,
     tp: int,
     layer_partition: str | None = None,
+    *,
+    transfer_mode: TransferMode = TransferMode.PULL,
+    block_size: int | None = BLOCK_SIZE,
 ) -> AsyncIterator[VllmBackend]:
+    """A registered, READY vLLM engine of the tiny model (``block_size`` ``None``: vLLM's
+    default for the platform)."""
     options = VllmEngineOptions(
         model_dir=model_dir,
         pp_size=pp,
         tp_size=tp,
-        transfer_mode=TransferMode.PULL,
-        block_size=BLOCK_SIZE,
+        transfer_mode=transfer_mode,
+        block_size=block_size,
         dtype="float32",
         kv_cache_bytes=KV_CACHE_BYTES,
         enforce_eager=True,  # compiling the graphs costs minutes here and moves no KV
@@ -238,11 +243,17 @@ async def check_pair(
     assert (exporter.transfers, counted(decode, "released")) == (expected, released + whole)
     assert failures(decode) == 0 and failures(prefill) == 0
 
+    # The producer freed every request's blocks on notification (not at lease expiry).
+    await assert_producer_freed(prefill)
+
+
+async def assert_producer_freed(prefill: VllmBackend) -> None:
+    """The producer's pool is entirely free, nothing runs, and no lease of it ever expired."""
+
     def producer_free() -> bool:
         load = prefill.load()
         return load.running_requests == 0 and load.kv_blocks_free == load.kv_blocks_total
 
-    # The producer freed every request's blocks on notification (not at lease expiry).
     await step_until(prefill, producer_free)
     assert producer_free(), prefill.load()
     assert prefill.transfers is not None
@@ -288,6 +299,24 @@ class TestDecodePP1TP1:
     ) -> None:
         # The one decode rank reads each head from the prefill rank that holds it.
         await check_pair(prefill_tp2, decode, prefill_pp2, salt=300, reads_per_request=2)
+
+    async def test_a_prefill_no_consumer_will_read_is_freed_when_aborted(
+        self, prefill_pp2: VllmBackend
+    ) -> None:
+        """Issue 29: the router aborts a prefilled request whose decode engine refused it,
+        failed or left. Both PP stages of the producer free its KV at once, each counting a
+        ``consumer_gone`` release, instead of holding it until the lease runs out."""
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        before = counted(prefill_pp2, "released")
+        result = await prefill_pp2.prefill(
+            PrefillRequest("pd-orphan", prompt(3 * BLOCK_SIZE + 7, 800), sampling)
+        )
+        assert result.kv_handle is not None
+        assert await prefill_pp2.abort("pd-orphan")
+        await step_until(prefill_pp2, lambda: counted(prefill_pp2, "released") >= before + 2)
+        assert counted(prefill_pp2, "released") == before + 2
+        await assert_producer_freed(prefill_pp2)
+        assert not await prefill_pp2.abort("pd-orphan")  # nothing held any more
 
 
 class TestDecodePP2Uneven:
