@@ -37,6 +37,7 @@ from services.router.generation import GenerationRequest
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    StreamUsage,
     now_s,
 )
 from services.router.responses import (
@@ -116,7 +117,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
     if len(prompts) == 1 and body.n == 1 and not echo and params.plain(sampling):
         request = _generation_request("cmpl", body.model, prompts[0], sampling, arrival, stream)
         _check_engines(runtime, request)
-        return await serve(runtime, http, COMPLETIONS, request, stream, _include_usage(body))
+        return await serve(runtime, http, COMPLETIONS, request, stream, _stream_usage(body))
     base = f"cmpl-{_random_hex()}"
     choices: list[Choice] = []
     for prompt_index, token_ids in enumerate(prompts):
@@ -143,7 +144,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
         COMPLETIONS.endpoint,
         choices,
         stream,
-        _include_usage(body),
+        _stream_usage(body),
         lambda work: unless_client_leaves(http, work),
     )
 
@@ -168,7 +169,7 @@ async def chat_completions(
     if body.n == 1 and params.plain(sampling):
         request = _generation_request("chatcmpl", body.model, token_ids, sampling, arrival, stream)
         _check_engines(runtime, request)
-        return await serve(runtime, http, CHAT, request, stream, _include_usage(body))
+        return await serve(runtime, http, CHAT, request, stream, _stream_usage(body))
     base = f"chatcmpl-{_random_hex()}"
     choices = []
     for i in range(body.n):
@@ -184,7 +185,7 @@ async def chat_completions(
         CHAT.endpoint,
         choices,
         stream,
-        _include_usage(body),
+        _stream_usage(body),
         lambda work: unless_client_leaves(http, work),
     )
 
@@ -256,8 +257,8 @@ def _reject_unsupported(problem: tuple[str, str] | None) -> None:
         raise InvalidRequestError(message, param=param, code="unsupported_parameter")
 
 
-def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
+def _stream_usage(body: CompletionRequest | ChatCompletionRequest) -> StreamUsage:
+    return "none" if body.stream_options is None else body.stream_options.usage()
 
 
 def _random_hex() -> str:

@@ -28,7 +28,15 @@ from services.engines.backend import FinishReason, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.fork import ChunkStream, forked_runs
 from services.router.generation import Chunk, GenerationRequest, RunInfo
-from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
+from services.router.protocol import (
+    SSE_DONE,
+    StreamUsage,
+    finish_text,
+    now_s,
+    running_usage,
+    sse_event,
+    usage_body,
+)
 from services.router.runtime import RouterRuntime
 from services.tokenization.tokenizer import Tokenizer
 
@@ -75,7 +83,7 @@ async def serve_choices(
     endpoint: str,
     choices: list[Choice],
     stream: bool,
-    include_usage: bool,
+    usage: StreamUsage,
     guard: Guard,
 ) -> Response:
     """Run every choice; answer as one OpenAI response (or SSE stream)."""
@@ -101,7 +109,7 @@ async def serve_choices(
         firsts: list[Chunk] = await guard(_all([anext(s.run) for s in states]))
         if stream:
             streaming = True
-            events = _sse(runtime, kind, endpoint, states, firsts, include_usage)
+            events = _sse(runtime, kind, endpoint, states, firsts, usage)
             return StreamingResponse(
                 events,
                 media_type="text/event-stream",
@@ -278,7 +286,7 @@ async def _sse(
     endpoint: str,
     states: list[_State],
     firsts: list[Chunk],
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> AsyncIterator[bytes]:
     request = states[0].choice.request
     created = now_s()
@@ -321,7 +329,9 @@ async def _sse(
             "model": request.model,
             "choices": [rendered],
         }
-        if include_usage:
+        if usage == "continuous":  # this choice's tokens so far, as vLLM counts them
+            body["usage"] = running_usage(state.info.prompt_tokens, state.info.completion_tokens)
+        elif usage == "final":
             body["usage"] = None
         return sse_event(body)
 
@@ -356,16 +366,17 @@ async def _sse(
                 yield event(state, text, logprobs, False)
             if state.finish is not None:
                 pending.pop(id(state), None)
-        if include_usage:
-            usage = {
-                "id": request.request_id,
-                "object": object_name,
-                "created": created,
-                "model": request.model,
-                "choices": [],
-                "usage": _usage(states),
-            }
-            yield sse_event(usage)
+        if usage != "none":
+            yield sse_event(
+                {
+                    "id": request.request_id,
+                    "object": object_name,
+                    "created": created,
+                    "model": request.model,
+                    "choices": [],
+                    "usage": _usage(states),
+                }
+            )
         yield SSE_DONE
         outcome = "ok"
     except RouterError as exc:

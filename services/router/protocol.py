@@ -37,11 +37,33 @@ MAX_BATCH_PROMPTS = 64
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**32)]
 
 
+StreamUsage = Literal["none", "final", "continuous"]
+"""What a stream says of usage: nothing; a last chunk with ``usage`` (and no choices) before
+``[DONE]`` (``include_usage``); or that and, on every chunk, the usage so far (vLLM's
+``continuous_usage_stats``, which counts only with ``include_usage``)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
+    continuous_usage_stats: bool = False
+    """vLLM's: with ``include_usage``, every chunk also carries the usage so far."""
+
+    def usage(self) -> StreamUsage:
+        if not self.include_usage:
+            return "none"
+        return "continuous" if self.continuous_usage_stats else "final"
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A chunk's usage so far (``continuous_usage_stats``), as vLLM writes it."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 NEUTRAL_EXTENSIONS: dict[str, Any] = {

@@ -29,7 +29,15 @@ from fastapi.responses import Response, StreamingResponse
 from services.engines.backend import FinishReason
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.generation import Chunk, GenerationRequest, RunInfo
-from services.router.protocol import SSE_DONE, finish_text, now_s, sse_event, usage_body
+from services.router.protocol import (
+    SSE_DONE,
+    StreamUsage,
+    finish_text,
+    now_s,
+    running_usage,
+    sse_event,
+    usage_body,
+)
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
@@ -158,7 +166,7 @@ async def serve(
     output: Output,
     request: GenerationRequest,
     stream: bool,
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> Response:
     """Run the request; errors up to the first token are raised (an HTTP error), later ones
     end the stream with an error event. A client that hangs up before the response starts
@@ -191,7 +199,7 @@ async def serve(
             await run.aclose()
     headers = _headers(request, info)
     if stream:
-        events = _sse(runtime, output, request, info, run, first, include_usage)
+        events = _sse(runtime, output, request, info, run, first, usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     body = {
         "id": request.request_id,
@@ -216,7 +224,7 @@ async def _sse(
     info: RunInfo,
     run: AsyncGenerator[Chunk, None],
     first: Chunk,
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> AsyncIterator[bytes]:
     created = now_s()
     outcome = "client_disconnected"
@@ -229,13 +237,20 @@ async def _sse(
             "model": request.model,
             "choices": [output.render_delta(text, finish_text(finish), is_first)],
         }
-        if include_usage:
+        if usage == "continuous":
+            body["usage"] = running_usage(info.prompt_tokens, info.completion_tokens)
+        elif usage == "final":
             body["usage"] = None
         return sse_event(body)
 
     # The events between the first and the last differ only in their text: rendered once
-    # around a marker, each is then the two halves around its text's JSON string.
-    halves = event(_TEXT_MARK, None, False).split(json.dumps(_TEXT_MARK).encode())
+    # around a marker, each is then the two halves around its text's JSON string (not with
+    # continuous usage, which differs per event too).
+    halves = (
+        event(_TEXT_MARK, None, False).split(json.dumps(_TEXT_MARK).encode())
+        if usage != "continuous"
+        else []
+    )
 
     try:
         yield event(first.text, first.finish_reason, True)
@@ -250,16 +265,17 @@ async def _sse(
                     yield event(chunk.text, None, False)
             else:
                 yield event(chunk.text, finish, False)
-        if include_usage:
-            usage = {
-                "id": request.request_id,
-                "object": output.chunk_object_name,
-                "created": created,
-                "model": request.model,
-                "choices": [],
-                "usage": _usage(info),
-            }
-            yield sse_event(usage)
+        if usage != "none":
+            yield sse_event(
+                {
+                    "id": request.request_id,
+                    "object": output.chunk_object_name,
+                    "created": created,
+                    "model": request.model,
+                    "choices": [],
+                    "usage": _usage(info),
+                }
+            )
         yield SSE_DONE
         outcome = "ok"
     except StopAsyncIteration:  # pragma: no cover - the executor ends on a finish reason

@@ -97,6 +97,44 @@ async def test_chat_stream_with_usage_ends_with_done(rt):
     assert '"cached_tokens":0' in events[-2]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, n):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm streams with it): each chunk
+    carries the usage so far (per choice), then the usual last usage chunk."""
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=3,
+        n=n,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    *with_text, last = chunks
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 3 * n
+    seen: dict[int, list[int]] = {}
+    for chunk in with_text:
+        assert chunk.usage is not None
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        seen.setdefault(chunk.choices[0].index, []).append(chunk.usage.completion_tokens)
+    # Counted per choice, as vLLM does: growing to the choice's tokens.
+    assert sorted(seen) == list(range(n))
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 3
+
+
+async def test_continuous_usage_stats_without_include_usage_add_nothing(client):
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks and all(chunk.usage is None and chunk.choices for chunk in chunks)
+
+
 async def test_openai_client_streams_chat(client):
     stream = await client.chat.completions.create(
         model=MODEL,
