@@ -35,9 +35,11 @@ from services.router.errors import (
 )
 from services.router.generation import GenerationRequest
 from services.router.protocol import (
+    REMOVED_GUIDED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     StreamUsage,
+    ignored_fields,
     now_s,
 )
 from services.router.responses import (
@@ -102,6 +104,7 @@ ops = APIRouter()
 async def completions(body: CompletionRequest, runtime: Runtime, http: Request) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
+    _ignore_unknown(runtime, body)
     prompts = [_prompt_ids(runtime, prompt, body.add_special_tokens) for prompt in body.prompts()]
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     echo = bool(body.echo)
@@ -155,6 +158,7 @@ async def chat_completions(
 ) -> Response:
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
+    _ignore_unknown(runtime, body)
     token_ids = runtime.chat.tokenize(
         body.messages, add_generation_prompt=body.add_generation_prompt
     )
@@ -249,6 +253,25 @@ async def health(runtime: Runtime) -> Response:
 @ops.get("/metrics")
 async def metrics(runtime: Runtime) -> Response:
     return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _ignore_unknown(
+    runtime: RouterRuntime, body: CompletionRequest | ChatCompletionRequest
+) -> None:
+    """Fields vLLM's server would ignore are ignored: counted, each name logged once."""
+    names = ignored_fields(body)
+    if not names:
+        return
+    for name in runtime.metrics.ignored(names):
+        if name in REMOVED_GUIDED_FIELDS:
+            logger.warning(
+                "a request contains the removed guided-decoding field %r, which is ignored "
+                "(as vLLM's server does): the output is NOT constrained; use "
+                "structured_outputs or response_format",
+                name,
+            )
+        else:
+            logger.info("a request contains the field %r, which is ignored (as vLLM's)", name)
 
 
 def _reject_unsupported(problem: tuple[str, str] | None) -> None:

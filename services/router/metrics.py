@@ -50,6 +50,11 @@ FALLBACK_REASONS = (
 """Every ``reason`` of ``pdserve_router_fallbacks_total``."""
 
 
+IGNORED_FIELD_LABELS = 32
+"""Distinct ``field`` labels of ``pdserve_router_ignored_fields_total`` (clients name fields:
+the series stay bounded)."""
+
+
 class RouterMetrics:
     """``pdserve_router_*``; see docs/metrics.md for names and labels."""
 
@@ -90,6 +95,15 @@ class RouterMetrics:
         # increase() and the PdserveRouterFallbacks alert see (a series born at 1 is not).
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason=reason)
+        self.ignored_fields = Counter(
+            "pdserve_router_ignored_fields_total",
+            "Request fields the router ignored because vLLM's server does not know them "
+            f"either, by field (the first {IGNORED_FIELD_LABELS} names seen; later ones as "
+            "other).",
+            ["field"],
+            registry=r,
+        )
+        self._ignored_names: set[str] = set()
         self.prefill_retries = Counter(
             "pdserve_router_prefill_retries_total",
             "Prefill attempts that failed and were retried on another engine, by phase "
@@ -194,6 +208,18 @@ class RouterMetrics:
         self.ttft_by = self.ttft.labels
         self.ttft_phase_by = self.ttft_phase.labels
         self.e2e_by = self.e2e.labels
+
+    def ignored(self, names: list[str]) -> list[str]:
+        """Count ignored request fields; the names never ignored before (to log once)."""
+        new = []
+        for name in names:
+            label = name if name in self._ignored_names else "other"
+            if name not in self._ignored_names and len(self._ignored_names) < IGNORED_FIELD_LABELS:
+                self._ignored_names.add(name)
+                label = name
+                new.append(name)
+            self.ignored_fields.labels(field=label).inc()
+        return new
 
     def _loop_histogram(
         self,

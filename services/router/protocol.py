@@ -6,7 +6,9 @@ a request that a vLLM client fills with defaults (``"repetition_penalty": 1.0``,
 ``"logprobs": null``...) is accepted. Fields pdserve carries to the engines (sampling, logprobs,
 ``n``, ``echo``...) are typed; the vLLM extensions pdserve does not implement are declared in
 :data:`NEUTRAL_EXTENSIONS` and accepted only at their default value (a 400 naming the
-parameter otherwise, never silently ignored). Unknown fields are still refused. Whether an
+parameter otherwise, never silently ignored). Fields vLLM's server does not know either
+(``best_of``, removed ones such as ``guided_json``, any other) are ignored as vLLM ignores
+them, and logged and counted (:func:`ignored_fields`). Whether an
 engine can honour a carried parameter is checked against the engines' kinds
 (:mod:`services.router.params`). Responses are plain dicts (no response validation on the hot
 path).
@@ -44,7 +46,7 @@ StreamUsage = Literal["none", "final", "continuous"]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
@@ -55,6 +57,30 @@ class StreamOptions(BaseModel):
         if not self.include_usage:
             return "none"
         return "continuous" if self.continuous_usage_stats else "final"
+
+
+REMOVED_GUIDED_FIELDS = frozenset(
+    {
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    }
+)
+"""Guided-decoding fields vLLM removed (its server ignores them with a warning: the output is
+NOT constrained; ``structured_outputs`` or ``response_format`` replace them)."""
+
+
+def ignored_fields(body: BaseModel) -> list[str]:
+    """The request's fields the server does not know, ignored as vLLM's server ignores them
+    (top level and ``stream_options``)."""
+    names = list(body.model_extra or ())
+    options = getattr(body, "stream_options", None)
+    if isinstance(options, BaseModel) and options.model_extra:
+        names += [f"stream_options.{name}" for name in options.model_extra]
+    return names
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -151,9 +177,11 @@ def _neutral_names(model: type[BaseModel]) -> list[str]:
 
 
 class _SamplingFields(BaseModel):
-    """Fields common to completions and chat completions (vLLM's names and defaults)."""
+    """Fields common to completions and chat completions (vLLM's names and defaults). A field
+    vLLM's server does not know either is ignored, as vLLM ignores it (``extra="allow"``; the
+    router logs and counts it: :func:`ignored_fields`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: StrictStr = Field(min_length=1, max_length=256)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -242,7 +270,6 @@ class CompletionRequest(_SamplingFields):
     """``None`` reads as 16; 0 only with ``echo`` (score the prompt, generate nothing)."""
     echo: bool | None = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: StrictInt | None = Field(default=None, ge=1, le=128)
     suffix: StrictStr | None = None
     prompt_embeds: Any = None
 
@@ -264,8 +291,6 @@ class CompletionRequest(_SamplingFields):
         return value
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.best_of not in (None, 1, self.n):
-            return "best_of", "best_of other than n is not supported by pdserve"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.prompt_embeds is not None:

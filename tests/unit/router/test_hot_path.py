@@ -53,6 +53,7 @@ CASES: list[tuple[str, str, bytes, dict[str, str]]] = [
     ("not an object", "/v1/chat/completions", b"[1]", {}),
     ("text/plain", "/v1/completions", json.dumps(GOOD).encode(), {"content-type": "text/plain"}),
     ("extra field", "/v1/completions", json.dumps({**GOOD, "bogus": 1}).encode(), {}),
+    ("unsupported", "/v1/completions", json.dumps({**GOOD, "use_beam_search": True}).encode(), {}),
     ("bad value", "/v1/completions", json.dumps({**GOOD, "max_tokens": -1}).encode(), {}),
     ("unknown model", "/v1/completions", json.dumps({**GOOD, "model": "other"}).encode(), {}),
     ("trailing slash", "/v1/completions/", json.dumps(GOOD).encode(), {}),
