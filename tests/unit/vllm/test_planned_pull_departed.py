@@ -53,6 +53,7 @@ def make_worker() -> Any:
             VllmSurface.__init__(self)
             self._pdserve_rank = (1, 0)
             self._pdserve_departed = set()
+            self._pdserve_notices = {}
 
     return Worker()
 
