@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 import pytest_asyncio
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import TransferMode
+from tests.integration.engines import test_vllm_layouts
 from tests.integration.engines.test_vllm_layouts import (
     assert_producer_freed,
     colocated,
@@ -35,16 +35,7 @@ from tests.integration.engines.test_vllm_layouts import (
     vllm_engine,
 )
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.timeout(1800),
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = test_vllm_layouts.pytestmark  # vLLM in this process: the same marks
 
 __all__ = ["model_dir", "settings"]  # module fixtures shared with the layouts module
 
