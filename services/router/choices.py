@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -132,6 +133,8 @@ async def serve_choices(
         "choices": [_render(tokenizer, kind, state) for state in states],
         "usage": _usage(states),
     }
+    if kind == "chat" and (prompt_logprobs := prompt_logprobs_body(tokenizer, states[0])):
+        body["prompt_logprobs"] = prompt_logprobs  # vLLM's chat answer: the request's, once
     runtime.executor.observe_end(first_request.arrival_s, endpoint, "ok", states[0].info)
     return Response(
         json.dumps(body, separators=(",", ":")),
@@ -182,6 +185,60 @@ def _usage(states: list[_State]) -> dict[str, Any]:
     )
 
 
+def prompt_logprobs_body(tokenizer: Tokenizer, state: _State) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` of a choice: ``None`` for the first prompt token, then per
+    token ``{id: {"logprob", "rank", "decoded_token"}}``, the prompt's own token first, then
+    the requested most likely ones (ranks 1..k); ``-inf`` clamped to -9999 as vLLM does.
+    ``None`` when the request did not ask for them."""
+    request = state.choice.request
+    top = request.sampling.prompt_logprobs
+    if top is None:
+        return None
+    rendered: list[Any] = [None]
+    context: list[int] = []  # the prompt tokens before the position (vLLM's context)
+    for entry in state.prompt_logprobs:
+        candidates = [(entry.token_id, entry.logprob, entry.rank)]
+        candidates += [(i, lp, rank) for rank, (i, lp) in enumerate(entry.top[:top], start=1)]
+        position: dict[str, Any] = {}
+        for token_id, logprob, rank in candidates:
+            position.setdefault(
+                str(token_id),
+                {
+                    "logprob": max(logprob, LOGPROB_FLOOR),
+                    "rank": rank,
+                    "decoded_token": decoded_token(tokenizer, token_id, context),
+                },
+            )
+        rendered.append(position)
+        context.append(entry.token_id)
+    return rendered
+
+
+def decoded_token(tokenizer: Tokenizer, token_id: int, context: list[int]) -> str:
+    """A logprob entry's token text as vLLM 0.32 gives it (``v1/engine/logprobs.py``,
+    ``LogprobsProcessor._correct_decoded_token``): the token alone, or, when that ends in an
+    incomplete UTF-8 character, what it adds after up to 4 tokens of ``context`` (the text it
+    completes), else ``""``. A port of those lines while the router does not run vLLM's front
+    end (docs/architecture.md, "Router")."""
+    alone = tokenizer.decode([token_id], skip_special_tokens=False)
+    if not alone.endswith("\ufffd"):
+        return alone
+    for size in range(1, min(len(context), 4) + 1):
+        tail = context[-size:]
+        full = tokenizer.decode([*tail, token_id], skip_special_tokens=False)
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(tail)  # context tokens that are themselves part of the character do not count
+        while clean and tokenizer.decode([tail[clean - 1]], skip_special_tokens=False).endswith(
+            "\ufffd"
+        ):
+            clean -= 1
+        prefix = tokenizer.decode(tail[:clean], skip_special_tokens=False) if clean else ""
+        common = len(os.path.commonprefix([prefix, full]))
+        return full[common:]
+    return ""
+
+
 def _render(tokenizer: Tokenizer, kind: Kind, state: _State) -> dict[str, Any]:
     choice = state.choice
     text = "".join(state.text)
@@ -207,12 +264,16 @@ def _render(tokenizer: Tokenizer, kind: Kind, state: _State) -> dict[str, Any]:
         )
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             logprobs[key].extend(generated[key])
-    return {
+    rendered = {
         "index": choice.index,
         "text": choice.echo_text + text,
         "logprobs": logprobs,
         "finish_reason": finish,
     }
+    prompt_logprobs = prompt_logprobs_body(tokenizer, state)
+    if prompt_logprobs is not None:
+        rendered["prompt_logprobs"] = prompt_logprobs
+    return rendered
 
 
 def _end(logprobs: dict[str, Any]) -> int:

@@ -331,6 +331,48 @@ def test_echo_logprobs_equal_transformers(client: openai.OpenAI, model_dir: Path
     assert lp.token_logprobs[-1] == pytest.approx(float(logprobs[-1].max()), abs=1e-4)
 
 
+def test_prompt_logprobs_come_back_through_pd_in_vllm_shape(
+    client: openai.OpenAI, model_dir: Path
+) -> None:
+    """``prompt_logprobs`` (computed on the prefill engine, carried back through PD) as vLLM's
+    server renders them: on each completion choice, with or without ``echo`` (then ``logprobs``
+    is their count), and once on a chat answer; ``None`` for the first prompt token, then per
+    token ``{id: {logprob, rank, decoded_token}}``, the prompt token's own entry first with
+    its rank, then the k most likely with ranks 1..k. Before, the field was accepted and
+    dropped."""
+    ids = load_tokenizer(model_dir).encode(PROMPT, add_special_tokens=True)
+    scored = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0
+    )
+    assert scored.choices[0].logprobs is not None
+    want = scored.choices[0].logprobs.token_logprobs[1:]  # equal to transformers' (above)
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    rendered = (completion.choices[0].model_extra or {})["prompt_logprobs"]
+    assert rendered[0] is None and len(rendered) == len(ids)
+    for position, token_id, logprob in zip(rendered[1:], ids[1:], want, strict=True):
+        own, *others = position.items()
+        assert own[0] == str(token_id) and own[1]["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert own[1]["rank"] >= 1 and isinstance(own[1]["decoded_token"], str)
+        ranks = [entry["rank"] for _, entry in others]
+        assert ranks == [r for r in (1, 2) if r != own[1]["rank"]]
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    assert len((echoed.choices[0].model_extra or {})["prompt_logprobs"]) == len(ids)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert chat.usage is not None
+    chat_rendered = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat_rendered[0] is None and len(chat_rendered) == chat.usage.prompt_tokens
+
+
 def test_streamed_logprobs_equal_non_streamed(client: openai.OpenAI) -> None:
     kwargs = {
         "model": MODEL,
