@@ -227,11 +227,24 @@ def _check_engines(runtime: RouterRuntime, request: GenerationRequest) -> None:
 
 @v1.get("/models")
 async def models(runtime: Runtime) -> dict[str, Any]:
+    """The served models, each with ``max_model_len`` as vLLM's server lists it: here the
+    smallest context of the model's READY engines (every request that fits it fits wherever
+    it is placed); ``None`` while no engine reports one."""
     created = now_s()
+    lengths: dict[str, list[int]] = {}
+    for slot in runtime.pool.slots():
+        if slot.record.max_model_len:
+            lengths.setdefault(slot.record.model, []).append(slot.record.max_model_len)
     return {
         "object": "list",
         "data": [
-            {"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdserve",
+                "max_model_len": min(lengths[model]) if model in lengths else None,
+            }
             for model in runtime.pool.ready_models()
         ],
     }

@@ -422,7 +422,13 @@ async def test_health_needs_a_ready_pair_and_models_lists_ready_models(factory):
         rt.pool.update("p1", view("p1", EngineRole.PREFILL))
         assert (await transport.get("/health")).status_code == 200
         listed = await transport.get("/v1/models")
-    assert [m["id"] for m in listed.json()["data"]] == [MODEL]
+        assert [m["id"] for m in listed.json()["data"]] == [MODEL]
+        assert listed.json()["data"][0]["max_model_len"] is None  # no engine reported one
+        # As vLLM's server lists it; the smallest of the model's READY engines.
+        rt.pool.update("p1", view("p1", EngineRole.PREFILL, max_model_len=2048))
+        rt.pool.update("d1", view("d1", EngineRole.DECODE, max_model_len=1024))
+        listed = await transport.get("/v1/models")
+    assert listed.json()["data"][0]["max_model_len"] == 1024
 
 
 async def test_max_tokens_one_finishes_at_the_prefill(client, factory):
