@@ -14,7 +14,7 @@ from typing import get_args
 from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings
-from services.router.config import PolicyName, RouterSettings
+from services.router.config import FrontendName, PolicyName, RouterSettings
 from services.router.main import run as serve_router
 from services.router.workers import serve_workers
 
@@ -26,6 +26,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         type=Path,
         help="checkpoint folder with the tokenizer and chat template (default: byte-level)",
+    )
+    parser.add_argument(
+        "--frontend",
+        choices=get_args(FrontendName),
+        help="OpenAI front end: pdserve's own (default) or vLLM's serving classes over PD",
+    )
+    parser.add_argument(
+        "--frontend-arg",
+        action="append",
+        dest="frontend_args",
+        metavar="FLAG",
+        help="a vLLM server flag for --frontend vllm (repeatable; e.g. "
+        "--frontend-arg=--tool-call-parser=hermes)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        help="--frontend vllm: the model's name (default: the --tokenizer folder's name)",
     )
     parser.add_argument("--policy", choices=get_args(PolicyName), help="routing policy")
     parser.add_argument(
@@ -57,7 +74,7 @@ def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSetti
     overrides: dict[str, object] = {"control_plane": tools.control_plane}
     names = (
         "host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated",
-        "workers", "worker_metrics_port",
+        "workers", "worker_metrics_port", "frontend", "frontend_args", "served_model_name",
     )  # fmt: skip
     for name in names:
         value = getattr(args, name, None)

@@ -298,9 +298,25 @@ def _router_child(
         *(["--tokenizer", str(model)] if model is not None else []),
         *(["--colocated"] if args.colocated else []),
         *(["--workers", str(args.router_workers)] if args.router_workers != 1 else []),
+        *_frontend_argv(args),
         *args.router_arg,
     )
     return ChildProcess("router", argv, logs / "router.log", role="router", env=secrets)
+
+
+def _frontend_argv(args: argparse.Namespace) -> list[str]:
+    """The router's front end: vLLM's with vLLM engines unless ``--frontend`` says otherwise;
+    its context is the engines' (their ``--max-model-len``)."""
+    frontend = args.frontend or ("vllm" if args.engine == "vllm" else "pdserve")
+    if frontend != "vllm":
+        return []
+    flags = list(args.frontend_arg)
+    for index, arg in enumerate(args.engine_arg):
+        if arg.startswith("--max-model-len="):
+            flags.append(arg)
+        elif arg == "--max-model-len" and index + 1 < len(args.engine_arg):
+            flags.append(f"--max-model-len={args.engine_arg[index + 1]}")
+    return ["--frontend", "vllm", *(f"--frontend-arg={flag}" for flag in flags)]
 
 
 async def _wait_ready(children: list[ChildProcess], stop: asyncio.Event, deadline: float) -> None:

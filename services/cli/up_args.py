@@ -58,6 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra argument for pdserve router (repeatable)",
     )
+    parser.add_argument(
+        "--frontend",
+        choices=("pdserve", "vllm"),
+        default=None,
+        help="the router's OpenAI front end (default: vllm with --engine vllm, else pdserve)",
+    )
+    parser.add_argument(
+        "--frontend-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a vLLM server flag for the vllm front end (repeatable; e.g. "
+        "--frontend-arg=--tool-call-parser=hermes --frontend-arg=--enable-auto-tool-choice)",
+    )
     parser.add_argument("--block-size", type=int, default=None, help="engines' KV block size")
     parser.add_argument(
         "--dtype", default=None, help="engines' dtype (float32, bfloat16...; default: engine's)"

@@ -13,6 +13,7 @@ from services.serving.tls import ClientTLS
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
 GrpcClientName = Literal["h2", "grpcio"]
+FrontendName = Literal["pdserve", "vllm"]
 
 
 class EngineGrpcSettings(BaseModel):
@@ -85,6 +86,18 @@ class RouterSettings(BaseSettings):
     tokenizer: Path | None = None
     """Checkpoint folder whose tokenizer (and chat template) the router uses for every model;
     ``None`` = the byte-level fallback tokenizer with the default chat template."""
+    frontend: FrontendName = "pdserve"
+    """Which OpenAI front end answers: ``pdserve`` (the router's own, any tokenizer) or
+    ``vllm`` (vLLM's own serving classes over pdserve's executor: chat templates, tools,
+    reasoning parsers, Responses, tokenize, exactly as vLLM's server; needs ``tokenizer``
+    and vLLM installed)."""
+    frontend_args: list[str] = Field(default_factory=list)
+    """With ``frontend = vllm``: vLLM server flags for the front end (``--chat-template``,
+    ``--tool-call-parser``, ``--enable-auto-tool-choice``, ``--reasoning-parser``,
+    ``--max-model-len``...), as ``vllm serve`` takes them."""
+    served_model_name: str | None = None
+    """With ``frontend = vllm``: the model's name (the one its engines register); ``None``:
+    the ``tokenizer`` folder's name, the engines' default."""
     policy: PolicyName = "prefix_aware"
     """How engines are chosen: ``round_robin``; ``least_loaded`` (the router's in-flight
     reservations plus each engine's reported queue); ``prefix_aware`` (least-loaded decode,
@@ -152,6 +165,8 @@ class RouterSettings(BaseSettings):
     def _check(self) -> RouterSettings:
         if any(not key.get_secret_value() for key in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")
+        if self.frontend == "vllm" and self.tokenizer is None:
+            raise ValueError("frontend vllm needs tokenizer (the checkpoint folder)")
         if self.worker_metrics_port and self.worker_metrics_port + self.workers - 1 > 65535:
             raise ValueError("worker_metrics_port + workers - 1 must be a port (<= 65535)")
         return self

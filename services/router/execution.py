@@ -114,7 +114,12 @@ class Executor:
                     text, finish = progress.add(step)
                     info.completion_tokens = len(progress.generated)
                     yield Chunk(
-                        text, len(step.token_ids), finish, step.logprobs, step.prompt_logprobs
+                        text,
+                        len(step.token_ids),
+                        finish,
+                        step.logprobs,
+                        step.prompt_logprobs,
+                        step.token_ids,
                     )
                     if finish is not None:  # (a stop string found across a join ends the leg)
                         return

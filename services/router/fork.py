@@ -212,7 +212,14 @@ class _ForkedRun:
                 finish = reason or FinishReason.STOP
             self._put(
                 index,
-                Chunk(text, 1, finish, (logprobs,) if logprobs else (), result.prompt_logprobs),
+                Chunk(
+                    text,
+                    1,
+                    finish,
+                    (logprobs,) if logprobs else (),
+                    result.prompt_logprobs,
+                    (token,),
+                ),
             )
         return forks
 
@@ -277,7 +284,13 @@ class _ForkedRun:
                 self._infos[delta.choice].completion_tokens += len(delta.token_ids)
                 self._put(
                     delta.choice,
-                    Chunk(delta.text, len(delta.token_ids), delta.finish_reason, delta.logprobs),
+                    Chunk(
+                        delta.text,
+                        len(delta.token_ids),
+                        delta.finish_reason,
+                        delta.logprobs,
+                        token_ids=tuple(delta.token_ids),
+                    ),
                 )
         finally:
             aclose = getattr(stream, "aclose", None)

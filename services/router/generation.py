@@ -39,6 +39,8 @@ class Chunk:
     """One per token, when the request asked for logprobs."""
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """On the first chunk, when the request asked for prompt logprobs (tokens 1..)."""
+    token_ids: tuple[int, ...] = ()
+    """The ``num_tokens`` token ids (vLLM's front end detokenizes them itself)."""
 
 
 @dataclass

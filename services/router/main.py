@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
+from services.engines.vllm.version_guard import FRONTEND_SYMBOLS, check_vllm
 from services.router.api import generation, ops, v1
 from services.router.config import RouterSettings
 from services.router.connector import ConnectorFactory, GrpcConnectorFactory
@@ -84,9 +85,9 @@ def create_app(
     otherwise the lifespan builds one with ``connectors`` (gRPC by default)."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if runtime is not None:  # set on the app below: nothing to build or close
-            yield
+    async def runtime_context() -> AsyncIterator[RouterRuntime]:
+        if runtime is not None:  # prepared by the caller: nothing to build or close
+            yield runtime
             return
         registry = CollectorRegistry()
         factory = connectors or GrpcConnectorFactory(
@@ -95,11 +96,10 @@ def create_app(
         metrics = RouterMetrics(registry)
         metrics.engine_grpc_client.labels(client=settings.engine_grpc.client).set(1)
         built = RouterRuntime.build(settings, factory, metrics)
-        app.state.runtime = built
         control_plane = RedisControlPlane(settings.control_plane, ControlPlaneMetrics(registry))
         follower = asyncio.create_task(built.pool.follow(control_plane), name="pdserve-router-pool")
         try:
-            yield
+            yield built
         finally:
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,6 +107,15 @@ def create_app(
             await built.executor.close()
             await built.pool.close()
             await control_plane.close()
+
+    if settings.frontend == "vllm":
+        return _vllm_app(settings, runtime_context)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with runtime_context() as built:
+            app.state.runtime = built
+            yield
 
     app = HotPathApp(
         title="pdserve router",
@@ -123,6 +132,26 @@ def create_app(
     if runtime is not None:
         app.state.runtime = runtime
     return app
+
+
+def _vllm_app(
+    settings: RouterSettings,
+    runtime_context: Callable[[], contextlib.AbstractAsyncContextManager[RouterRuntime]],
+) -> FastAPI:
+    """vLLM's front end (``services.router.vllm_frontend``) for ``settings.tokenizer``."""
+    check_vllm(FRONTEND_SYMBOLS)  # before the front end's modules import vLLM's
+    from services.router.vllm_frontend.app import create_vllm_app  # noqa: PLC0415
+    from services.router.vllm_frontend.config import (  # noqa: PLC0415
+        build_frontend,
+        frontend_args,
+    )
+
+    assert settings.tokenizer is not None  # RouterSettings checks it
+    name = settings.served_model_name or settings.tokenizer.resolve().name
+    args = frontend_args(settings.tokenizer, name, settings.frontend_args)
+    if settings.api_keys:
+        args.api_key = [key.get_secret_value() for key in settings.api_keys]
+    return create_vllm_app(build_frontend(args), runtime_context, ops)
 
 
 def reuse_port_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:

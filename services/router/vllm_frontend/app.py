@@ -1,0 +1,166 @@
+"""The router app with vLLM's own OpenAI front end (``PDSERVE_ROUTER_FRONTEND=vllm``).
+
+vLLM's ``build_app`` and ``init_app_state`` build the app vLLM's server serves (every route,
+its middleware, its exception handlers), over :class:`~.engine_client.PdserveEngineClient`
+instead of ``AsyncLLM``. pdserve keeps its own ``/health`` (a READY engine pair, not a local
+engine) and ``/metrics`` (the router's registry), and adds :class:`PdserveHeaders`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.app import build_app
+
+from services.router.generation import RunInfo
+from services.router.runtime import RouterRuntime
+from services.router.vllm_frontend.config import Frontend
+from services.router.vllm_frontend.engine_client import RUN_INFOS, PdserveEngineClient
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+GENERATION_ENDPOINTS = {
+    "/v1/completions": "/v1/completions",
+    "/v1/chat/completions": "/v1/chat/completions",
+    "/v1/responses": "/v1/responses",
+}
+"""Paths whose answers carry the ``x-pdserve-*`` headers, and their ``endpoint`` label."""
+
+PDSERVE_ROUTES = frozenset({"/health", "/metrics"})
+"""vLLM's routes that pdserve answers itself (``services.router.api.ops``)."""
+
+SUPPORTED_TASKS = ("generate",)
+
+
+def create_vllm_app(
+    frontend: Frontend,
+    build_runtime: Callable[[], contextlib.AbstractAsyncContextManager[RouterRuntime]],
+    ops_router: Any,
+) -> FastAPI:
+    """vLLM's app for ``frontend``; ``build_runtime`` enters the router's runtime (pool,
+    executor, control plane) for the app's lifetime; ``ops_router`` serves pdserve's
+    ``/health`` and ``/metrics``."""
+    args = frontend.args
+    app: FastAPI = build_app(args, SUPPORTED_TASKS, frontend.vllm_config.model_config)
+    app.router.routes[:] = [
+        route for route in app.router.routes if getattr(route, "path", None) not in PDSERVE_ROUTES
+    ]
+    app.include_router(ops_router)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with build_runtime() as runtime:
+            app.state.runtime = runtime
+            await init_app_state(
+                PdserveEngineClient(frontend, runtime), app.state, args, SUPPORTED_TASKS
+            )
+            yield
+
+    app.router.lifespan_context = lifespan
+    # vLLM's build_app already built the middleware stack (``add_middleware`` refuses now):
+    # PdserveHeaders goes outside it.
+    if app.middleware_stack is None:
+        app.middleware_stack = app.build_middleware_stack()
+    app.middleware_stack = PdserveHeaders(app.middleware_stack)
+    return app
+
+
+class PdserveHeaders:
+    """ASGI middleware of the generation endpoints: holds the response start until the first
+    body part, so it can carry ``x-pdserve-prefill-engine``, ``x-pdserve-decode-engine``,
+    ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first choice's);
+    a stream whose first event is an error (no engine, every prefill failed: nothing was
+    generated) is answered as that error with its status, as a non-streamed request is;
+    counts the request and its latency in the router's metrics."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = (
+            GENERATION_ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        )
+        if endpoint is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        arrival_s = time.perf_counter()
+        infos: list[RunInfo] = []
+        token = RUN_INFOS.set(infos)
+        held: Message | None = None
+        replaced = False
+        status = 500
+
+        async def send_held(message: Message) -> None:
+            nonlocal held, replaced, status
+            if replaced:
+                return  # the rest of a stream answered as its first event's error
+            if message["type"] == "http.response.start":
+                held = message
+                status = message["status"]
+                return
+            if held is not None:
+                start, held = held, None
+                body = message.get("body", b"")
+                error = _leading_error(start, body)
+                if error is not None:
+                    replaced = True
+                    status = error[0]
+                    await send(_start(status, [(b"content-type", b"application/json")], infos))
+                    await send({"type": "http.response.body", "body": error[1]})
+                    return
+                await send(_start(start["status"], list(start.get("headers", [])), infos))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_held)
+        finally:
+            RUN_INFOS.reset(token)
+            runtime: RouterRuntime | None = getattr(scope.get("app"), "state", None) and getattr(
+                scope["app"].state, "runtime", None
+            )
+            if runtime is not None:
+                outcome = "ok" if status < 400 else str(status)
+                runtime.executor.observe_end(
+                    arrival_s, endpoint, outcome, infos[0] if infos else None
+                )
+
+
+def _start(status: int, headers: list[tuple[bytes, bytes]], infos: list[RunInfo]) -> Message:
+    if infos:
+        info = infos[0]
+        if info.prefill_engine is not None:
+            headers.append((b"x-pdserve-prefill-engine", info.prefill_engine.encode()))
+        if info.decode_engine is not None:
+            headers.append((b"x-pdserve-decode-engine", info.decode_engine.encode()))
+        if info.path is not None:
+            headers.append((b"x-pdserve-execution-path", info.path.encode()))
+        migrations = sum(i.migrations for i in infos)
+        if migrations:
+            headers.append((b"x-pdserve-migrations", str(migrations).encode()))
+    return {"type": "http.response.start", "status": status, "headers": headers}
+
+
+def _leading_error(start: Message, body: bytes) -> tuple[int, bytes] | None:
+    """``(status, JSON envelope)`` when a 200 event stream opens with vLLM's error event."""
+    if start["status"] != 200 or not body.startswith(b'data: {"error"'):
+        return None
+    try:
+        event = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0])
+        code = int(event["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not 400 <= code <= 599:
+        return None
+    return code, json.dumps(event).encode()

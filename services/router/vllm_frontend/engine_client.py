@@ -1,0 +1,370 @@
+"""vLLM's ``EngineClient`` over pdserve's executor: vLLM's OpenAI front end runs requests on PD.
+
+The seam: above it, vLLM's serving classes (``OpenAIServingChat``, ``OpenAIServingCompletion``,
+``OpenAIServingResponses``...) render the request (chat template, tools), build vLLM's
+``SamplingParams`` and format the answer from ``RequestOutput``s, parsers included. Below it,
+pdserve's :class:`~services.router.execution.Executor` places the prompt on a prefill and a
+decode engine and streams token ids back, with failover, migration and counted fallbacks.
+What crosses: a rendered prompt (token ids) and vLLM's ``SamplingParams`` going down, converted
+once into pdserve's :class:`~services.engines.backend.SamplingParams` (the proto's spelling);
+token ids, logprobs and the finish reason coming up as vLLM's ``EngineCoreOutput``.
+
+:meth:`PdserveEngineClient.generate` is ``AsyncLLM.generate`` with the engine core replaced:
+vLLM's ``InputProcessor`` validates the request (context length, token ids, sampling limits);
+vLLM's ``OutputProcessor`` detokenizes, applies stop strings, builds logprobs and the
+``RequestOutput``s in the requested ``output_kind``; ``n > 1`` fans out as vLLM's
+``ParentRequest`` does (choice ``i`` seeded ``seed + i``), forked on engines that fork
+(:mod:`services.router.fork`). Engines also get the stop strings (so a non-streamed request
+stops where the text does); the router's detokenizer decides where the text ends.
+
+Each generation's :class:`~services.router.generation.RunInfo` is appended to the list in
+:data:`RUN_INFOS` when the caller set one (the HTTP middleware that writes the
+``x-pdserve-*`` headers and counts the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from copy import copy
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.engine.protocol import EngineClient
+from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+from vllm.renderers.inputs.preprocess import extract_prompt_components
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.engine import FinishReason as VllmFinish
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm.v1.engine.parallel_sampling import ParentRequest
+from vllm.v1.metrics.stats import PrefillStats
+from vllm.v1.outputs import LogprobsLists, LogprobsTensors
+
+from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+from services.router.errors import InvalidRequestError, RouterError
+from services.router.fork import ChunkStream, forked_runs
+from services.router.generation import GenerationRequest, RunInfo
+from services.router.runtime import RouterRuntime
+from services.router.vllm_frontend.config import Frontend
+
+logger = logging.getLogger(__name__)
+
+RUN_INFOS: contextvars.ContextVar[list[RunInfo] | None] = contextvars.ContextVar(
+    "pdserve_run_infos", default=None
+)
+"""Where :meth:`PdserveEngineClient.generate` leaves the run info of each choice it runs."""
+
+SEED_MASK = 2**63 - 1
+"""pdserve's engines take a 64-bit unsigned seed; vLLM's is any Python int."""
+
+UNSUPPORTED_SAMPLING = (
+    "structured_outputs",
+    "bad_words",
+    "allowed_token_ids",
+    "logits_processors",
+    "thinking_token_budget",
+)
+"""vLLM sampling fields pdserve's engine protocol does not carry yet: a request that sets one
+is refused (400 naming it), never run without it."""
+
+
+def engine_sampling(params: Any) -> SamplingParams:
+    """pdserve's sampling parameters (the proto's spelling) for vLLM's ``SamplingParams`` of
+    one choice. Detokenization options stay in the router (vLLM's detokenizer runs here)."""
+    for name in UNSUPPORTED_SAMPLING:
+        if getattr(params, name, None):
+            raise InvalidRequestError(
+                f"{name} is not supported through pdserve's engines yet", param=name
+            )
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        seed=None if params.seed is None else params.seed & SEED_MASK,
+        stop=tuple(params.stop or ()),
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
+        logit_bias=tuple(
+            sorted(
+                (int(token), max(-100.0, min(100.0, bias)))
+                for token, bias in (params.logit_bias or {}).items()
+            )
+        ),
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+
+
+def vllm_error(error: RouterError) -> Exception:
+    """The vLLM exception vLLM's serving classes answer as ``error`` would be answered:
+    a 400 names its parameter; every other status is kept."""
+    translated: Exception
+    if isinstance(error, InvalidRequestError):
+        translated = VLLMValidationError(error.message, parameter=error.param)
+    else:
+        translated = GracefulHTTPError(error.message, HTTPStatus(error.status_code))
+    return translated
+
+
+def _logprob_rows(
+    rows: Iterable[TokenLogprobs],
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """vLLM's logprob rows: the chosen token first, then the most likely ones."""
+    ids, values, ranks = [], [], []
+    for row in rows:
+        ids.append([row.token_id, *(token for token, _ in row.top)])
+        values.append([row.logprob, *(value for _, value in row.top)])
+        ranks.append(row.rank)
+    return ids, values, ranks
+
+
+class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyped here)
+    """vLLM's ``EngineClient`` (``vllm/engine/protocol.py``) over pdserve's executor."""
+
+    def __init__(self, frontend: Frontend, runtime: RouterRuntime) -> None:
+        self.vllm_config = frontend.vllm_config
+        self.model_config = frontend.vllm_config.model_config
+        self.renderer = frontend.renderer
+        self.input_processor = frontend.input_processor
+        self.runtime = runtime
+        self.model = frontend.served_model_name
+        self._outputs = OutputProcessor(frontend.renderer.tokenizer, log_stats=False)
+
+    # --- what vLLM's serving classes call per request ---------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    @property
+    def is_stopped(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    @property
+    def dead_error(self) -> BaseException:
+        return RuntimeError("pdserve's router has no engine process to die")
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """Engines queue: the router admits every request (placement may still refuse it)."""
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        prompt_text: str | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        session_id: str | None = None,
+        kv_hints: Any = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        """``AsyncLLM.generate``'s contract (see the module docstring): ``RequestOutput``s
+        until one is finished; closing the generator aborts every choice on the engines."""
+        arrival_s = time.perf_counter()
+        if not (isinstance(prompt, dict) and "type" in prompt):
+            raise TypeError("pdserve's engine client takes rendered prompts only")
+        request = self.input_processor.process_inputs(
+            request_id,
+            prompt,
+            sampling_params,
+            supported_tasks=("generate",),
+            arrival_time=time.time(),
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+            trace_headers=trace_headers,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            session_id=session_id,
+            kv_hints=kv_hints,
+        )
+        if prompt_text is None:
+            prompt_text, _, _ = extract_prompt_components(self.model_config, prompt)
+        self.input_processor.assign_request_id(request)
+        params = request.sampling_params
+        children: list[tuple[Any, Any]] = []
+        parent = None
+        if params.n == 1:
+            children.append((request, None))
+        else:
+            parent = ParentRequest(request)
+            for index in range(params.n):
+                child_id, child_params = parent.get_child_info(index)
+                child = request if index == params.n - 1 else copy(request)
+                child.request_id = child_id
+                child.sampling_params = child_params
+                children.append((child, parent))
+        try:
+            generations = [
+                GenerationRequest(
+                    request_id=child.request_id,
+                    model=self.model,
+                    prompt_token_ids=tuple(child.prompt_token_ids),
+                    sampling=engine_sampling(child.sampling_params),
+                    arrival_s=arrival_s,
+                    stream=params.output_kind.name != "FINAL_ONLY",
+                )
+                for child, _ in children
+            ]
+        except RouterError as error:
+            raise vllm_error(error) from error
+        queue = RequestOutputCollector(params.output_kind, request.request_id)
+        for index, (child, child_parent) in enumerate(children):
+            self._outputs.add_request(child, prompt_text, child_parent, index, queue)
+        infos = [RunInfo() for _ in children]
+        collected = RUN_INFOS.get()
+        if collected is not None:
+            collected.extend(infos)
+        streams: list[ChunkStream] = list(
+            forked_runs(self.runtime, generations, infos)
+            or [
+                self.runtime.executor.generate(g, i)
+                for g, i in zip(generations, infos, strict=True)
+            ]
+        )
+        tasks = [
+            asyncio.create_task(self._feed(child, stream, info, queue))
+            for (child, _), stream, info in zip(children, streams, infos, strict=True)
+        ]
+        try:
+            finished = False
+            while not finished:
+                output = queue.get_nowait() or await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._outputs.abort_requests(
+                [parent.request_id] if parent is not None else [request.request_id],
+                internal=True,
+            )
+
+    async def _feed(self, request: Any, stream: ChunkStream, info: RunInfo, queue: Any) -> None:
+        """Turn one choice's chunks into ``EngineCoreOutput``s for vLLM's output processor;
+        an error goes to the caller through ``queue``. Returns (closing ``stream``, which
+        aborts the engines) once the output processor finished the choice."""
+        request_id = request.request_id
+        first = True
+        try:
+            params = request.sampling_params
+            stop_ids = set(params.stop_token_ids or ())
+            eos = params.eos_token_id  # None with ignore_eos
+            while True:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                output = EngineCoreOutput(
+                    request_id=request_id, new_token_ids=list(chunk.token_ids)
+                )
+                if chunk.logprobs:
+                    ids, values, ranks = _logprob_rows(chunk.logprobs)
+                    output.new_logprobs = LogprobsLists(
+                        np.array(ids, dtype=np.int64),
+                        np.array(values, dtype=np.float32),
+                        np.array(ranks, dtype=np.int64),
+                    )
+                if first:
+                    first = False
+                    output.prefill_stats = PrefillStats(
+                        num_prompt_tokens=info.prompt_tokens,
+                        num_computed_tokens=info.prompt_tokens - info.cached_tokens,
+                        num_cached_tokens=info.cached_tokens,
+                    )
+                    if params.prompt_logprobs is not None:
+                        ids, values, ranks = _logprob_rows(chunk.prompt_logprobs)
+                        output.new_prompt_logprobs_tensors = LogprobsTensors(
+                            torch.tensor(ids, dtype=torch.int64).reshape(len(ids), -1),
+                            torch.tensor(values, dtype=torch.float32).reshape(len(ids), -1),
+                            torch.tensor(ranks, dtype=torch.int64),
+                        )
+                finish = chunk.finish_reason
+                if finish is FinishReason.LENGTH:
+                    output.finish_reason = VllmFinish.LENGTH
+                elif finish is FinishReason.ABORT:
+                    output.finish_reason = VllmFinish.ABORT
+                elif finish is FinishReason.STOP and chunk.token_ids:
+                    last = chunk.token_ids[-1]
+                    if last == eos:
+                        output.finish_reason = VllmFinish.STOP
+                    elif last in stop_ids:
+                        output.finish_reason = VllmFinish.STOP
+                        output.stop_reason = last
+                    # else: a stop string, which the detokenizer below finds
+                result = self._outputs.process_outputs([output])
+                if result.reqs_to_abort or output.finish_reason is not None:
+                    return
+            if self._outputs.has_request(request_id):
+                # The engine ended the choice without a token that says so (a stop string
+                # the router's detokenizer saw elsewhere, a continuation that was complete).
+                self._outputs.process_outputs(
+                    [
+                        EngineCoreOutput(
+                            request_id=request_id, new_token_ids=[], finish_reason=VllmFinish.STOP
+                        )
+                    ]
+                )
+        except RouterError as error:
+            queue.put(vllm_error(error))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the caller answers it (vLLM: a 500)
+            logger.exception("request %s failed in the router", request_id)
+            queue.put(error)
+        finally:
+            await stream.aclose()
+
+    # --- the rest of vLLM's EngineClient: not offered through the router -------------------
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._outputs.abort_requests(ids, internal=False)
+
+    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    async def check_health(self) -> None:
+        if not self.runtime.pool.ready_models():
+            raise RuntimeError("no READY engine")
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        return None
+
+    async def _not_served(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("not offered by pdserve's router (an engine-side operation)")
+
+    encode = start_profile = stop_profile = reset_mm_cache = reset_encoder_cache = _not_served
+    reset_prefix_cache = sleep = release_kv_cache_memory = wake_up = _not_served
+    is_sleeping = add_lora = pause_generation = resume_generation = is_paused = _not_served
