@@ -46,10 +46,11 @@ from tests.e2e.vllm_handoff import (
     FAILURES,
     RELEASED,
     completion,
+    completion_ids,
     counted_until,
     failing,
     handoff_env,
-    on_engine,
+    on_engine_ids,
     prefill_then_abort,
     token_prompt,
 )
@@ -460,16 +461,16 @@ def check_vllm_edge_cases(system: UpSystem) -> None:
     before = released(system, "consumer_holds_prompt", decodes)
     salt = uuid.uuid4().int % 10_000
     short = token_prompt(BLOCK_SIZE // 2, salt)
-    *got, path = completion(client, short, MAX_TOKENS)
-    assert (got[0], path) == (on_engine(targets[0], short, MAX_TOKENS), "disaggregated")
+    got = completion_ids(client, short, MAX_TOKENS)
+    assert got == (on_engine_ids(targets[0], short, MAX_TOKENS), "disaggregated")
     held = token_prompt(2 * BLOCK_SIZE, salt + 1)
-    wants = {on_engine(target, held, MAX_TOKENS) for target in targets}
+    wants = {on_engine_ids(target, held, MAX_TOKENS) for target in targets}
     assert len(wants) == 1
-    *got, path = completion(client, held, MAX_TOKENS)
-    assert (got[0], path) == (wants.pop(), "disaggregated")
+    got = completion_ids(client, held, MAX_TOKENS)
+    assert got == (wants.pop(), "disaggregated")
     longer = held + token_prompt(BLOCK_SIZE + 8, salt + 2)
-    *got, path = completion(client, longer, MAX_TOKENS)
-    assert (got[0], path) == (on_engine(targets[0], longer, MAX_TOKENS), "disaggregated")
+    got = completion_ids(client, longer, MAX_TOKENS)
+    assert got == (on_engine_ids(targets[0], longer, MAX_TOKENS), "disaggregated")
 
     def total() -> float:
         return released(system, "consumer_holds_prompt", decodes)

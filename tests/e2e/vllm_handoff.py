@@ -72,24 +72,52 @@ def completion(
     )
 
 
+def completion_ids(
+    client: openai.OpenAI, prompt: list[int], max_tokens: int
+) -> tuple[tuple[int, ...], str]:
+    """Greedy output token ids (vLLM's ``return_token_ids``) and the execution path: what a
+    check compares where text would also compare detokenizers (vLLM 0.32's
+    ``DecodeStream(ids=prompt)`` releases prompt text after a prompt of arbitrary byte
+    tokens; the engines' detokenizer does not)."""
+    raw = client.completions.with_raw_response.create(
+        model="tiny-model",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    choice = raw.parse().choices[0]
+    token_ids = (choice.model_extra or {})["token_ids"]
+    return tuple(token_ids), raw.headers["x-pdserve-execution-path"]
+
+
+def on_engine_ids(target: str, token_ids: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """:func:`on_engine`'s output token ids."""
+    return asyncio.run(_on_engine(target, token_ids, max_tokens))[0]
+
+
+async def _on_engine(
+    target: str, token_ids: Sequence[int], max_tokens: int
+) -> tuple[tuple[int, ...], str]:
+    client = EngineClient(target)
+    try:
+        request = DecodeRequest(
+            f"prime-{uuid.uuid4().hex}",
+            tuple(token_ids),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        )
+        deltas = [delta async for delta in client.decode(request)]
+    finally:
+        await client.close()
+    ids = tuple(token for delta in deltas for token in delta.token_ids)
+    return ids, "".join(delta.text for delta in deltas)
+
+
 def on_engine(target: str, token_ids: Sequence[int], max_tokens: int) -> str:
     """Greedy text of ``token_ids`` run on one engine alone, through its gRPC Decode with no
     KV handle (as vLLM's edge-case test asks the decode server itself): this also fills that
     engine's prefix cache with the prompt."""
-
-    async def run() -> str:
-        client = EngineClient(target)
-        try:
-            request = DecodeRequest(
-                f"prime-{uuid.uuid4().hex}",
-                tuple(token_ids),
-                SamplingParams(max_tokens=max_tokens, temperature=0.0),
-            )
-            return "".join([delta.text async for delta in client.decode(request)])
-        finally:
-            await client.close()
-
-    return asyncio.run(run())
+    return asyncio.run(_on_engine(target, token_ids, max_tokens))[1]
 
 
 def prefill_then_abort(target: str, token_ids: Sequence[int]) -> bool:

@@ -63,6 +63,8 @@ class FakeEngine(EngineConnector):
     stalled_calls_closed: list[str] = field(default_factory=list)
     """Request ids whose stalled call the caller gave up on (cancelled or closed)."""
     cached_tokens: int = 0
+    first_output_id: int = 100
+    """Token ``i`` (from the decode's first) has id ``first_output_id + i``."""
     prefills: list[str] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
     once: list[str] = field(default_factory=list)
@@ -170,7 +172,7 @@ class FakeEngine(EngineConnector):
             )
             finish = (FinishReason.STOP if stop else FinishReason.LENGTH) if last else None
             yield TokenDelta(
-                (100 + index,),
+                (self.first_output_id + index,),
                 piece,
                 finish,
                 usage=usage,

@@ -1,0 +1,359 @@
+"""vLLM's own OpenAI front end (``--frontend vllm``) over a reference-engine PD stack.
+
+One ``pdserve up --frontend vllm`` (prefill + decode, reference engines, the hermes tool parser,
+request chat templates trusted) and, on the same control plane, a second router with pdserve's
+own front end: greedy answers of the two are equal (the tokens come from the same engines; the
+text is detokenized by vLLM's code in one and by the engines in the other). Chat templates are
+checked against ``transformers``' ``apply_chat_template`` (what vLLM's server renders with)
+through ``/tokenize``, with templates written here that use every construct real checkpoints'
+templates use. vLLM's server itself is the yardstick in ``test_vllm_frontend_parity.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from services.engines.reference.tiny_model import make_tiny_model
+from services.serving.ready import parse_ready_line
+from tests.e2e.up_system import UpSystem
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "tiny-model"
+PROMPT = "Hello, world! How are you"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "ville / 城市"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_HISTORY = [
+    {"role": "system", "content": "You help."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+EVERY_CONSTRUCT = """
+{%- if not tools is defined or tools is none -%}{%- set tools = [] -%}{%- endif -%}
+{{- bos_token -}}
+{%- if tools -%}<tools>{{ tools | tojson(indent=2) }}</tools>{%- endif -%}
+Today: {{ strftime_now("%Y") }}
+{%- for message in messages -%}
+  {%- if message.role == "system" and loop.first -%}
+    [SYS]{{ message.content if message.content is string else message.content[0].text }}
+    {%- continue -%}
+  {%- endif -%}
+  {%- if message.role not in ["system", "user", "assistant", "tool"] -%}
+    {{- raise_exception("unknown role " + message.role) -}}
+  {%- endif -%}
+  <|{{ message.role }}|>
+  {%- if message.content is string -%}{{ message.content }}
+  {%- elif message.content is not none -%}
+    {%- for part in message.content -%}
+      {%- if part.type == "text" -%}{{ part.text }}{%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+  {%- if message.tool_calls is defined and message.tool_calls -%}
+    {%- for call in message.tool_calls -%}
+      <call>{{ call.function.name }}{{ call.function.arguments | tojson(indent=1) }}</call>
+    {%- endfor -%}
+  {%- endif -%}
+  {%- if loop.index > 50 -%}{%- break -%}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"""
+"""A template written here with what real ones use: ``tools`` undefined or none,
+``tojson(indent=...)``, ``strftime_now``, ``raise_exception``, loop controls, content parts,
+``tool_calls`` and ``tool`` messages."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[UpSystem]:
+    up = UpSystem(
+        tmp_path_factory.mktemp("up-vllm-frontend"),
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--frontend",
+        "vllm",
+        "--frontend-arg=--tool-call-parser=hermes",
+        "--frontend-arg=--enable-auto-tool-choice",
+        "--frontend-arg=--trust-request-chat-template",
+        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},  # always disaggregated
+        scrub_env=True,
+    )
+    try:
+        yield up.wait_ready()
+    finally:
+        assert up.stop() == 0, up.output()
+
+
+@pytest.fixture(scope="module")
+def pdserve_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
+    """A router with pdserve's own front end on the same engines."""
+    argv = [
+        sys.executable, "-m", "services.cli.main", "router",
+        "--redis", system.endpoints["redis"], "--namespace", system.endpoints["namespace"],
+        "--port", "0", "--tokenizer", str(model_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"}
+    router = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert router.stdout is not None
+        announced = None
+        for line in router.stdout:
+            announced = parse_ready_line(line)
+            if announced is not None:
+                break
+        assert announced is not None, "no PDSERVE_READY line"
+        url = str(announced["url"])
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the second router never saw the engines"
+            time.sleep(0.2)
+        yield url
+    finally:
+        router.terminate()
+        router.wait(timeout=60)
+        if router.stdout is not None:
+            router.stdout.close()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def same_text(vllm_text: str, pdserve_text: str) -> None:
+    """Equal, but for the end: vLLM's detokenizer never releases a trailing incomplete UTF-8
+    character, the reference engine's releases it as U+FFFD
+    (``migration.ENDS_BEFORE_INCOMPLETE``)."""
+    assert pdserve_text.startswith(vllm_text), (vllm_text, pdserve_text)
+    assert pdserve_text[len(vllm_text) :] in ("", "\ufffd"), (vllm_text, pdserve_text)
+
+
+def test_answers_equal_pdserve_front_end_and_carry_pdserve_headers(
+    system: UpSystem, pdserve_router: str
+) -> None:
+    """Completions (plain, streamed, logprobs, echo with prompt logprobs, a stop string) and
+    chat: the same greedy text from both front ends; every answer names its engines."""
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "logprobs": 2}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "stop": ["e"]}),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 1, "prompt_logprobs": 1},
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 10},
+        ),
+    ]
+    for path, fields in bodies:
+        body = {"model": MODEL, "temperature": 0, **fields}
+        ours, theirs = post(system.url, path, body), post(pdserve_router, path, body)
+        assert ours.status_code == theirs.status_code == 200, (body, ours.text, theirs.text)
+        assert ours.headers["x-pdserve-execution-path"] == "disaggregated", ours.headers
+        assert ours.headers["x-pdserve-prefill-engine"] == "prefill-0"
+        assert ours.headers["x-pdserve-decode-engine"] == "decode-0"
+        mine, other = ours.json()["choices"][0], theirs.json()["choices"][0]
+        if "message" in mine:
+            same_text(mine["message"]["content"], other["message"]["content"])
+        else:
+            same_text(mine["text"], other["text"])
+        assert mine["finish_reason"] == other["finish_reason"], body
+        if body.get("logprobs"):
+            # (token strings of bytes that split a character are vLLM's: "" where pdserve's
+            # own front end gives "\ufffd"; vLLM's server is the yardstick, see the parity test)
+            assert len(mine["logprobs"]["tokens"]) == len(other["logprobs"]["tokens"])
+            assert mine["logprobs"]["token_logprobs"] == pytest.approx(
+                other["logprobs"]["token_logprobs"], abs=1e-4, nan_ok=True
+            )
+        if body.get("prompt_logprobs"):
+            assert len(mine["prompt_logprobs"]) == len(other["prompt_logprobs"])
+    streamed = client(system.url).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    whole = post(
+        pdserve_router,
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
+    )
+    same_text(text, whole.json()["choices"][0]["text"])
+
+
+def test_tokenize_renders_chat_templates_as_transformers(system: UpSystem, model_dir: Path) -> None:
+    """``/tokenize`` with messages: the checkpoint's template, and a request template with
+    every construct, with and without tools, equal to ``apply_chat_template``'s tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    simple = [{"role": "user", "content": "Hi there"}]
+    expected = tokenizer.apply_chat_template(
+        simple, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    answer = post(system.url, "/tokenize", {"model": MODEL, "messages": simple})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["tokens"] == list(expected)
+    # vLLM hands templates a tool call's arguments parsed (real templates ``tojson`` them)
+    as_rendered = json.loads(json.dumps(TOOL_HISTORY))
+    function = as_rendered[2]["tool_calls"][0]["function"]
+    function["arguments"] = json.loads(function["arguments"])
+    for tools in (None, TOOLS):
+        expected = tokenizer.apply_chat_template(
+            as_rendered,
+            tools=tools,
+            chat_template=EVERY_CONSTRUCT,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": TOOL_HISTORY,
+            "chat_template": EVERY_CONSTRUCT,
+        }
+        if tools is not None:
+            body["tools"] = tools
+        answer = post(system.url, "/tokenize", body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["tokens"] == list(expected), tools
+
+
+def test_template_errors_are_400_naming_the_error(system: UpSystem) -> None:
+    bad_role = [{"role": "critic", "content": "x"}]
+    answer = post(
+        system.url,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": bad_role, "chat_template": EVERY_CONSTRUCT, "max_tokens": 2},
+    )
+    assert answer.status_code == 400, answer.text
+    assert "unknown role critic" in answer.json()["error"]["message"]
+
+
+def test_tools_and_tool_history_through_pd(system: UpSystem) -> None:
+    """The official client's ``tools=`` with ``tool_choice`` auto, and a tool-call history: a
+    200 whose text is the answer when the parser finds no call (vLLM's rule)."""
+    answer = client(system.url).chat.completions.create(
+        model=MODEL,
+        messages=TOOL_HISTORY,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="auto",
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = answer.choices[0]
+    assert choice.message.tool_calls in (None, [])
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    streamed = client(system.url).chat.completions.create(
+        model=MODEL,
+        messages=TOOL_HISTORY,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == choice.message.content
+
+
+def test_endpoints_clients_call(system: UpSystem) -> None:
+    assert httpx.get(f"{system.url}/version", timeout=10).json()["version"] == "0.32.0"
+    assert httpx.get(f"{system.url}/ping", timeout=10).status_code == 200
+    models = httpx.get(f"{system.url}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 512)]
+    tokens = post(system.url, "/tokenize", {"model": MODEL, "prompt": PROMPT}).json()["tokens"]
+    text = post(system.url, "/detokenize", {"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert PROMPT in text
+    response = post(
+        system.url,
+        "/v1/responses",
+        {"model": MODEL, "input": PROMPT, "max_output_tokens": 6, "temperature": 0},
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["output_tokens"] == 6
+    assert response.headers["x-pdserve-execution-path"] == "disaggregated"
+
+
+def test_n_forks_on_reference_engines(system: UpSystem) -> None:
+    """``n = 3`` sampled: three choices from one prefill forked on decode (counted)."""
+    before = system.metric("pdserve_router_choices_total", path="forked")
+    answer = client(system.url).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, n=3, temperature=1.0, seed=7
+    )
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+    assert system.metric("pdserve_router_choices_total", path="forked") == before + 1
+    again = client(system.url).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, n=3, temperature=1.0, seed=7
+    )
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]
+
+
+def test_refused_as_vllm_or_naming_what_pdserve_lacks(system: UpSystem) -> None:
+    unknown = post(system.url, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert unknown.status_code == 404
+    greedy_n = post(
+        system.url,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "n": 2, "temperature": 0, "max_tokens": 2},
+    )
+    assert greedy_n.status_code == 400  # vLLM refuses n > 1 at temperature 0
+    structured = post(
+        system.url,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "response_format": {"type": "json_object"},
+        },
+    )
+    assert structured.status_code == 400
+    assert structured.json()["error"]["param"] == "structured_outputs"
+    ignored = post(
+        system.url,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 2, "no_such_field": 1, "best_of": 1},
+    )
+    assert ignored.status_code == 200, ignored.text
+    assert json.loads(ignored.text)["usage"]["completion_tokens"] == 2

@@ -1,0 +1,226 @@
+"""vLLM's front end over the router's executor, in process: vLLM's app and serving classes, the
+:class:`PdserveEngineClient` adapter, scripted engines (:mod:`tests.unit.router.fakes`).
+
+What the adapter decides is checked here: vLLM's detokenizer makes the text from the engines'
+token ids (a stop string found by it ends the run and aborts the engines), a failure before
+the first token is an HTTP error even when streamed, ``n > 1`` forks on engines that fork,
+the ``x-pdserve-*`` headers, and the one conversion of vLLM's sampling parameters. Real engines
+and vLLM's own server are the e2e tests' (``test_vllm_frontend*.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.sampling_params import StructuredOutputsParams
+
+from services.control_plane.wire import EngineRecord, EngineRole
+from services.engines.errors import EngineFailed
+from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.vllm.version_guard import (
+    FRONTEND_SYMBOLS,
+    VllmVersionMismatch,
+    check_vllm,
+    missing_symbols,
+)
+from services.router.connector import EngineConnector
+from services.router.errors import InvalidRequestError
+from services.router.main import create_app
+from services.router.runtime import RouterRuntime
+from services.router.vllm_frontend.app import _leading_error
+from services.router.vllm_frontend.engine_client import engine_sampling
+from tests.unit.router.fakes import FakeEngine, FakeFactory, prepared, sample
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("frontend") / "tiny-model")
+
+
+FIRST_ID = 290
+"""Decode token ``i`` has id ``FIRST_ID + i``: merged tokens of the tiny vocabulary, whole
+characters each (ids below 256 are bytes, which vLLM's detokenizer holds back)."""
+
+
+class WordFactory(FakeFactory):
+    def connect(self, record: EngineRecord) -> EngineConnector:
+        return self.engines.setdefault(
+            record.engine_id, FakeEngine(record.engine_id, first_output_id=FIRST_ID)
+        )
+
+
+@pytest.fixture
+def factory() -> FakeFactory:
+    return WordFactory()
+
+
+@contextlib.asynccontextmanager
+async def served(rt: RouterRuntime) -> AsyncIterator[httpx.AsyncClient]:
+    """The vLLM front-end app over ``rt``, its lifespan run (httpx's transport runs none)."""
+    app = create_app(rt.settings, runtime=rt)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            yield client
+
+
+def pd_runtime(factory: FakeFactory, model_dir: Path, **settings: object) -> RouterRuntime:
+    return prepared(
+        factory,
+        ("p0", EngineRole.PREFILL),
+        ("d0", EngineRole.DECODE),
+        frontend="vllm",
+        tokenizer=str(model_dir),
+        served_model_name=MODEL,
+        **settings,
+    )
+
+
+def decoded(model_dir: Path, ids: list[int]) -> str:
+    return str(Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(ids))
+
+
+async def test_text_is_vllms_detokenization_of_the_engines_tokens(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    """The fake engines answer token 7, then FIRST_ID + 1, + 2...: the text is vLLM's decoding of
+    those ids (not the engines' own text), with the run's engines in the headers."""
+    rt = pd_runtime(factory, model_dir)
+    async with served(rt) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0},
+        )
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["text"] == decoded(model_dir, [7, FIRST_ID + 1, FIRST_ID + 2, FIRST_ID + 3])
+    assert choice["finish_reason"] == "length"
+    assert answer.headers["x-pdserve-prefill-engine"] == "p0"
+    assert answer.headers["x-pdserve-decode-engine"] == "d0"
+    assert answer.headers["x-pdserve-execution-path"] == "disaggregated"
+    assert (
+        sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
+    )
+
+
+async def test_a_stop_string_found_by_vllms_detokenizer_ends_the_run(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    rt = pd_runtime(factory, model_dir)
+    whole = decoded(model_dir, [7, *range(FIRST_ID + 1, FIRST_ID + 6)])
+    stop = decoded(model_dir, [FIRST_ID + 4])  # (" he": not in the fakes' own text)
+    assert stop and stop in whole
+    async with served(rt) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "hello there",
+                "max_tokens": 6,
+                "temperature": 0,
+                "stop": [stop],
+                "stream": True,
+            },
+        )
+    events = [
+        json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")
+    ]
+    text = "".join(event["choices"][0]["text"] for event in events if event["choices"])
+    assert text == whole[: whole.index(stop)]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"][0]["stop_reason"] == stop
+
+
+async def test_a_stream_that_fails_before_its_first_token_is_an_http_error(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    rt = pd_runtime(factory, model_dir, local_fallback=False, max_prefill_attempts=1)
+    factory.connect(rt.pool.slots()[0].record)  # the fakes exist once connected
+    for engine in factory.engines.values():
+        engine.prefill_error = EngineFailed("the prefill engine broke")
+    async with served(rt) as client:
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 4,
+                "stream": True,
+            },
+        )
+    assert answer.status_code >= 500, answer.text
+    assert answer.headers["content-type"] == "application/json"
+    assert "the prefill engine broke" in answer.json()["error"]["message"]
+
+
+async def test_n_choices_fork_on_engines_that_fork(factory: FakeFactory, model_dir: Path) -> None:
+    rt = pd_runtime(factory, model_dir)
+    async with served(rt) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2, "temperature": 1.0},
+        )
+    assert answer.status_code == 200, answer.text
+    assert sorted(c["index"] for c in answer.json()["choices"]) == [0, 1]
+    assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
+
+
+def test_sampling_has_one_spelling_and_nothing_is_dropped() -> None:
+    params = VllmSamplingParams(
+        temperature=0.5,
+        top_k=-1,
+        top_p=0.9,
+        seed=-3,
+        stop=["x"],
+        stop_token_ids=[4],
+        max_tokens=9,
+        min_tokens=2,
+        logit_bias={5: 250.0},
+        logprobs=2,
+        presence_penalty=0.5,
+    )
+    sampling = engine_sampling(params)
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.5, 0, 0.9)
+    assert sampling.seed == (-3) & (2**63 - 1)  # as pdserve's unsigned seed
+    assert (sampling.stop, sampling.stop_token_ids) == (("x",), (4,))
+    assert (sampling.max_tokens, sampling.min_tokens, sampling.logprobs) == (9, 2, 2)
+    assert sampling.logit_bias == ((5, 100.0),)
+    assert sampling.presence_penalty == 0.5
+    constrained = VllmSamplingParams(
+        max_tokens=3, structured_outputs=StructuredOutputsParams(choice=["a", "b"])
+    )
+    with pytest.raises(InvalidRequestError) as refused:
+        engine_sampling(constrained)
+    assert refused.value.param == "structured_outputs"
+
+
+def test_an_error_event_opening_a_stream_is_answered_as_an_error() -> None:
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    event = b'data: {"error": {"message": "no engine", "type": "x", "code": 503}}\n\n'
+    status, body = _leading_error(start, event) or (0, b"")
+    assert status == 503
+    assert json.loads(body)["error"]["message"] == "no engine"
+    assert _leading_error(start, b'data: {"id": "cmpl-1"}\n\n') is None
+
+
+def test_version_guard_names_every_missing_symbol(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_vllm(FRONTEND_SYMBOLS)  # the pinned vLLM has everything
+    assert missing_symbols([("vllm.v1.engine.output_processor", "OutputProcessor.gone")]) == [
+        "vllm.v1.engine.output_processor:OutputProcessor.gone"
+    ]
+    monkeypatch.setattr(
+        "services.engines.vllm.version_guard.installed_vllm_version", lambda: "0.99.0"
+    )
+    with pytest.raises(
+        VllmVersionMismatch, match=r"supports vLLM 0\.32\.0, found 0\.99\.0.*nope:x"
+    ):
+        check_vllm([("nope", "x")])
