@@ -72,6 +72,7 @@ from services.bench.router_load import (
 )
 from services.config import ControlPlaneSettings
 from services.control_plane.local_redis import LocalRedisServer, free_port
+from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
 from services.supervision import ChildProcess
 
@@ -111,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-vllm-router", action="store_true", help="measure pdserve only (no reference)"
     )
     parser.add_argument(
+        "--vllm-frontend",
+        action="store_true",
+        help="also measure pdserve's router with vLLM's own front end (--frontend vllm over a "
+        "generated tiny checkpoint's tokenizer), beside pdserve's own front end",
+    )
+    parser.add_argument(
         "--router-workers",
         default="1",
         help="comma-separated pdserve router process counts (pdserve router --workers), each "
@@ -128,19 +135,26 @@ async def _bench_pdserve(
     placement: Placement,
     log_dir: Path,
     workers: int = 1,
+    frontend: list[str] | None = None,
 ) -> dict[str, Any]:
+    """``frontend``: the router flags of vLLM's front end (:func:`_vllm_frontend_flags`); the
+    stubs then draw from that tokenizer's vocabulary."""
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
+    vocab = ["--stub-vocab-size", str(TINY_VOCAB)] if frontend else []
     services: list[ChildProcess] = []
     try:
         for role in ("prefill", "decode"):
             argv = pdserve_argv(
                 role, *cp, "--engine", "stub", "--engine-id", f"bench-{role}",
-                "--listen", "127.0.0.1:0",
+                "--listen", "127.0.0.1:0", *vocab,
             )  # fmt: skip
             services.append(
                 await start(role, argv, log_dir, cores=placement.others, wait_ready_line=True)
             )
-        router_flags = ["--port", "0", "--policy", "least_loaded", "--workers", str(workers)]
+        router_flags = [
+            "--port", "0", "--policy", "least_loaded", "--workers", str(workers),
+            *(frontend or []),
+        ]  # fmt: skip
         router = await start(
             "router",
             pdserve_argv("router", *cp, *router_flags),
@@ -218,6 +232,13 @@ async def _run(
             for n in counts
         }
         pdserve = by_workers[str(counts[0])]
+        vllm_frontend = (
+            await _bench_pdserve(
+                args, settings, instant, placement, log_dir, 1, _vllm_frontend_flags(log_dir)
+            )
+            if args.vllm_frontend
+            else None
+        )
         binary = _vllm_router_binary()
         reference: dict[str, Any]
         if args.skip_vllm_router:
@@ -244,8 +265,45 @@ async def _run(
         "load_generator": generator,
         "pdserve": pdserve,
         **({"pdserve_by_workers": _by_workers(by_workers)} if len(by_workers) > 1 else {}),
+        **(
+            {
+                "pdserve_vllm_frontend": vllm_frontend,
+                "frontend_comparison": _frontend_comparison(pdserve, vllm_frontend),
+            }
+            if vllm_frontend is not None
+            else {}
+        ),
         "vllm_router": reference,
         **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
+    }
+
+
+TINY_VOCAB = 384
+"""The generated tiny checkpoint's vocabulary (``pdserve make-tiny-model``)."""
+
+
+def _vllm_frontend_flags(log_dir: Path) -> list[str]:
+    """Router flags of vLLM's front end over a tiny checkpoint generated in ``log_dir``,
+    serving the stub engines' model."""
+    model = make_tiny_model(log_dir / "tiny-model")
+    return [
+        "--frontend", "vllm", "--tokenizer", str(model), "--served-model-name", "stub",
+        "--frontend-arg=--max-model-len=512",
+    ]  # fmt: skip
+
+
+def _frontend_comparison(pdserve: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """Router CPU per request and best rate of the two front ends, and their ratios."""
+    cpu = (pdserve["router_cpu_ms_per_request"], vllm["router_cpu_ms_per_request"])
+    rps = (pdserve["max_sustained_rps"], vllm["max_sustained_rps"])
+    return {
+        "router_cpu_ms_per_request": {"pdserve": cpu[0], "vllm_frontend": cpu[1]},
+        "router_cpu_ratio": cpu[1] / cpu[0] if cpu[0] and cpu[1] else None,
+        "max_sustained_rps": {"pdserve": rps[0], "vllm_frontend": rps[1]},
+        "router_cpu_ms_per_extra_token": {
+            "pdserve": _per_token(pdserve),
+            "vllm_frontend": _per_token(vllm),
+        },
     }
 
 

@@ -85,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--stub-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS
     )  # stub engine only (tests)
+    engine.add_argument("--stub-vocab-size", type=int, help=argparse.SUPPRESS)  # (benchmarks)
     service = parser.add_argument_group("service")
     service.add_argument(
         "--listen",
@@ -162,6 +163,7 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             enforce_eager=args.enforce_eager,
             transfer_mode=args.transfer_mode,
             stub_token_delay_s=args.stub_token_delay_s,
+            stub_vocab_size=args.stub_vocab_size,
         )
         registry = CollectorRegistry()
         backend = create_backend(args.engine, options, registry=registry)

@@ -58,6 +58,9 @@ class EngineOptions:
     """vLLM only: ``push`` (prefill WRITEs, the default) or ``pull`` (decode READs)."""
     stub_token_delay_s: float = 0.0
     """Stub engine only: pause per generated token (tests catch requests mid-stream)."""
+    stub_vocab_size: int | None = None
+    """Stub engine only: its vocabulary (default 32000; a real tokenizer's size when a front
+    end detokenizes its ids, as ``pdserve bench router --vllm-frontend``)."""
 
     def overrides(self) -> dict[str, object]:
         """The KV options that were set, by the field names backends share."""
@@ -148,6 +151,7 @@ def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         tp_size=options.tp_size,
         layer_partition=options.layer_partition,
         token_delay_s=options.stub_token_delay_s,
+        **({"vocab_size": options.stub_vocab_size} if options.stub_vocab_size else {}),
         **options.overrides(),  # type: ignore[arg-type]
     )
     return StubBackend(stub_options)

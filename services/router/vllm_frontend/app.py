@@ -78,9 +78,10 @@ def create_vllm_app(
 
 
 class PdserveHeaders:
-    """ASGI middleware of the generation endpoints: holds the response start until the first
-    body part, so it can carry ``x-pdserve-prefill-engine``, ``x-pdserve-decode-engine``,
-    ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first choice's);
+    """ASGI middleware of the generation endpoints: holds the response start (and the events
+    sent before the run has engines, such as the Responses API's ``response.created``) until
+    the run has its engines or the response ends, so it can carry ``x-pdserve-prefill-engine``,
+    ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first choice's);
     a stream whose first event is an error (no engine, every prefill failed: nothing was
     generated) is answered as that error with its status, as a non-streamed request is;
     counts the request and its latency in the router's metrics."""
@@ -99,6 +100,7 @@ class PdserveHeaders:
         infos: list[RunInfo] = []
         token = RUN_INFOS.set(infos)
         held: Message | None = None
+        pending: list[Message] = []
         replaced = False
         status = 500
 
@@ -110,18 +112,25 @@ class PdserveHeaders:
                 held = message
                 status = message["status"]
                 return
-            if held is not None:
-                start, held = held, None
-                body = message.get("body", b"")
-                error = _leading_error(start, body)
-                if error is not None:
-                    replaced = True
-                    status = error[0]
-                    await send(_start(status, [(b"content-type", b"application/json")], infos))
-                    await send({"type": "http.response.body", "body": error[1]})
-                    return
-                await send(_start(start["status"], list(start.get("headers", [])), infos))
-            await send(message)
+            if held is None:
+                await send(message)
+                return
+            pending.append(message)
+            started = bool(infos) and infos[0].path is not None
+            if not started and message.get("more_body", False):
+                return  # events before the run has engines (Responses' "created"): held
+            start, held = held, None
+            error = _leading_error(start, pending[0].get("body", b""))
+            if error is not None:
+                replaced = True
+                status = error[0]
+                await send(_start(status, [(b"content-type", b"application/json")], infos))
+                await send({"type": "http.response.body", "body": error[1]})
+                return
+            await send(_start(start["status"], list(start.get("headers", [])), infos))
+            for part in pending:
+                await send(part)
+            pending.clear()
 
         try:
             await self.app(scope, receive, send_held)
