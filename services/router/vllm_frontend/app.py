@@ -81,8 +81,8 @@ class PdserveHeaders:
     """ASGI middleware of the generation endpoints: holds the response start (and the events
     sent before the run has engines, such as the Responses API's ``response.created``) until
     the run has its engines or the response ends, so it can carry ``x-pdserve-prefill-engine``,
-    ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first choice's);
-    a stream whose first event is an error (no engine, every prefill failed: nothing was
+    ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of
+    the run (the first choice's); a stream whose first event is an error (no engine, every prefill failed: nothing was
     generated) is answered as that error with its status, as a non-streamed request is;
     counts the request and its latency in the router's metrics."""
 
