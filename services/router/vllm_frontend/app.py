@@ -78,13 +78,14 @@ def create_vllm_app(
 
 
 class PdserveHeaders:
-    """ASGI middleware of the generation endpoints: holds the response start (and the events
-    sent before the run has engines, such as the Responses API's ``response.created``) until
-    the run has its engines or the response ends, so it can carry ``x-pdserve-prefill-engine``,
-    ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of
-    the run (the first choice's); a stream whose first event is an error (no engine, every prefill failed: nothing was
-    generated) is answered as that error with its status, as a non-streamed request is;
-    counts the request and its latency in the router's metrics."""
+    """ASGI middleware of the generation endpoints. It holds the response start (and the
+    events sent before the run has engines, such as the Responses API's
+    ``response.created``) until the run has its engines or the response ends, so that it
+    carries ``x-pdserve-prefill-engine``, ``x-pdserve-decode-engine``,
+    ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first
+    choice's); a stream whose first event is an error (no engine, every prefill failed:
+    nothing was generated) is answered as that error with its status, as a non-streamed
+    request is; it counts the request and its latency in the router's metrics."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
