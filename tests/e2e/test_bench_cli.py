@@ -49,16 +49,17 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
             "0.5",
             "--streamed-tokens",
             "4,16",
+            "--vllm-frontend",
         ],
         capture_output=True,
         text=True,
         check=True,
-        timeout=280,
+        timeout=400,
     )
     report = json.loads(result.stdout)
     assert report["benchmark"] == "router"
     assert report["load_generator"]["ceiling"]["requests_per_s"] > 0
-    for system in ("pdserve", "vllm_router"):
+    for system in ("pdserve", "vllm_router", "pdserve_vllm_frontend"):
         figures = report[system]
         assert [level["concurrency"] for level in figures["load"]] == [1, 4]
         assert all(level["errors"] == 0 for level in figures["load"]), figures["load"]
@@ -76,3 +77,6 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
     assert set(comparison["router_cpu_ms_per_request"]) == {"pdserve", "vllm_router"}
     assert set(comparison["added_p50_ms"]) == {"pdserve", "vllm_router"}
     assert set(comparison["router_cpu_ms_per_extra_token"]) == {"pdserve", "vllm_router"}
+    fronts = report["frontend_comparison"]
+    assert set(fronts["router_cpu_ms_per_request"]) == {"pdserve", "vllm_frontend"}
+    assert fronts["router_cpu_ratio"] > 0
