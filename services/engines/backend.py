@@ -47,6 +47,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_N = 128
 """Most choices of one prefill (``SamplingParams.n``) and forks of one decode."""
+MAX_STRUCTURED_OUTPUTS_CHARS = 256 * 1024
+"""Bound of ``SamplingParams.structured_outputs`` (a JSON schema or grammar)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,11 @@ class SamplingParams:
     after their draws, so the leg samples what an unbroken run would (``min_tokens`` and
     ``max_tokens`` are the leg's own: the caller subtracts). At most the prompt's length
     (:func:`validate_continuation`)."""
+    structured_outputs: str = ""
+    """A JSON object of vLLM's ``StructuredOutputsParams`` fields (``json``, ``regex``,
+    ``choice``, ``grammar``, ``json_object``...): every token sampled obeys it, the output
+    already produced (a continuation's, the producer's first token) included; empty =
+    unconstrained. Only engines that constrain output accept it (the vLLM engine)."""
 
     def validate(self, *, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad field."""
@@ -148,6 +155,10 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {count}")
         if self.output_tokens_in_prompt < 0:
             raise InvalidRequest("output_tokens_in_prompt must be >= 0")
+        if len(self.structured_outputs) > MAX_STRUCTURED_OUTPUTS_CHARS:
+            raise InvalidRequest(
+                f"structured_outputs: at most {MAX_STRUCTURED_OUTPUTS_CHARS} characters"
+            )
 
     @property
     def penalized(self) -> bool:

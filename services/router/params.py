@@ -34,15 +34,19 @@ EXTENDED_PARAMS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "structured_outputs",
 )
-"""The SamplingParams fields added with vLLM's parameters (types.proto fields 9-19)."""
+"""The SamplingParams fields added with vLLM's parameters (types.proto fields 9-19, 22)."""
 
 _NEUTRAL = SamplingParams()
 
 ENGINE_UNSUPPORTED: dict[str, frozenset[str]] = {
     "vllm": frozenset(),
-    # The reference engine's detokenizer always skips special tokens.
-    "reference": frozenset({"skip_special_tokens", "spaces_between_special_tokens"}),
+    # The reference engine's detokenizer always skips special tokens; it samples
+    # unconstrained (no grammar library).
+    "reference": frozenset(
+        {"skip_special_tokens", "spaces_between_special_tokens", "structured_outputs"}
+    ),
     # The stub engine of the router tests samples nothing.
     "stub": frozenset(EXTENDED_PARAMS),
 }

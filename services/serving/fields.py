@@ -119,6 +119,8 @@ def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
         message.n = sampling.n
     if sampling.output_tokens_in_prompt:
         message.output_tokens_in_prompt = sampling.output_tokens_in_prompt
+    if sampling.structured_outputs:
+        message.structured_outputs = sampling.structured_outputs
     return message
 
 
@@ -164,6 +166,7 @@ def sampling_from_proto(
         ),
         n=message.n or 1,
         output_tokens_in_prompt=message.output_tokens_in_prompt,
+        structured_outputs=message.structured_outputs,
     )
     sampling.validate(vocab_size=limits.vocab_size if limits else None)
     return sampling

@@ -4,8 +4,8 @@ OpenAI server on the same tiny checkpoint with the same front-end flags: a reque
 options, Responses, tokenize) answered with the same status and the same JSON, ids and
 timestamps aside, floats within 1e-3.
 
-Rows pdserve cannot serve yet are listed in :data:`NOT_YET` with the 400 that names what is
-missing (structured outputs through PD): checked to be that 400, never a silent difference.
+Structured outputs (``response_format``, ``structured_outputs``, ``tool_choice`` required or
+named) are rows like the others: the constrained output through PD equals vLLM's own.
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+}
 
 Row = tuple[str, dict[str, Any]]
 MATRIX: list[Row] = [
@@ -154,21 +160,59 @@ MATRIX: list[Row] = [
     ("/detokenize", {"tokens": [0, 65, 66, 67, 200]}),
 ]
 
-NOT_YET: list[Row] = [
+MATRIX += [
     (
         "/v1/chat/completions",
-        {"messages": CHAT, "max_tokens": 6, "response_format": {"type": "json_object"}},
+        {"messages": CHAT, "max_tokens": 24, "response_format": {"type": "json_object"}},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 24,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": CITY_SCHEMA},
+            },
+        },
     ),
     (
         "/v1/completions",
         {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}},
     ),
     (
-        "/v1/chat/completions",
-        {"messages": CHAT, "max_tokens": 6, "tools": TOOLS, "tool_choice": "required"},
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{3,6}"}},
     ),
+    (
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 12,
+            "structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9] ("+" [0-9])*'},
+        },
+    ),
+    (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"regex": "("}},
+    ),  # 400: the regex does not compile
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 24, "tools": TOOLS, "tool_choice": "required"},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 24,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    ),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "guided_choice": ["a", "b"]}),
 ]
-"""Structured outputs (and ``tool_choice`` required/named, which vLLM implements with them)."""
+"""Structured outputs through PD: the prefill's first token obeys the constraint, the decode's
+grammar accepts it before sampling on (``contracts.advance_grammar``)."""
 
 UNSTABLE_KEYS = frozenset(
     {"id", "item_id", "created", "created_at", "system_fingerprint", "root", "sequence_number"}
@@ -319,16 +363,3 @@ def test_same_answer_as_vllm_server(
     if isinstance(vllm_body, list):
         vllm_body, body = streamed(vllm_body), streamed(body)
     same(vllm_body, body)
-
-
-@pytest.mark.parametrize(
-    ("path", "fields"), NOT_YET, ids=[f"{p}-{i}" for i, (p, _) in enumerate(NOT_YET)]
-)
-def test_structured_outputs_are_refused_by_name(
-    servers: tuple[str, str], path: str, fields: dict[str, Any]
-) -> None:
-    vllm_url, pd_url = servers
-    assert send(vllm_url, path, fields)[0] == 200
-    status, body, _ = send(pd_url, path, fields)
-    assert status == 400, body
-    assert body["error"]["param"] == "structured_outputs", body

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from services.control_plane.errors import ControlPlaneError
 from services.engines.vllm.contracts import (
     RELEASE_KEY,
+    advance_grammar,
     clip_to_producer,
     holds_producer_blocks,
 )
@@ -31,6 +32,7 @@ from services.engines.vllm.handshake import (
 from services.engines.vllm.layouts import (
     UnsupportedVllmLayout,
 )
+from services.engines.vllm.request_mapping import GRAMMAR_PREFIX_ARG
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -135,6 +137,9 @@ class ReceiveNothingOnFullHit:
     pdserve_stats: PdserveNixlStats
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        # Before the request's first step, on producer and consumer alike (not a KV matter,
+        # but the one scheduler hook vLLM calls then, with the grammar compiled).
+        advance_grammar(request, GRAMMAR_PREFIX_ARG)
         count, load_async = super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens
         )

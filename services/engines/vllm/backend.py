@@ -46,6 +46,7 @@ from services.engines.backend import (
 from services.engines.errors import (
     EngineDraining,
     EngineFailed,
+    InvalidRequest,
     KVTransferFailed,
 )
 from services.engines.vllm import detokenizer
@@ -252,6 +253,12 @@ class VllmBackend(EngineBackend):
     ) -> AsyncIterator[Any]:
         engine = self._require_engine()
         sampling_module = importlib.import_module("vllm.sampling_params")
+        constraint = kwargs.pop("structured_outputs", None)
+        if constraint is not None:
+            try:
+                kwargs["structured_outputs"] = sampling_module.StructuredOutputsParams(**constraint)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequest(f"structured_outputs: {exc}") from exc
         params = sampling_module.SamplingParams(
             **kwargs, output_kind=sampling_module.RequestOutputKind.DELTA
         )

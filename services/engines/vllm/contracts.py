@@ -181,3 +181,39 @@ def clip_to_producer(local: Any, producer: Any, allocated: Sequence[int]) -> Any
             blocks = blocks[: max(0, len(blocks) - extra)]
         clipped.append(blocks)
     return type(local)(clipped) if grouped else clipped[0]
+
+
+def advance_grammar(request: Any, key: str) -> bool:
+    """Feed a structured-output request's grammar the output tokens vLLM sees as prompt.
+
+    pdserve's decode request is the prompt plus the producer's first token (a continuation's
+    output so far too); vLLM's grammar only ever accepts tokens the engine samples, so it would
+    constrain the next token as if it were the first. The tokens travel in
+    ``request.sampling_params.extra_args[key]`` (``request_mapping.GRAMMAR_PREFIX_ARG``); the
+    connector's scheduler calls this when vLLM first looks the request up for KV, which vLLM
+    does only once the grammar compiled, before the request's first step. The key is removed:
+    a grammar accepts the tokens once. Returns whether the grammar accepted them (``True``
+    when there was nothing to feed); a refusal is logged, the request samples on from the
+    grammar's own state."""
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None)
+    if not extra or key not in extra:
+        return True
+    tokens = list(extra.pop(key))
+    structured = getattr(request, "structured_output_request", None)
+    grammar = structured.grammar if structured is not None else None
+    if grammar is None or isinstance(grammar, Exception):
+        logger.error(
+            "request %s: no compiled grammar to feed its %d earlier output token(s)",
+            request.request_id,
+            len(tokens),
+        )
+        return False
+    if not grammar.accept_tokens(request.request_id, tokens):
+        logger.error(
+            "request %s: the grammar refused its earlier output %s",
+            request.request_id,
+            tokens,
+        )
+        return False
+    return True

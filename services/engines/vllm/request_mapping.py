@@ -18,6 +18,7 @@ from services.engines.backend import (
 )
 from services.engines.errors import (
     EngineFailed,
+    InvalidRequest,
     UnknownKVHandle,
 )
 from services.engines.vllm.handshake import vllm_engine_id
@@ -46,13 +47,32 @@ def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
         "include_stop_str_in_output": sampling.include_stop_str_in_output,
         "skip_special_tokens": sampling.skip_special_tokens,
         "spaces_between_special_tokens": sampling.spaces_between_special_tokens,
+        "structured_outputs": structured_outputs_of(sampling),
     }
+
+
+def structured_outputs_of(sampling: SamplingParams) -> dict[str, Any] | None:
+    """``StructuredOutputsParams`` keyword arguments of ``sampling.structured_outputs``."""
+    if not sampling.structured_outputs:
+        return None
+    try:
+        fields = json.loads(sampling.structured_outputs)
+    except ValueError as exc:
+        raise InvalidRequest(f"structured_outputs is not JSON: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise InvalidRequest("structured_outputs must be a JSON object")
+    return fields
 
 
 OUTPUT_IN_PROMPT_ARG = "pdserve_output_in_prompt"
 """``SamplingParams.extra_args`` key: the request's output tokens that vLLM sees as prompt (a
 continuation's tokens so far, a disaggregated decode's first token), for
 :data:`OUTPUT_IN_PROMPT_PENALTIES` (services/engines/vllm/output_in_prompt.py)."""
+
+GRAMMAR_PREFIX_ARG = "pdserve_grammar_prefix"
+"""``SamplingParams.extra_args`` key: output tokens vLLM sees as prompt (as
+:data:`OUTPUT_IN_PROMPT_ARG`) that a structured-output request's grammar must accept before its
+first sample here (:func:`services.engines.vllm.contracts.advance_grammar`)."""
 
 SAMPLED_TOKENS_ARG = "pdserve_sampled_tokens"
 """``SamplingParams.extra_args`` key: how many tokens of a seeded request were sampled before
@@ -77,6 +97,8 @@ def _earlier_output(
         extra[OUTPUT_IN_PROMPT_ARG] = list(tokens)
     if tokens and sampling.seed is not None and not sampling.greedy:
         extra[SAMPLED_TOKENS_ARG] = len(tokens)
+    if tokens and sampling.structured_outputs:
+        extra[GRAMMAR_PREFIX_ARG] = list(tokens)
     return extra
 
 

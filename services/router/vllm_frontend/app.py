@@ -53,7 +53,12 @@ def create_vllm_app(
     executor, control plane) for the app's lifetime; ``ops_router`` serves pdserve's
     ``/health`` and ``/metrics``."""
     args = frontend.args
+    root = logging.getLogger()
+    level = root.level
     app: FastAPI = build_app(args, SUPPORTED_TASKS, frontend.vllm_config.model_config)
+    # Importing vLLM's SageMaker routes (model_hosting_container_standards) sets the root
+    # logger to ERROR, which would silence every pdserve warning (failover, migration...).
+    root.setLevel(level)
     app.router.routes[:] = [
         route for route in app.router.routes if getattr(route, "path", None) not in PDSERVE_ROUTES
     ]

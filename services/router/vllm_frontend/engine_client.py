@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
@@ -49,6 +51,7 @@ from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.router.errors import InvalidRequestError, RouterError
 from services.router.fork import ChunkStream, forked_runs
 from services.router.generation import GenerationRequest, RunInfo
+from services.router.params import check_engines
 from services.router.runtime import RouterRuntime
 from services.router.vllm_frontend.config import Frontend
 
@@ -63,7 +66,6 @@ SEED_MASK = 2**63 - 1
 """pdserve's engines take a 64-bit unsigned seed; vLLM's is any Python int."""
 
 UNSUPPORTED_SAMPLING = (
-    "structured_outputs",
     "bad_words",
     "allowed_token_ids",
     "logits_processors",
@@ -104,7 +106,21 @@ def engine_sampling(params: Any) -> SamplingParams:
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        structured_outputs=structured_outputs_json(params.structured_outputs),
     )
+
+
+def structured_outputs_json(constraint: Any) -> str:
+    """vLLM's ``StructuredOutputsParams`` as the proto carries it: a JSON object of its public
+    fields that differ from their defaults ("" when unconstrained)."""
+    if constraint is None:
+        return ""
+    fields = {
+        field.name: getattr(constraint, field.name)
+        for field in dataclasses.fields(constraint)
+        if not field.name.startswith("_") and getattr(constraint, field.name) != field.default
+    }
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
 
 
 def vllm_error(error: RouterError) -> Exception:
@@ -227,6 +243,10 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 )
                 for child, _ in children
             ]
+            records = [
+                slot.record for slot in self.runtime.pool.slots() if slot.record.model == self.model
+            ]
+            check_engines(records, generations[0].sampling)
         except RouterError as error:
             raise vllm_error(error) from error
         queue = RequestOutputCollector(params.output_kind, request.request_id)

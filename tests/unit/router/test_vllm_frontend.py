@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -95,7 +96,11 @@ async def test_text_is_vllms_detokenization_of_the_engines_tokens(
     """The fake engines answer token 7, then FIRST_ID + 1, + 2...: the text is vLLM's decoding of
     those ids (not the engines' own text), with the run's engines in the headers."""
     rt = pd_runtime(factory, model_dir)
+    level = logging.getLogger().level
     async with served(rt) as client:
+        # (vLLM's app, built here, must not have raised the root logger's level: pdserve's
+        # warnings would vanish)
+        assert logging.getLogger().level == level
         answer = await client.post(
             "/v1/completions",
             json={"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0},
@@ -198,9 +203,30 @@ def test_sampling_has_one_spelling_and_nothing_is_dropped() -> None:
     constrained = VllmSamplingParams(
         max_tokens=3, structured_outputs=StructuredOutputsParams(choice=["a", "b"])
     )
+    assert json.loads(engine_sampling(constrained).structured_outputs) == {"choice": ["a", "b"]}
     with pytest.raises(InvalidRequestError) as refused:
-        engine_sampling(constrained)
-    assert refused.value.param == "structured_outputs"
+        engine_sampling(VllmSamplingParams(max_tokens=3, bad_words=["x"]))
+    assert refused.value.param == "bad_words"
+
+
+async def test_structured_outputs_on_reference_engines_are_a_400_naming_the_engine(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    rt = pd_runtime(factory, model_dir)
+    async with served(rt) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "hi",
+                "max_tokens": 3,
+                "structured_outputs": {"choice": ["yes", "no"]},
+            },
+        )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "structured_outputs"
+    assert "reference engine" in error["message"]
 
 
 def test_an_error_event_opening_a_stream_is_answered_as_an_error() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from services.engines.vllm.contracts import FinishedOnce, decide_model_runner
+from services.engines.vllm.contracts import FinishedOnce, advance_grammar, decide_model_runner
 from services.engines.vllm.layouts import (
     KVRole,
     TransferMode,
@@ -150,3 +152,42 @@ def test_pull_mode_pairs_any_pp_and_tp(prefill: tuple[int, int], decode: tuple[i
             VllmLayout(KVRole.CONSUMER, PULL, 1, 3),
             num_kv_heads=4,
         )
+
+
+class _Grammar:
+    def __init__(self, accepts: bool) -> None:
+        self.accepts = accepts
+        self.fed: list[tuple[str, list[int]]] = []
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        self.fed.append((request_id, tokens))
+        return self.accepts
+
+
+def _structured_request(grammar: _Grammar | None, extra: dict[str, object] | None) -> object:
+    return SimpleNamespace(
+        request_id="r1",
+        sampling_params=SimpleNamespace(extra_args=extra),
+        structured_output_request=SimpleNamespace(grammar=grammar),
+    )
+
+
+def test_advance_grammar_feeds_the_earlier_output_once() -> None:
+    grammar = _Grammar(accepts=True)
+    request = _structured_request(grammar, {"k": [5, 6], "other": 1})
+    assert advance_grammar(request, "k")
+    assert advance_grammar(request, "k")  # the key is gone: nothing fed twice
+    assert grammar.fed == [("r1", [5, 6])]
+    assert request.sampling_params.extra_args == {"other": 1}  # type: ignore[attr-defined]
+    untouched = _Grammar(accepts=True)
+    assert advance_grammar(_structured_request(untouched, None), "k")
+    assert untouched.fed == []
+
+
+def test_advance_grammar_reports_a_refusal_or_a_missing_grammar(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert not advance_grammar(_structured_request(_Grammar(accepts=False), {"k": [9]}), "k")
+    assert not advance_grammar(_structured_request(None, {"k": [9]}), "k")
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2 and "refused" in errors[0] and "no compiled grammar" in errors[1]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/types.proto\x12\npdserve.v1\"\xdc\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x04\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x13 \x01(\x08H\x05\x88\x01\x01\x12\t\n\x01n\x18\x14 \x01(\r\x12\x1f\n\x17output_tokens_in_prompt\x18\x15 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xa0\x01\n\x08KVHandle\x12\x1a\n\x12producer_engine_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x1a\n\x12lease_expires_at_s\x18\x06 \x01(\x01\x12\r\n\x05\x65xtra\x18\x07 \x01(\x0c\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/types.proto\x12\npdserve.v1\"\xf8\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x04\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x13 \x01(\x08H\x05\x88\x01\x01\x12\t\n\x01n\x18\x14 \x01(\r\x12\x1f\n\x17output_tokens_in_prompt\x18\x15 \x01(\r\x12\x1a\n\x12structured_outputs\x18\x16 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xa0\x01\n\x08KVHandle\x12\x1a\n\x12producer_engine_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x1a\n\x12lease_expires_at_s\x18\x06 \x01(\x01\x12\r\n\x05\x65xtra\x18\x07 \x01(\x0c\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1130
-  _globals['_FINISHREASON']._serialized_end=1275
+  _globals['_FINISHREASON']._serialized_start=1158
+  _globals['_FINISHREASON']._serialized_end=1303
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=771
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=600
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=648
-  _globals['_TOKENLOGPROBS']._serialized_start=773
-  _globals['_TOKENLOGPROBS']._serialized_end=882
-  _globals['_KVHANDLE']._serialized_start=885
-  _globals['_KVHANDLE']._serialized_end=1045
-  _globals['_USAGE']._serialized_start=1047
-  _globals['_USAGE']._serialized_end=1127
+  _globals['_SAMPLINGPARAMS']._serialized_end=799
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=628
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=676
+  _globals['_TOKENLOGPROBS']._serialized_start=801
+  _globals['_TOKENLOGPROBS']._serialized_end=910
+  _globals['_KVHANDLE']._serialized_start=913
+  _globals['_KVHANDLE']._serialized_end=1073
+  _globals['_USAGE']._serialized_start=1075
+  _globals['_USAGE']._serialized_end=1155
 # @@protoc_insertion_point(module_scope)

@@ -104,6 +104,7 @@ class SamplingParams(_message.Message):
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_IN_PROMPT_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Tokens to generate, >= 1 (the prefill's first token counts)."""
     temperature: _builtins.float
@@ -146,6 +147,13 @@ class SamplingParams(_message.Message):
     after their draws, so the leg samples what an unbroken run would. At most the prompt's
     length; 0 = none.
     """
+    structured_outputs: _builtins.str
+    """Structured outputs: a JSON object of vLLM's StructuredOutputsParams fields (json, regex,
+    choice, grammar, json_object, structural_tag and their options); empty = unconstrained.
+    Every token the request samples obeys it, a continuation's output in the prompt and a
+    disaggregated decode's first token included (they advance the grammar first). At most
+    256 KiB. An engine that cannot constrain its output refuses a request that sets it.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation ends when the text contains one; it is not returned. At most 16."""
@@ -182,10 +190,11 @@ class SamplingParams(_message.Message):
         spaces_between_special_tokens: _builtins.bool | None = ...,
         n: _builtins.int = ...,
         output_tokens_in_prompt: _builtins.int = ...,
+        structured_outputs: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "output_tokens_in_prompt", b"output_tokens_in_prompt", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "output_tokens_in_prompt", b"output_tokens_in_prompt", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
