@@ -314,7 +314,7 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                         num_computed_tokens=info.prompt_tokens - info.cached_tokens,
                         num_cached_tokens=info.cached_tokens,
                     )
-                    if params.prompt_logprobs is not None:
+                    if params.prompt_logprobs is not None and chunk.prompt_logprobs:
                         ids, values, ranks = _logprob_rows(chunk.prompt_logprobs)
                         output.new_prompt_logprobs_tensors = LogprobsTensors(
                             torch.tensor(ids, dtype=torch.int64).reshape(len(ids), -1),
@@ -326,6 +326,8 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                     output.finish_reason = VllmFinish.LENGTH
                 elif finish is FinishReason.ABORT:
                     output.finish_reason = VllmFinish.ABORT
+                elif finish is FinishReason.ERROR:  # (the executor raises these; defensive)
+                    output.finish_reason = VllmFinish.ERROR
                 elif finish is FinishReason.STOP and chunk.token_ids:
                     last = chunk.token_ids[-1]
                     if last == eos:

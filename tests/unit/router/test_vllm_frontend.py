@@ -167,6 +167,20 @@ async def test_a_stream_that_fails_before_its_first_token_is_an_http_error(
     assert "the prefill engine broke" in answer.json()["error"]["message"]
 
 
+async def test_prompt_logprobs_an_engine_did_not_send_are_no_crash(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    """A one-token prompt has no prompt logprobs to carry (the fakes never send any)."""
+    rt = pd_runtime(factory, model_dir)
+    async with served(rt) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [7], "max_tokens": 2, "prompt_logprobs": 1},
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
+
+
 async def test_n_choices_fork_on_engines_that_fork(factory: FakeFactory, model_dir: Path) -> None:
     rt = pd_runtime(factory, model_dir)
     async with served(rt) as client:
