@@ -8,12 +8,14 @@ plane from ``PDSERVE_CONTROL_PLANE__...`` / ``--redis``; flags override the envi
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import get_args
 
 from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings
+from services.engines.vllm.version_guard import FRONTEND_SYMBOLS, VllmVersionMismatch, check_vllm
 from services.router.config import FrontendName, PolicyName, RouterSettings
 from services.router.main import run as serve_router
 from services.router.workers import serve_workers
@@ -92,6 +94,12 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
     except ValidationError as exc:
         print(f"pdserve router: invalid settings: {exc}")
         return 2
+    if settings.frontend == "vllm":
+        try:  # one message naming what is missing, before anything starts
+            check_vllm(FRONTEND_SYMBOLS)
+        except VllmVersionMismatch as exc:
+            print(f"pdserve router: {exc}", file=sys.stderr)
+            return 2
     if settings.workers > 1:
         return serve_workers(settings)
     serve_router(settings)

@@ -70,6 +70,7 @@ from services.engines.vllm.request_mapping import (
     prefill_sampling,
 )
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.engines.vllm.version_guard import ENGINE_SYMBOLS, VllmVersionMismatch, check_vllm
 from services.engines.vllm.worker_extension import RELEASE_HELD_KV, WORKER_EXTENSION
 from services.kv_transfer.metrics import KVTransferMetrics
 
@@ -88,6 +89,10 @@ class _VllmModules:
 
 
 def _import_vllm() -> _VllmModules:
+    try:
+        check_vllm(ENGINE_SYMBOLS)
+    except VllmVersionMismatch as exc:
+        raise EngineFailed(str(exc)) from exc
     try:
         return _VllmModules(
             arg_utils=importlib.import_module("vllm.engine.arg_utils"),

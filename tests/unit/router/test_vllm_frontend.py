@@ -22,9 +22,11 @@ from tokenizers import Tokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
+from services.cli.main import main as cli_main
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines.errors import EngineFailed
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.vllm.backend import _import_vllm
 from services.engines.vllm.version_guard import (
     FRONTEND_SYMBOLS,
     VllmVersionMismatch,
@@ -264,3 +266,16 @@ def test_version_guard_names_every_missing_symbol(monkeypatch: pytest.MonkeyPatc
         VllmVersionMismatch, match=r"supports vLLM 0\.32\.0, found 0\.99\.0.*nope:x"
     ):
         check_vllm([("nope", "x")])
+
+
+def test_router_and_engine_refuse_another_vllm_with_one_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], model_dir: Path
+) -> None:
+    monkeypatch.setattr(
+        "services.engines.vllm.version_guard.installed_vllm_version", lambda: "0.31.0"
+    )
+    code = cli_main(["router", "--tokenizer", str(model_dir), "--frontend", "vllm"])
+    assert code == 2
+    assert "supports vLLM 0.32.0, found 0.31.0" in capsys.readouterr().err
+    with pytest.raises(EngineFailed, match=r"supports vLLM 0\.32\.0, found 0\.31\.0"):
+        _import_vllm()
