@@ -245,6 +245,23 @@ def test_values_schema_is_shipped_not_ignored() -> None:
         assert loaded.schema["additionalProperties"] is False
 
 
+def test_router_front_end_follows_the_decode_engine_unless_set(chart: helm.Chart) -> None:
+    """vLLM decode engines: vLLM's front end with its flags; reference engines: pdserve's."""
+
+    def router_args(values: dict[str, Any]) -> list[str]:
+        found = find(render(chart, values), "Deployment", "-router")
+        return list(container(found.body["spec"]["template"])["args"])
+
+    args = router_args({"router": {"frontendArgs": ["--tool-call-parser=hermes"]}})
+    assert args[args.index("--frontend") + 1] == "vllm"
+    assert "--frontend-arg=--tool-call-parser=hermes" in args
+    cpu = load_values(CHART_DIR / "examples" / "reference-cpu.yaml")
+    assert "--frontend" not in router_args(cpu)
+    forced = router_args({**cpu, "router": {**cpu.get("router", {}), "frontend": "vllm"}})
+    assert forced[forced.index("--frontend") + 1] == "vllm"
+    assert "--frontend" not in router_args({"router": {"frontend": "pdserve"}})
+
+
 def test_router_workers_share_the_port_and_each_is_scraped_on_its_own(chart: helm.Chart) -> None:
     single = find(render(chart), "Deployment", "-router").body["spec"]["template"]
     assert "--workers" not in container(single)["args"]
