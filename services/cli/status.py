@@ -1,8 +1,8 @@
 """``pdserve status``: engines, roles, generations, leases and the (pp, tp) readiness grid.
 
 With ``--router URL`` it also shows that router's view of each engine's health: the state of
-its circuit breaker (``closed``, ``open``, ``half_open``; services/router/health.py) and how
-often it opened, read from the router's ``/metrics``.
+its circuit breaker (``closed``, ``open``, ``half_open``; services/router/scheduling/health.py) and
+how often it opened, read from the router's ``/metrics``.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class EngineLoad:
     cached_block_hashes: tuple[int, ...] = ()
     """The chained hashes of the full blocks the engine's prefix cache holds, most recently
     used first, at most :data:`MAX_REPORTED_BLOCKS` (hash ``i`` covers tokens
-    ``[0, (i + 1) * block_size)``, ``services.router.policies.prompt_block_hashes``)."""
+    ``[0, (i + 1) * block_size)``, ``services.router.scheduling.policies.prompt_block_hashes``)."""
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class RouterSettings(BaseSettings):
     ``pdserve_router_migrations_total``."""
     circuit_backoff_s: float = Field(default=5.0, gt=0)
     """How long an engine whose call failed through its own fault is left out of the
-    router's choices before one probe request may try it (``services.router.health``)."""
+    router's choices before one probe request may try it (``services.router.scheduling.health``)."""
     circuit_max_backoff_s: float = Field(default=60.0, gt=0)
     """The back-off doubles after each failed probe, up to this."""
     log_level: str = "WARNING"

@@ -24,14 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.engines.vllm.version_guard import FRONTEND_SYMBOLS, check_vllm
-from services.router.api import generation, ops, v1
 from services.router.config import RouterSettings
-from services.router.connector import ConnectorFactory, GrpcConnectorFactory
-from services.router.error_handlers import install_error_handlers
-from services.router.hot_path import HotPathApp
-from services.router.http_protocol import CoalescingHttpToolsProtocol
+from services.router.frontend.api import generation, ops, v1
+from services.router.frontend.error_handlers import install_error_handlers
+from services.router.frontend.hot_path import HotPathApp
+from services.router.frontend.http_protocol import CoalescingHttpToolsProtocol
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
+from services.router.scheduling.connector import ConnectorFactory, GrpcConnectorFactory
 from services.serving.ready import format_ready_line
 
 logger = logging.getLogger(__name__)
@@ -138,10 +138,10 @@ def _vllm_app(
     settings: RouterSettings,
     runtime_context: Callable[[], contextlib.AbstractAsyncContextManager[RouterRuntime]],
 ) -> FastAPI:
-    """vLLM's front end (``services.router.vllm_frontend``) for ``settings.tokenizer``."""
+    """vLLM's front end (``services.router.frontend.vllm``) for ``settings.tokenizer``."""
     check_vllm(FRONTEND_SYMBOLS)  # before the front end's modules import vLLM's
-    from services.router.vllm_frontend.app import create_vllm_app  # noqa: PLC0415
-    from services.router.vllm_frontend.config import (  # noqa: PLC0415
+    from services.router.frontend.vllm.app import create_vllm_app  # noqa: PLC0415
+    from services.router.frontend.vllm.config import (  # noqa: PLC0415
         build_frontend,
         frontend_args,
     )

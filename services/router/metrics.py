@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from services.router.health import CircuitGauge
+from services.router.scheduling.health import CircuitGauge
 
 M = TypeVar("M", bound=Counter)
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.chat import ChatRenderer
 from services.router.config import RouterSettings
-from services.router.connector import ConnectorFactory
-from services.router.execution import Executor
-from services.router.health import CircuitBreaker
+from services.router.execution.executor import Executor
+from services.router.frontend.chat import ChatRenderer
 from services.router.metrics import RouterMetrics
-from services.router.policies import make_policy
-from services.router.pool import EnginePool
-from services.router.scheduler import Scheduler
+from services.router.scheduling.connector import ConnectorFactory
+from services.router.scheduling.health import CircuitBreaker
+from services.router.scheduling.policies import make_policy
+from services.router.scheduling.pool import EnginePool
+from services.router.scheduling.scheduler import Scheduler
 from services.tokenization.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 

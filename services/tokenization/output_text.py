@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings: the one rule for the text a request releases.
 
 Torch-free, so the router (which continues a migrated request's text with the same rule,
-services/router/migration.py) uses it as the reference engine does, without importing the
+services/router/execution/migration.py) uses it as the reference engine does, without importing the
 engine. Re-exported by :mod:`services.engines.reference.sampling`.
 """
 

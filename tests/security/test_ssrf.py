@@ -2,8 +2,8 @@
 
 The SSRF reported against llm-d's router (llm-d/llm-d-inference-scheduler issue #242) let a
 header pick the upstream. pdserve's router dials only endpoints of READY engines read from the
-control plane (:mod:`services.router.pool`). Here a real router serves real stub engines while a
-TCP listener the test controls counts every connection it receives; every hostile request
+control plane (:mod:`services.router.scheduling.pool`). Here a real router serves real stub engines
+while a TCP listener the test controls counts every connection it receives; every hostile request
 (``Host``, ``X-Forwarded-*``, ``Forwarded``, custom routing headers, URLs in ``model`` and other
 fields, an absolute-URI request target) must reach zero connections on it.
 """

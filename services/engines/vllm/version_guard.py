@@ -36,7 +36,7 @@ FRONTEND_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.outputs", "LogprobsLists"),
     ("vllm.v1.outputs", "LogprobsTensors"),
 )
-"""What the router's front end (``services.router.vllm_frontend``) uses."""
+"""What the router's front end (``services.router.frontend.vllm``) uses."""
 
 ENGINE_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl", "NixlBaseConnector"),

@@ -33,10 +33,10 @@ from services.engines.backend import (
     Usage,
 )
 from services.router.config import RouterSettings
-from services.router.connector import ConnectorFactory, EngineConnector
 from services.router.main import create_app
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
+from services.router.scheduling.connector import ConnectorFactory, EngineConnector
 
 
 def word(token_index: int) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
-from services.router.protocol import MAX_PROMPT_TOKEN_IDS
+from services.router.frontend.protocol import MAX_PROMPT_TOKEN_IDS
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view
 
@@ -140,7 +140,7 @@ async def test_fields_vllm_does_not_know_are_ignored_logged_once_and_counted(rt,
     """As vLLM's server: ``best_of`` (gone from vLLM's models), a removed guided-decoding field
     (with a warning that nothing is constrained) and any other unknown field, top level or in
     ``stream_options``, are ignored; the router counts each and logs each name once."""
-    caplog.set_level(logging.INFO, logger="services.router.api")
+    caplog.set_level(logging.INFO, logger="services.router.frontend.api")
     body = {
         "model": MODEL,
         "prompt": "hello there",

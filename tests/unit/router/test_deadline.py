@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.router.deadline import StreamBounds
+from services.router.execution.deadline import StreamBounds
 
 SHORT_S = 0.05
 LONG_S = 30.0

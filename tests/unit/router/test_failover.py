@@ -13,8 +13,8 @@ import pytest
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, TokenDelta
 from services.engines.errors import EngineFailed, KVTransferFailed
-from services.router.health import CircuitBreaker, CircuitState
 from services.router.runtime import RouterRuntime
+from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.errors import EngineUnreachable
 from tests.unit.router.fakes import FakeEngine, FakeFactory, http, prepared, sample
 

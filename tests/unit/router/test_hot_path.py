@@ -11,7 +11,7 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest
-from services.router.hot_path import HotPathApp
+from services.router.frontend.hot_path import HotPathApp
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeFactory, prepared, sample

@@ -8,7 +8,7 @@ import pytest
 
 from services.control_plane.wire import EngineLoad, EngineRole, EngineState
 from services.router.errors import ModelNotFound, NoEngineAvailable
-from services.router.policies import (
+from services.router.scheduling.policies import (
     LeastLoadedPolicy,
     PrefixAwarePolicy,
     PromptInfo,

@@ -5,7 +5,7 @@ server on the tiny checkpoint: tests/e2e/test_openai_params.py and the issue-30 
 
 from __future__ import annotations
 
-from services.router.choices import decoded_token
+from services.router.frontend.choices import decoded_token
 from services.tokenization.tokenizer import ByteTokenizer
 
 

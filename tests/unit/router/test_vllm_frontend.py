@@ -33,12 +33,12 @@ from services.engines.vllm.version_guard import (
     check_vllm,
     missing_symbols,
 )
-from services.router.connector import EngineConnector
 from services.router.errors import InvalidRequestError
+from services.router.frontend.vllm.app import _leading_error
+from services.router.frontend.vllm.engine_client import engine_sampling
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
-from services.router.vllm_frontend.app import _leading_error
-from services.router.vllm_frontend.engine_client import engine_sampling
+from services.router.scheduling.connector import EngineConnector
 from tests.unit.router.fakes import FakeEngine, FakeFactory, prepared, sample
 
 MODEL = "tiny"

@@ -1,16 +1,16 @@
 """One generation's HTTP response: the JSON body or the SSE stream, its headers, and the
 client hang-up before it starts.
 
-:func:`serve` runs a planned :class:`~services.router.generation.GenerationRequest` on the
+:func:`serve` runs a planned :class:`~services.router.execution.generation.GenerationRequest` on the
 executor and answers it in an endpoint's :class:`Output` shape (``/v1/completions`` or
 ``/v1/chat/completions``); :func:`unless_client_leaves` cancels the work of a client that
-hangs up first. The routes that build the request are in :mod:`services.router.api`.
+hangs up first. The routes that build the request are in :mod:`services.router.frontend.api`.
 
 Response headers of a generation: ``x-pdserve-prefill-engine`` (absent when the request ran
 locally), ``x-pdserve-decode-engine``, ``x-pdserve-execution-path`` and ``x-request-id``; on a
-non-streamed request that moved to another engine pair mid-way (services.router.migration),
-``x-pdserve-migrations``. The usage object of such a request (the response's, or the streamed
-``include_usage`` chunk's) carries ``pdserve_migrations`` too.
+non-streamed request that moved to another engine pair mid-way
+(services.router.execution.migration), ``x-pdserve-migrations``. The usage object of such a request
+(the response's, or the streamed ``include_usage`` chunk's) carries ``pdserve_migrations`` too.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.engines.backend import FinishReason
 from services.router.errors import EngineRequestFailed, RouterError
-from services.router.generation import Chunk, GenerationRequest, RunInfo
-from services.router.protocol import (
+from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
+from services.router.frontend.protocol import (
     SSE_DONE,
     StreamUsage,
     finish_text,
@@ -172,7 +172,7 @@ async def serve(
     end the stream with an error event. A client that hangs up before the response starts
     cancels the run (counted ``client_disconnected``); after that, Starlette's own disconnect
     handling ends the stream the same way. ``request`` was checked against the engines of its
-    model (``services.router.api._check_engines``)."""
+    model (``services.router.frontend.api._check_engines``)."""
     info = RunInfo()
     run = runtime.executor.generate(request, info)
     streaming = False

@@ -2,17 +2,18 @@
 
 :class:`EngineCalls` (one per router process, :attr:`Executor.calls
 <services.router.execution.Executor.calls>`) is used by the executor
-(:mod:`services.router.execution`) and the forked ``n > 1`` run (:mod:`services.router.fork`),
-so a timeout is counted, aborted on the engine and worded in one place.
+(:mod:`services.router.execution.executor`) and the forked ``n > 1`` run
+(:mod:`services.router.execution.fork`), so a timeout is counted, aborted on the engine and worded
+in one place.
 
 Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
 call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
 ``decode_idle_timeout_s`` between two deltas (the first included), so a decode engine that
 stalls without dying ends its streams within the idle bound (both by one timer per stream,
-:class:`~services.router.deadline.StreamBounds`, not one per message). A non-streamed request
-decodes with one unary call (``DecodeOnce``, :meth:`EngineConnector.decode_once
-<services.router.connector.EngineConnector.decode_once>`: one answer costs the router less
-than a stream): the router bounds it by ``decode_timeout_s`` and hands the engine the idle
+:class:`~services.router.execution.deadline.StreamBounds`, not one per message). A non-streamed
+request decodes with one unary call (``DecodeOnce``, :meth:`EngineConnector.decode_once
+<services.router.scheduling.connector.EngineConnector.decode_once>`: one answer costs the router
+less than a stream): the router bounds it by ``decode_timeout_s`` and hands the engine the idle
 bound, which the engine enforces between its own steps (it aborts the request and answers
 ``EngineStalled``, counted here as an idle timeout); an engine that answers nothing at all is
 ended by the whole-call bound, or sooner by the channel's keepalive (unreachable). A tripped
@@ -43,12 +44,12 @@ from services.engines.backend import (
 )
 from services.engines.errors import EngineStalled
 from services.router.config import RouterSettings
-from services.router.deadline import StreamBounds
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
-from services.router.generation import GenerationRequest, RunInfo
+from services.router.execution.deadline import StreamBounds
+from services.router.execution.generation import GenerationRequest, RunInfo
+from services.router.execution.migration import Step, is_engine_fault
 from services.router.metrics import RouterMetrics
-from services.router.migration import Step, is_engine_fault
-from services.router.pool import EnginePool, EngineSlot
+from services.router.scheduling.pool import EnginePool, EngineSlot
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ parameter otherwise, never silently ignored). Fields vLLM's server does not know
 (``best_of``, removed ones such as ``guided_json``, any other) are ignored as vLLM ignores
 them, and logged and counted (:func:`ignored_fields`). Whether an
 engine can honour a carried parameter is checked against the engines' kinds
-(:mod:`services.router.params`). Responses are plain dicts (no response validation on the hot
-path).
+(:mod:`services.router.frontend.params`). Responses are plain dicts (no response validation on the
+hot path).
 """
 
 from __future__ import annotations

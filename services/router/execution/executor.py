@@ -1,4 +1,4 @@
-"""Running one request on the engines a :class:`~services.router.scheduler.Plan` names.
+"""Running one request on the engines a :class:`~services.router.scheduling.scheduler.Plan` names.
 
 :meth:`Executor.generate` is an async generator of :class:`Chunk`. The HTTP layer awaits the
 first chunk before it answers, so every failure up to the first token (no engine, every
@@ -11,12 +11,12 @@ failure is the engine's, at most ``max_prefill_attempts`` in all, each retry cou
 token goes out, then Decode with the KV handle on the decode engine. Local: Decode without a
 handle. A decode stream that ends without a finish reason is an error (``decode_truncated``).
 A request whose decode engine, or the producer of its KV, fails continues on other engines
-(:mod:`services.router.migration`: legs, prefill failover, migration); every engine call feeds
-the engine's circuit breaker (:mod:`services.router.health`).
+(:mod:`services.router.execution.migration`: legs, prefill failover, migration); every engine call
+feeds the engine's circuit breaker (:mod:`services.router.scheduling.health`).
 
 Bounds: every engine call is timed by the router itself, aborted on the engine when a bound
-trips and counted (:mod:`services.router.engine_calls`). The request, its chunks and its
-``RunInfo`` are :mod:`services.router.generation`'s.
+trips and counted (:mod:`services.router.execution.engine_calls`). The request, its chunks and its
+``RunInfo`` are :mod:`services.router.execution.generation`'s.
 
 Time accounting (``RunInfo``): ``engine_wait_s`` sums the time spent awaiting engine calls, so
 router overhead = end-to-end minus it.
@@ -32,11 +32,10 @@ from dataclasses import replace
 from services.control_plane.wire import EngineId
 from services.engines.backend import FinishReason, PrefillResult
 from services.router.config import RouterSettings
-from services.router.engine_calls import EngineCalls
 from services.router.errors import EngineRequestFailed, RouterError
-from services.router.generation import Chunk, GenerationRequest, RunInfo
-from services.router.metrics import RouterMetrics
-from services.router.migration import (
+from services.router.execution.engine_calls import EngineCalls
+from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
+from services.router.execution.migration import (
     PRODUCER_GONE,
     LegFailed,
     NoContinuation,
@@ -46,9 +45,10 @@ from services.router.migration import (
     is_migratable,
     prefill_phase,
 )
-from services.router.policies import PromptInfo
-from services.router.pool import EnginePool, EngineSlot
-from services.router.scheduler import Plan, Scheduler
+from services.router.metrics import RouterMetrics
+from services.router.scheduling.policies import PromptInfo
+from services.router.scheduling.pool import EnginePool, EngineSlot
+from services.router.scheduling.scheduler import Plan, Scheduler
 from services.tokenization.tokenizer import ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Executor:
         self._metrics = metrics
         self._tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.calls = EngineCalls(pool, settings, metrics)
-        """The engine calls and their aborts (shared with :mod:`services.router.fork`)."""
+        """The engine calls and their aborts (shared with :mod:`services.router.execution.fork`)."""
 
     async def generate(
         self, request: GenerationRequest, info: RunInfo
@@ -168,8 +168,8 @@ class Executor:
         avoid_decode: set[EngineId],
         planned: Callable[[], None],
     ) -> AsyncGenerator[Step, None]:
-        """One leg of ``request`` (see services.router.migration): plan (then ``planned()``),
-        prefill, decode. Raises :class:`LegFailed` when another leg may succeed,
+        """One leg of ``request`` (see services.router.execution.migration): plan (then
+        ``planned()``), prefill, decode. Raises :class:`LegFailed` when another leg may succeed,
         :class:`NoContinuation` when a continuation finds no engines, the error itself
         otherwise."""
         continuing = progress.continuing

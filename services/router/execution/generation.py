@@ -1,9 +1,11 @@
 """One generation as the router runs it: the request, the chunks it yields, what the run decided.
 
-:class:`GenerationRequest` is built by the HTTP layer (:mod:`services.router.api`) and run by
-the executor (:mod:`services.router.execution`), or, for ``n > 1`` on engines that fork, by
-:mod:`services.router.fork`; both yield :class:`Chunk` and fill a :class:`RunInfo`, which the
-response layer (:mod:`services.router.responses`) turns into headers, usage and metrics.
+:class:`GenerationRequest` is built by a front end (:mod:`services.router.frontend.api`,
+:mod:`services.router.frontend.vllm`) and run by the executor
+(:mod:`services.router.execution.executor`), or, for ``n > 1`` on engines that fork, by
+:mod:`services.router.execution.fork`; both yield :class:`Chunk` and fill a :class:`RunInfo`,
+which the front end (:mod:`services.router.frontend.responses`) turns into headers, usage and
+metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class GenerationRequest:
     """``time.perf_counter()`` when the HTTP request arrived."""
     stream: bool = True
     """Whether the client receives tokens as they come. A request that is not streamed decodes
-    with one unary call (see :mod:`services.router.engine_calls`)."""
+    with one unary call (see :mod:`services.router.execution.engine_calls`)."""
 
 
 @dataclass(frozen=True)
@@ -55,4 +57,5 @@ class RunInfo:
     cached_tokens: int = 0
     engine_wait_s: float = 0.0
     migrations: int = 0
-    """Times the request moved to another engine pair mid-stream (services.router.migration)."""
+    """Times the request moved to another engine pair mid-stream
+    (services.router.execution.migration)."""

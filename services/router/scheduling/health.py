@@ -5,8 +5,8 @@ lease runs out (seconds). The router learns it at once, from its calls: an engin
 failed through the engine's fault (unreachable, failed, timed out, a broken decode stream) is
 taken out of the router's choices immediately, without waiting for the lease.
 
-States (per :class:`~services.router.pool.EngineSlot`; a new generation gets a new slot and so
-a closed breaker)::
+States (per :class:`~services.router.scheduling.pool.EngineSlot`; a new generation gets a new slot
+and so a closed breaker)::
 
     closed ──failure──> open ──back-off elapsed, next call──> half_open (one probe call)
       ^                  ^                                       │
@@ -14,8 +14,8 @@ a closed breaker)::
                          └──────────failure (back-off doubles)───┘
 
 While open, and while the half-open probe is in flight, :meth:`CircuitBreaker.available` is
-false and the scheduler does not choose the engine (see ``services.router.scheduler``). The
-probe is the first call made after the back-off; its success closes the breaker, its failure
+false and the scheduler does not choose the engine (see ``services.router.scheduling.scheduler``).
+The probe is the first call made after the back-off; its success closes the breaker, its failure
 opens it again with twice the back-off (up to a maximum). A probe that never reports (its
 request ended before using the engine) stops blocking after ``probe_lease_s``.
 

@@ -14,10 +14,10 @@ vLLM's ``InputProcessor`` validates the request (context length, token ids, samp
 vLLM's ``OutputProcessor`` detokenizes, applies stop strings, builds logprobs and the
 ``RequestOutput``s in the requested ``output_kind``; ``n > 1`` fans out as vLLM's
 ``ParentRequest`` does (choice ``i`` seeded ``seed + i``), forked on engines that fork
-(:mod:`services.router.fork`). Engines also get the stop strings (so a non-streamed request
-stops where the text does); the router's detokenizer decides where the text ends.
+(:mod:`services.router.execution.fork`). Engines also get the stop strings (so a non-streamed
+request stops where the text does); the router's detokenizer decides where the text ends.
 
-Each generation's :class:`~services.router.generation.RunInfo` is appended to the list in
+Each generation's :class:`~services.router.execution.generation.RunInfo` is appended to the list in
 :data:`RUN_INFOS` when the caller set one (the HTTP middleware that writes the
 ``x-pdserve-*`` headers and counts the request).
 """
@@ -49,11 +49,11 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.router.errors import InvalidRequestError, RouterError
-from services.router.fork import ChunkStream, forked_runs
-from services.router.generation import GenerationRequest, RunInfo
-from services.router.params import check_engines
+from services.router.execution.fork import ChunkStream, forked_runs
+from services.router.execution.generation import GenerationRequest, RunInfo
+from services.router.frontend.params import check_engines
+from services.router.frontend.vllm.config import Frontend
 from services.router.runtime import RouterRuntime
-from services.router.vllm_frontend.config import Frontend
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Routing policies: which READY engine gets a request (the seam: :class:`RoutingPolicy`).
 
-The :class:`~services.router.scheduler.Scheduler` filters candidates (READY, the request's
-model, compatible with the chosen partner) and asks the policy to pick one per stage. Policies
-run on the request path, synchronously: no I/O, a few microseconds.
+The :class:`~services.router.scheduling.scheduler.Scheduler` filters candidates (READY, the
+request's model, compatible with the chosen partner) and asks the policy to pick one per stage.
+Policies run on the request path, synchronously: no I/O, a few microseconds.
 
 - :class:`RoundRobinPolicy`: a rotating index per stage.
 - :class:`LeastLoadedPolicy`: the fewest of (this router's in-flight reservations + the queue
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.control_plane.wire import EngineLoad
-from services.router.pool import EngineSlot
+from services.router.scheduling.pool import EngineSlot
 
 
 class Stage(enum.StrEnum):

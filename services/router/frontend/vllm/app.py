@@ -19,10 +19,10 @@ from fastapi import FastAPI
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
-from services.router.generation import RunInfo
+from services.router.execution.generation import RunInfo
+from services.router.frontend.vllm.config import Frontend
+from services.router.frontend.vllm.engine_client import RUN_INFOS, PdserveEngineClient
 from services.router.runtime import RouterRuntime
-from services.router.vllm_frontend.config import Frontend
-from services.router.vllm_frontend.engine_client import RUN_INFOS, PdserveEngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ GENERATION_ENDPOINTS = {
 """Paths whose answers carry the ``x-pdserve-*`` headers, and their ``endpoint`` label."""
 
 PDSERVE_ROUTES = frozenset({"/health", "/metrics"})
-"""vLLM's routes that pdserve answers itself (``services.router.api.ops``)."""
+"""vLLM's routes that pdserve answers itself (``services.router.frontend.api.ops``)."""
 
 SUPPORTED_TASKS = ("generate",)
 

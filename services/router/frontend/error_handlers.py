@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.engines.errors import TokenizerError
 from services.router.errors import InvalidRequestError, RouterError
-from services.router.responses import json_response
+from services.router.frontend.responses import json_response
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)

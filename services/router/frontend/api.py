@@ -2,12 +2,13 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (Bearer
 key when configured), ``GET /health`` and ``GET /metrics`` (open: probes and Prometheus). A
-generation route turns the body into a :class:`~services.router.generation.GenerationRequest`
-(checked against the engines of its model) and hands it to
-:func:`services.router.responses.serve` (one choice) or
-:func:`services.router.choices.serve_choices` (``n > 1``, echo, logprobs); the response
+generation route turns the body into a
+:class:`~services.router.execution.generation.GenerationRequest` (checked against the engines of its
+model) and hands it to
+:func:`services.router.frontend.responses.serve` (one choice) or
+:func:`services.router.frontend.choices.serve_choices` (``n > 1``, echo, logprobs); the response
 shapes and headers are described there. Every error is answered with the OpenAI envelope by
-the handlers of :mod:`services.router.error_handlers`.
+the handlers of :mod:`services.router.frontend.error_handlers`.
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.engines.backend import SamplingParams
 from services.engines.errors import InvalidRequest
-from services.router import params
-from services.router.choices import Choice, serve_choices
-from services.router.direct_route import DirectRoute
 from services.router.errors import (
     AuthenticationError,
     InvalidRequestError,
     NoEngineAvailable,
 )
-from services.router.generation import GenerationRequest
-from services.router.protocol import (
+from services.router.execution.generation import GenerationRequest
+from services.router.frontend import params
+from services.router.frontend.choices import Choice, serve_choices
+from services.router.frontend.direct_route import DirectRoute
+from services.router.frontend.protocol import (
     REMOVED_GUIDED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +43,7 @@ from services.router.protocol import (
     ignored_fields,
     now_s,
 )
-from services.router.responses import (
+from services.router.frontend.responses import (
     CHAT,
     COMPLETIONS,
     json_response,

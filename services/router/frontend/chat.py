@@ -13,7 +13,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.router.errors import InvalidRequestError
-from services.router.protocol import ChatMessage
+from services.router.frontend.protocol import ChatMessage
 from services.tokenization.tokenizer import Tokenizer
 
 DEFAULT_CHAT_TEMPLATE = (

@@ -6,9 +6,9 @@ one run: one Prefill with ``sampling.n = n`` (the engine samples every choice's 
 choice ``i`` as a request seeded with ``seed + i`` would, vLLM's rule), then one Decode whose
 ``forks`` name the choices the first token did not end: the decode engine pulls the KV once
 and forks one sequence per choice. Otherwise it returns ``None`` and every choice runs as its
-own request (its own prefill and transfer; see :mod:`services.router.choices`). vLLM engines
-take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine requests that would each
-pull the prompt's KV (docs/vllm.md). Which path ran is counted in
+own request (its own prefill and transfer; see :mod:`services.router.frontend.choices`). vLLM
+engines take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine requests that would
+each pull the prompt's KV (docs/vllm.md). Which path ran is counted in
 ``pdserve_router_choices_total{path}``.
 
 The forked run has no failover or migration (the per-choice path has both): a failure of
@@ -16,9 +16,9 @@ either engine ends every unfinished choice with the error, as an HTTP error befo
 response starts or an SSE error event after. Bounds are the executor's: ``prefill_timeout_s``
 for the Prefill call, ``decode_timeout_s`` for the whole Decode and ``decode_idle_timeout_s``
 between two of its messages. The calls and their timeouts are the executor's
-(:class:`~services.router.engine_calls.EngineCalls`): a timeout is ``engine_timeout``, counted
-in ``pdserve_router_engine_timeouts_total``, fed to the engine's breaker and answered with an
-Abort of the request on that engine; a Decode that never sent a delta also releases the KV the
+(:class:`~services.router.execution.engine_calls.EngineCalls`): a timeout is ``engine_timeout``,
+counted in ``pdserve_router_engine_timeouts_total``, fed to the engine's breaker and answered with
+an Abort of the request on that engine; a Decode that never sent a delta also releases the KV the
 prefill engine holds (an Abort there), as the executor's does.
 """
 
@@ -31,14 +31,14 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from services.engines.backend import DecodeRequest, FinishReason, Fork, PrefillResult
-from services.router.engine_calls import BACKSTOP_GRACE_S
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
-from services.router.generation import Chunk, GenerationRequest, RunInfo
-from services.router.migration import is_engine_fault
-from services.router.policies import PromptInfo
-from services.router.pool import EngineSlot
+from services.router.execution.engine_calls import BACKSTOP_GRACE_S
+from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
+from services.router.execution.migration import is_engine_fault
 from services.router.runtime import RouterRuntime
-from services.router.scheduler import Plan
+from services.router.scheduling.policies import PromptInfo
+from services.router.scheduling.pool import EngineSlot
+from services.router.scheduling.scheduler import Plan
 
 FORKING_KINDS = frozenset({"reference"})
 """Engine kinds whose prefill samples ``n`` first tokens and whose decode forks."""
@@ -47,8 +47,8 @@ _Item = Chunk | BaseException
 
 
 class ChunkStream(Protocol):
-    """One choice's chunks: what :mod:`services.router.choices` reads (an executor run, or a
-    :class:`_ChoiceStream` of a forked run)."""
+    """One choice's chunks: what :mod:`services.router.frontend.choices` reads (an executor
+    run, or a :class:`_ChoiceStream` of a forked run)."""
 
     def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...
 

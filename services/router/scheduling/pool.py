@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from services.control_plane.base import ControlPlane, EngineView
 from services.control_plane.wire import EngineId, EngineLoad, EngineRecord, EngineRole
-from services.router.connector import ConnectorFactory, EngineConnector
-from services.router.health import CircuitBreaker, CircuitState
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.connector import ConnectorFactory, EngineConnector
+from services.router.scheduling.health import CircuitBreaker, CircuitState
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class EngineSlot:
     retired: bool = False
     """No longer READY: chosen by nobody, closed when ``inflight`` drops to 0."""
     health: CircuitBreaker = field(default_factory=CircuitBreaker)
-    """This router's circuit breaker on the engine (``services.router.health``)."""
+    """This router's circuit breaker on the engine (``services.router.scheduling.health``)."""
 
     @property
     def engine_id(self) -> EngineId:
@@ -121,7 +121,7 @@ class EnginePool:
         if slot.retired and slot.inflight == 0:
             self._close_later(slot.connector)
 
-    # -- health feedback (services.router.health) --------------------------------------------
+    # -- health feedback (services.router.scheduling.health) --------------------------------
 
     def call_started(self, slot: EngineSlot) -> None:
         """Right before a call on ``slot``: the first one after a breaker's back-off probes."""

@@ -5,9 +5,9 @@ Starlette hands every request through a stack of ASGI layers before the endpoint
 router's path matching over every route, the route's ``request_response`` wrapper and its
 exception wrapper), each an ``await`` and most a wrapped ``send``: about a tenth of the router's
 own CPU per request measured under the bench (docs/architecture.md, "Hot path"). For an exact
-``POST`` to a :class:`~services.router.direct_route.DirectRoute` path this app calls the route's
-handler itself and answers its exceptions from the app's own exception handler table (the same
-lookup as Starlette's: the exception's MRO against ``exception_handlers``), so responses, error
+``POST`` to a :class:`~services.router.frontend.direct_route.DirectRoute` path this app calls the
+route's handler itself and answers its exceptions from the app's own exception handler table (the
+same lookup as Starlette's: the exception's MRO against ``exception_handlers``), so responses, error
 envelopes and error counting are the same as through the stack. Everything else (other paths
 and methods, a trailing slash, ``/metrics``, ``/health``, the lifespan) goes through FastAPI
 unchanged, and the OpenAPI schema is FastAPI's.
@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from services.router.direct_route import DirectRoute
+from services.router.frontend.direct_route import DirectRoute
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 

@@ -1,6 +1,7 @@
 """Planning a request: local or disaggregated, and on which engines.
 
-Pools (from :class:`~services.router.pool.EnginePool`, READY engines of the request's model):
+Pools (from :class:`~services.router.scheduling.pool.EnginePool`, READY engines of the request's
+model):
 
 - prefill engines: role ``prefill``;
 - decode engines: roles ``decode`` and ``both`` (a ``both`` engine is a colocated engine: it
@@ -21,13 +22,13 @@ and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
    then a compatible decode engine; if that decode engine likely holds at least
    ``local_cached_fraction`` of the prompt's blocks, the request runs there locally.
 
-Health (``services.router.health``): engines whose circuit breaker is open are not chosen; a
-request that failed over or migrated also names engines to ``avoid``. When every decode engine
-of the model has an open breaker (and none is avoided), they are chosen anyway: a decode engine
-has no fallback, and refusing every request during a back-off after one failed call would turn
-one error into many. Prefill engines have the local fallback instead.
+Health (``services.router.scheduling.health``): engines whose circuit breaker is open are not
+chosen; a request that failed over or migrated also names engines to ``avoid``. When every decode
+engine of the model has an open breaker (and none is avoided), they are chosen anyway: a decode
+engine has no fallback, and refusing every request during a back-off after one failed call would
+turn one error into many. Prefill engines have the local fallback instead.
 
-Fallback counting happens here and in the executor (:mod:`services.router.execution`).
+Fallback counting happens here and in the executor (:mod:`services.router.execution.executor`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from services.control_plane.wire import EngineId, EngineRole
 from services.router.config import RouterSettings
 from services.router.errors import ModelNotFound, NoEngineAvailable
 from services.router.metrics import RouterMetrics
-from services.router.policies import PromptInfo, RoutingPolicy, Stage
-from services.router.pool import EnginePool, EngineSlot
+from services.router.scheduling.policies import PromptInfo, RoutingPolicy, Stage
+from services.router.scheduling.pool import EnginePool, EngineSlot
 
 PREFILL_ROLES = (EngineRole.PREFILL,)
 DECODE_ROLES = (EngineRole.DECODE, EngineRole.BOTH)

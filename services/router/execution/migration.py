@@ -1,4 +1,5 @@
-"""Failover and migration of one request across engines (used by ``services.router.execution``).
+"""Failover and migration of one request across engines (used by
+``services.router.execution.executor``).
 
 A request runs in *legs*. The first leg is the plan (prefill then decode, or local). When a leg
 breaks through an engine's fault, the next leg continues the same request on other engines:
@@ -39,7 +40,7 @@ from typing import Literal
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
-from services.router.pool import EngineSlot
+from services.router.scheduling.pool import EngineSlot
 from services.tokenization.output_text import OutputText
 from services.tokenization.tokenizer import Tokenizer
 

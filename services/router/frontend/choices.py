@@ -1,11 +1,11 @@
 """Requests with several choices (``n > 1``, a batch of prompts), logprobs or ``echo``.
 
-The single-choice request without logprobs keeps the lean path in :mod:`services.router.api`;
-everything else comes here. The ``n`` choices of one prompt fork from one prefill and one KV
-transfer when the engine pair can (:mod:`services.router.fork`); otherwise each choice is its
-own engine request (its own prefill and KV transfer), run concurrently. With a ``seed``,
-choice ``i`` uses ``seed + i`` as vLLM does, on either path. Choices are numbered
-prompt-major (``index = prompt * n + i``), as vLLM does.
+The single-choice request without logprobs keeps the lean path in
+:mod:`services.router.frontend.api`; everything else comes here. The ``n`` choices of one prompt
+fork from one prefill and one KV transfer when the engine pair can
+(:mod:`services.router.execution.fork`); otherwise each choice is its own engine request (its own
+prefill and KV transfer), run concurrently. With a ``seed``, choice ``i`` uses ``seed + i`` as vLLM
+does, on either path. Choices are numbered prompt-major (``index = prompt * n + i``), as vLLM does.
 Usage sums prompt tokens over prompts (once per prompt, not per choice) and completion
 tokens over every choice.
 
@@ -27,9 +27,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.engines.backend import FinishReason, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
-from services.router.fork import ChunkStream, forked_runs
-from services.router.generation import Chunk, GenerationRequest, RunInfo
-from services.router.protocol import (
+from services.router.execution.fork import ChunkStream, forked_runs
+from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
+from services.router.frontend.protocol import (
     SSE_DONE,
     StreamUsage,
     finish_text,

@@ -1,7 +1,7 @@
 """``StreamBounds``: one timer for a whole engine stream, instead of one ``asyncio.timeout`` per
 message.
 
-A Decode stream has two bounds (:mod:`services.router.execution`): ``idle_s`` between two
+A Decode stream has two bounds (:mod:`services.router.execution.executor`): ``idle_s`` between two
 messages (the first included), counted only while the router waits on the engine, and
 ``whole_s`` for the call. ``asyncio.timeout`` per message costs a ``Timeout``, a loop timer and
 its cancellation for every token; here a message costs two stores (:meth:`waiting`,

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import SamplingParams
 from services.router.errors import InvalidRequestError
-from services.router.protocol import ChatCompletionRequest, CompletionRequest
+from services.router.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 EXTENDED_PARAMS = (
     "presence_penalty",
