@@ -31,12 +31,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-GENERATION_ENDPOINTS = {
-    "/v1/completions": "/v1/completions",
-    "/v1/chat/completions": "/v1/chat/completions",
-    "/v1/responses": "/v1/responses",
-}
-"""Paths whose answers carry the ``x-pdserve-*`` headers, and their ``endpoint`` label."""
+GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+"""Paths whose answers carry the ``x-pdserve-*`` headers (the path is the ``endpoint`` label)."""
 
 PDSERVE_ROUTES = frozenset({"/health", "/metrics"})
 """vLLM's routes that pdserve answers itself (``services.router.frontend.api.ops``)."""
@@ -96,10 +92,8 @@ class PdserveHeaders:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = (
-            GENERATION_ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        )
-        if endpoint is None or scope.get("method") != "POST":
+        endpoint = scope.get("path", "") if scope["type"] == "http" else ""
+        if endpoint not in GENERATION_ENDPOINTS or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
         arrival_s = time.perf_counter()
