@@ -6,10 +6,7 @@ worker."""
 from __future__ import annotations
 
 import collections
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from services.serving.ready import parse_ready_line
-from tests.e2e.up_system import UpSystem, no_processes_left
+from tests.e2e.up_system import UpSystem, no_processes_left, start_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -87,21 +83,10 @@ def test_workers_spread_requests_over_engines_and_their_metrics_add_up(system: U
 def test_ctrl_c_stops_every_worker_of_pdserve_router(system: UpSystem) -> None:
     """A second ``pdserve router --workers 2`` on the same control plane: it serves, and
     SIGINT to it (what a terminal's Ctrl-C sends) stops both workers and exits 0."""
-    env = {**os.environ, "PDSERVE_ROUTER_POLICY": "least_loaded"}
-    argv = [
-        sys.executable, "-m", "services.cli.main", "router",
-        "--redis", system.endpoints["redis"], "--namespace", system.endpoints["namespace"],
-        "--port", "0", "--workers", "2",
-    ]  # fmt: skip
-    router = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    router, announced = start_router(
+        system, "--workers", "2", env={"PDSERVE_ROUTER_POLICY": "least_loaded"}
+    )
     try:
-        assert router.stdout is not None
-        announced = None
-        for line in router.stdout:
-            announced = parse_ready_line(line)
-            if announced is not None:
-                break
-        assert announced is not None, "no PDSERVE_READY line"
         pids = announced["pids"]
         assert len(pids) == 2 and len(announced["metrics_urls"]) == 2
         ok = 0

@@ -12,9 +12,6 @@ templates use. vLLM's server itself is the yardstick in ``test_vllm_frontend_par
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.engines.reference.tiny_model import make_tiny_model
-from services.serving.ready import parse_ready_line
-from tests.e2e.up_system import UpSystem
+from tests.e2e.up_system import UpSystem, start_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -127,21 +123,10 @@ def system(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
 @pytest.fixture(scope="module")
 def pdserve_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
     """A router with pdserve's own front end on the same engines."""
-    argv = [
-        sys.executable, "-m", "services.cli.main", "router",
-        "--redis", system.endpoints["redis"], "--namespace", system.endpoints["namespace"],
-        "--port", "0", "--tokenizer", str(model_dir),
-    ]  # fmt: skip
-    env = {**os.environ, "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"}
-    router = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    router, announced = start_router(
+        system, "--tokenizer", str(model_dir), env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"}
+    )
     try:
-        assert router.stdout is not None
-        announced = None
-        for line in router.stdout:
-            announced = parse_ready_line(line)
-            if announced is not None:
-                break
-        assert announced is not None, "no PDSERVE_READY line"
         url = str(announced["url"])
         deadline = time.monotonic() + 60
         while httpx.get(f"{url}/health", timeout=10).status_code != 200:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from services.serving.ready import parse_ready_line
 from services.supervision import ChildExited, DetachedProcess
 
 START_TIMEOUT_S = 240.0
@@ -93,6 +96,29 @@ class UpSystem:
     def stop(self) -> int:
         """Ctrl-C, a bounded wait, then kill the whole group."""
         return self.up.stop()
+
+
+def start_router(
+    system: UpSystem, *flags: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Another ``pdserve router`` on ``system``'s control plane (a free port, ``flags`` on
+    top, ``env`` over this process's environment) and its ``PDSERVE_READY`` payload. The
+    caller stops it."""
+    argv = [
+        sys.executable, "-m", "services.cli.main", "router",
+        "--redis", system.endpoints["redis"], "--namespace", system.endpoints["namespace"],
+        "--port", "0", *flags,
+    ]  # fmt: skip
+    router = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
+    assert router.stdout is not None
+    for line in router.stdout:
+        announced = parse_ready_line(line)
+        if announced is not None:
+            return router, announced
+    router.wait(timeout=60)
+    raise AssertionError(f"no PDSERVE_READY line (pdserve router exited {router.returncode})")
 
 
 def no_processes_left(pids: list[int]) -> list[int]:
