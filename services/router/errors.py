@@ -123,7 +123,7 @@ ENGINE_ERRORS: Mapping[type[BaseException], EngineErrorRule] = MappingProxyType(
         engine_errors.KVLeaseExpired: EngineErrorRule("kv_lease_expired"),
         engine_errors.ProducerUnavailable: EngineErrorRule("producer_unavailable", 503),
         engine_errors.KVTransferFailed: EngineErrorRule("kv_transfer_failed"),
-        engine_errors.RequestAborted: EngineErrorRule("request_cancelled", 503),
+        engine_errors.RequestAborted: EngineErrorRule("request_cancelled", 503, True),
         engine_errors.RequestError: EngineErrorRule("engine_error"),
         EngineUnreachable: EngineErrorRule("engine_unreachable", 503, True),
         ProtocolMismatch: EngineErrorRule("protocol_mismatch", retryable=True),
@@ -133,7 +133,9 @@ ENGINE_ERRORS: Mapping[type[BaseException], EngineErrorRule] = MappingProxyType(
 class hierarchy (its MRO: the most specific class listed wins, so ``RequestError`` is the
 fallback of every request-scoped engine error without a row of its own). ``retryable`` marks
 the failures another engine may not have (overloaded, draining, unreachable, failed, timed
-out); bad input is the client's (400) and never retried."""
+out, or aborted by the engine: a prefill the router still waits on ends CANCELLED only when its
+engine gave it up, as a host ending on a rank's death does); bad input is the client's (400)
+and never retried."""
 
 UNEXPECTED = EngineErrorRule("engine_error", retryable=True)
 """Anything the table does not list: a bug on our side of the connection; another engine may

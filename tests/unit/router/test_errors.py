@@ -33,7 +33,7 @@ EXPECTED = [
         502,
         False,
     ),
-    (engine_errors.RequestAborted("abort"), "request_cancelled", 503, False),
+    (engine_errors.RequestAborted("abort"), "request_cancelled", 503, True),
     (engine_errors.DuplicateRequest("twice"), "engine_error", 502, False),
     (EngineUnreachable("refused", "h:1"), "engine_unreachable", 503, True),
     (ProtocolMismatch("wrong role"), "protocol_mismatch", 502, True),

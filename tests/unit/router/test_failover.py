@@ -12,7 +12,7 @@ import pytest
 
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, TokenDelta
-from services.engines.errors import EngineFailed, KVTransferFailed
+from services.engines.errors import EngineFailed, KVTransferFailed, RequestAborted
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.errors import EngineUnreachable
@@ -133,6 +133,29 @@ async def test_a_pull_from_a_dead_producer_is_prefilled_again_elsewhere(
     assert all(d.sampling.output_tokens_in_prompt == 1 for d in continued)  # output, not prompt
     assert all(d.prompt_token_ids[-1] == 7 for d in continued)  # the prefill's first token
     assert sample(rt, "pdserve_router_migrations_total", reason="kv_transfer_failed") == 0
+
+
+async def test_a_prefill_its_engine_aborted_is_prefilled_again_elsewhere(
+    factory: FakeFactory,
+) -> None:
+    # A host ending on a rank's death aborts its prefills (CANCELLED): the client is still
+    # there, so another prefill engine runs it (seen once under load in CI as a lost request).
+    factory.engines["p1"] = FakeEngine("p1", prefill_error=RequestAborted("host ending"))
+    rt = prepared(
+        factory,
+        ("p1", EngineRole.PREFILL),
+        ("p2", EngineRole.PREFILL),
+        ("d1", EngineRole.DECODE),
+    )
+    for _ in range(3):  # whichever prefill engine comes first
+        reply = await completion(rt, max_tokens=4)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    assert factory.engines["p1"].prefills, "p1 was never tried"
+    retried = sample(
+        rt, "pdserve_router_prefill_retries_total", phase="prefill", reason="request_cancelled"
+    )
+    assert retried == len(factory.engines["p1"].prefills)
 
 
 @pytest.fixture
