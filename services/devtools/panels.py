@@ -102,6 +102,19 @@ class PrometheusAPI:
         alerts: list[dict[str, Any]] = data["alerts"]
         return alerts
 
+    def targets(self) -> list[dict[str, Any]]:
+        """The active scrape targets, each with its ``health``, ``lastError`` and
+        ``lastScrape``."""
+        data = self._get("/api/v1/targets", {"state": "active"})
+        targets: list[dict[str, Any]] = data["activeTargets"]
+        return targets
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        """The rule groups, each with its ``lastEvaluation`` and its rules' ``health``."""
+        data = self._get("/api/v1/rules", {})
+        groups: list[dict[str, Any]] = data["groups"]
+        return groups
+
 
 def interval_variables(step_s: float, scrape_interval_s: float, range_s: float) -> dict[str, str]:
     """Grafana's built-in interval variables for a panel of ``range_s`` at ``step_s``."""
