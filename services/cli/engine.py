@@ -3,7 +3,9 @@
 Flags override the environment (:class:`~services.serving.config.EngineServiceSettings`,
 ``PDSERVE_...``; the control plane's ``--redis``/``--namespace`` come from
 :mod:`services.cli.settings`); the role's service comes from its package
-(:mod:`services.prefill`, :mod:`services.decode`) through :data:`ROLE_SERVICES`. Exit codes:
+(:mod:`services.prefill`, :mod:`services.decode`) through :data:`ROLE_SERVICES`. A stop
+(SIGTERM, SIGINT) ends within the drain bound plus :data:`STOP_OVERRUN_S`, whatever hangs. Exit
+codes:
 0 after a clean drain, 1 when the engine failed, never got READY or lost its registration, 2 for
 invalid settings.
 """
@@ -26,6 +28,7 @@ from services.control_plane.wire import EngineRole, validate_identifier
 from services.decode.service import DecodeService
 from services.engines.errors import EngineError
 from services.engines.registry import ENGINES, EngineOptions, create_backend
+from services.lifetime import end_stop_within
 from services.prefill.service import PrefillService
 from services.serving.config import EngineServiceSettings
 from services.serving.host import EngineHost
@@ -176,9 +179,22 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
     return asyncio.run(_serve(host))
 
 
+STOP_OVERRUN_S = 30.0
+"""Past the drain bound, what the rest of a stop may take (deregistration, the gRPC server's
+grace, the backend's stop) before the process is killed with its ranks
+(:func:`~services.lifetime.end_stop_within`): a stop never waits on Redis or a hung rank."""
+
+
 async def _serve(host: EngineHost) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stopping() -> None:
+        if not stop.is_set():
+            stop.set()
+            bound_s = host.settings.drain_timeout_s + STOP_OVERRUN_S
+            end_stop_within(bound_s, name=f"engine {host.engine_id}")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping)
     return await host.run(stop)

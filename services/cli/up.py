@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from services.cli.ports import PortTaken, check_free
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.cli.up_args import TINY_MODEL_DIR
@@ -69,6 +70,11 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     try:
         policy = restart_policy(args)
     except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        check_free(fixed_ports(args))
+    except PortTaken as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 2
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -103,6 +109,34 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
         if redis_server is not None:
             redis_server.stop()
             print("pdserve up: stopped the embedded Redis", flush=True)
+
+
+def fixed_ports(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """The ports this run binds that the user fixed: ``(what, host, port)``, port 0 for "a
+    free one". Checked before anything starts."""
+    ports: list[tuple[str, str, int]] = []
+    if not args.no_engines:
+        ports.append(("router", args.host, args.port))
+    if args.redis is None and args.redis_port is not None:
+        ports.append(("embedded Redis", "127.0.0.1", args.redis_port))
+    base = _flag_value(args.router_arg, "--worker-metrics-port")
+    if not args.no_engines and base is not None and base.isdigit() and int(base):
+        ports += [
+            (f"router worker {index}'s metrics", args.host, int(base) + index)
+            for index in range(args.router_workers)
+        ]
+    return ports
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``, the last one wins."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+    return value
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -209,7 +243,8 @@ async def _run_system(
 async def _start_prometheus(prometheus: LocalPrometheus, endpoints: dict[str, Any]) -> str:
     try:
         prometheus.write_targets(endpoints)
-        await asyncio.to_thread(prometheus.start)
+        prometheus.launch()  # from the loop's (main) thread: it ends with pdserve up
+        await asyncio.to_thread(prometheus.wait_ready)
     except PrometheusError as exc:
         raise StartupFailed(f"Prometheus: {exc}") from exc
     print(f"pdserve up: Prometheus at {prometheus.url} (logs: {prometheus.log_path})", flush=True)

@@ -7,6 +7,7 @@ Start at :mod:`services.control_plane.base` (the seam and its protocol), then
 
 from services.control_plane.aggregation import Aggregation, EngineTopology, Problem, aggregate
 from services.control_plane.base import (
+    STOPPING_CALL_BOUND_S,
     AbstractEngineWatcher,
     ControlPlane,
     EngineChange,
@@ -41,6 +42,7 @@ from services.control_plane.wire import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "STOPPING_CALL_BOUND_S",
     "AbstractEngineWatcher",
     "Aggregation",
     "ControlPlane",

@@ -43,6 +43,11 @@ from services.control_plane.wire import (
     HandshakeRecord,
 )
 
+STOPPING_CALL_BOUND_S = 5.0
+"""A process that is stopping waits this long at most for one control-plane call (deregister,
+withdraw): with Redis hung, each retry would otherwise wait its socket timeout. What it leaves
+behind expires with its lease."""
+
 
 @dataclass(frozen=True)
 class EngineSpec:

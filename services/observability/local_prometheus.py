@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from services.control_plane.local_redis import free_port
+from services.lifetime import parent_death_preexec
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,16 @@ class LocalPrometheus:
 
     def start(self) -> LocalPrometheus:
         """Start it and wait until ``/-/ready``; :class:`PrometheusError` with its log if not."""
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (call from the main thread: it ends with
+        this process, :func:`~services.lifetime.parent_death_preexec`); :meth:`wait_ready`
+        waits."""
         if self.running:
-            return self
+            return
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
         argv = [
@@ -164,13 +173,17 @@ class LocalPrometheus:
             argv.append(f"--web.local-assets={web}/")
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # One prctl call, resolved before the fork (services.lifetime): takes no lock.
+                preexec_fn=parent_death_preexec(),  # noqa: PLW1509
             )
-        self._wait_ready()
-        logger.info("local prometheus %s serving on %s", self.binary, self.url)
-        return self
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
+        """Until ``/-/ready`` answers; :class:`PrometheusError` with its log if it exits or the
+        start times out (then it is stopped)."""
         assert self._process is not None
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -180,6 +193,7 @@ class LocalPrometheus:
                 )
             try:
                 if httpx.get(f"{self.url}/-/ready", timeout=2.0).status_code == 200:
+                    logger.info("local prometheus %s serving on %s", self.binary, self.url)
                     return
             except httpx.HTTPError:
                 pass

@@ -49,6 +49,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.registry import Collector
 
 from services.control_plane import (
+    STOPPING_CALL_BOUND_S,
     ControlPlane,
     ControlPlaneError,
     ControlPlaneMetrics,
@@ -310,9 +311,18 @@ class EngineHost:
             # The generation read after the heartbeat stopped: a re-registration may have
             # moved it on.
             try:
-                await self.control_plane.deregister(self.engine_id, state.generation)
-            except ControlPlaneError as exc:
-                logger.warning("deregistering %s failed: %s", self.engine_id, exc)
+                await asyncio.wait_for(
+                    self.control_plane.deregister(self.engine_id, state.generation),
+                    STOPPING_CALL_BOUND_S,
+                )
+            except (ControlPlaneError, TimeoutError) as exc:
+                # Its lease runs out instead: the router sees it gone a few seconds later.
+                # (Failures after every retry: pdserve_control_plane_redis_errors_total.)
+                logger.warning(
+                    "deregistering %s failed (%s): leaving it to its lease",
+                    self.engine_id,
+                    str(exc) or f"no answer within {STOPPING_CALL_BOUND_S}s",
+                )
         if self._server is not None:
             await self._server.stop(SERVER_STOP_GRACE_S)
         if stop_backend:

@@ -11,6 +11,11 @@ log file; its stdout, by :class:`Output`:
 - ``CAPTURE``: left to the caller (``child.process.stdout``, ``communicate()``);
 - ``DISCARD``: thrown away.
 
+A child also ends when its parent ends, however that ends (SIGKILL included): the kernel sends
+it SIGTERM (``PR_SET_PDEATHSIG``, :func:`~services.lifetime.parent_death_preexec`), its own
+clean stop. The kernel ties that to the thread that started the child: start children from the
+main thread (``pdserve up`` does; one started from another thread goes without it).
+
 Stopping is one rule everywhere: SIGTERM (the process, or its whole group), a bounded wait,
 then SIGKILL of the process group, whatever is left of it. :func:`stop_in_order` stops groups
 of children one group after the other (``pdserve up``: router, decode, prefill).
@@ -28,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.lifetime import parent_death_preexec
 from services.serving.ready import parse_ready_line
 
 LOG_TAIL_LINES = 20
@@ -119,6 +125,8 @@ class ChildProcess:
             if cores:
                 os.sched_setaffinity(0, cores)
 
+        # Two system calls: prctl (dies with this process) and sched_setaffinity. No lock.
+        preexec = parent_death_preexec(signal.SIGTERM, then=pin if cores else None)
         stdout = asyncio.subprocess.PIPE if self.output is not Output.DISCARD else None
         with self.log_path.open(mode) as log:
             self.process = await asyncio.create_subprocess_exec(
@@ -126,7 +134,7 @@ class ChildProcess:
                 stdout=stdout if stdout is not None else asyncio.subprocess.DEVNULL,
                 stderr=log,
                 start_new_session=True,
-                preexec_fn=pin if cores else None,  # only sched_setaffinity: takes no lock
+                preexec_fn=preexec,
                 env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
             )
         self.started_at = time.monotonic()

@@ -3,7 +3,8 @@
 :class:`DetachedProcess` starts the command in a session of its own with stdout and stderr in
 one file, waits for a file it writes (``pdserve up``'s ``endpoints.json``) while failing fast
 when it exits, and stops it as a person would: SIGINT (Ctrl-C, its clean stop path), a bounded
-wait, then SIGKILL of its whole process group.
+wait, then SIGKILL of its whole process group. It gets the same SIGINT from the kernel when
+the process that started it ends without stopping it (a benchmark or test run killed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from services.lifetime import parent_death_preexec
 from services.serving.ready import pdserve_argv
 from services.supervision.child import ChildExited
 
@@ -35,6 +37,8 @@ class DetachedProcess:
                 stderr=subprocess.STDOUT,
                 env=dict(env),
                 start_new_session=True,
+                # Ends with this process however it ends (one prctl call: takes no lock).
+                preexec_fn=parent_death_preexec(signal.SIGINT),  # noqa: PLW1509
             )
         self.returncode: int | None = None
         """Set by :meth:`stop`."""

@@ -40,7 +40,13 @@ from tests.e2e.test_failover_reference import (
     steady_load,
     streaming_on,
 )
-from tests.e2e.up_system import UpSystem
+from tests.e2e.up_system import (
+    UpSystem,
+    descendants,
+    process_tree,
+    still_running,
+    wait_all_gone,
+)
 from tests.e2e.vllm_bench import bench_serve_random
 from tests.e2e.vllm_handoff import (
     FAILURES,
@@ -61,6 +67,8 @@ BLOCK_SIZE = 32
 MAX_TOKENS = 12
 START_TIMEOUT_S = 900.0
 EAGER = "--enforce-eager"
+GONE_S = 120.0
+"""From a SIGKILL to the end of every process below it (vLLM's shutdown on a loaded machine)."""
 """Every vLLM engine here runs eagerly: compiling the tiny model's graphs takes about 100 s a
 stack on two cores and changes neither the KV layout nor what the connector moves."""
 WORDS = (
@@ -312,16 +320,39 @@ def fresh_prompts(count: int, tag: str) -> list[str]:
     return [f"Request {tag}-{n}: " + " ".join(WORDS) for n in range(count)]
 
 
-def pd_stack(work_dir: Path, model: Path, *args: str, push: bool) -> Iterator[UpSystem]:
-    """A PD stack for a test class: started, pre-warmed, stopped cleanly afterwards; with
-    :func:`~tests.e2e.vllm_handoff.handoff_env` (repeated prompts disaggregated, injectable
-    transfer failures)."""
+def pd_stack(
+    work_dir: Path, model: Path, *args: str, push: bool, end_by_sigkill: bool = False
+) -> Iterator[UpSystem]:
+    """A PD stack for a test class: started, pre-warmed, stopped cleanly afterwards (or ended
+    by :func:`killed`); with :func:`~tests.e2e.vllm_handoff.handoff_env` (repeated prompts
+    disaggregated, injectable transfer failures)."""
     system = start(work_dir, model, *args, env=handoff_env(work_dir))
     try:
         wait_prewarmed(system, push=push)
         yield system
     finally:
-        stop(system)
+        if end_by_sigkill:
+            killed(system)
+        else:
+            stop(system)
+
+
+def killed(system: UpSystem) -> None:
+    """SIGKILL of ``pdserve up`` (issue 35): every process of its stack ends, vLLM's engine
+    cores and workers included (each engine host gets SIGTERM from the kernel, vLLM's
+    shutdown ends its processes), within :data:`GONE_S`."""
+    client = _CLIENTS.pop(id(system), None)
+    if client is not None:
+        client.close()
+    tree = process_tree(system.process.pid)
+    hosts = [int(engine["pid"]) for engine in system.endpoints["engines"].values()]
+    running = [host for host in hosts if host in tree]  # a test may have killed one
+    assert running and all(descendants(host) for host in running), still_running(tree)
+    os.kill(system.process.pid, signal.SIGKILL)
+    try:
+        wait_all_gone(tree, GONE_S)
+    finally:
+        system.stop()  # reaps pdserve up; kills whatever is left of its group
 
 
 def assert_pd_equals_colocated(
@@ -535,7 +566,10 @@ class TestPushPrefillPP2:
     ) -> Iterator[UpSystem]:
         """Started after the colocated reference ran and stopped (one vLLM stack at a time)."""
         work_dir = tmp_path_factory.mktemp("vllm-push")
-        yield from pd_stack(work_dir, model_dir, "--prefill-pp", "2", push=True)
+        # Ended by SIGKILL of pdserve up: nothing of it may outlive it (issue 35).
+        yield from pd_stack(
+            work_dir, model_dir, "--prefill-pp", "2", push=True, end_by_sigkill=True
+        )
 
     def test_handshakes_prewarmed_through_the_control_plane(self, system: UpSystem) -> None:
         decode, prefill = prewarm_lines(system)
@@ -669,7 +703,7 @@ class TestPushPrefillPP2:
         model_dir: Path,
         tmp_path: Path,
     ) -> None:
-        """kill -9 of the whole prefill service (host, EngineCore, workers) under load: every
+        """kill -9 of the prefill host under load ends its EngineCore and workers too; every
         request in flight completes (disaggregated before the kill, or locally after it, counted)
         or fails explicitly, none hangs; the decode engine survives, drops the dead
         generation's agents, and serves through the restarted engine's new generation."""
@@ -683,11 +717,17 @@ class TestPushPrefillPP2:
             except openai.APIStatusError as exc:  # an explicit error, never a silent one
                 return exc.status_code
 
+        host = int(engines["prefill-0"]["pid"])
+        prefill_tree = process_tree(host)
+        assert len(prefill_tree) >= 4, still_running(prefill_tree)  # host, core, 2 workers
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(one, prompt) for prompt in prompts[:8]]
             time.sleep(1.0)
-            os.killpg(engines["prefill-0"]["pid"], signal.SIGKILL)
+            # The host alone: its engine core (the pdserve vLLM plugin's parent watch) and
+            # workers (vLLM's death pipe) end with it (issue 35).
+            os.kill(host, signal.SIGKILL)
             outcomes = [future.result(timeout=300) for future in futures]  # none hangs
+        wait_all_gone(prefill_tree, GONE_S)
         for prompt, outcome in zip(prompts[:8], outcomes, strict=True):
             assert outcome == colocated[prompt] or (isinstance(outcome, int) and outcome >= 500)
         os.kill(engines["decode-0"]["pid"], 0)  # the decode service did not crash

@@ -6,10 +6,12 @@ and always stops it with SIGINT (its Ctrl-C path), killing the process group as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +135,61 @@ def no_processes_left(pids: list[int]) -> list[int]:
             pass
         alive.append(pid)
     return alive
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...), whatever their session."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(child) for child in (task / "children").read_text().split()]
+                found.extend(children)
+                pending.extend(children)
+    return found
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and every process below it: pid -> start time (``/proc/PID/stat``), which tells
+    the process from a later one that reuses its pid."""
+    tree = {}
+    for member in [pid, *descendants(pid)]:
+        started = _start_time(member)
+        if started is not None:
+            tree[member] = started
+    return tree
+
+
+def still_running(tree: dict[int, str]) -> dict[int, str]:
+    """The processes of ``tree`` still there (zombies count as gone): pid -> command line."""
+    left = {}
+    for pid, started in tree.items():
+        if _start_time(pid) == started:
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                left[pid] = command.decode(errors="replace")[:160]
+    return left
+
+
+def wait_all_gone(tree: dict[int, str], timeout_s: float) -> None:
+    """Until no process of ``tree`` runs; AssertionError naming those left after
+    ``timeout_s`` (they are then killed, so that nothing leaks into later tests)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := still_running(tree)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    assert not left, f"still running {timeout_s}s later: {left}"
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (``None``: no such process, or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return None if fields[0] == "Z" else fields[19]

@@ -37,7 +37,7 @@ import pytest
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.faults.probes import metric, rank_pids
-from tests.e2e.up_system import UpSystem
+from tests.e2e.up_system import UpSystem, descendants
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -234,20 +234,6 @@ def test_client_disconnecting_during_the_prefill_cancels_it_before_any_decode(
     assert in_flight_on_prefill() == 0
     _wait_pools_full(system)
     assert decodes() == decodes_before  # the decode engine never saw the request
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren, ...)."""
-    found: list[int] = []
-    pending = [pid]
-    while pending:
-        parent = pending.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                children = [int(child) for child in (task / "children").read_text().split()]
-                found.extend(children)
-                pending.extend(children)
-    return found
 
 
 def test_secrets_never_appear_in_logs_errors_or_status(

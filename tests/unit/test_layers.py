@@ -13,7 +13,7 @@ from pathlib import Path
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"proto_gen", "config", "topology"}),
+    frozenset({"proto_gen", "config", "topology", "lifetime"}),
     frozenset({"control_plane"}),
     frozenset({"kv_transfer"}),
     frozenset({"tokenization"}),

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from services.control_plane import (
+    STOPPING_CALL_BOUND_S,
     ControlPlaneError,
     ControlPlaneMetrics,
     EngineNotFound,
@@ -79,6 +80,7 @@ from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.peer_sync import PeerSync
 from services.kv_transfer.producer import KVProducer
 from services.kv_transfer.protocol import WorkerIdentity, rank_label
+from services.lifetime import exit_with_parent
 from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,10 @@ def global_rank(rank: RankKey, tp_size: int) -> int:
     return rank[0] * tp_size + rank[1]
 
 
+RANK_GRACE_S = 5.0
+"""From the host's death to SIGKILL of a rank that is still there (SIGTERM ends it first)."""
+
+
 def rank_main(setup: RankSetup, conn: Connection) -> None:
     """Entry point of a rank process; returns when told to shut down or the host goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when ranks end
@@ -114,6 +120,8 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s rank {rank_label(setup.rank)} %(message)s"
     )
+    # A host killed outright (SIGKILL, the OOM killer) takes its ranks with it, loading or not.
+    exit_with_parent(RANK_GRACE_S, name=f"rank {rank_label(setup.rank)}")
     try:
         worker = RankWorker(setup, conn)
         asyncio.run(worker.run())
@@ -233,8 +241,13 @@ class RankWorker:
                 task.cancel()
             self._send_metrics()
             if self._record is not None:
-                with contextlib.suppress(ControlPlaneError):
-                    await control_plane.withdraw_handshake(self._record, *self.rank, self.worker_id)
+                # Never waits on Redis: the engine's record (and this handshake) expires with
+                # its lease otherwise.
+                with contextlib.suppress(ControlPlaneError, TimeoutError):
+                    await asyncio.wait_for(
+                        control_plane.withdraw_handshake(self._record, *self.rank, self.worker_id),
+                        STOPPING_CALL_BOUND_S,
+                    )
             await control_plane.close()
             self.transport.close()
 

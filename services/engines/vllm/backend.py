@@ -73,6 +73,7 @@ from services.engines.vllm.transfer_metrics import VllmTransferExporter
 from services.engines.vllm.version_guard import ENGINE_SYMBOLS, VllmVersionMismatch, check_vllm
 from services.engines.vllm.worker_extension import RELEASE_HELD_KV, WORKER_EXTENSION
 from services.kv_transfer.metrics import KVTransferMetrics
+from services.lifetime import WATCH_PARENT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class VllmBackend(EngineBackend):
                 self.options, registration, self._description.compat_hash
             ).redis_password_env
             os.environ[password_env] = password.get_secret_value()
+        # vLLM's engine core ends with this host, however it ends (the pdserve vLLM plugin).
+        os.environ[WATCH_PARENT_ENV] = str(os.getpid())
         platform = installed_platform()
         kv_cache_bytes = self.options.kv_cache_bytes
         if platform is Platform.CPU:

@@ -1,0 +1,114 @@
+"""Nothing of a ``pdserve up`` stack outlives it, with the reference engine (issue 35; the vLLM
+stack's SIGKILL is checked by tests/e2e/test_vllm_pd.py's push-stack teardown):
+
+- an engine host told to stop while its Redis hangs (SIGSTOP: every call waits its socket
+  timeout) stops within its drain bound plus :data:`STOP_OVERRUN_S`, on its own (status 0, not
+  the stop bound's SIGKILL);
+- SIGKILL of ``pdserve up`` itself: every process of the stack (Redis, engine hosts, their
+  ranks, the router) is gone within a bound;
+- ``pdserve up`` on a taken port is refused before it starts anything.
+
+A private stack: the first test kills its processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.engine import STOP_OVERRUN_S
+from services.serving.ready import pdserve_argv
+from tests.e2e.faults.probes import wait_until
+from tests.e2e.up_system import UpSystem, process_tree, still_running, wait_all_gone
+
+pytestmark = [pytest.mark.e2e]
+
+DRAIN_S = 5.0
+"""The engines' drain bound (``--drain-timeout-s``)."""
+GONE_S = 120.0
+"""Generous: engine hosts drain and stop their ranks on a loaded machine."""
+
+
+@pytest.fixture
+def system(tmp_path: Path) -> Iterator[UpSystem]:
+    system = UpSystem(
+        tmp_path / "up",
+        "--prefill-pp",
+        "2",
+        "--no-restart",  # a stopped engine stays stopped
+        f"--engine-arg=--drain-timeout-s={DRAIN_S}",
+    )
+    try:
+        system.wait_ready()
+        yield system
+    finally:
+        system.stop()
+
+
+def commands(tree: dict[int, str]) -> list[str]:
+    return list(still_running(tree).values())
+
+
+def test_a_host_stops_within_its_bound_with_redis_hung_and_nothing_outlives_up(
+    system: UpSystem,
+) -> None:
+    tree = process_tree(system.process.pid)
+    running = commands(tree)
+    for part in ("redis-server", "main prefill", "main decode", "main router"):
+        assert any(part in command for command in running), (part, running)
+    # Ranks: two prefill stages and one decode rank.
+    assert sum("multiprocessing.spawn" in command for command in running) >= 3, running
+
+    redis = next(pid for pid, command in still_running(tree).items() if "redis-server" in command)
+    prefill = int(system.endpoints["engines"]["prefill-0"]["pid"])
+    prefill_tree = process_tree(prefill)
+    os.kill(redis, signal.SIGSTOP)
+    try:
+        os.kill(prefill, signal.SIGTERM)
+        bound_s = DRAIN_S + STOP_OVERRUN_S
+        wait_all_gone(prefill_tree, bound_s)  # the host and its ranks
+        wait_until(
+            lambda: "prefill-0 exited with status" in system.output(),
+            GONE_S,
+            "pdserve up reports prefill-0's exit",
+        )
+        # On its own: a stop killed at the bound would be "status -9".
+        assert "prefill-0 exited with status 0" in system.output(), system.output()[-3000:]
+        log = (system.work_dir / "logs" / "prefill-0.log").read_text()
+        assert "leaving it to its lease" in log  # the deregistration gave up, logged
+    finally:
+        os.kill(redis, signal.SIGCONT)
+
+    # SIGKILL of pdserve up: Redis, the decode host and its rank, and the router end too.
+    rest = process_tree(system.process.pid)
+    os.kill(system.process.pid, signal.SIGKILL)
+    wait_all_gone(rest, GONE_S)
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        # Held as a pdserve router holds its port (SO_REUSEPORT: a router binding the same way
+        # would share it silently).
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        work_dir = tmp_path / "second"
+        second = subprocess.run(
+            pdserve_argv("up", "--work-dir", str(work_dir), "--port", port),
+            capture_output=True,
+            text=True,
+            timeout=GONE_S,
+            check=False,
+        )
+    assert second.returncode == 2, second.stderr
+    assert f"router port {port} on 127.0.0.1 is taken (held by pid {os.getpid()}: " in (
+        second.stderr
+    )
+    assert not work_dir.exists(), "it started something (its work folder exists)"
