@@ -158,6 +158,20 @@ class RouterSettings(BaseSettings):
     router's choices before one probe request may try it (``services.router.scheduling.health``)."""
     circuit_max_backoff_s: float = Field(default=60.0, gt=0)
     """The back-off doubles after each failed probe, up to this."""
+    max_request_body_bytes: int = Field(default=4 * 2**20, ge=1024)
+    """The largest generation request body read (4 MiB: a 128k-token context as text or as
+    token ids, with room for its JSON; raise it for batched prompts of such contexts); a larger
+    one is answered 413 before its JSON is parsed (``Content-Length``) or as soon as the bytes
+    read pass it (chunked); counted in ``pdserve_router_requests_total`` with
+    ``outcome="request_too_large"``."""
+    tokenize_workers: int = Field(default=2, ge=1, le=64)
+    """Threads that tokenize long prompts off the event loop (HF ``tokenizers`` releases the
+    GIL while it encodes a batch): short ones are tokenized on the loop, where a thread hop
+    would cost more than the encoding."""
+    tokenize_queue: int = Field(default=64, ge=1)
+    """Long prompts waiting for or in a tokenizing thread at once, per router process; one more
+    is answered 429, counted in ``pdserve_router_requests_total`` with
+    ``outcome="rate_limit_exceeded"``."""
     log_level: str = "WARNING"
     """Python logging level."""
 

@@ -60,6 +60,22 @@ class InvalidRequestError(RouterError):
     code = "invalid_request"
 
 
+class RequestTooLarge(RouterError):
+    """A request body over ``max_request_body_bytes``."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class TooManyRequests(RouterError):
+    """More prompts waiting to be tokenized than ``tokenize_queue`` allows: try again."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class AuthenticationError(RouterError):
     status_code = 401
     error_type = "authentication_error"

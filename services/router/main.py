@@ -105,6 +105,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
             await built.executor.close()
+            built.prompts.close()
             await built.pool.close()
             await control_plane.close()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.router.config import RouterSettings
 from services.router.execution.executor import Executor
 from services.router.frontend.chat import ChatRenderer
+from services.router.frontend.tokenizing import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.connector import ConnectorFactory
 from services.router.scheduling.health import CircuitBreaker
@@ -24,6 +25,8 @@ class RouterRuntime:
     metrics: RouterMetrics
     tokenizer: Tokenizer
     chat: ChatRenderer
+    prompts: PromptTokenizer
+    """Completion and chat prompts to token ids, long ones off the event loop."""
     pool: EnginePool
     scheduler: Scheduler
     executor: Executor
@@ -57,11 +60,15 @@ class RouterRuntime:
             prefix_load_slack=settings.prefix_load_slack,
         )
         scheduler = Scheduler(pool, policy, settings, metrics)
+        chat = ChatRenderer(tokenizer)
         return cls(
             settings=settings,
             metrics=metrics,
             tokenizer=tokenizer,
-            chat=ChatRenderer(tokenizer),
+            chat=chat,
+            prompts=PromptTokenizer(
+                tokenizer, chat, workers=settings.tokenize_workers, queue=settings.tokenize_queue
+            ),
             pool=pool,
             scheduler=scheduler,
             executor=Executor(pool, scheduler, settings, metrics, tokenizer=tokenizer),

@@ -106,7 +106,11 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
     _ignore_unknown(runtime, body)
-    prompts = [_prompt_ids(runtime, prompt, body.add_special_tokens) for prompt in body.prompts()]
+    context = _context(runtime, body.model)
+    prompts = [
+        await _prompt_ids(runtime, prompt, body.add_special_tokens, context)
+        for prompt in body.prompts()
+    ]
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     echo = bool(body.echo)
     if max_tokens == 0 and not echo:  # vLLM's rule: 0 only scores an echoed prompt
@@ -160,8 +164,10 @@ async def chat_completions(
     arrival = time.perf_counter()
     _reject_unsupported(body.unsupported())
     _ignore_unknown(runtime, body)
-    token_ids = runtime.chat.tokenize(
-        body.messages, add_generation_prompt=body.add_generation_prompt
+    token_ids = await runtime.prompts.chat(
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        context=_context(runtime, body.model),
     )
     max_tokens = (
         body.max_completion_tokens or body.max_tokens or runtime.settings.default_max_tokens
@@ -195,11 +201,15 @@ async def chat_completions(
     )
 
 
-def _prompt_ids(runtime: RouterRuntime, prompt: str | list[int], special: bool | None) -> list[int]:
+async def _prompt_ids(
+    runtime: RouterRuntime, prompt: str | list[int], special: bool | None, context: int | None
+) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        return runtime.tokenizer.encode(prompt, add_special_tokens=special is not False)
+        return await runtime.prompts.completion(
+            prompt, add_special_tokens=special is not False, context=context
+        )
     vocab = runtime.tokenizer.vocab_size
     if any(token >= vocab for token in prompt):
         raise InvalidRequestError(
@@ -213,6 +223,13 @@ def _nth(sampling: SamplingParams, index: int) -> SamplingParams:
     if sampling.seed is None or index == 0:
         return sampling
     return dataclasses.replace(sampling, seed=(sampling.seed + index) & params.SEED_MASK)
+
+
+def _context(runtime: RouterRuntime, model: str) -> int | None:
+    """The context a prompt of ``model`` must fit (``params.context_limit``)."""
+    return params.context_limit(
+        slot.record for slot in runtime.pool.slots() if slot.record.model == model
+    )
 
 
 def _check_engines(runtime: RouterRuntime, request: GenerationRequest) -> None:

@@ -39,6 +39,12 @@ class ChatRenderer:
         eos_ids = sorted(tokenizer.eos_token_ids)
         self._eos = self._special_text(eos_ids[0]) if eos_ids else ""
 
+    @property
+    def adds_special_tokens(self) -> bool:
+        """Whether the rendered text is encoded with the model's special tokens: only with the
+        default template (a model's own template writes its framing)."""
+        return self._uses_default
+
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """The prompt text; :class:`InvalidRequestError` when the template refuses them."""
         try:

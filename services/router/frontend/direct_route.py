@@ -27,6 +27,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from services.router.errors import RequestTooLarge
 from services.router.runtime import RouterRuntime
 
 KeyCheck = Callable[[Request, RouterRuntime], Awaitable[None]]
@@ -51,7 +52,7 @@ class DirectRoute(APIRoute):
         async def handler(request: Request) -> Response:
             runtime: RouterRuntime = request.app.state.runtime
             await check(request, runtime)
-            raw = await _body_of(request)
+            raw = await _body_of(request, runtime.settings.max_request_body_bytes)
             if not _json_content_type(request.headers.get("content-type")):
                 # As FastAPI: a body that is not declared JSON is not parsed as JSON.
                 raise RequestValidationError(
@@ -83,20 +84,37 @@ class DirectRoute(APIRoute):
         return handler
 
 
-async def _body_of(request: Request) -> bytes:
+async def _body_of(request: Request, limit: int) -> bytes:
     """The request's body from its ASGI messages, as ``Request.body`` reads it (which goes
     through an async generator, registered with the loop and closed, per request); a client
     that hangs up first raises Starlette's ``ClientDisconnect`` as there. The body is not kept
-    on ``request``: nothing on this path reads it twice."""
+    on ``request``: nothing on this path reads it twice. A body over ``limit`` bytes raises
+    :class:`RequestTooLarge`: before anything is read when ``Content-Length`` says so, else as
+    soon as the bytes read pass it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
     receive = request.receive
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
             raise ClientDisconnect()
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> RequestTooLarge:
+    return RequestTooLarge(
+        f"the request body ({size} bytes or more) is larger than this server accepts "
+        f"({limit} bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)"
+    )
 
 
 def _json_content_type(value: str | None) -> bool:

@@ -139,12 +139,20 @@ def check_engines(records: Iterable[EngineRecord], sampling: SamplingParams) -> 
                 )
 
 
-def check_context(records: Iterable[EngineRecord], prompt_tokens: int, max_tokens: int) -> None:
-    """400 (vLLM's message) when no engine's context holds prompt + ``max_tokens``."""
+def context_limit(records: Iterable[EngineRecord]) -> int | None:
+    """The largest context among ``records`` (a request that fits it fits one of them);
+    ``None`` when there is no engine or one does not report its context."""
     lengths = [record.max_model_len for record in records]
     if not lengths or any(length == 0 for length in lengths):
+        return None
+    return max(lengths)
+
+
+def check_context(records: Iterable[EngineRecord], prompt_tokens: int, max_tokens: int) -> None:
+    """400 (vLLM's message) when no engine's context holds prompt + ``max_tokens``."""
+    limit = context_limit(records)
+    if limit is None:
         return
-    limit = max(lengths)
     if max_tokens > limit:
         raise InvalidRequestError(
             f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. "
