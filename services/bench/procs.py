@@ -100,18 +100,20 @@ async def start(
     cores: set[int] | None = None,
     wait_ready_line: bool = False,
     capture_stdout: bool = False,
+    env: dict[str, str] | None = None,
 ) -> ChildProcess:
     """Start ``argv`` in its own process group, on ``cores`` (inherited by its threads and
     children), stderr to ``log_dir/<name>.log``; with ``wait_ready_line``, wait up to
     ``START_TIMEOUT_S`` for its ``PDSERVE_READY`` line (its stdout then goes to the log too);
-    with ``capture_stdout``, its stdout is the caller's to read. Stop it with :func:`stop`."""
+    with ``capture_stdout``, its stdout is the caller's to read; ``env`` over this process's
+    environment. Stop it with :func:`stop`."""
     output = Output.DISCARD
     if wait_ready_line:
         output = Output.READY
     elif capture_stdout:
         output = Output.CAPTURE
     service = ChildProcess(
-        name, argv, log_dir / f"{name}.log", cores=cores, output=output, append_log=False
+        name, argv, log_dir / f"{name}.log", env=env, cores=cores, output=output, append_log=False
     )
     await service.start()
     if not wait_ready_line:

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.procs import core_split, load_average, start, stop
+from services.bench.router_huge import bench_huge_prompts
 from services.bench.router_load import (
     BODY,
     MAX_TOKENS,
@@ -116,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure pdserve's router with vLLM's own front end (--frontend vllm over a "
         "generated tiny checkpoint's tokenizer), beside pdserve's own front end",
+    )
+    parser.add_argument(
+        "--huge-prompt-mb",
+        type=float,
+        default=None,
+        help="also measure small requests' p50/p99 quiet and while another client sends a "
+        "prompt of this many MB every second (services/bench/router_huge.py; issue 36: 6)",
     )
     parser.add_argument(
         "--router-workers",
@@ -239,6 +247,13 @@ async def _run(
             if args.vllm_frontend
             else None
         )
+        huge = (
+            await bench_huge_prompts(
+                args.huge_prompt_mb, args.latency_s, settings, placement, log_dir
+            )
+            if args.huge_prompt_mb
+            else None
+        )
         binary = _vllm_router_binary()
         reference: dict[str, Any]
         if args.skip_vllm_router:
@@ -273,6 +288,7 @@ async def _run(
             if vllm_frontend is not None
             else {}
         ),
+        **({"huge_prompts": huge} if huge is not None else {}),
         "vllm_router": reference,
         **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
     }

@@ -16,6 +16,7 @@ and both reach the app's one exception handler table (``error_handlers.install_e
 
 from __future__ import annotations
 
+import functools
 import typing
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from services.router.errors import RequestTooLarge
+from services.router.frontend.tokenizing import INLINE_BODY_BYTES
 from services.router.runtime import RouterRuntime
 
 KeyCheck = Callable[[Request, RouterRuntime], Awaitable[None]]
@@ -71,7 +73,12 @@ class DirectRoute(APIRoute):
                     [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
                 )
             try:
-                body = model.model_validate_json(raw)
+                if len(raw) <= INLINE_BODY_BYTES:
+                    body = model.model_validate_json(raw)
+                else:  # tens of milliseconds for megabytes: not on the event loop
+                    body = await runtime.prompts.offload(
+                        functools.partial(model.model_validate_json, raw)
+                    )
             except ValidationError as exc:
                 errors = exc.errors(include_url=False)
                 for error in errors:

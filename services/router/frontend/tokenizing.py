@@ -16,7 +16,8 @@ waits that long. So:
   :data:`CUT_TOKENS` (what cutting a word may add), the request is refused without tokenizing the
   rest. Otherwise the whole prompt is tokenized and checked as before (vLLM's message).
 
-The body-size bound comes before all of this (``direct_route``: 413 before the JSON is parsed).
+The body-size bound comes before all of this (``direct_route``: 413 before the JSON is parsed),
+and a large body (over :data:`INLINE_BODY_BYTES`) is parsed and validated in the same pool.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ T = TypeVar("T")
 INLINE_CHARS = 8192
 """Prompts up to this many characters are tokenized on the event loop (well under a
 millisecond)."""
+INLINE_BODY_BYTES = 65536
+"""Request bodies up to this size are parsed on the event loop (pydantic-core: well under a
+millisecond); larger ones in the pool (a 6 MB body takes tens of milliseconds)."""
 PREFIX_CHARS_PER_TOKEN = 32
 """Characters per token of context tokenized first for a long prompt: a token covers fewer
 characters than this in any text a model reads (a run of spaces may be one token: then the
@@ -72,7 +76,7 @@ class PromptTokenizer:
         (``None``: unknown) raises :class:`InvalidRequestError`."""
         if len(text) <= INLINE_CHARS:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await self._offload(
+        return await self.offload(
             functools.partial(self._bounded, text, add_special_tokens, context)
         )
 
@@ -93,7 +97,7 @@ class PromptTokenizer:
             text = self._chat.render(messages, add_generation_prompt=add_generation_prompt)
             return self._bounded(text, self._chat.adds_special_tokens, context)
 
-        return await self._offload(render_and_encode)
+        return await self.offload(render_and_encode)
 
     def _bounded(self, text: str, add_special_tokens: bool, context: int | None) -> list[int]:
         """In a pool thread: the prefix check, then the whole prompt."""
@@ -112,9 +116,10 @@ class PromptTokenizer:
                     )
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _offload(self, work: Callable[[], T]) -> T:
-        """``work`` in the pool; counted from submission until the thread is done with it (a
-        client that left does not free its place while its prompt is still being encoded)."""
+    async def offload(self, work: Callable[[], T]) -> T:
+        """``work`` in the pool (a long prompt's tokenizing, a large body's parsing); counted
+        from submission until the thread is done with it (a client that left does not free its
+        place while its prompt is still being encoded)."""
         if self._waiting >= self._queue:
             raise TooManyRequests(
                 f"{self._waiting} long prompts are being tokenized by this router process "

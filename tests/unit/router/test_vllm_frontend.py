@@ -279,3 +279,32 @@ def test_router_and_engine_refuse_another_vllm_with_one_message(
     assert "supports vLLM 0.32.0, found 0.31.0" in capsys.readouterr().err
     with pytest.raises(EngineFailed, match=r"supports vLLM 0\.32\.0, found 0\.31\.0"):
         _import_vllm()
+
+
+async def test_a_body_over_the_bound_is_413_on_every_post(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    rt = pd_runtime(factory, model_dir, max_request_body_bytes=4096)
+    big = {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 1}
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(5):
+            yield b"x" * 1024
+        yield b'"}'
+
+    async with served(rt) as client:
+        replies = [
+            await client.post("/v1/completions", json=big),
+            await client.post("/tokenize", json=big),
+            await client.post(
+                "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+            ),
+        ]
+        within = await client.post("/tokenize", json={"model": MODEL, "prompt": "x" * 3000})
+    for reply in replies:
+        assert reply.status_code == 413, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == 413
+        assert "(4096 bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)" in error["message"]
+    assert within.status_code == 200, within.text

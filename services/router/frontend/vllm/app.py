@@ -86,12 +86,22 @@ class PdserveHeaders:
     ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first
     choice's); a stream whose first event is an error (no engine, every prefill failed:
     nothing was generated) is answered as that error with its status, as a non-streamed
-    request is; it counts the request and its latency in the router's metrics."""
+    request is; it counts the request and its latency in the router's metrics. Every POST's
+    body is bounded by ``max_request_body_bytes`` (413), as in pdserve's own front end."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            runtime = getattr(getattr(scope.get("app"), "state", None), "runtime", None)
+            if runtime is not None:
+                limit = runtime.settings.max_request_body_bytes
+                await _bounded_body(self._generation, limit)(scope, receive, send)
+                return
+        await self._generation(scope, receive, send)
+
+    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = scope.get("path", "") if scope["type"] == "http" else ""
         if endpoint not in GENERATION_ENDPOINTS or scope.get("method") != "POST":
             await self.app(scope, receive, send)
@@ -144,6 +154,70 @@ class PdserveHeaders:
                 runtime.executor.observe_end(
                     arrival_s, endpoint, outcome, infos[0] if infos else None
                 )
+
+
+def _bounded_body(
+    app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``app`` with request bodies of at most ``limit`` bytes (pdserve's
+    ``max_request_body_bytes``, as its own front end): a larger one is answered 413 in vLLM's
+    error shape before the app reads anything when ``Content-Length`` says so, else once the
+    bytes read pass it (the app then sees the client leave, and its answer is dropped)."""
+
+    async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope.get("headers", []))
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await _too_large(send, int(declared), limit)
+            return
+        size = 0
+        over = False
+        started = False
+
+        async def counted() -> Message:
+            nonlocal size, over
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def unless_over(message: Message) -> None:
+            nonlocal started
+            if over:
+                return
+            started = True
+            await send(message)
+
+        await app(scope, counted, unless_over)
+        if over and not started:
+            await _too_large(send, size, limit)
+
+    return bounded
+
+
+async def _too_large(send: Send, size: int, limit: int) -> None:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request body ({size} bytes or more) is larger than this "
+                f"server accepts ({limit} bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 413,
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _start(status: int, headers: list[tuple[bytes, bytes]], infos: list[RunInfo]) -> Message:
