@@ -17,6 +17,8 @@ from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from tests.security.pki import make_pki
 
+pytest_plugins = ["tests.timing"]
+
 # Hypothesis judges wall-clock time by default (a 200 ms deadline per example, the too_slow
 # health check on data generation); a loaded 2-core CI machine breaks both without any bug.
 # Every property test runs under this profile; a test's own @settings still override it.

@@ -1,0 +1,56 @@
+"""The suite's time budget, at the end of every run (issue 34): the 20 slowest items (set-up,
+call and tear-down of one test together, as a module-scoped stack's start lands on its first
+test) and the total per module, slowest first, and a warning when the run passed
+:data:`BUDGET_S` (CI gives ``make test`` 90 minutes on a loaded machine; the suite must stay
+well inside it). Loaded from ``tests/conftest.py``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import pytest
+from _pytest.terminal import TerminalReporter
+
+BUDGET_S = float(os.environ.get("PDSERVE_TEST_BUDGET_S", 45 * 60))
+"""``make test`` must stay under this (the developers' guide); a run past it is warned of
+(``PDSERVE_TEST_BUDGET_S`` overrides it: the test of this summary)."""
+SLOWEST = 20
+
+_item_s: dict[str, float] = defaultdict(float)
+_started = time.monotonic()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _started
+    _started = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _item_s[report.nodeid] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
+    if not _item_s:
+        return
+    elapsed = time.monotonic() - _started
+    write = terminalreporter.write_line
+    terminalreporter.section(f"time budget: {elapsed / 60:.1f} min of pytest")
+    by_module: dict[str, float] = defaultdict(float)
+    for nodeid, seconds in _item_s.items():
+        by_module[nodeid.split("::", 1)[0]] += seconds
+    write(f"the {SLOWEST} slowest items (set-up + call + tear-down):")
+    for nodeid, seconds in sorted(_item_s.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+        write(f"  {seconds:8.1f}s  {nodeid}")
+    write("per module, slowest first:")
+    for module, seconds in sorted(by_module.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1.0:
+            write(f"  {seconds:8.1f}s  {module}")
+    if elapsed > BUDGET_S:
+        write(
+            f"WARNING: this run took {elapsed / 60:.1f} min, past the suite's budget of "
+            f"{BUDGET_S / 60:.0f} min (docs: README, Tests)",
+            yellow=True,
+            bold=True,
+        )
