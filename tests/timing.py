@@ -13,18 +13,17 @@ from collections import defaultdict
 import pytest
 from _pytest.terminal import TerminalReporter
 
-BUDGET_S = float(os.environ.get("PDSERVE_TEST_BUDGET_S", 45 * 60))
+BUDGET_S = float(os.environ.get("PDSERVE_TEST_BUDGET_S", str(45 * 60)))
 """``make test`` must stay under this (the developers' guide); a run past it is warned of
 (``PDSERVE_TEST_BUDGET_S`` overrides it: the test of this summary)."""
 SLOWEST = 20
 
 _item_s: dict[str, float] = defaultdict(float)
-_started = time.monotonic()
+_started = [time.monotonic()]
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    global _started
-    _started = time.monotonic()
+    _started[0] = time.monotonic()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -34,7 +33,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     if not _item_s:
         return
-    elapsed = time.monotonic() - _started
+    elapsed = time.monotonic() - _started[0]
     write = terminalreporter.write_line
     terminalreporter.section(f"time budget: {elapsed / 60:.1f} min of pytest")
     by_module: dict[str, float] = defaultdict(float)

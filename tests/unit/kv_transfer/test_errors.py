@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import nixl._bindings as bindings
 import pytest
 
 from services.kv_transfer.errors import (
@@ -12,8 +13,6 @@ from services.kv_transfer.errors import (
     TransportFatalError,
     map_nixl_errors,
 )
-
-bindings = pytest.importorskip("nixl._bindings")
 
 
 def test_remote_disconnect_maps_to_its_own_type():
