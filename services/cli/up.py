@@ -39,7 +39,6 @@ from typing import Any
 
 import httpx
 
-from services.cli.ports import PortTaken, check_free
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.cli.up_args import TINY_MODEL_DIR
@@ -54,6 +53,7 @@ from services.engines.vllm.platform import (
     installed_platform,
     shared_cpu_bindings,
 )
+from services.lifetime import PortTaken, check_free
 from services.observability.local_prometheus import RULES_FILE, LocalPrometheus, PrometheusError
 from services.serving.ready import pdserve_argv
 from services.supervision import ChildProcess, RestartPolicy, RestartTracker, stop_in_order

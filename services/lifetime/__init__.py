@@ -1,6 +1,7 @@
 """Process lifetime rules every pdserve process follows, whatever layer starts it: nothing a
 process starts outlives it, and a stop ends within its bound
-(:mod:`~services.lifetime.parent_death`). No import from the rest
+(:mod:`~services.lifetime.parent_death`); a fixed port taken by another process is refused
+before anything starts (:mod:`~services.lifetime.ports`). No import from the rest
 of ``services``: Redis, Prometheus, engine ranks, vLLM's engine core and ``pdserve up``'s
 children all use it."""
 
@@ -10,5 +11,13 @@ from services.lifetime.parent_death import (
     exit_with_parent,
     parent_death_preexec,
 )
+from services.lifetime.ports import PortTaken, check_free
 
-__all__ = ["WATCH_PARENT_ENV", "end_stop_within", "exit_with_parent", "parent_death_preexec"]
+__all__ = [
+    "WATCH_PARENT_ENV",
+    "PortTaken",
+    "check_free",
+    "end_stop_within",
+    "exit_with_parent",
+    "parent_death_preexec",
+]

@@ -36,11 +36,13 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import time
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any
 
+from services.lifetime import PortTaken, check_free
 from services.router.config import RouterSettings
 from services.router.main import reuse_port_socket, run
 from services.serving.ready import format_ready_line
@@ -82,6 +84,13 @@ def _worker_main(settings: RouterSettings, index: int, parent_pid: int, ready: Q
 def serve_workers(settings: RouterSettings) -> int:
     """Run ``settings.workers`` workers on one port until SIGINT/SIGTERM (0) or until a worker
     exits on its own (1); see the module docstring."""
+    # SO_REUSEPORT would let the workers share a port another process (another router) holds:
+    # refused first, naming the holder.
+    try:
+        check_free([("router", settings.host, settings.port)])
+    except PortTaken as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr, flush=True)
+        return 2
     # Bound, not listening: it takes no connection, it only resolves and holds the port.
     reserved = reuse_port_socket(settings.host, settings.port, listen=False)
     port = reserved.getsockname()[1]

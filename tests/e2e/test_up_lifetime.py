@@ -13,6 +13,7 @@ A private stack: the first test kills its processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -91,15 +92,20 @@ def test_a_host_stops_within_its_bound_with_redis_hung_and_nothing_outlives_up(
     wait_all_gone(rest, GONE_S)
 
 
-def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def held_port() -> Iterator[str]:
+    """A listening port held as a pdserve router holds its port (``SO_REUSEPORT``: a router
+    binding the same way would share it silently)."""
     with socket.socket() as taken:
-        # Held as a pdserve router holds its port (SO_REUSEPORT: a router binding the same way
-        # would share it silently).
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = str(taken.getsockname()[1])
-        work_dir = tmp_path / "second"
+        yield str(taken.getsockname()[1])
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    work_dir = tmp_path / "second"
+    with held_port() as port:
         second = subprocess.run(
             pdserve_argv("up", "--work-dir", str(work_dir), "--port", port),
             capture_output=True,
@@ -112,3 +118,20 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
         second.stderr
     )
     assert not work_dir.exists(), "it started something (its work folder exists)"
+
+
+def test_router_workers_refuse_a_port_another_process_holds() -> None:
+    with held_port() as port:
+        router = subprocess.run(
+            pdserve_argv(
+                "router", "--redis", "redis://127.0.0.1:1/0", "--port", port, "--workers", "2"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=GONE_S,
+            check=False,
+        )
+    assert router.returncode == 2, router.stderr
+    assert f"router port {port} on 127.0.0.1 is taken (held by pid {os.getpid()}: " in (
+        router.stderr
+    )

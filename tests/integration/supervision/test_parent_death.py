@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.ports import PortTaken, check_free
+from services.lifetime import PortTaken, check_free
 from tests.e2e.up_system import process_tree, wait_all_gone
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,7 @@
 """Fixed ports a command will bind, checked before it starts anything: a taken port is refused
 at once, naming the port and, where ``/proc`` tells, the process that holds it (``pdserve up``
-would otherwise start every engine and fail only when its router binds, minutes later).
+would otherwise start every engine and fail only when its router binds, minutes later; a
+``pdserve router --workers N`` would share the port of another router silently).
 
 The check binds the port itself with ``SO_REUSEADDR`` and without ``SO_REUSEPORT``: a listener
 in ``TIME_WAIT`` leftovers does not count, but another process's listener does, even one that
