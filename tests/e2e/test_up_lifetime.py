@@ -103,35 +103,25 @@ def held_port() -> Iterator[str]:
         yield str(taken.getsockname()[1])
 
 
-def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    work_dir = tmp_path / "second"
+def refused_on_a_held_port(*command: str) -> None:
+    """``pdserve <command> --port P`` with P held here exits 2 naming this process."""
     with held_port() as port:
-        second = subprocess.run(
-            pdserve_argv("up", "--work-dir", str(work_dir), "--port", port),
+        run = subprocess.run(
+            pdserve_argv(*command, "--port", port),
             capture_output=True,
             text=True,
             timeout=GONE_S,
             check=False,
         )
-    assert second.returncode == 2, second.stderr
-    assert f"router port {port} on 127.0.0.1 is taken (held by pid {os.getpid()}: " in (
-        second.stderr
-    )
+    assert run.returncode == 2, run.stderr
+    assert f"router port {port} on 127.0.0.1 is taken (held by pid {os.getpid()}: " in run.stderr
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    work_dir = tmp_path / "second"
+    refused_on_a_held_port("up", "--work-dir", str(work_dir))
     assert not work_dir.exists(), "it started something (its work folder exists)"
 
 
 def test_router_workers_refuse_a_port_another_process_holds() -> None:
-    with held_port() as port:
-        router = subprocess.run(
-            pdserve_argv(
-                "router", "--redis", "redis://127.0.0.1:1/0", "--port", port, "--workers", "2"
-            ),
-            capture_output=True,
-            text=True,
-            timeout=GONE_S,
-            check=False,
-        )
-    assert router.returncode == 2, router.stderr
-    assert f"router port {port} on 127.0.0.1 is taken (held by pid {os.getpid()}: " in (
-        router.stderr
-    )
+    refused_on_a_held_port("router", "--redis", "redis://127.0.0.1:1/0", "--workers", "2")
