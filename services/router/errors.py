@@ -67,6 +67,15 @@ class RequestTooLarge(RouterError):
     error_type = "invalid_request_error"
     code = "request_too_large"
 
+    @classmethod
+    def of_body(cls, size: int, limit: int) -> RequestTooLarge:
+        """The error of a body of ``size`` bytes (or more: it was not read whole) over
+        ``limit`` (both front ends say the same)."""
+        return cls(
+            f"the request body ({size} bytes or more) is larger than this server accepts "
+            f"({limit} bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)"
+        )
+
 
 class TooManyRequests(RouterError):
     """More prompts waiting to be tokenized than ``tokenize_queue`` allows: try again."""

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.control_plane.wire import EngineRecord
 from services.engines.backend import SamplingParams
 from services.engines.errors import InvalidRequest
 from services.router.errors import (
@@ -225,16 +226,19 @@ def _nth(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + index) & params.SEED_MASK)
 
 
+def _records(runtime: RouterRuntime, model: str) -> list[EngineRecord]:
+    """The records of ``model``'s engines in the pool."""
+    return [slot.record for slot in runtime.pool.slots() if slot.record.model == model]
+
+
 def _context(runtime: RouterRuntime, model: str) -> int | None:
     """The context a prompt of ``model`` must fit (``params.context_limit``)."""
-    return params.context_limit(
-        slot.record for slot in runtime.pool.slots() if slot.record.model == model
-    )
+    return params.context_limit(_records(runtime, model))
 
 
 def _check_engines(runtime: RouterRuntime, request: GenerationRequest) -> None:
     """Parameters every engine of the model can honour; a context that fits one of them."""
-    records = [slot.record for slot in runtime.pool.slots() if slot.record.model == request.model]
+    records = _records(runtime, request.model)
     try:
         request.sampling.validate(vocab_size=runtime.tokenizer.vocab_size)
     except InvalidRequest as exc:

@@ -100,7 +100,7 @@ async def _body_of(request: Request, limit: int) -> bytes:
     soon as the bytes read pass it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        raise RequestTooLarge.of_body(int(declared), limit)
     receive = request.receive
     chunks: list[bytes] = []
     size = 0
@@ -111,17 +111,10 @@ async def _body_of(request: Request, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _too_large(size, limit)
+            raise RequestTooLarge.of_body(size, limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _too_large(size: int, limit: int) -> RequestTooLarge:
-    return RequestTooLarge(
-        f"the request body ({size} bytes or more) is larger than this server accepts "
-        f"({limit} bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)"
-    )
 
 
 def _json_content_type(value: str | None) -> bool:

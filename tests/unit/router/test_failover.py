@@ -106,23 +106,30 @@ async def completion(rt: RouterRuntime, **body: object) -> httpx.Response:
         )
 
 
-async def test_a_pull_from_a_dead_producer_is_prefilled_again_elsewhere(
-    factory: FakeFactory,
-) -> None:
-    factory.engines["d1"] = BlamesProducer("d1")
+async def three_past_p1(factory: FakeFactory) -> RouterRuntime:
+    """Prefill engines p1 and p2, decode engine d1; three completions of 4 tokens each answered
+    in full whatever p1 does (whichever prefill engine comes first, p1 is tried)."""
     rt = prepared(
         factory,
         ("p1", EngineRole.PREFILL),
         ("p2", EngineRole.PREFILL),
         ("d1", EngineRole.DECODE),
     )
-    for _ in range(3):  # whichever prefill engine comes first
+    for _ in range(3):
         reply = await completion(rt, max_tokens=4)
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["usage"]["completion_tokens"] == 4
         assert body["choices"][0]["finish_reason"] == "length"
     assert factory.engines["p1"].prefills, "p1 was never tried"
+    return rt
+
+
+async def test_a_pull_from_a_dead_producer_is_prefilled_again_elsewhere(
+    factory: FakeFactory,
+) -> None:
+    factory.engines["d1"] = BlamesProducer("d1")
+    rt = await three_past_p1(factory)
     retries = sample(
         rt, "pdserve_router_prefill_retries_total", phase="kv_pull", reason="kv_transfer_failed"
     )
@@ -141,17 +148,7 @@ async def test_a_prefill_its_engine_aborted_is_prefilled_again_elsewhere(
     # A host ending on a rank's death aborts its prefills (CANCELLED): the client is still
     # there, so another prefill engine runs it (seen once under load in CI as a lost request).
     factory.engines["p1"] = FakeEngine("p1", prefill_error=RequestAborted("host ending"))
-    rt = prepared(
-        factory,
-        ("p1", EngineRole.PREFILL),
-        ("p2", EngineRole.PREFILL),
-        ("d1", EngineRole.DECODE),
-    )
-    for _ in range(3):  # whichever prefill engine comes first
-        reply = await completion(rt, max_tokens=4)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 4
-    assert factory.engines["p1"].prefills, "p1 was never tried"
+    rt = await three_past_p1(factory)
     retried = sample(
         rt, "pdserve_router_prefill_retries_total", phase="prefill", reason="request_cancelled"
     )

@@ -308,3 +308,6 @@ async def test_a_body_over_the_bound_is_413_on_every_post(
         assert error["code"] == 413
         assert "(4096 bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)" in error["message"]
     assert within.status_code == 200, within.text
+    # Counted as the generation requests they are (the tokenize request is not one).
+    refused = sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="413")
+    assert refused == 2

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
+from services.router.errors import RequestTooLarge
 from services.router.execution.generation import RunInfo
 from services.router.frontend.vllm.config import Frontend
 from services.router.frontend.vllm.engine_client import RUN_INFOS, PdserveEngineClient
@@ -93,18 +94,15 @@ class PdserveHeaders:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            runtime = getattr(getattr(scope.get("app"), "state", None), "runtime", None)
-            if runtime is not None:
-                limit = runtime.settings.max_request_body_bytes
-                await _bounded_body(self._generation, limit)(scope, receive, send)
-                return
-        await self._generation(scope, receive, send)
-
-    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = self.app
+        runtime: RouterRuntime | None = getattr(
+            getattr(scope.get("app"), "state", None), "runtime", None
+        )
+        if scope["type"] == "http" and scope.get("method") == "POST" and runtime is not None:
+            app = _bounded_body(app, runtime.settings.max_request_body_bytes)
         endpoint = scope.get("path", "") if scope["type"] == "http" else ""
         if endpoint not in GENERATION_ENDPOINTS or scope.get("method") != "POST":
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
             return
         arrival_s = time.perf_counter()
         infos: list[RunInfo] = []
@@ -143,12 +141,9 @@ class PdserveHeaders:
             pending.clear()
 
         try:
-            await self.app(scope, receive, send_held)
+            await app(scope, receive, send_held)
         finally:
             RUN_INFOS.reset(token)
-            runtime: RouterRuntime | None = getattr(scope.get("app"), "state", None) and getattr(
-                scope["app"].state, "runtime", None
-            )
             if runtime is not None:
                 outcome = "ok" if status < 400 else str(status)
                 runtime.executor.observe_end(
@@ -202,8 +197,7 @@ async def _too_large(send: Send, size: int, limit: int) -> None:
     body = json.dumps(
         {
             "error": {
-                "message": f"the request body ({size} bytes or more) is larger than this "
-                f"server accepts ({limit} bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)",
+                "message": RequestTooLarge.of_body(size, limit).message,
                 "type": "BadRequestError",
                 "param": None,
                 "code": 413,
