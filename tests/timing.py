@@ -27,7 +27,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _item_s[report.nodeid] += report.duration
+    _item_s[_without_group(report.nodeid)] += report.duration
+
+
+def _without_group(nodeid: str) -> str:
+    """The test's own id: pytest-xdist's ``--dist loadgroup`` appends ``@GROUP`` (its rule: an
+    ``@`` after any parameter id's closing bracket)."""
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
 
 
 def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
@@ -35,14 +42,16 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
         return
     elapsed = time.monotonic() - _started[0]
     write = terminalreporter.write_line
-    terminalreporter.section(f"time budget: {elapsed / 60:.1f} min of pytest")
+    workers = getattr(terminalreporter.config.option, "numprocesses", None)  # pytest-xdist -n
+    side_by_side = f", {workers} workers side by side" if workers else ""
+    terminalreporter.section(f"time budget: {elapsed / 60:.1f} min of pytest{side_by_side}")
     by_module: dict[str, float] = defaultdict(float)
     for nodeid, seconds in _item_s.items():
         by_module[nodeid.split("::", 1)[0]] += seconds
     write(f"the {SLOWEST} slowest items (set-up + call + tear-down):")
     for nodeid, seconds in sorted(_item_s.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         write(f"  {seconds:8.1f}s  {nodeid}")
-    write("per module, slowest first:")
+    write("per module, slowest first (a module runs in one worker):")
     for module, seconds in sorted(by_module.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
             write(f"  {seconds:8.1f}s  {module}")

@@ -10,7 +10,7 @@ import pytest
 
 from services.bench import chaos
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
 
 
 def test_chaos_loses_no_request_and_reports_the_migrations(tmp_path: Path) -> None:

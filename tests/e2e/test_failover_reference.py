@@ -4,9 +4,10 @@ concurrent streamed and non-streamed requests sent with the official ``openai`` 
 greedy with output penalties, and seeded sampled (``SAMPLING``), each deterministic, so a
 request that continued on other engines must give an unbroken run's text.
 
-The scenarios run in file order on one stack, each leaving it in a known state for the next:
+Each scenario starts from the whole stack, whatever ran before it (:func:`whole`: ``pdserve up``
+restarts an engine a scenario killed, and the scenario waits for it), so they pass in any order:
 
-0. a fault-free run gives the reference text of every prompt (streamed and not: the same);
+0. a fault-free run gives the reference texts (the stack's first run, made when it started) again;
 1. decode-0's rank stopped (SIGSTOP) past the router's idle bound mid-stream: its requests move
    to decode-1 (migrations counted), none fails; once resumed, decode-0's circuit closes again
    after a probe and it serves; then prefill-0's rank stopped past the prefill deadline:
@@ -14,8 +15,9 @@ The scenarios run in file order on one stack, each leaving it in a known state f
 2. decode-0's rank killed (SIGKILL) mid-stream: its streams continue on decode-1;
 3. prefill-0's rank killed under load: prefills and pulls in flight are retried on prefill-1
    (counted by phase), none fails;
-4. decode-1's host killed: it is the last decode engine, so the requests it had fail, and say
-   so at once with the OpenAI error envelope (no hang), as do new ones.
+4. on a stack of its own with one decode engine (``--no-restart``): that engine's host killed,
+   so the requests it had fail, and say so at once with the OpenAI error envelope (no hang), as
+   do new ones.
 
 For 1-3: zero failed client requests, every text equal to the fault-free run's for its prompt,
 the surviving engines' block pools full afterwards. Nothing is timed against the wall clock:
@@ -39,7 +41,7 @@ from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.faults.probes import load_of, metric, rank_pids
 from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
 
 MODEL = "tiny-model"
 REQUEST_BOUND_S = 120.0
@@ -213,36 +215,86 @@ class Stack:
         return self.router(state, engine=engine, state="closed") == 1
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+ENGINES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+RESTART_BOUND_S = 240.0
+"""Bound of a restart (a back-off, then the reference engine loading the tiny model)."""
+ROUTER_ENV = {
+    "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
+    # Both prefill engines get requests (prefix-aware routing would keep each of the few
+    # prompts on one engine, maybe all on the same one).
+    "PDSERVE_ROUTER_POLICY": "round_robin",
+    "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": str(IDLE_BOUND_S),
+    "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(IDLE_BOUND_S),
+    # A resumed engine is probed again within seconds, not after a minute.
+    "PDSERVE_ROUTER_CIRCUIT_MAX_BACKOFF_S": "10",
+}
+"""The router's settings of every stack here (and of ``test_restart_reference``)."""
+
+
+def started_stack(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *args: str
+) -> Iterator[Stack]:
+    """``pdserve up`` of the tiny model with ``args``, READY, with the fault-free run's texts
+    (``Stack.reference``); stopped afterwards."""
     model_dir = tmp_path_factory.mktemp("model") / MODEL
     make_tiny_model(model_dir)
     up = UpSystem(
-        tmp_path_factory.mktemp("up-failover"),
-        "--model",
-        str(model_dir),
-        "--prefill-replicas",
-        "2",
-        "--decode-replicas",
-        "2",
-        "--no-restart",  # killed engines stay dead (test_4: no decode engine left)
-        env={
-            "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
-            # Both prefill engines get requests (prefix-aware routing would keep each of the
-            # few prompts on one engine, maybe all on the same one).
-            "PDSERVE_ROUTER_POLICY": "round_robin",
-            "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": str(IDLE_BOUND_S),
-            "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(IDLE_BOUND_S),
-            # A resumed engine is probed again within seconds, not after a minute.
-            "PDSERVE_ROUTER_CIRCUIT_MAX_BACKOFF_S": "10",
-        },
+        tmp_path_factory.mktemp(name), "--model", str(model_dir), *args, env=ROUTER_ENV,
         scrub_env=True,
-    )
+    )  # fmt: skip
     try:
         up.wait_ready()
-        yield Stack(up)
+        stack = Stack(up)
+        stack.reference = asyncio.run(fault_free_texts(stack))
+        yield stack
     finally:
         up.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two prefill and two decode engines; a killed one is restarted half a second later."""
+    yield from started_stack(
+        tmp_path_factory, "up-failover", "--prefill-replicas", "2", "--decode-replicas", "2",
+        "--restart-backoff-s", "0.5",
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def stack(shared_stack: Stack) -> Stack:
+    """The shared stack, whole (see :func:`whole`)."""
+    await whole(shared_stack)
+    return shared_stack
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def whole(stack: Stack) -> None:
+    """Until every engine of ``ENGINES`` runs (one a scenario killed restarted by ``pdserve up``,
+    which rewrites ``endpoints.json`` once the new process is READY), the router has all of them
+    READY and every block pool is full; ``stack.up.endpoints`` then names the processes now
+    running."""
+    deadline = asyncio.get_running_loop().time() + RESTART_BOUND_S
+    while True:
+        current = stack.up.read_endpoints()
+        running = all(alive(int(current["engines"][name]["pid"])) for name in ENGINES)
+        ready = [
+            stack.router("pdserve_router_ready_engines", role=r) for r in ("prefill", "decode")
+        ]
+        if running and ready == [2, 2]:
+            break
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"the stack not whole within {RESTART_BOUND_S}s: {current['engines']}, ready {ready}"
+        )
+        await asyncio.sleep(0.2)
+    stack.up.endpoints = current
+    await pools_full(stack, *ENGINES)
 
 
 async def pools_full(stack: Stack, *names: str) -> None:
@@ -273,9 +325,9 @@ def resumed_at_exit(pid: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-async def fault_free_reference(stack: Stack) -> None:
-    """Every prompt once streamed and once not, concurrently: their texts become
-    ``stack.reference`` (streamed and non-streamed must agree, the prompts must differ)."""
+async def fault_free_texts(stack: Stack) -> dict[int, str]:
+    """Every prompt once streamed and once not, concurrently, with no fault: the text of each
+    prompt (streamed and non-streamed must agree, the prompts must differ)."""
     client = openai.AsyncOpenAI(
         base_url=f"{stack.up.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_BOUND_S
     )
@@ -285,20 +337,21 @@ async def fault_free_reference(stack: Stack) -> None:
     finally:
         await client.close()
     assert not [o.error for o in outcomes if o.error]
+    texts: dict[int, str] = {}
     for outcome in outcomes:
-        stack.reference.setdefault(outcome.prompt, outcome.text)
-        assert outcome.text == stack.reference[outcome.prompt], "streamed != non-streamed"
-    assert len(set(stack.reference.values())) > 1  # the prompts really differ
+        texts.setdefault(outcome.prompt, outcome.text)
+        assert outcome.text == texts[outcome.prompt], "streamed != non-streamed"
+    assert len(set(texts.values())) > 1  # the prompts really differ
+    return texts
 
 
 async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
-    await fault_free_reference(stack)
+    assert await fault_free_texts(stack) == stack.reference
 
 
 async def test_1_a_decode_rank_stalled_past_the_idle_bound_migrates_its_requests(
     stack: Stack,
 ) -> None:
-    assert stack.reference, "needs the fault-free run"
     rank = stack.rank("decode-0")
     before = stack.router("pdserve_router_migrations_total", reason="engine_timeout")
     with resumed_at_exit(rank):
@@ -336,7 +389,6 @@ async def test_1_a_decode_rank_stalled_past_the_idle_bound_migrates_its_requests
 async def test_1b_a_prefill_rank_stalled_past_the_deadline_loses_nothing(stack: Stack) -> None:
     """Prefills waiting on the stopped rank time out and run on prefill-1; pulls waiting on it
     go on from a new prefill elsewhere (the decode engine's first delta never came)."""
-    assert stack.reference, "needs the fault-free run"
     rank = stack.rank("prefill-0")
     timeouts = "pdserve_router_engine_timeouts_total"
     before = stack.router(timeouts)
@@ -355,7 +407,6 @@ async def test_1b_a_prefill_rank_stalled_past_the_deadline_loses_nothing(stack: 
 
 
 async def test_2_a_killed_decode_rank_migrates_its_streams(stack: Stack) -> None:
-    assert stack.reference, "needs the fault-free run"
     before = stack.router("pdserve_router_migrations_total")
     async with steady_load(stack.up.url) as load:
         await streaming_on(load, "decode-0")
@@ -375,7 +426,6 @@ async def test_3_a_killed_prefill_rank_is_retried_on_the_other_prefill_engine(
     that the death always meets a request in flight (a prefill of the tiny model takes
     milliseconds: a kill at a random moment usually meets none, and the host's deregistration
     then leaves nothing to retry)."""
-    assert stack.reference, "needs the fault-free run"
 
     def retries_by_the_death() -> float:
         # A retry after the prefill deadline (the stop outliving it under load) is not the
@@ -404,13 +454,21 @@ async def test_3_a_killed_prefill_rank_is_retried_on_the_other_prefill_engine(
     await pools_full(stack, "prefill-1", "decode-1")
 
 
+@pytest.fixture
+def one_decode_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack of its own (this test kills its only decode engine): one prefill, one decode
+    engine, nothing restarted."""
+    yield from started_stack(tmp_path_factory, "up-one-decode", "--no-restart")
+
+
 async def test_4_with_one_decode_engine_left_its_death_is_an_explicit_error(
-    stack: Stack,
+    one_decode_stack: Stack,
 ) -> None:
-    """decode-1's host (its engine service) dies; no decode engine is left to migrate to."""
+    """The only decode engine's host (its engine service) dies; none is left to migrate to."""
+    stack = one_decode_stack
     async with steady_load(stack.up.url) as load:
-        await streaming_on(load, "decode-1")
-        os.kill(int(stack.engine("decode-1")["pid"]), signal.SIGKILL)
+        await streaming_on(load, "decode-0")
+        os.kill(int(stack.engine("decode-0")["pid"]), signal.SIGKILL)
         await wait_for(lambda: len(load.failed()) >= 2, "requests failing")
     failed = load.failed()
     assert not [o for o in failed if "hang" in (o.error or "")], "a request hung"

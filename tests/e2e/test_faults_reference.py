@@ -59,7 +59,7 @@ from tests.e2e.faults.probes import load_of, metric, rank_pids, wait_until
 from tests.e2e.up_system import UpSystem
 from tests.integration.services.processes import ServiceProcess, start_service
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
 
 MODEL = "tiny-model"
 REQUEST_BOUND_S = 60.0

@@ -10,7 +10,7 @@ import pytest
 
 from services.bench import soak
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
 
 RSS_GROWTH_BOUND_MIB = 64.0
 """Total RSS growth of the stack over the measured phase (Python allocators keep some)."""

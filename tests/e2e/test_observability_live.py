@@ -41,7 +41,7 @@ from tests.deploy.chart import DASHBOARDS
 from tests.e2e.faults.probes import metric, rank_pids, wait_until
 from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.destructive, pytest.mark.slow]
 
 ENGINES = ["reference", "vllm"]
 """Engine backends the stack runs (``pdserve up --engine``)."""

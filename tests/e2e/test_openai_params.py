@@ -14,12 +14,12 @@ import openai
 import pytest
 import torch
 
-from services.engines.reference.tiny_model import make_tiny_model
 from services.tokenization.tokenizer import load_tokenizer
+from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.up_system import UpSystem
 from tests.e2e.vllm_bench import bench_serve_random
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
 MODEL = "tiny-model"
 PROMPT = "Hello, world! How are you"
@@ -32,29 +32,14 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    make_tiny_model(path)
-    return path
-
-
-def _system(work_dir: Path, model_dir: Path, *args: str) -> Iterator[UpSystem]:
-    up = UpSystem(
-        work_dir,
-        "--model",
-        str(model_dir),
-        *args,
-        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},
-    )
-    try:
-        yield up.wait_ready()
-    finally:
-        assert up.stop() == 0, up.output()
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[UpSystem]:
-    yield from _system(tmp_path_factory.mktemp("up-pd"), model_dir)
+def pd(reference_pd: UpSystem) -> UpSystem:
+    """The shared reference PD stack (tests/e2e/conftest.py): every request disaggregated."""
+    return reference_pd
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +108,7 @@ def test_vllm_validation_errors_are_400s(client: openai.OpenAI) -> None:
 def test_penalties_through_pd_equal_colocated(
     client: openai.OpenAI,
     stream: bool,
-    tmp_path_factory: pytest.TempPathFactory,
-    model_dir: Path,
-    request: pytest.FixtureRequest,
+    reference_colocated: UpSystem,
 ) -> None:
     def run(c: openai.OpenAI) -> tuple[str, str]:
         out = []
@@ -171,14 +154,8 @@ def test_penalties_through_pd_equal_colocated(
     assert pd_greedy != plain.choices[0].text  # the penalties changed something
     if stream:
         return  # the colocated comparison runs once (non-streamed)
-    colocated = _system(tmp_path_factory.mktemp("up-colocated"), model_dir, "--colocated")
-    system = next(colocated)
-    try:
-        with openai.OpenAI(base_url=f"{system.url}/v1", api_key="x", max_retries=0) as c:
-            assert run(c) == (pd_greedy, pd_seeded)
-    finally:
-        with pytest.raises(StopIteration):
-            next(colocated)
+    with openai.OpenAI(base_url=f"{reference_colocated.url}/v1", api_key="x", max_retries=0) as c:
+        assert run(c) == (pd_greedy, pd_seeded)
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, model_dir: Path) -> None:

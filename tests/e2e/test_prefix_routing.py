@@ -6,18 +6,17 @@ prefix cache holds what it pulled, so a repeated prompt pulls only the blocks it
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem
 from tests.e2e.vllm_handoff import RELEASED, completion, on_engine, token_prompt
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
 MODEL = "tiny-model"
 HEARTBEAT_S = 2.0
@@ -25,22 +24,10 @@ HEARTBEAT_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpSystem]:
-    model_dir = tmp_path_factory.mktemp("model") / MODEL
-    make_tiny_model(model_dir)
-    up = UpSystem(
-        tmp_path_factory.mktemp("up-prefix"),
-        "--model",
-        str(model_dir),
-        "--prefill-replicas",
-        "2",
-        # Cached prompts still go through a prefill engine (no local shortcut).
-        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2", "PDSERVE_ROUTER_POLICY": "prefix_aware"},
-    )
-    try:
-        yield up.wait_ready()
-    finally:
-        assert up.stop() == 0, up.output()
+def pd(reference_pd: UpSystem) -> UpSystem:
+    """The shared reference PD stack (tests/e2e/conftest.py): two prefill engines, prefix-aware
+    routing, cached prompts still prefilled (no local shortcut)."""
+    return reference_pd
 
 
 def complete(pd: UpSystem, prompt: str) -> tuple[str, int]:

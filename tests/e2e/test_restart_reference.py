@@ -2,7 +2,10 @@
 prefill and two decode engines, under a steady load of concurrent streamed and non-streamed
 greedy requests (the load and checks of ``test_failover_reference``).
 
-0. a fault-free run gives the reference text of every prompt;
+Each scenario starts from the whole stack (``test_failover_reference.whole``), so they pass in
+any order:
+
+0. a fault-free run gives the reference texts (the stack's first run) again;
 1. prefill-0's *host* (its engine service process) is killed (SIGKILL) under load: no client
    request fails and every text equals the fault-free run's (its prefills are retried on
    prefill-1); ``pdserve up`` starts prefill-0 again, which registers a new generation, turns
@@ -27,60 +30,41 @@ from typing import Any
 
 import pytest
 
-from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
 from tests.e2e.faults.probes import metric
 from tests.e2e.test_failover_reference import (
-    MODEL,
+    ENGINES,
+    RESTART_BOUND_S,
     Load,
     Stack,
     assert_lost_nothing,
+    fault_free_texts,
     finished_after,
     pools_full,
+    started_stack,
     steady_load,
     streaming_on,
     wait_for,
+    whole,
 )
-from tests.e2e.test_failover_reference import (
-    test_0_a_fault_free_run_gives_the_reference_texts as fault_free_run,
-)
-from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-IDLE_BOUND_S = 12.0
-RESTART_BOUND_S = 240.0
-"""Bound of a restart (a back-off, then the reference engine loading the tiny model)."""
+pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    model_dir = tmp_path_factory.mktemp("model") / MODEL
-    make_tiny_model(model_dir)
-    up = UpSystem(
-        tmp_path_factory.mktemp("up-restart"),
-        "--model",
-        str(model_dir),
-        "--prefill-replicas",
-        "2",
-        "--decode-replicas",
-        "2",
-        "--restart-backoff-s",
-        "0.5",
-        env={
-            "PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2",  # every request disaggregated
-            "PDSERVE_ROUTER_POLICY": "round_robin",  # both prefill engines get requests
-            "PDSERVE_ROUTER_DECODE_IDLE_TIMEOUT_S": str(IDLE_BOUND_S),
-            "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": str(IDLE_BOUND_S),
-            "PDSERVE_ROUTER_CIRCUIT_MAX_BACKOFF_S": "10",
-        },
-        scrub_env=True,
-    )
-    try:
-        up.wait_ready()
-        yield Stack(up)
-    finally:
-        up.stop()
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two prefill and two decode engines; a killed one is restarted half a second later."""
+    yield from started_stack(
+        tmp_path_factory, "up-restart", "--prefill-replicas", "2", "--decode-replicas", "2",
+        "--restart-backoff-s", "0.5",
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def stack(shared_stack: Stack) -> Stack:
+    """The shared stack, whole (see ``test_failover_reference.whole``)."""
+    await whole(shared_stack)
+    return shared_stack
 
 
 async def wait_long(predicate: Callable[[], bool], what: str) -> None:
@@ -131,7 +115,6 @@ async def replaced_under_load(
     """Kill the pid ``kill`` returns (a process of ``engine``) under load, once ``engine`` is
     chosen again (``mid_stream``: once a stream on it has chunks); wait until ``engine`` runs
     again at a new generation and served its role's calls; nothing lost."""
-    assert stack.reference, "needs the fault-free run"
     before = stack.engine(engine)
     generation = status_of(stack, engine)["generation"]
     assert before["generation"] == generation
@@ -151,12 +134,12 @@ async def replaced_under_load(
     assert_lost_nothing(stack, load)
     entry = status_of(stack, engine)
     assert (entry["state"], entry["generation"]) == ("ready", after["generation"])
-    await pools_full(stack, "prefill-0", "prefill-1", "decode-0", "decode-1")
+    await pools_full(stack, *ENGINES)
     return load
 
 
 async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
-    await fault_free_run(stack)
+    assert await fault_free_texts(stack) == stack.reference
 
 
 async def test_1_a_killed_prefill_host_is_restarted_with_a_new_generation(stack: Stack) -> None:

@@ -1,7 +1,8 @@
 """The reference engine through the router: PD (prefill PP=2 -> decode) against colocated.
 
 Two ``pdserve up`` systems on the same tiny checkpoint: disaggregated (prefill PP=2, decode
-TP=1) and ``--colocated`` (one decode engine serving whole requests). Greedy output must be
+TP=1; this module's own) and ``--colocated`` (one decode engine serving whole requests; shared,
+tests/e2e/conftest.py). Greedy output must be
 identical, stop strings must end generation without being returned, and a seeded sampled
 request must repeat exactly.
 """
@@ -14,26 +15,19 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
 MODEL = "tiny-model"
 PROMPTS = ["Hello, world! How are you", "The prefill reads the whole prompt at once, and"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    make_tiny_model(path)
-    return path
-
-
 def _system(
     work_dir: Path, model_dir: Path, *args: str, env: dict[str, str] | None = None
 ) -> Iterator[UpSystem]:
-    up = UpSystem(work_dir, "--model", str(model_dir), *args, env=env)
+    up = UpSystem(work_dir, "--model", str(model_dir), *args, env=env, scrub_env=True)
     try:
         yield up.wait_ready()
     finally:
@@ -41,12 +35,14 @@ def _system(
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[UpSystem]:
+def disaggregated(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[UpSystem]:
     # Every request disaggregated: a repeated prompt would otherwise run locally on the decode
     # engine (mostly cached), and these tests compare outputs of one path.
     yield from _system(
         tmp_path_factory.mktemp("up-pd"),
-        model_dir,
+        tiny_model_dir,
         "--prefill-pp",
         "2",
         env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},
@@ -65,7 +61,7 @@ def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
 
 
 def test_greedy_output_through_pd_equals_colocated(
-    disaggregated: UpSystem, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+    disaggregated: UpSystem, reference_colocated: UpSystem
 ) -> None:
     pd_client = client_of(disaggregated)
     pd_outputs = []
@@ -73,16 +69,11 @@ def test_greedy_output_through_pd_equals_colocated(
         text, path = greedy(pd_client, prompt)
         assert path == "disaggregated"
         pd_outputs.append(text)
-    colocated_system = _system(tmp_path_factory.mktemp("up-colocated"), model_dir, "--colocated")
-    colocated = next(colocated_system)
-    try:
-        colocated_client = client_of(colocated)
-        for prompt, expected in zip(PROMPTS, pd_outputs, strict=True):
-            text, path = greedy(colocated_client, prompt)
-            assert path == "local"
-            assert text == expected
-    finally:
-        colocated_system.close()
+    colocated_client = client_of(reference_colocated)
+    for prompt, expected in zip(PROMPTS, pd_outputs, strict=True):
+        text, path = greedy(colocated_client, prompt)
+        assert path == "local"
+        assert text == expected
 
 
 def test_stop_string_ends_generation_and_is_not_returned(disaggregated: UpSystem) -> None:

@@ -28,7 +28,7 @@ from services.serving.ready import pdserve_argv
 from tests.e2e.faults.probes import wait_until
 from tests.e2e.up_system import UpSystem, process_tree, still_running, wait_all_gone
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.destructive]
 
 DRAIN_S = 5.0
 """The engines' drain bound (``--drain-timeout-s``)."""

@@ -28,7 +28,7 @@ import pytest
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MODEL = "tiny-model"
 FRONTEND_FLAGS = (

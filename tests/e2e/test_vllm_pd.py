@@ -61,7 +61,7 @@ from tests.e2e.vllm_handoff import (
     token_prompt,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BLOCK_SIZE = 32
 MAX_TOKENS = 12
@@ -695,6 +695,7 @@ class TestPushPrefillPP2:
         """Both prefill stages fail their WRITEs of each of the 2 requests: 4 releases."""
         check_failed_transfer(system, prompts, colocated, "WRITE", producer_releases=4)
 
+    @pytest.mark.destructive
     def test_prefill_killed_under_load_then_restarted_under_the_same_id(
         self,
         system: UpSystem,
@@ -887,6 +888,7 @@ class TestPullPP1:
                 got = penalized(client, prompt, repetition)
                 assert got == colocated[f"{PENALIZED}{repetition} {prompt}"], (prompt, repetition)
 
+    @pytest.mark.destructive
     async def test_a_killed_decode_engine_core_migrates_its_streams(self, system: UpSystem) -> None:
         """decode-0's EngineCore (vLLM's scheduler and model on CPU) SIGKILLed mid-stream under
         a steady load: its host sees the engine dead, its streams continue on decode-1 (the

@@ -18,6 +18,7 @@ def vllm_in_process(test: Callable[[], None]) -> Callable[[], None]:
     (and torch's inductor) warns about their own APIs, and AsyncLLM's shutdown leaves its ZMQ
     context to the garbage collector."""
     for mark in (
+        pytest.mark.vllm,
         pytest.mark.slow,
         pytest.mark.timeout(1200),
         pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -50,6 +50,7 @@ from services.engines.vllm.options import VllmEngineOptions
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.timeout(1800),
     pytest.mark.asyncio(loop_scope="module"),

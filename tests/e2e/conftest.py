@@ -1,0 +1,61 @@
+"""Reference-engine stacks shared by the end-to-end modules that only read from them (issue 34):
+each starts once per pytest process, on first use, and stops at its end.
+
+A module that uses one marks itself ``pytest.mark.xdist_group(SHARED_REFERENCE)``, so ``make
+test``'s workers run every such module in the same process (one start). A module that kills,
+stops or faults processes (``destructive``) starts a stack of its own instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.up_system import UpSystem
+
+SHARED_REFERENCE = "shared-reference-stacks"
+"""The ``xdist_group`` of the modules that use these stacks."""
+MODEL = "tiny-model"
+
+
+def started(work_dir: Path, model_dir: Path, *args: str, env: dict[str, str]) -> Iterator[UpSystem]:
+    """``pdserve up`` of ``model_dir`` with ``args``, READY; stopped cleanly (exit status 0)."""
+    up = UpSystem(work_dir, "--model", str(model_dir), *args, env=env, scrub_env=True)
+    try:
+        yield up.wait_ready()
+    finally:
+        assert up.stop() == 0, up.output()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint (seed 0) every shared stack serves."""
+    return make_tiny_model(tmp_path_factory.mktemp("shared-model") / MODEL)
+
+
+@pytest.fixture(scope="session")
+def reference_pd(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[UpSystem]:
+    """Two prefill engines and one decode engine (PP=1, TP=1 each), prefix-aware routing, every
+    request disaggregated (a prompt the decode engine holds is not run there alone)."""
+    yield from started(
+        tmp_path_factory.mktemp("shared-reference-pd"),
+        tiny_model_dir,
+        "--prefill-replicas",
+        "2",
+        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2", "PDSERVE_ROUTER_POLICY": "prefix_aware"},
+    )
+
+
+@pytest.fixture(scope="session")
+def reference_colocated(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[UpSystem]:
+    """One decode engine serving whole requests (``--colocated``): what PD must equal."""
+    yield from started(
+        tmp_path_factory.mktemp("shared-reference-colocated"), tiny_model_dir, "--colocated", env={}
+    )
