@@ -28,12 +28,6 @@ settings.register_profile(
 settings.load_profile("pdserve")
 
 
-# vLLM's CPU default KV cache is 1 GiB a rank, allocated at start: two vLLM stacks side by side
-# (``make test`` runs two pytest workers) would hold 14 GiB of it. 256 MiB holds some 37,000
-# tokens of the tiny test model, far more than any test keeps. A test's own setting wins.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.25")
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How ``make test`` shares the machine between its pytest workers (pytest-xdist,
