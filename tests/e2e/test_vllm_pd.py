@@ -35,7 +35,7 @@ from tests.e2e.faults.probes import load_of
 from tests.e2e.test_failover_reference import (
     Stack,
     assert_lost_nothing,
-    fault_free_reference,
+    fault_free_texts,
     finished_after,
     steady_load,
     streaming_on,
@@ -899,7 +899,7 @@ class TestPullPP1:
         nothing for the dead consumer: every block was read and freed, or expired (counted),
         and its pool is full again."""
         stack = Stack(system)
-        await fault_free_reference(stack)
+        stack.reference = await fault_free_texts(stack)
         before = stack.router("pdserve_router_migrations_total")
         async with steady_load(system.url, workers=3) as load:
             await streaming_on(load, "decode-0")
