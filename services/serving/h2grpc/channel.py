@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from services.serving.h2grpc.call import Call
-from services.serving.h2grpc.connection import H2Connection
+from services.serving.h2grpc.connection import H2Connection, ProtocolErrorHook
 from services.serving.h2grpc.errors import CallFailed
 
 DEFAULT_KEEPALIVE_S = 10.0
@@ -53,6 +53,7 @@ class H2GrpcChannel:
         server_name: str | None = None,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+        on_protocol_error: ProtocolErrorHook | None = None,
     ) -> None:
         self.target = target
         self._host, self._port = split_target(target)
@@ -62,6 +63,7 @@ class H2GrpcChannel:
         self._max_message_bytes = max_message_bytes
         self._keepalive_s = keepalive_s
         self._keepalive_timeout_s = keepalive_timeout_s
+        self._on_protocol_error = on_protocol_error
         self._connection: H2Connection | None = None
         self._connecting: asyncio.Future[H2Connection] | None = None
         self._draining: set[H2Connection] = set()
@@ -159,6 +161,7 @@ class H2GrpcChannel:
                 max_message_bytes=self._max_message_bytes,
                 keepalive_s=self._keepalive_s,
                 keepalive_timeout_s=self._keepalive_timeout_s,
+                on_protocol_error=self._on_protocol_error,
             )
 
         try:
