@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import logging
 import os
 import struct
@@ -553,7 +554,16 @@ class H2Connection(asyncio.Protocol):
             elif name == "grpc-message":
                 details = frames.grpc_message(value)
             elif name.endswith("-bin"):
-                metadata.append((name, base64.b64decode(value + "==")))
+                try:
+                    metadata.append((name, base64.b64decode(value + "==")))
+                except binascii.Error:
+                    self._count(Violation.MALFORMED)
+                    self._finish(
+                        call,
+                        grpc.StatusCode.INTERNAL,
+                        f"{self.target} sent binary metadata {name} that is not base64",
+                    )
+                    return
             elif not name.startswith((":", "grpc-")) and name != "content-type":
                 metadata.append((name, value))
         if code is None:

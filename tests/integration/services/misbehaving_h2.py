@@ -108,6 +108,16 @@ async def huge_header_list(exchange: Exchange) -> None:
     exchange.writer.write(exchange.headers(fields + [("x-big", "v" * 3000)] * 25))
 
 
+async def binary_metadata_not_base64(exchange: Exchange) -> None:
+    """An echo whose trailers carry ``x-blob-bin: a`` (one base64 character cannot be)."""
+    body = struct.pack(">BL", 0, len(exchange.message)) + exchange.message
+    exchange.writer.write(
+        exchange.response_headers()
+        + frame(DATA, 0, exchange.stream_id, body)
+        + exchange.headers([("grpc-status", "0"), ("x-blob-bin", "a")], END_HEADERS | END_STREAM)
+    )
+
+
 async def compressed_message(exchange: Exchange) -> None:
     """A gzip-compressed echo (grpc-encoding gzip), which the client never asked for."""
     packed = gzip.compress(exchange.message)

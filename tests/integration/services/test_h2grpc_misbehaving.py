@@ -16,6 +16,7 @@ import pytest
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
 from services.serving.h2grpc.errors import Violation
 from services.serving.h2grpc.frames import MAX_HEADER_LIST_SIZE, ErrorCode
+from services.serving.h2grpc.hpack_decoder import HpackDecoder
 from tests.integration.services import misbehaving_h2
 from tests.integration.services.misbehaving_h2 import Behaviour, MisbehavingServer
 
@@ -105,6 +106,12 @@ BREACHES = {
         Violation.COMPRESSED_MESSAGE,
         reset=ErrorCode.CANCEL,
     ),
+    "binary metadata not base64": Breach(
+        misbehaving_h2.binary_metadata_not_base64,
+        grpc.StatusCode.INTERNAL,
+        "sent binary metadata x-blob-bin that is not base64",
+        Violation.MALFORMED,
+    ),
     "RST_STREAM REFUSED_STREAM": Breach(
         misbehaving_h2.refused_stream,
         grpc.StatusCode.UNAVAILABLE,
@@ -173,6 +180,44 @@ async def test_endless_continuation_is_cut_at_the_header_list_bound() -> None:
         assert counted == [Violation.HEADER_LIST_SIZE]
         assert server.connections == 2
     finally:
+        await channel.close()
+        await server.close()
+
+
+async def test_a_failure_of_the_client_itself_closes_the_connection_and_never_escapes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The catch-all of data_received: a bug met while reading (here a decoder that fails,
+    the one fault injected) is logged, fails the calls INTERNAL and sends GOAWAY
+    INTERNAL_ERROR; nothing reaches the event loop's exception handler."""
+    loop_errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: loop_errors.append(context))
+
+    def broken(self: HpackDecoder, block: bytes) -> None:
+        raise RuntimeError("a bug in the decoder")
+
+    monkeypatch.setattr(HpackDecoder, "decode", broken)
+    server = MisbehavingServer([])
+    port = await server.start()
+    counted: list[str] = []
+    channel = H2GrpcChannel(
+        f"127.0.0.1:{port}", max_message_bytes=1 << 20, on_protocol_error=counted.append
+    )
+    try:
+        async with asyncio.timeout(CALL_BOUND_S):
+            with pytest.raises(CallFailed) as failed:
+                await channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S)
+            await server.wait_for(lambda: bool(server.goaways))
+        assert failed.value.code is grpc.StatusCode.INTERNAL
+        assert "RuntimeError('a bug in the decoder')" in failed.value.details
+        assert server.goaways[0][0] == ErrorCode.INTERNAL_ERROR
+        assert counted == [Violation.INTERNAL]
+        assert "a bug in the decoder" in caplog.text  # logged with its traceback
+        assert not loop_errors
+    finally:
+        loop.set_exception_handler(previous)
         await channel.close()
         await server.close()
 
