@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 import pytest
+from prometheus_client import CollectorRegistry
 
+from services.control_plane.wire import EngineRecord, EngineRole
+from services.engines.backend import SamplingParams
+from services.router.metrics import RouterMetrics
+from services.router.scheduling.connector import GrpcConnectorFactory
+from services.serving.errors import EngineUnreachable
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
 from services.serving.h2grpc.errors import Violation
 from services.serving.h2grpc.frames import MAX_HEADER_LIST_SIZE, ErrorCode
@@ -284,6 +290,44 @@ def _echo_server(compression: grpc.Compression | None = None) -> grpc.aio.Server
         )
     )
     return server
+
+
+async def test_the_routers_connectors_count_an_engines_breaches_in_its_metrics() -> None:
+    """The router's wiring: GrpcConnectorFactory hands RouterMetrics' counter to the client."""
+    metrics = RouterMetrics(CollectorRegistry())
+    server = MisbehavingServer([misbehaving_h2.zero_window_update_on_the_connection])
+    port = await server.start()
+    connector = GrpcConnectorFactory(on_protocol_error=metrics.engine_protocol_error).connect(
+        EngineRecord(
+            engine_id="prefill-0",
+            generation=1,
+            role=EngineRole.PREFILL,
+            model="m",
+            compat_hash="h",
+            pp_size=1,
+            tp_size=1,
+            num_layers=1,
+            num_kv_heads=1,
+            block_size=16,
+            endpoint=f"127.0.0.1:{port}",
+            pp_aware=False,
+            lease_ttl_ms=1000,
+            registered_at_ms=0,
+        )
+    )
+    try:
+        async with asyncio.timeout(CALL_BOUND_S):
+            with pytest.raises(EngineUnreachable, match="sent a WINDOW_UPDATE of 0"):
+                await connector.prefill(
+                    "r-1", (1, 2, 3), SamplingParams(max_tokens=1), timeout_s=CALL_BOUND_S
+                )
+        counted = metrics.registry.get_sample_value(
+            "pdserve_router_engine_protocol_errors_total", {"error": "window_update_zero"}
+        )
+        assert counted == 1
+    finally:
+        await connector.close()
+        await server.close()
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
