@@ -4,7 +4,9 @@
 out. It opens one connection lazily, shares it between concurrent calls, and opens a new one
 when it was lost or the server sent GOAWAY. Every failure is a
 :class:`~services.serving.h2grpc.errors.CallFailed` with the status gRPC itself gives it
-(UNAVAILABLE for a refused or lost connection, DEADLINE_EXCEEDED for the call's deadline...).
+(UNAVAILABLE for a refused or lost connection, DEADLINE_EXCEEDED for the call's deadline...);
+a server that breaks HTTP/2 fails the calls it touched with a message naming the breach, and the
+next call opens a new connection (see :mod:`~services.serving.h2grpc.connection`).
 
 Why not ``grpc.aio``: a grpc.aio call costs the caller about 0.3 ms of CPU here (its Python call
 objects, and a hop from gRPC's poller thread to the loop for every event), a streamed message
