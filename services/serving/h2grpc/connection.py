@@ -580,11 +580,11 @@ class H2Connection(asyncio.Protocol):
                 raise error
             return
         (code,) = struct.unpack(">L", payload)
-        self._finish(
-            call,
-            frames.status_of_reset(code),
-            f"stream reset by {self.target} with {rules.error_name(code)} (HTTP/2 error {code})",
-        )
+        name = rules.error_name(code)
+        details = f"stream reset by {self.target} with {name} (HTTP/2 error {code})"
+        if code == ErrorCode.REFUSED_STREAM:
+            details += ": the server did not process the request"  # RFC 9113 §8.7
+        self._finish(call, frames.status_of_reset(code), details)
 
     def _on_settings(self, flags: int, payload: bytes) -> None:
         if flags & Flag.ACK:

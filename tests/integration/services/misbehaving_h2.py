@@ -90,6 +90,7 @@ window_overflow_on_the_connection = raw(
 window_overflow_on_the_stream = raw(
     lambda stream: frame(WINDOW_UPDATE, 0, stream, struct.pack(">L", 2**31 - 1))
 )
+data_on_a_stream_never_opened = raw(lambda stream: frame(DATA, 0, stream + 2, bytes(5)))
 settings_of_seven_bytes = raw(lambda stream: frame(SETTINGS, 0, 0, bytes(7)))
 refused_stream = raw(lambda stream: frame(RST_STREAM, 0, stream, struct.pack(">L", REFUSED_STREAM)))
 

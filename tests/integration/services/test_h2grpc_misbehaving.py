@@ -118,10 +118,17 @@ BREACHES = {
         "sent binary metadata x-blob-bin that is not base64",
         Violation.MALFORMED,
     ),
+    "DATA on a stream never opened": Breach(
+        misbehaving_h2.data_on_a_stream_never_opened,
+        grpc.StatusCode.UNAVAILABLE,
+        "sent DATA on stream 3, which the client never opened (PROTOCOL_ERROR)",
+        Violation.MALFORMED,
+        goaway=ErrorCode.PROTOCOL_ERROR,
+    ),
     "RST_STREAM REFUSED_STREAM": Breach(
         misbehaving_h2.refused_stream,
         grpc.StatusCode.UNAVAILABLE,
-        "with REFUSED_STREAM (HTTP/2 error 7)",
+        "with REFUSED_STREAM (HTTP/2 error 7): the server did not process the request",
         None,
     ),
 }
