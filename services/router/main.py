@@ -90,10 +90,12 @@ def create_app(
             yield runtime
             return
         registry = CollectorRegistry()
-        factory = connectors or GrpcConnectorFactory(
-            settings.engine_grpc.client_tls(), client=settings.engine_grpc.client
-        )
         metrics = RouterMetrics(registry)
+        factory = connectors or GrpcConnectorFactory(
+            settings.engine_grpc.client_tls(),
+            client=settings.engine_grpc.client,
+            on_protocol_error=metrics.engine_protocol_error,
+        )
         metrics.engine_grpc_client.labels(client=settings.engine_grpc.client).set(1)
         built = RouterRuntime.build(settings, factory, metrics)
         control_plane = RedisControlPlane(settings.control_plane, ControlPlaneMetrics(registry))

@@ -202,12 +202,24 @@ class RouterMetrics:
             ["client"],
             registry=r,
         )
+        self.engine_protocol_errors = Counter(
+            "pdserve_router_engine_protocol_errors_total",
+            "Breaches of HTTP/2 or gRPC's framing by engines, met by the router's h2 gRPC "
+            "client, by kind (each closed the connection or failed its call).",
+            ["error"],
+            registry=r,
+        )
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)
         self.ttft_by = self.ttft.labels
         self.ttft_phase_by = self.ttft_phase.labels
         self.e2e_by = self.e2e.labels
+
+    def engine_protocol_error(self, error: str) -> None:
+        """Count one breach (the h2 client's ``on_protocol_error``; ``error`` is one of
+        :class:`services.serving.h2grpc.errors.Violation`'s few labels)."""
+        self.engine_protocol_errors.labels(error=error).inc()
 
     def ignored(self, names: list[str]) -> list[str]:
         """Count ignored request fields; the names never ignored before (to log once)."""

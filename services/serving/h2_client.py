@@ -11,7 +11,7 @@ one table of :mod:`services.serving.status`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError
@@ -41,7 +41,9 @@ class H2EngineClient:
     """A client of one engine service at ``target`` (``host:port``), over TLS with ``tls``.
 
     The connection is opened on the first call within the running event loop; safe for
-    concurrent calls from that loop. ``close`` when done.
+    concurrent calls from that loop. ``close`` when done. ``on_protocol_error`` is called with a
+    label (:class:`~services.serving.h2grpc.errors.Violation`) each time the engine breaks
+    HTTP/2 or gRPC's framing.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class H2EngineClient:
         *,
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        on_protocol_error: Callable[[str], None] | None = None,
     ) -> None:
         self.target = target
         self._channel = H2GrpcChannel(
@@ -57,6 +60,7 @@ class H2EngineClient:
             max_message_bytes=max_message_bytes,
             ssl_context=tls.ssl_context if tls is not None else None,
             server_name=tls.server_name if tls is not None else None,
+            on_protocol_error=on_protocol_error,
         )
         # A failed call's status as the engine's error class (services.serving.status).
         self._errors = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
@@ -153,13 +153,15 @@ class GrpcConnector(EngineConnector):
 class GrpcConnectorFactory(ConnectorFactory):
     """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``) with
     ``client`` (:data:`~services.router.config.GrpcClientName`), over TLS when ``tls`` is given
-    (its files are read here, so a missing one fails at start-up)."""
+    (its files are read here, so a missing one fails at start-up). ``on_protocol_error`` counts
+    an engine's breaches of HTTP/2 (the h2 client only: grpc.aio counts none)."""
 
     def __init__(
         self,
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         client: GrpcClientName = "h2",
+        on_protocol_error: Callable[[str], None] | None = None,
     ) -> None:
         if tls is not None:  # its files read now: a missing one fails at start-up
             if client == "h2":
@@ -168,9 +170,19 @@ class GrpcConnectorFactory(ConnectorFactory):
                 tls.credentials()
         self._tls = tls
         self._max_message_bytes = max_message_bytes
-        self._client = H2EngineClient if client == "h2" else EngineClient
+        self._h2 = client == "h2"
+        self._on_protocol_error = on_protocol_error
 
     def connect(self, record: EngineRecord) -> EngineConnector:
+        if self._h2:
+            return GrpcConnector(
+                H2EngineClient(
+                    record.endpoint,
+                    tls=self._tls,
+                    max_message_bytes=self._max_message_bytes,
+                    on_protocol_error=self._on_protocol_error,
+                )
+            )
         return GrpcConnector(
-            self._client(record.endpoint, tls=self._tls, max_message_bytes=self._max_message_bytes)
+            EngineClient(record.endpoint, tls=self._tls, max_message_bytes=self._max_message_bytes)
         )

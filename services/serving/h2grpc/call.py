@@ -21,7 +21,8 @@ class Call:
 
     ``messages`` fills as messages arrive; ``code`` is ``None`` while the call is open and
     the call's status once it ended (OK included); :meth:`wait` returns when either moved.
-    ``buffer`` (a message's bytes so far), ``headers_seen``, ``send_window``, ``received``
+    ``buffer`` (a message's bytes so far), ``headers_seen``, ``encoding`` (the response's
+    ``grpc-encoding``, for the error of a compressed message), ``send_window``, ``received``
     (bytes since the stream's window was last opened) and ``deadline`` (its timer) are the
     connection's to read and write.
     """
@@ -33,6 +34,7 @@ class Call:
         "code",
         "deadline",
         "details",
+        "encoding",
         "headers_seen",
         "messages",
         "metadata",
@@ -53,6 +55,7 @@ class Call:
         self._waiter: asyncio.Future[None] | None = None
         self.buffer: bytes | bytearray = b""
         self.headers_seen = False
+        self.encoding = ""
         self.send_window = connection.peer_initial_window
         self.received = 0
         self.deadline: asyncio.TimerHandle | None = None

@@ -1,17 +1,23 @@
-"""The one error of :mod:`services.serving.h2grpc`::
+"""The errors of :mod:`services.serving.h2grpc`::
 
     CallFailed          a call ended with a non-OK gRPC status (from the server, or the
                         transport's outcome mapped as gRPC does: UNAVAILABLE for a refused or
                         lost connection, DEADLINE_EXCEEDED for the call's own deadline,
                         CANCELLED, RESOURCE_EXHAUSTED for a message over the bound...)
+    ProtocolError       internal: the server broke HTTP/2 or gRPC's framing (RFC 9113 §5.4).
+                        Never leaves the package: the connection turns it into a GOAWAY
+                        (connection error) or a RST_STREAM (stream error) and its calls'
+                        CallFailed, and counts it (:class:`Violation`).
 
-Callers translate it with :func:`services.serving.status.error_from_status`, as they do
+Callers translate CallFailed with :func:`services.serving.status.error_from_status`, as they do
 ``grpc.aio.AioRpcError``: the same code, details and trailing metadata.
 """
 
 from __future__ import annotations
 
 import grpc
+
+from services.serving.h2grpc.frames import ErrorCode
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -24,3 +30,40 @@ class CallFailed(Exception):
         self.code = code
         self.details = details
         self.metadata = metadata
+
+
+class Violation:
+    """What a server did wrong: the label a :class:`ProtocolError` is counted under (the
+    channel's ``on_protocol_error`` callback), a small fixed set."""
+
+    FRAME_SIZE = "frame_size"
+    """A frame over the client's SETTINGS_MAX_FRAME_SIZE, or one of a fixed size that is not."""
+    MALFORMED = "malformed"
+    """A frame on the wrong stream, padding past its payload, a setting out of range, an
+    interrupted header block, a PUSH_PROMISE..."""
+    WINDOW_UPDATE_ZERO = "window_update_zero"
+    WINDOW_OVERFLOW = "window_overflow"
+    """A WINDOW_UPDATE or an INITIAL_WINDOW_SIZE that takes a window past 2^31-1."""
+    HEADER_LIST_SIZE = "header_list_size"
+    """A header block over the client's SETTINGS_MAX_HEADER_LIST_SIZE."""
+    COMPRESSION = "compression"
+    """A header block HPACK cannot decode."""
+    COMPRESSED_MESSAGE = "compressed_message"
+    """A gRPC message with the compressed flag (the client asks for identity only)."""
+    INTERNAL = "internal"
+    """The client itself failed on what it received (a bug): logged with its traceback."""
+
+
+class ProtocolError(Exception):
+    """A server's breach of the protocol: a connection error when ``stream_id`` is 0, else a
+    stream error of that stream. ``message`` says what the server sent ("sent a WINDOW_UPDATE
+    of 0 on the connection"); ``code`` is the HTTP/2 error code sent back."""
+
+    def __init__(
+        self, violation: str, code: ErrorCode, message: str, *, stream_id: int = 0
+    ) -> None:
+        super().__init__(f"{message} ({code.name})")
+        self.violation = violation
+        self.code = code
+        self.message = message
+        self.stream_id = stream_id

@@ -23,6 +23,14 @@ DEFAULT_WINDOW = 65_535
 DEFAULT_MAX_FRAME = 16_384
 MAX_WINDOW = 2**31 - 1
 MESSAGE_PREFIX_BYTES = 5
+MAX_HEADER_LIST_SIZE = 64 << 10
+"""The SETTINGS_MAX_HEADER_LIST_SIZE the client advertises and enforces on a response's header
+block (HEADERS and its CONTINUATIONs: their encoded bytes while they gather, then the decoded
+list as RFC 9113 counts it, each field's name and value plus 32). gRPC's own clients refuse
+metadata over 16 KiB (grpc-core's hard limit, 8 KiB soft); pdserve's engines send a few hundred
+bytes (a status, its message, one or two metadata entries). 64 KiB is four times gRPC's bound, so
+no answer a gRPC client would take is refused, while one engine can make the router hold at most
+this much of a header block per connection."""
 
 
 class FrameType:
@@ -115,8 +123,8 @@ def ping(payload: bytes, *, ack: bool = False) -> bytes:
     return frame(FrameType.PING, Flag.ACK if ack else 0, 0, payload)
 
 
-def goaway(last_stream_id: int, code: ErrorCode) -> bytes:
-    return frame(FrameType.GOAWAY, 0, 0, struct.pack(">LL", last_stream_id, code))
+def goaway(last_stream_id: int, code: ErrorCode, debug: bytes = b"") -> bytes:
+    return frame(FrameType.GOAWAY, 0, 0, struct.pack(">LL", last_stream_id, code) + debug)
 
 
 # -- HPACK: literal request fields, no dynamic table -------------------------------------------
@@ -168,6 +176,9 @@ def request_headers_prefix(path: bytes, authority: bytes, *, tls: bool) -> bytes
             literal(_STATIC_AUTHORITY, authority),
             literal(_STATIC_CONTENT_TYPE, b"application/grpc"),
             literal(b"te", b"trailers"),
+            # Said outright: this client decompresses nothing (a compressed message fails its
+            # call INTERNAL, naming the encoding the server chose).
+            literal(b"grpc-accept-encoding", b"identity"),
             literal(b"user-agent", b"pdserve-h2grpc"),
         )
     )

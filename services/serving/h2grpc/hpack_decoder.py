@@ -7,6 +7,12 @@ decodes to the same fields as long as the table has not changed, so :class:`Hpac
 its results by block, stamped with the table's version; a block that indexes a field or resizes
 the table is decoded in full. Huffman-coded strings are decoded
 with the ``hpack`` package's table.
+
+The decoded header list is bounded (``max_list_size``, the SETTINGS_MAX_HEADER_LIST_SIZE the
+client advertised, counted as RFC 9113 §6.5.2 does): a small block can name a large table entry
+many times, so the bound is checked as fields are decoded, not on the block's bytes. A block over
+it is still decoded to its end, so the table stays the server's, and then refused
+(:class:`HeaderListTooLarge`): the connection can go on.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from hpack import HPACKDecodingError
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
 
+from services.serving.h2grpc.frames import MAX_HEADER_LIST_SIZE
+
 Fields = tuple[tuple[str, str], ...]
 
 _STATIC: tuple[tuple[str, str], ...] = tuple(
@@ -26,11 +34,25 @@ _ENTRY_OVERHEAD = 32
 _CACHE_LIMIT = 256
 
 
+class HeaderListTooLarge(Exception):
+    """A block decoded to a header list over the decoder's ``max_list_size`` (``size``: the
+    list's size, fields are ASCII so characters count as bytes). The table was updated."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"a header list of {size} bytes, over the {limit} advertised")
+        self.size = size
+        self.limit = limit
+
+
 class HpackDecoder:
     """One connection's decoder (one per direction and connection: it follows the encoder's
-    dynamic table). Raises ``hpack.HPACKDecodingError`` on a malformed block."""
+    dynamic table). Raises ``hpack.HPACKDecodingError`` on a malformed block and
+    :class:`HeaderListTooLarge` on a list over ``max_list_size``."""
 
-    def __init__(self, max_table_size: int = 4096) -> None:
+    def __init__(
+        self, max_list_size: int = MAX_HEADER_LIST_SIZE, max_table_size: int = 4096
+    ) -> None:
+        self._list_limit = max_list_size
         self._limit = max_table_size
         self._max_size = max_table_size
         self._size = 0
@@ -53,15 +75,14 @@ class HpackDecoder:
         fields: list[tuple[str, str]] = []
         stateless = True
         offset, end = 0, len(block)
+        list_size, list_limit = 0, self._list_limit
         while offset < end:
             first = block[offset]
             if first & 0x80:
                 index, offset = _integer(block, offset, 7)
-                fields.append(self._entry(index))
-                continue
-            if first & 0x40:
+                name, value = self._entry(index)
+            elif first & 0x40:
                 name, value, offset = self._literal(block, offset, 6)
-                fields.append((name, value))
                 self._insert(name, value)
                 stateless = False
             elif first & 0x20:
@@ -71,9 +92,14 @@ class HpackDecoder:
                     raise HPACKDecodingError(f"table size {size} over the limit {self._limit}")
                 self._max_size = size
                 self._evict()
+                continue
             else:
                 name, value, offset = self._literal(block, offset, 4)
+            list_size += len(name) + len(value) + _ENTRY_OVERHEAD
+            if list_size <= list_limit:  # past it, the block is only read for the table's sake
                 fields.append((name, value))
+        if list_size > list_limit:
+            raise HeaderListTooLarge(list_size, list_limit)
         return tuple(fields), stateless
 
     def _entry(self, index: int) -> tuple[str, str]:

@@ -24,6 +24,7 @@ def test_request_headers_decode_to_grpc_fields_and_reset_the_table() -> None:
         (":authority", "h:1"),
         ("content-type", "application/grpc"),
         ("te", "trailers"),
+        ("grpc-accept-encoding", "identity"),
         ("user-agent", "pdserve-h2grpc"),
         ("grpc-timeout", "1500000u"),
     ]
