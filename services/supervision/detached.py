@@ -21,7 +21,11 @@ from services.lifetime import parent_death_preexec
 from services.serving.ready import pdserve_argv
 from services.supervision.child import ChildExited
 
-STOP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 150.0
+"""Bound of :meth:`DetachedProcess.stop` before SIGKILL. ``pdserve up`` stops its router, its
+decode engines and its prefill engines in turn, each within ``--stop-timeout-s`` (30 s by
+default), then Redis and Prometheus: a vLLM stack on a loaded machine can take most of 90 s
+(60 s here killed a clean stop mid-way, seen once in ``make test`` under load)."""
 
 
 class DetachedProcess:
