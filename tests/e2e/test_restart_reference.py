@@ -25,12 +25,13 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from services.serving.ready import pdserve_argv
+from tests.e2e import test_failover_reference as failover
 from tests.e2e.faults.probes import metric
 from tests.e2e.test_failover_reference import (
     ENGINES,
@@ -41,30 +42,18 @@ from tests.e2e.test_failover_reference import (
     fault_free_texts,
     finished_after,
     pools_full,
-    started_stack,
     steady_load,
     streaming_on,
     wait_for,
-    whole,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Two prefill and two decode engines; a killed one is restarted half a second later."""
-    yield from started_stack(
-        tmp_path_factory, "up-restart", "--prefill-replicas", "2", "--decode-replicas", "2",
-        "--restart-backoff-s", "0.5",
-    )  # fmt: skip
-
-
-@pytest.fixture
-async def stack(shared_stack: Stack) -> Stack:
-    """The shared stack, whole (see ``test_failover_reference.whole``)."""
-    await whole(shared_stack)
-    return shared_stack
+# The stack of test_failover_reference, a private one for this module (module scope): two prefill
+# and two decode engines, a killed one restarted; ``stack`` waits until it is whole.
+shared_stack = failover.shared_stack
+stack = failover.stack
 
 
 async def wait_long(predicate: Callable[[], bool], what: str) -> None:
