@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.conftest import SHARED_REFERENCE
+from tests.e2e.conftest import SHARED_REFERENCE, started
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
@@ -24,23 +24,13 @@ MODEL = "tiny-model"
 PROMPTS = ["Hello, world! How are you", "The prefill reads the whole prompt at once, and"]
 
 
-def _system(
-    work_dir: Path, model_dir: Path, *args: str, env: dict[str, str] | None = None
-) -> Iterator[UpSystem]:
-    up = UpSystem(work_dir, "--model", str(model_dir), *args, env=env, scrub_env=True)
-    try:
-        yield up.wait_ready()
-    finally:
-        assert up.stop() == 0, up.output()
-
-
 @pytest.fixture(scope="module")
 def disaggregated(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[UpSystem]:
     # Every request disaggregated: a repeated prompt would otherwise run locally on the decode
     # engine (mostly cached), and these tests compare outputs of one path.
-    yield from _system(
+    yield from started(
         tmp_path_factory.mktemp("up-pd"),
         tiny_model_dir,
         "--prefill-pp",

@@ -7,6 +7,8 @@ connection error, on the same one after a stream error). Real sockets, the real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -134,16 +136,29 @@ BREACHES = {
 }
 
 
-@pytest.mark.parametrize("name", list(BREACHES))
-async def test_a_breach_ends_its_call_as_rfc_9113_says_and_the_channel_goes_on(name: str) -> None:
-    breach = BREACHES[name]
-    server = MisbehavingServer([breach.behaviour])
+@contextlib.asynccontextmanager
+async def misbehaving(
+    behaviours: list[Behaviour],
+) -> AsyncIterator[tuple[MisbehavingServer, H2GrpcChannel, list[str]]]:
+    """A :class:`MisbehavingServer` with ``behaviours``, an :class:`H2GrpcChannel` to it, and
+    the breaches the channel counted; both closed afterwards."""
+    server = MisbehavingServer(behaviours)
     port = await server.start()
     counted: list[str] = []
     channel = H2GrpcChannel(
         f"127.0.0.1:{port}", max_message_bytes=1 << 20, on_protocol_error=counted.append
     )
     try:
+        yield server, channel, counted
+    finally:
+        await channel.close()
+        await server.close()
+
+
+@pytest.mark.parametrize("name", list(BREACHES))
+async def test_a_breach_ends_its_call_as_rfc_9113_says_and_the_channel_goes_on(name: str) -> None:
+    breach = BREACHES[name]
+    async with misbehaving([breach.behaviour]) as (server, channel, counted):
         async with asyncio.timeout(CALL_BOUND_S):
             with pytest.raises(CallFailed) as failed:
                 await channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S)
@@ -162,20 +177,11 @@ async def test_a_breach_ends_its_call_as_rfc_9113_says_and_the_channel_goes_on(n
         assert counted == ([breach.violation] if breach.violation else [])
         if breach.goaway is None:
             assert not server.goaways
-    finally:
-        await channel.close()
-        await server.close()
 
 
 async def test_endless_continuation_is_cut_at_the_header_list_bound() -> None:
-    server = MisbehavingServer([misbehaving_h2.endless_continuation])
-    port = await server.start()
-    counted: list[str] = []
-    channel = H2GrpcChannel(
-        f"127.0.0.1:{port}", max_message_bytes=1 << 20, on_protocol_error=counted.append
-    )
     held = 0
-    try:
+    async with misbehaving([misbehaving_h2.endless_continuation]) as (server, channel, counted):
         async with asyncio.timeout(CALL_BOUND_S):
             call = asyncio.create_task(channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S))
             while not call.done():
@@ -192,9 +198,6 @@ async def test_endless_continuation_is_cut_at_the_header_list_bound() -> None:
             assert await channel.unary(ECHO, b"again", timeout_s=CALL_BOUND_S) == b"again"
         assert counted == [Violation.HEADER_LIST_SIZE]
         assert server.connections == 2
-    finally:
-        await channel.close()
-        await server.close()
 
 
 async def test_a_failure_of_the_client_itself_closes_the_connection_and_never_escapes(
@@ -212,27 +215,20 @@ async def test_a_failure_of_the_client_itself_closes_the_connection_and_never_es
         raise RuntimeError("a bug in the decoder")
 
     monkeypatch.setattr(HpackDecoder, "decode", broken)
-    server = MisbehavingServer([])
-    port = await server.start()
-    counted: list[str] = []
-    channel = H2GrpcChannel(
-        f"127.0.0.1:{port}", max_message_bytes=1 << 20, on_protocol_error=counted.append
-    )
     try:
-        async with asyncio.timeout(CALL_BOUND_S):
-            with pytest.raises(CallFailed) as failed:
-                await channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S)
-            await server.wait_for(lambda: bool(server.goaways))
-        assert failed.value.code is grpc.StatusCode.INTERNAL
-        assert "RuntimeError('a bug in the decoder')" in failed.value.details
-        assert server.goaways[0][0] == ErrorCode.INTERNAL_ERROR
-        assert counted == [Violation.INTERNAL]
-        assert "a bug in the decoder" in caplog.text  # logged with its traceback
-        assert not loop_errors
+        async with misbehaving([]) as (server, channel, counted):
+            async with asyncio.timeout(CALL_BOUND_S):
+                with pytest.raises(CallFailed) as failed:
+                    await channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S)
+                await server.wait_for(lambda: bool(server.goaways))
+            assert failed.value.code is grpc.StatusCode.INTERNAL
+            assert "RuntimeError('a bug in the decoder')" in failed.value.details
+            assert server.goaways[0][0] == ErrorCode.INTERNAL_ERROR
+            assert counted == [Violation.INTERNAL]
+            assert "a bug in the decoder" in caplog.text  # logged with its traceback
+            assert not loop_errors
     finally:
         loop.set_exception_handler(previous)
-        await channel.close()
-        await server.close()
 
 
 async def test_a_grpc_server_is_served_while_another_breaks_the_protocol() -> None:
