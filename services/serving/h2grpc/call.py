@@ -1,64 +1,42 @@
-"""One call's stream on an :class:`~services.serving.h2grpc.connection.H2Connection`: what the
-server sent so far, then its status. The connection fills it as frames arrive; the channel reads
-it (:meth:`Call.wait`) and cancels it when its caller leaves."""
+"""One call on an :class:`~services.serving.h2grpc.connection.H2Connection`: its stream's state
+(:class:`~services.serving.h2grpc.protocol.Stream`, filled by the protocol as frames arrive) and
+what the event loop needs around it: a waiter for its reader (:meth:`Call.wait`), its deadline
+timer, and the way back to its connection to take messages (:meth:`Call.take`, which opens the
+stream's window again) and to cancel it."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 from typing import TYPE_CHECKING
 
 import grpc
 
-from services.serving.h2grpc.errors import CallFailed, Metadata
+from services.serving.h2grpc.errors import CallFailed
+from services.serving.h2grpc.protocol import Stream
 
 if TYPE_CHECKING:
     from services.serving.h2grpc.connection import H2Connection
 
 
-class Call:
-    """One call's stream: what the server sent so far, then its status.
-
-    ``messages`` fills as messages arrive; ``code`` is ``None`` while the call is open and
-    the call's status once it ended (OK included); :meth:`wait` returns when either moved.
-    ``buffer`` (a message's bytes so far), ``headers_seen``, ``encoding`` (the response's
-    ``grpc-encoding``, for the error of a compressed message), ``send_window``, ``received``
-    (bytes since the stream's window was last opened) and ``deadline`` (its timer) are the
-    connection's to read and write.
+class Call(Stream):
+    """One call: a :class:`~services.serving.h2grpc.protocol.Stream` (``messages``, then
+    ``code``, ``details`` and ``metadata``) with a waiter. :meth:`wait` returns when a message
+    arrived (streaming calls) or the call ended. ``deadline`` (its timer) is the connection's;
+    ``retried``: this call is the second try of one the server never processed (the channel's).
     """
 
-    __slots__ = (
-        "_connection",
-        "_waiter",
-        "buffer",
-        "code",
-        "deadline",
-        "details",
-        "encoding",
-        "headers_seen",
-        "messages",
-        "metadata",
-        "received",
-        "send_window",
-        "stream_id",
-        "streaming",
-    )
+    __slots__ = ("_connection", "_waiter", "deadline", "retried")
 
-    def __init__(self, connection: H2Connection, stream_id: int, *, streaming: bool) -> None:
-        self.stream_id = stream_id
-        self.messages: collections.deque[bytes] = collections.deque()
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.metadata: Metadata = ()
+    def __init__(self, connection: H2Connection, *, streaming: bool) -> None:
+        super().__init__(streaming=streaming)
         self._connection = connection
-        self.streaming = streaming
         self._waiter: asyncio.Future[None] | None = None
-        self.buffer: bytes | bytearray = b""
-        self.headers_seen = False
-        self.encoding = ""
-        self.send_window = connection.peer_initial_window
-        self.received = 0
         self.deadline: asyncio.TimerHandle | None = None
+        self.retried = False
+
+    @property
+    def connection(self) -> H2Connection:
+        return self._connection
 
     async def wait(self) -> None:
         """Until a message arrives (streaming calls) or the call ends."""
@@ -69,6 +47,13 @@ class Call:
             await self._waiter
         finally:
             self._waiter = None
+
+    def take(self) -> bytes:
+        """The next message (there is one): read, so the server may send more."""
+        message = self.messages.popleft()
+        if self.streaming:
+            self._connection.consumed(self, len(message))
+        return message
 
     def failure(self) -> CallFailed:
         assert self.code is not None and self.code is not grpc.StatusCode.OK

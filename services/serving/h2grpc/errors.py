@@ -42,6 +42,8 @@ class Violation:
     """A frame on the wrong stream, padding past its payload, a setting out of range, an
     interrupted header block, a PUSH_PROMISE..."""
     WINDOW_UPDATE_ZERO = "window_update_zero"
+    FLOW_CONTROL = "flow_control"
+    """DATA past the window the client opened (the connection's or a stream's)."""
     WINDOW_OVERFLOW = "window_overflow"
     """A WINDOW_UPDATE or an INITIAL_WINDOW_SIZE that takes a window past 2^31-1."""
     HEADER_LIST_SIZE = "header_list_size"
@@ -50,6 +52,8 @@ class Violation:
     """A header block HPACK cannot decode."""
     COMPRESSED_MESSAGE = "compressed_message"
     """A gRPC message with the compressed flag (the client asks for identity only)."""
+    SETTINGS_TIMEOUT = "settings_timeout"
+    """The client's SETTINGS were not acknowledged in time (RFC 9113 §6.5.3)."""
     INTERNAL = "internal"
     """The client itself failed on what it received (a bug): logged with its traceback."""
 

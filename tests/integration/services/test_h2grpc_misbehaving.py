@@ -23,7 +23,7 @@ from services.router.scheduling.connector import GrpcConnectorFactory
 from services.serving.errors import EngineUnreachable
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
 from services.serving.h2grpc.errors import Violation
-from services.serving.h2grpc.frames import MAX_HEADER_LIST_SIZE, ErrorCode
+from services.serving.h2grpc.frames import DEFAULT_MAX_FRAME, MAX_HEADER_LIST_SIZE, ErrorCode
 from services.serving.h2grpc.hpack_decoder import HpackDecoder
 from tests.integration.services import misbehaving_h2
 from tests.integration.services.misbehaving_h2 import Behaviour, MisbehavingServer
@@ -127,26 +127,23 @@ BREACHES = {
         Violation.MALFORMED,
         goaway=ErrorCode.PROTOCOL_ERROR,
     ),
-    "RST_STREAM REFUSED_STREAM": Breach(
-        misbehaving_h2.refused_stream,
-        grpc.StatusCode.UNAVAILABLE,
-        "with REFUSED_STREAM (HTTP/2 error 7): the server did not process the request",
-        None,
-    ),
 }
 
 
 @contextlib.asynccontextmanager
 async def misbehaving(
-    behaviours: list[Behaviour],
+    behaviours: list[Behaviour], retried: list[str] | None = None
 ) -> AsyncIterator[tuple[MisbehavingServer, H2GrpcChannel, list[str]]]:
     """A :class:`MisbehavingServer` with ``behaviours``, an :class:`H2GrpcChannel` to it, and
-    the breaches the channel counted; both closed afterwards."""
+    the breaches the channel counted (its retries go to ``retried``); both closed afterwards."""
     server = MisbehavingServer(behaviours)
     port = await server.start()
     counted: list[str] = []
     channel = H2GrpcChannel(
-        f"127.0.0.1:{port}", max_message_bytes=1 << 20, on_protocol_error=counted.append
+        f"127.0.0.1:{port}",
+        max_message_bytes=1 << 20,
+        on_protocol_error=counted.append,
+        on_retry=retried.append if retried is not None else None,
     )
     try:
         yield server, channel, counted
@@ -179,21 +176,40 @@ async def test_a_breach_ends_its_call_as_rfc_9113_says_and_the_channel_goes_on(n
             assert not server.goaways
 
 
+async def test_a_refused_stream_is_sent_once_more_on_a_fresh_connection() -> None:
+    retried: list[str] = []
+    refused, good = misbehaving_h2.refused_stream, misbehaving_h2.good
+    behaviours = [refused, good, refused, refused]
+    async with misbehaving(behaviours, retried) as (server, channel, counted):
+        async with asyncio.timeout(CALL_BOUND_S):
+            assert await channel.unary(ECHO, b"once", timeout_s=CALL_BOUND_S) == b"once"
+            assert retried == ["refused_stream"]
+            assert server.connections == 2
+            with pytest.raises(CallFailed) as failed:  # refused on both connections
+                await channel.unary(ECHO, b"twice", timeout_s=CALL_BOUND_S)
+            assert failed.value.code is grpc.StatusCode.UNAVAILABLE
+            assert (
+                "with REFUSED_STREAM (HTTP/2 error 7): the server did not process the request"
+                in failed.value.details
+            )
+            assert retried == ["refused_stream"] * 2
+            assert server.connections == 3
+        assert counted == []
+
+
 async def test_endless_continuation_is_cut_at_the_header_list_bound() -> None:
     held = 0
     async with misbehaving([misbehaving_h2.endless_continuation]) as (server, channel, counted):
         async with asyncio.timeout(CALL_BOUND_S):
             call = asyncio.create_task(channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S))
             while not call.done():
-                connection = channel._connection  # what it holds between reads
-                if connection is not None:
-                    held = max(held, connection.header_block_bytes)
+                held = max(held, channel.buffered_bytes())  # what it holds between reads
                 await asyncio.sleep(0)
             with pytest.raises(CallFailed) as failed:
                 await call
             assert failed.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"header block of over {MAX_HEADER_LIST_SIZE} bytes" in failed.value.details
-            assert held <= MAX_HEADER_LIST_SIZE
+            assert held <= MAX_HEADER_LIST_SIZE + DEFAULT_MAX_FRAME  # and one unread frame
             assert server.continuation_bytes > MAX_HEADER_LIST_SIZE  # the bound was reached
             assert await channel.unary(ECHO, b"again", timeout_s=CALL_BOUND_S) == b"again"
         assert counted == [Violation.HEADER_LIST_SIZE]

@@ -21,6 +21,7 @@ import pytest
 import uvloop
 
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
+from services.serving.h2grpc.channel import RECONNECT_JITTER, RECONNECT_MAX_BACKOFF_S
 
 pytestmark = pytest.mark.integration
 
@@ -223,10 +224,48 @@ async def test_refused_then_a_stopped_server_then_a_new_one_on_the_same_port() -
                 await asyncio.sleep(0.05)
         assert refused.value.code is grpc.StatusCode.UNAVAILABLE
         server, _ = await _server(EchoService(), port=port)
+        # The channel connects again once its reconnect back-off has passed.
+        await asyncio.sleep(RECONNECT_MAX_BACKOFF_S * (1 + RECONNECT_JITTER))
         assert await asyncio.wait_for(channel.unary(ECHO, b"3", timeout_s=30), CALL_BOUND_S) == b"3"
     finally:
         await channel.close()
         await server.stop(None)
+
+
+async def test_a_failed_connect_backs_off_calls_fail_at_once_meanwhile() -> None:
+    """A server that closes every connection at once: the first call's connect fails; the calls
+    right after it fail UNAVAILABLE without a new connection (the back-off), naming the error."""
+    accepted = 0
+
+    def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        writer.close()
+
+    server = await asyncio.start_server(closing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    backoff_s = 3.0  # far longer than a loaded machine's gap between two calls
+    channel = _channel(port, reconnect_backoff_s=backoff_s)
+    try:
+        async with asyncio.timeout(CALL_BOUND_S):
+            with pytest.raises(CallFailed) as first:
+                await channel.unary(ECHO, b"1", timeout_s=CALL_BOUND_S)
+            assert first.value.code is grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(CallFailed) as backing_off:
+                await channel.unary(ECHO, b"2", timeout_s=CALL_BOUND_S)
+            assert backing_off.value.code is grpc.StatusCode.UNAVAILABLE
+            assert "(reconnect back-off)" in backing_off.value.details
+            assert first.value.details in backing_off.value.details
+            assert accepted == 1
+            await asyncio.sleep(backoff_s * (1 + RECONNECT_JITTER))
+            with pytest.raises(CallFailed) as again:
+                await channel.unary(ECHO, b"3", timeout_s=CALL_BOUND_S)
+            assert "(reconnect back-off)" not in again.value.details
+            assert accepted == 2  # a new attempt once the back-off passed
+    finally:
+        await channel.close()
+        server.close()
+        await server.wait_closed()
 
 
 SERVER_SCRIPT = """
