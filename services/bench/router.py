@@ -41,6 +41,12 @@ per request are measured in the same run (``load_generator``). With four or more
 generator to the others (``machine.pinning``), so the router never competes with its own load;
 the machine's load average before and after says what else ran.
 
+Optional variants of pdserve's router, measured in the same run over the same stubs:
+``--grpcio-client`` (grpc.aio as its engine client instead of h2grpc:
+``pdserve_grpcio_client`` and ``engine_client_comparison``), ``--vllm-frontend`` (vLLM's own
+front end: ``pdserve_vllm_frontend`` and ``frontend_comparison``), ``--router-workers`` (several
+worker processes: ``pdserve_by_workers``).
+
 This module starts the two systems and writes the JSON (the side-by-side ``comparison``); the
 windows and their figures are measured by :mod:`services.bench.router_load`.
 """
@@ -113,6 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-vllm-router", action="store_true", help="measure pdserve only (no reference)"
     )
     parser.add_argument(
+        "--grpcio-client",
+        action="store_true",
+        help="also measure pdserve's router with grpc.aio as its engine client, beside its own "
+        "h2grpc client (PDSERVE_ROUTER_ENGINE_GRPC__CLIENT=grpcio)",
+    )
+    parser.add_argument(
         "--vllm-frontend",
         action="store_true",
         help="also measure pdserve's router with vLLM's own front end (--frontend vllm over a "
@@ -144,9 +156,11 @@ async def _bench_pdserve(
     log_dir: Path,
     workers: int = 1,
     frontend: list[str] | None = None,
+    engine_client: str | None = None,
 ) -> dict[str, Any]:
     """``frontend``: the router flags of vLLM's front end (:func:`_vllm_frontend_flags`); the
-    stubs then draw from that tokenizer's vocabulary."""
+    stubs then draw from that tokenizer's vocabulary. ``engine_client``: the router's gRPC
+    client of the engines (``PDSERVE_ROUTER_ENGINE_GRPC__CLIENT``; its default when None)."""
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
     vocab = ["--stub-vocab-size", str(TINY_VOCAB)] if frontend else []
     services: list[ChildProcess] = []
@@ -169,6 +183,7 @@ async def _bench_pdserve(
             log_dir,
             cores=placement.router,
             wait_ready_line=True,
+            env={"PDSERVE_ROUTER_ENGINE_GRPC__CLIENT": engine_client} if engine_client else None,
         )
         services.append(router)
         assert router.announced is not None
@@ -247,6 +262,13 @@ async def _run(
             if args.vllm_frontend
             else None
         )
+        grpcio_client = (
+            await _bench_pdserve(
+                args, settings, instant, placement, log_dir, engine_client="grpcio"
+            )
+            if args.grpcio_client
+            else None
+        )
         huge = (
             await bench_huge_prompts(
                 args.huge_prompt_mb, args.latency_s, settings, placement, log_dir
@@ -288,6 +310,14 @@ async def _run(
             if vllm_frontend is not None
             else {}
         ),
+        **(
+            {
+                "pdserve_grpcio_client": grpcio_client,
+                "engine_client_comparison": _client_comparison(pdserve, grpcio_client),
+            }
+            if grpcio_client is not None
+            else {}
+        ),
         **({"huge_prompts": huge} if huge is not None else {}),
         "vllm_router": reference,
         **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
@@ -319,6 +349,24 @@ def _frontend_comparison(pdserve: dict[str, Any], vllm: dict[str, Any]) -> dict[
         "router_cpu_ms_per_extra_token": {
             "pdserve": _per_token(pdserve),
             "vllm_frontend": _per_token(vllm),
+        },
+    }
+
+
+def _client_comparison(h2grpc: dict[str, Any], grpcio: dict[str, Any]) -> dict[str, Any]:
+    """Router CPU per request and per extra streamed token with its two engine clients:
+    h2grpc (the default) and grpc.aio, and the ratio grpc.aio / h2grpc."""
+    cpu = (h2grpc["router_cpu_ms_per_request"], grpcio["router_cpu_ms_per_request"])
+    return {
+        "router_cpu_ms_per_request": {"h2grpc": cpu[0], "grpcio": cpu[1]},
+        "router_cpu_ratio": cpu[1] / cpu[0] if cpu[0] and cpu[1] else None,
+        "max_sustained_rps": {
+            "h2grpc": h2grpc["max_sustained_rps"],
+            "grpcio": grpcio["max_sustained_rps"],
+        },
+        "router_cpu_ms_per_extra_token": {
+            "h2grpc": _per_token(h2grpc),
+            "grpcio": _per_token(grpcio),
         },
     }
 

@@ -50,6 +50,7 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
             "--streamed-tokens",
             "4,16",
             "--vllm-frontend",
+            "--grpcio-client",
         ],
         capture_output=True,
         text=True,
@@ -59,7 +60,7 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
     report = json.loads(result.stdout)
     assert report["benchmark"] == "router"
     assert report["load_generator"]["ceiling"]["requests_per_s"] > 0
-    for system in ("pdserve", "vllm_router", "pdserve_vllm_frontend"):
+    for system in ("pdserve", "vllm_router", "pdserve_vllm_frontend", "pdserve_grpcio_client"):
         figures = report[system]
         assert [level["concurrency"] for level in figures["load"]] == [1, 4]
         assert all(level["errors"] == 0 for level in figures["load"]), figures["load"]
@@ -84,3 +85,6 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
     fronts = report["frontend_comparison"]
     assert set(fronts["router_cpu_ms_per_request"]) == {"pdserve", "vllm_frontend"}
     assert fronts["router_cpu_ratio"] > 0
+    clients = report["engine_client_comparison"]
+    assert set(clients["router_cpu_ms_per_request"]) == {"h2grpc", "grpcio"}
+    assert clients["router_cpu_ratio"] > 0
