@@ -95,6 +95,7 @@ def create_app(
             settings.engine_grpc.client_tls(),
             client=settings.engine_grpc.client,
             on_protocol_error=metrics.engine_protocol_error,
+            on_retry=metrics.engine_call_retry,
         )
         metrics.engine_grpc_client.labels(client=settings.engine_grpc.client).set(1)
         built = RouterRuntime.build(settings, factory, metrics)

@@ -209,6 +209,14 @@ class RouterMetrics:
             ["error"],
             registry=r,
         )
+        self.engine_call_retries = Counter(
+            "pdserve_router_engine_call_retries_total",
+            "Engine calls the router's h2 gRPC client sent a second time, on a fresh "
+            "connection, because the engine never processed the first (reason: "
+            "refused_stream, goaway).",
+            ["reason"],
+            registry=r,
+        )
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)
@@ -220,6 +228,10 @@ class RouterMetrics:
         """Count one breach (the h2 client's ``on_protocol_error``; ``error`` is one of
         :class:`services.serving.h2grpc.errors.Violation`'s few labels)."""
         self.engine_protocol_errors.labels(error=error).inc()
+
+    def engine_call_retry(self, reason: str) -> None:
+        """Count one call sent again (the h2 client's ``on_retry``)."""
+        self.engine_call_retries.labels(reason=reason).inc()
 
     def ignored(self, names: list[str]) -> list[str]:
         """Count ignored request fields; the names never ignored before (to log once)."""

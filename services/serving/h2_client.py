@@ -43,7 +43,8 @@ class H2EngineClient:
     The connection is opened on the first call within the running event loop; safe for
     concurrent calls from that loop. ``close`` when done. ``on_protocol_error`` is called with a
     label (:class:`~services.serving.h2grpc.errors.Violation`) each time the engine breaks
-    HTTP/2 or gRPC's framing.
+    HTTP/2 or gRPC's framing; ``on_retry`` with the reason each time a call the engine never
+    processed is sent again (:class:`~services.serving.h2grpc.H2GrpcChannel`).
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class H2EngineClient:
         tls: ClientTLS | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         on_protocol_error: Callable[[str], None] | None = None,
+        on_retry: Callable[[str], None] | None = None,
     ) -> None:
         self.target = target
         self._channel = H2GrpcChannel(
@@ -61,6 +63,7 @@ class H2EngineClient:
             ssl_context=tls.ssl_context if tls is not None else None,
             server_name=tls.server_name if tls is not None else None,
             on_protocol_error=on_protocol_error,
+            on_retry=on_retry,
         )
         # A failed call's status as the engine's error class (services.serving.status).
         self._errors = {

@@ -154,7 +154,8 @@ class GrpcConnectorFactory(ConnectorFactory):
     """Connectors over gRPC to the engine services (``pdserve prefill`` / ``decode``) with
     ``client`` (:data:`~services.router.config.GrpcClientName`), over TLS when ``tls`` is given
     (its files are read here, so a missing one fails at start-up). ``on_protocol_error`` counts
-    an engine's breaches of HTTP/2 (the h2 client only: grpc.aio counts none)."""
+    an engine's breaches of HTTP/2 and ``on_retry`` the calls sent again because the engine never
+    processed them (the h2 client only: grpc.aio counts neither)."""
 
     def __init__(
         self,
@@ -162,6 +163,7 @@ class GrpcConnectorFactory(ConnectorFactory):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         client: GrpcClientName = "h2",
         on_protocol_error: Callable[[str], None] | None = None,
+        on_retry: Callable[[str], None] | None = None,
     ) -> None:
         if tls is not None:  # its files read now: a missing one fails at start-up
             if client == "h2":
@@ -172,6 +174,7 @@ class GrpcConnectorFactory(ConnectorFactory):
         self._max_message_bytes = max_message_bytes
         self._h2 = client == "h2"
         self._on_protocol_error = on_protocol_error
+        self._on_retry = on_retry
 
     def connect(self, record: EngineRecord) -> EngineConnector:
         if self._h2:
@@ -181,6 +184,7 @@ class GrpcConnectorFactory(ConnectorFactory):
                     tls=self._tls,
                     max_message_bytes=self._max_message_bytes,
                     on_protocol_error=self._on_protocol_error,
+                    on_retry=self._on_retry,
                 )
             )
         return GrpcConnector(

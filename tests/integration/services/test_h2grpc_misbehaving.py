@@ -312,11 +312,16 @@ def _echo_server(compression: grpc.Compression | None = None) -> grpc.aio.Server
 
 
 async def test_the_routers_connectors_count_an_engines_breaches_in_its_metrics() -> None:
-    """The router's wiring: GrpcConnectorFactory hands RouterMetrics' counter to the client."""
+    """The router's wiring: GrpcConnectorFactory hands RouterMetrics' counters to the client."""
     metrics = RouterMetrics(CollectorRegistry())
-    server = MisbehavingServer([misbehaving_h2.zero_window_update_on_the_connection])
+    refused = misbehaving_h2.refused_stream
+    server = MisbehavingServer(
+        [misbehaving_h2.zero_window_update_on_the_connection, refused, refused]
+    )
     port = await server.start()
-    connector = GrpcConnectorFactory(on_protocol_error=metrics.engine_protocol_error).connect(
+    connector = GrpcConnectorFactory(
+        on_protocol_error=metrics.engine_protocol_error, on_retry=metrics.engine_call_retry
+    ).connect(
         EngineRecord(
             engine_id="prefill-0",
             generation=1,
@@ -344,6 +349,15 @@ async def test_the_routers_connectors_count_an_engines_breaches_in_its_metrics()
             "pdserve_router_engine_protocol_errors_total", {"error": "window_update_zero"}
         )
         assert counted == 1
+        async with asyncio.timeout(CALL_BOUND_S):
+            with pytest.raises(EngineUnreachable, match="REFUSED_STREAM"):
+                await connector.prefill(
+                    "r-2", (1, 2, 3), SamplingParams(max_tokens=1), timeout_s=CALL_BOUND_S
+                )
+        retried = metrics.registry.get_sample_value(
+            "pdserve_router_engine_call_retries_total", {"reason": "refused_stream"}
+        )
+        assert retried == 1
     finally:
         await connector.close()
         await server.close()
