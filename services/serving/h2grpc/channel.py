@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
@@ -70,9 +70,17 @@ class H2GrpcChannel:
         self._connecting: asyncio.Future[H2Connection] | None = None
         self._draining: set[H2Connection] = set()
 
-    async def unary(self, path: bytes, request: bytes, *, timeout_s: float | None) -> bytes:
-        """One unary call of ``path`` (``/package.Service/Method``): the answer's bytes."""
-        call = await self._start(path, request, timeout_s, streaming=False)
+    async def unary(
+        self,
+        path: bytes,
+        request: bytes,
+        *,
+        timeout_s: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+    ) -> bytes:
+        """One unary call of ``path`` (``/package.Service/Method``) with ``metadata`` (see
+        :func:`~services.serving.h2grpc.frames.metadata_block`): the answer's bytes."""
+        call = await self._start(path, request, timeout_s, streaming=False, metadata=metadata)
         try:
             await call.wait()
         except asyncio.CancelledError:
@@ -88,11 +96,16 @@ class H2GrpcChannel:
         return call.messages[0]
 
     async def server_stream(
-        self, path: bytes, request: bytes, *, timeout_s: float | None
+        self,
+        path: bytes,
+        request: bytes,
+        *,
+        timeout_s: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> AsyncGenerator[bytes, None]:
-        """One server-streaming call: its messages as they arrive. Leaving the iteration
-        early (``aclose``, or the consuming task cancelled) cancels the call."""
-        call = await self._start(path, request, timeout_s, streaming=True)
+        """One server-streaming call with ``metadata``: its messages as they arrive. Leaving
+        the iteration early (``aclose``, or the consuming task cancelled) cancels the call."""
+        call = await self._start(path, request, timeout_s, streaming=True, metadata=metadata)
         try:
             while True:
                 while call.messages:
@@ -106,14 +119,22 @@ class H2GrpcChannel:
             call.cancel()
 
     async def _start(
-        self, path: bytes, request: bytes, timeout_s: float | None, *, streaming: bool
+        self,
+        path: bytes,
+        request: bytes,
+        timeout_s: float | None,
+        *,
+        streaming: bool,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> Call:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         connection = self._connection
         if connection is None or not connection.usable:
             connection = await self._connect(loop, timeout_s)
-        return await connection.start(path, request, deadline=deadline, streaming=streaming)
+        return await connection.start(
+            path, request, deadline=deadline, streaming=streaming, metadata=metadata
+        )
 
     async def _connect(
         self, loop: asyncio.AbstractEventLoop, timeout_s: float | None

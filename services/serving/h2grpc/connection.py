@@ -37,7 +37,7 @@ import binascii
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import grpc
@@ -209,12 +209,20 @@ class H2Connection(asyncio.Protocol):
     # -- starting calls -----------------------------------------------------------------------
 
     async def start(
-        self, path: bytes, payload: bytes, *, deadline: float | None, streaming: bool
+        self,
+        path: bytes,
+        payload: bytes,
+        *,
+        deadline: float | None,
+        streaming: bool,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> Call:
         """Send one call's request (headers and its single message) and return its
         :class:`Call`; raises :class:`CallFailed` UNAVAILABLE when the connection cannot take
         it. ``deadline`` is the loop's clock; the call is reset and fails DEADLINE_EXCEEDED
         when it comes."""
+        # Encoded first: metadata_block's ValueError must leave no call behind.
+        custom = frames.metadata_block(metadata) if metadata else b""
         while len(self._calls) >= self._peer_max_streams and self.usable:
             await self._wait_on(self._stream_waiters)
         if not self.usable:
@@ -236,6 +244,7 @@ class H2Connection(asyncio.Protocol):
         if deadline is not None:
             block += frames.timeout_field(deadline - self.loop.time())
             call.deadline = self.loop.call_at(deadline, self._deadline_passed, call)
+        block += custom
         headers = frames.frame(FrameType.HEADERS, Flag.END_HEADERS, stream_id, block)
         body = frames.message(payload)
         size = len(body)
