@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="vllm: no compiled graphs (faster start)"
     )
     engine.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="vllm: send vLLM's OpenTelemetry request spans there (children of the trace "
+        "context the router forwards)",
+    )
+    engine.add_argument(
         "--transfer-mode",
         choices=("push", "pull"),
         help="vllm: prefill WRITEs the KV (push, default; needed for prefill PP > 1) or decode "
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             max_model_len=args.max_model_len,
             kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
             enforce_eager=args.enforce_eager,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
             transfer_mode=args.transfer_mode,
             stub_token_delay_s=args.stub_token_delay_s,
             stub_vocab_size=args.stub_vocab_size,

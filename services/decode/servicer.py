@@ -33,6 +33,7 @@ from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.serving import convert
 from services.serving.servicer import ServingState
 from services.serving.status import status_for
+from services.serving.trace_metadata import from_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.DecodeChunk]:
         state = self.state
         async with state.rpc("Decode", context) as outcome:
-            parsed = convert.decode_request_from_proto(request, state.limits)
+            parsed = convert.decode_request_from_proto(
+                request, state.limits, trace=from_metadata(context.invocation_metadata())
+            )
             if parsed.forks and not state.backend.forks_decode:
                 raise InvalidRequest(
                     f"engine {state.engine_id} cannot fork a decode: send one per choice"
@@ -140,7 +143,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> decode_pb2.DecodeChunk:
         state = self.state
         async with state.rpc("DecodeOnce", context) as outcome:
-            parsed = convert.decode_request_from_proto(request, state.limits)
+            parsed = convert.decode_request_from_proto(
+                request, state.limits, trace=from_metadata(context.invocation_metadata())
+            )
             idle_s = convert.idle_timeout_from_proto(request)
             if parsed.forks:
                 raise InvalidRequest(

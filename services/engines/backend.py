@@ -38,6 +38,7 @@ from services.config.control_plane import ControlPlaneSettings
 from services.control_plane.base import EngineSpec
 from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
 from services.engines.errors import InvalidRequest
+from services.engines.trace_context import TraceContext
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -356,6 +357,8 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    trace: TraceContext | None = None
+    """The caller's W3C trace context (gRPC metadata, not a message field), valid when set."""
 
 
 @dataclass(frozen=True)
@@ -388,6 +391,8 @@ class DecodeRequest:
     sequence per fork from the one pulled KV, each sampling with
     ``sampling.for_choice(fork.choice)``; ``first_token_id`` is ``forks[0]``'s. The stream's
     deltas carry their fork's choice and it ends once every fork finished."""
+    trace: TraceContext | None = None
+    """The caller's W3C trace context (gRPC metadata, not a message field), valid when set."""
 
     @property
     def sequences(self) -> int:

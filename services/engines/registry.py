@@ -54,6 +54,8 @@ class EngineOptions:
     """vLLM only: the KV cache size (default: vLLM's on GPUs, 1 GiB on CPUs)."""
     enforce_eager: bool = False
     """vLLM only: no compiled graphs (faster start, slower steps)."""
+    otlp_traces_endpoint: str | None = None
+    """vLLM only: where vLLM exports its OpenTelemetry request spans (default: no tracing)."""
     transfer_mode: str | None = None
     """vLLM only: ``push`` (prefill WRITEs, the default) or ``pull`` (decode READs)."""
     stub_token_delay_s: float = 0.0
@@ -87,6 +89,7 @@ def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
         "--max-model-len": options.max_model_len,
         "--kv-cache-gib": options.kv_cache_bytes,
         "--enforce-eager": options.enforce_eager or None,
+        "--otlp-traces-endpoint": options.otlp_traces_endpoint,
         "--transfer-mode": options.transfer_mode,
     }
     given = [flag for flag, value in vllm_only.items() if value is not None]
@@ -129,6 +132,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         max_model_len=options.max_model_len,
         kv_cache_bytes=options.kv_cache_bytes,
         enforce_eager=options.enforce_eager,
+        otlp_traces_endpoint=options.otlp_traces_endpoint,
         **({"dtype": options.dtype} if options.dtype is not None else {}),
         **(
             {"transfer_mode": layouts.TransferMode(options.transfer_mode)}

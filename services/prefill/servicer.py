@@ -9,6 +9,7 @@ from services.engines.errors import InvalidRequest, RequestAborted
 from services.proto_gen.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.serving import convert
 from services.serving.servicer import ServingState
+from services.serving.trace_metadata import from_metadata
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -23,7 +24,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext[prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse],
     ) -> prefill_pb2.PrefillResponse:
         async with self.state.rpc("Prefill", context) as outcome:
-            call = convert.prefill_request_from_proto(request, self.state.limits)
+            call = convert.prefill_request_from_proto(
+                request, self.state.limits, trace=from_metadata(context.invocation_metadata())
+            )
             outcome.request_id = call.request_id
             if call.sampling.n > 1 and not self.state.backend.forks_decode:
                 raise InvalidRequest(

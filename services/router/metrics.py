@@ -50,6 +50,9 @@ FALLBACK_REASONS = (
 """Every ``reason`` of ``pdserve_router_fallbacks_total``."""
 
 
+TRACE_HEADERS = ("traceparent", "tracestate")
+"""Every ``header`` of ``pdserve_router_trace_context_dropped_total``."""
+
 IGNORED_FIELD_LABELS = 32
 """Distinct ``field`` labels of ``pdserve_router_ignored_fields_total`` (clients name fields:
 the series stay bounded)."""
@@ -104,6 +107,16 @@ class RouterMetrics:
             registry=r,
         )
         self._ignored_names: set[str] = set()
+        self.trace_context_dropped = Counter(
+            "pdserve_router_trace_context_dropped_total",
+            "W3C trace context headers of requests that were not valid and were not sent on "
+            "to the engines, by header (traceparent: the request went on without a trace "
+            "context; tracestate: without its tracestate).",
+            ["header"],
+            registry=r,
+        )
+        for header in TRACE_HEADERS:
+            self.trace_context_dropped.labels(header=header)
         self.prefill_retries = Counter(
             "pdserve_router_prefill_retries_total",
             "Prefill attempts that failed and were retried on another engine, by phase "
@@ -232,6 +245,11 @@ class RouterMetrics:
     def engine_call_retry(self, reason: str) -> None:
         """Count one call sent again (the h2 client's ``on_retry``)."""
         self.engine_call_retries.labels(reason=reason).inc()
+
+    def trace_dropped(self, header: str) -> None:
+        """Count one request's invalid trace context header (``traceparent`` or
+        ``tracestate``), which was not forwarded."""
+        self.trace_context_dropped.labels(header=header).inc()
 
     def ignored(self, names: list[str]) -> list[str]:
         """Count ignored request fields; the names never ignored before (to log once)."""

@@ -28,6 +28,7 @@ from services.engines.backend import (
     SamplingParams,
     TokenDelta,
 )
+from services.engines.trace_context import TraceContext
 from services.proto_gen.pdserve.v1 import (
     decode_pb2_grpc,
     engine_pb2,
@@ -38,6 +39,7 @@ from services.serving import convert
 from services.serving.errors import EngineUnreachable
 from services.serving.status import error_from_status
 from services.serving.tls import ClientTLS
+from services.serving.trace_metadata import to_metadata
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Bound of one gRPC message either way (a prompt of 128k tokens is ~0.6 MiB)."""
@@ -141,14 +143,18 @@ class EngineClient:
         sampling: SamplingParams,
         *,
         timeout_s: float | None = None,
+        trace: TraceContext | None = None,
     ) -> PrefillResult:
-        """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is."""
+        """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is.
+        ``trace`` (the request's W3C trace context) goes as the call's metadata."""
         stubs = self._connect()
         message = convert.prefill_request_to_proto(
             PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
         )
         with self._translated("Prefill"):
-            response = await stubs.prefill.Prefill(message, timeout=timeout_s)
+            response = await stubs.prefill.Prefill(
+                message, timeout=timeout_s, metadata=to_metadata(trace)
+            )
         return convert.prefill_result_from_proto(response)
 
     async def decode(
@@ -159,10 +165,11 @@ class EngineClient:
     ) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Errors before the first delta raise; closing the
         iterator early (``aclose``, ``break`` in ``async for`` then garbage collection, or the
-        consuming task being cancelled) cancels the call and the engine aborts the request."""
+        consuming task being cancelled) cancels the call and the engine aborts the request.
+        ``request.trace`` goes as the call's metadata (so in :meth:`decode_once`)."""
         stubs = self._connect()
         message = convert.decode_request_to_proto(request)
-        call = stubs.decode.Decode(message, timeout=timeout_s)
+        call = stubs.decode.Decode(message, timeout=timeout_s, metadata=to_metadata(request.trace))
         try:
             with self._translated("Decode"):
                 async for chunk in call:
@@ -182,16 +189,22 @@ class EngineClient:
         stubs = self._connect()
         message = convert.decode_request_to_proto(request, idle_timeout_s=idle_timeout_s)
         with self._translated("DecodeOnce"):
-            chunk = await stubs.decode.DecodeOnce(message, timeout=timeout_s)
+            chunk = await stubs.decode.DecodeOnce(
+                message, timeout=timeout_s, metadata=to_metadata(request.trace)
+            )
         return convert.delta_from_proto(chunk)
 
-    async def abort(self, request_id: str, *, timeout_s: float | None = 5.0) -> bool:
+    async def abort(
+        self, request_id: str, *, timeout_s: float | None = 5.0, trace: TraceContext | None = None
+    ) -> bool:
         """Abort a running request or release held KV; ``False`` when the engine does not
-        know the id."""
+        know the id. ``trace``: the request's, as the call's metadata."""
         stubs = self._connect()
         with self._translated("Abort"):
             response = await stubs.engine.Abort(
-                engine_pb2.AbortRequest(request_id=request_id), timeout=timeout_s
+                engine_pb2.AbortRequest(request_id=request_id),
+                timeout=timeout_s,
+                metadata=to_metadata(trace),
             )
         return response.found
 

@@ -35,6 +35,7 @@ from services.engines.backend import (
     validate_prompt,
 )
 from services.engines.errors import InvalidRequest
+from services.engines.trace_context import TraceContext
 from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
 from services.serving.fields import (
     finish_from_proto,
@@ -63,10 +64,14 @@ def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequ
 
 
 def prefill_request_from_proto(
-    message: prefill_pb2.PrefillRequest, limits: RequestLimits
+    message: prefill_pb2.PrefillRequest,
+    limits: RequestLimits,
+    *,
+    trace: TraceContext | None = None,
 ) -> PrefillRequest:
     """The validated request (the contract of :class:`PrefillRequest`, except the engine's
-    ``forks_decode``, which the Prefill RPC checks)."""
+    ``forks_decode``, which the Prefill RPC checks), with the ``trace`` the call's metadata
+    carried (:mod:`services.serving.trace_metadata`: not a message field)."""
     request_id = validate_request_id(message.request_id)
     prompt = validate_prompt(message.token_ids, limits)
     sampling = (
@@ -75,7 +80,7 @@ def prefill_request_from_proto(
         else SamplingParams()
     )
     validate_continuation(sampling, len(prompt))
-    return PrefillRequest(request_id, prompt, sampling)
+    return PrefillRequest(request_id, prompt, sampling, trace)
 
 
 def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:
@@ -194,8 +199,13 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
 
 
 def decode_request_from_proto(
-    message: decode_pb2.DecodeRequest, limits: RequestLimits
+    message: decode_pb2.DecodeRequest,
+    limits: RequestLimits,
+    *,
+    trace: TraceContext | None = None,
 ) -> DecodeRequest:
+    """The validated request (the contract of :class:`DecodeRequest`), with the ``trace`` the
+    call's metadata carried (as :func:`prefill_request_from_proto`)."""
     request_id = validate_request_id(message.request_id)
     prompt = validate_prompt(message.token_ids, limits)
     sampling = (
@@ -233,6 +243,7 @@ def decode_request_from_proto(
         kv_handle=handle,
         first_token_id=first_token_id,
         forks=forks,
+        trace=trace,
     )
 
 

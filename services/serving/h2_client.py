@@ -23,6 +23,7 @@ from services.engines.backend import (
     SamplingParams,
     TokenDelta,
 )
+from services.engines.trace_context import TraceContext
 from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
 from services.serving import convert
 from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES
@@ -30,6 +31,7 @@ from services.serving.errors import ProtocolMismatch
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
 from services.serving.status import error_from_status
 from services.serving.tls import ClientTLS
+from services.serving.trace_metadata import to_metadata
 
 _PREFILL = b"/pdserve.v1.PrefillService/Prefill"
 _DECODE = b"/pdserve.v1.DecodeService/Decode"
@@ -77,14 +79,19 @@ class H2EngineClient:
         sampling: SamplingParams,
         *,
         timeout_s: float | None = None,
+        trace: TraceContext | None = None,
     ) -> PrefillResult:
-        """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is."""
+        """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is.
+        ``trace`` (the request's W3C trace context) goes as the call's metadata."""
         message = convert.prefill_request_to_proto(
             PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
         )
         with self._errors["Prefill"]:
             data = await self._channel.unary(
-                _PREFILL, message.SerializeToString(), timeout_s=timeout_s
+                _PREFILL,
+                message.SerializeToString(),
+                timeout_s=timeout_s,
+                metadata=to_metadata(trace),
             )
         return convert.prefill_result_from_proto(
             _parsed(prefill_pb2.PrefillResponse(), data, "Prefill", self.target)
@@ -94,9 +101,12 @@ class H2EngineClient:
         self, request: DecodeRequest, *, timeout_s: float | None = None
     ) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Errors before the first delta raise; closing the
-        iterator early cancels the call and the engine aborts the request."""
+        iterator early cancels the call and the engine aborts the request. ``request.trace``
+        goes as the call's metadata (so in :meth:`decode_once`)."""
         payload = convert.decode_request_to_proto(request).SerializeToString()
-        stream = self._channel.server_stream(_DECODE, payload, timeout_s=timeout_s)
+        stream = self._channel.server_stream(
+            _DECODE, payload, timeout_s=timeout_s, metadata=to_metadata(request.trace)
+        )
         try:
             with self._errors["Decode"]:
                 async for data in stream:
@@ -113,18 +123,25 @@ class H2EngineClient:
         message = convert.decode_request_to_proto(request, idle_timeout_s=idle_timeout_s)
         with self._errors["DecodeOnce"]:
             data = await self._channel.unary(
-                _DECODE_ONCE, message.SerializeToString(), timeout_s=timeout_s
+                _DECODE_ONCE,
+                message.SerializeToString(),
+                timeout_s=timeout_s,
+                metadata=to_metadata(request.trace),
             )
         return convert.delta_from_proto(
             _parsed(decode_pb2.DecodeChunk(), data, "DecodeOnce", self.target)
         )
 
-    async def abort(self, request_id: str, *, timeout_s: float | None = 5.0) -> bool:
+    async def abort(
+        self, request_id: str, *, timeout_s: float | None = 5.0, trace: TraceContext | None = None
+    ) -> bool:
         """Abort a running request or release held KV; ``False`` when the engine does not
-        know the id."""
+        know the id. ``trace``: the request's, as the call's metadata."""
         payload = engine_pb2.AbortRequest(request_id=request_id).SerializeToString()
         with self._errors["Abort"]:
-            data = await self._channel.unary(_ABORT, payload, timeout_s=timeout_s)
+            data = await self._channel.unary(
+                _ABORT, payload, timeout_s=timeout_s, metadata=to_metadata(trace)
+            )
         return _parsed(engine_pb2.AbortResponse(), data, "Abort", self.target).found
 
     async def close(self) -> None:

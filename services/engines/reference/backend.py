@@ -64,6 +64,7 @@ from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.request_state import RequestKind, SchedulerLimits, SinkItem
 from services.engines.reference.scheduler import Scheduler
 from services.engines.reference.sharding import ShardGeometry, ShardSpec
+from services.engines.trace_context import TraceContext
 from services.kv_transfer.block_pool import KV_LAYOUT
 from services.tokenization.errors import TokenizerFilesError
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
@@ -214,6 +215,7 @@ class ReferenceBackend(EngineBackend):
                 "prefill for other engines (decode without a kv_handle runs locally)"
             )
         request_id = request.request_id
+        _log_trace("prefill", request_id, request.trace)
         sink = _AsyncSink(asyncio.get_running_loop())
         await self._submit(request_id, "prefill", request.prompt_token_ids, request.sampling, sink)
         try:
@@ -241,6 +243,7 @@ class ReferenceBackend(EngineBackend):
                 )
             self._check_handle(request.kv_handle)
             kind = "remote"
+        _log_trace(kind, request.request_id, request.trace)
         sink = _AsyncSink(asyncio.get_running_loop())
         await self._submit(
             request.request_id,
@@ -418,6 +421,13 @@ class ReferenceBackend(EngineBackend):
                 "lease_expired",
                 f"the lease of {handle.request_id} on {handle.producer_engine_id} ran out",
             )
+
+
+def _log_trace(kind: str, request_id: str, trace: TraceContext | None) -> None:
+    """The reference engine makes no spans: it names the caller's trace in its log (DEBUG), so
+    its lines can be joined with the trace of the request (issue 33)."""
+    if trace is not None and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s %s: trace %s", kind, request_id, trace.trace_id)
 
 
 __all__ = ["FinishReason", "ReferenceBackend", "ReferenceEngineOptions"]

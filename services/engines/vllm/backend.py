@@ -49,6 +49,7 @@ from services.engines.errors import (
     InvalidRequest,
     KVTransferFailed,
 )
+from services.engines.trace_context import TraceContext
 from services.engines.vllm import detokenizer
 from services.engines.vllm.contracts import decide_model_runner
 from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
@@ -192,6 +193,7 @@ class VllmBackend(EngineBackend):
                 [OUTPUT_IN_PROMPT_PENALTIES] if self.options.speculative_config is None else []
             ),
             worker_extension_cls=WORKER_EXTENSION,
+            otlp_traces_endpoint=self.options.otlp_traces_endpoint,
         )
         backend = self
 
@@ -257,8 +259,15 @@ class VllmBackend(EngineBackend):
         return self._engine
 
     async def _generate(
-        self, request_id: str, prompt: Sequence[int], kwargs: dict[str, Any]
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        kwargs: dict[str, Any],
+        trace: TraceContext | None,
     ) -> AsyncIterator[Any]:
+        """``AsyncLLM.generate`` of one request. ``trace`` (the caller's W3C trace context) is
+        vLLM's ``trace_headers`` when its tracing is configured, so its request span is a child
+        of the caller's (without, vLLM would drop it and log a warning per request)."""
         engine = self._require_engine()
         sampling_module = importlib.import_module("vllm.sampling_params")
         constraint = kwargs.pop("structured_outputs", None)
@@ -274,7 +283,14 @@ class VllmBackend(EngineBackend):
         self._idle.clear()
         try:
             async for output in engine.generate(
-                {"prompt_token_ids": list(prompt)}, params, request_id
+                {"prompt_token_ids": list(prompt)},
+                params,
+                request_id,
+                trace_headers=(
+                    trace.headers()
+                    if trace is not None and self.options.otlp_traces_endpoint
+                    else None
+                ),
             ):
                 yield output
         finally:
@@ -292,7 +308,10 @@ class VllmBackend(EngineBackend):
         final: Any = None
         prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         async for output in self._generate(
-            request_id, prompt_token_ids, prefill_sampling(sampling, prompt_token_ids)
+            request_id,
+            prompt_token_ids,
+            prefill_sampling(sampling, prompt_token_ids),
+            request.trace,
         ):
             final = output
             prompt_logprobs = prompt_logprobs or prompt_logprobs_of(
@@ -346,7 +365,7 @@ class VllmBackend(EngineBackend):
         produced = 1 if request.kv_handle is not None else 0
         first = True
         sampling = request.sampling
-        async for output in self._generate(request.request_id, prompt, kwargs):
+        async for output in self._generate(request.request_id, prompt, kwargs, request.trace):
             completion = output.outputs[0]
             produced += len(completion.token_ids)
             reason = finish_reason_of(completion.finish_reason)

@@ -70,6 +70,9 @@ class VllmEngineOptions:
     """How long a producer holds a request's KV for its consumer (vLLM's ``kv_lease_duration``)."""
     speculative_config: dict[str, Any] | None = None
     enforce_eager: bool = False
+    otlp_traces_endpoint: str | None = None
+    """Where vLLM exports its OpenTelemetry request spans (vLLM's ``--otlp-traces-endpoint``);
+    ``None``: no tracing, and the trace context a request carries is not handed to vLLM."""
 
     def served_model_name(self) -> str:
         return self.model_name or Path(self.model_dir).resolve().name

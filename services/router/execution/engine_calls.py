@@ -25,7 +25,9 @@ router's bound plus ``BACKSTOP_GRACE_S``: a backstop, so the engine gives up eve
 router's cancellation never reaches it.
 
 Every call feeds the engine's circuit breaker through the pool (started, then succeeded or, on
-an engine fault, failed) and adds the time it waited to ``RunInfo.engine_wait_s``.
+an engine fault, failed) and adds the time it waited to ``RunInfo.engine_wait_s``, and every
+call of a request, its Aborts included, carries the request's W3C trace context
+(``GenerationRequest.trace``) to the engine.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from services.engines.backend import (
     DecodeRequest,
     FinishReason,
     PrefillResult,
-    SamplingParams,
     TokenDelta,
 )
 from services.engines.errors import EngineStalled
@@ -71,16 +72,11 @@ class EngineCalls:
         self._background: set[asyncio.Task[bool]] = set()
 
     async def prefill(
-        self,
-        slot: EngineSlot,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        info: RunInfo,
+        self, slot: EngineSlot, request: GenerationRequest, info: RunInfo
     ) -> tuple[PrefillResult, float]:
-        """One Prefill on ``slot`` within ``prefill_timeout_s``: the result and the seconds it
-        took. Raises the call's :class:`RouterError` (a timeout counted; after a timeout or an
-        unreachable engine, the request is aborted there)."""
+        """One Prefill of ``request`` on ``slot`` within ``prefill_timeout_s``: the result and
+        the seconds it took. Raises the call's :class:`RouterError` (a timeout counted; after a
+        timeout or an unreachable engine, the request is aborted there)."""
         started = time.perf_counter()
         bound_s = self._settings.prefill_timeout_s
         self._pool.call_started(slot)
@@ -88,10 +84,11 @@ class EngineCalls:
             with self._pool.reserve(slot):
                 async with asyncio.timeout(bound_s):
                     result = await slot.connector.prefill(
-                        request_id,
-                        prompt_token_ids,
-                        sampling,
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.sampling,
                         timeout_s=bound_s + BACKSTOP_GRACE_S,
+                        trace=request.trace,
                     )
         except Exception as exc:
             info.engine_wait_s += time.perf_counter() - started
@@ -103,7 +100,7 @@ class EngineCalls:
             if is_engine_fault(error):
                 self._pool.call_failed(slot)
             if error.code in ABORT_ON:
-                self.abort_later(slot, request_id)
+                self.abort_later(slot, request)
             raise error from exc
         self._pool.call_succeeded(slot)
         elapsed = time.perf_counter() - started
@@ -136,6 +133,7 @@ class EngineCalls:
             sampling=request.sampling,
             kv_handle=prefilled.kv_handle if prefilled else None,
             first_token_id=prefilled.first_token_id if prefilled else None,
+            trace=request.trace,
         )
         if not request.stream:
             delta = await self._decode_once(request, decode_request, slot, prefilled, info)
@@ -171,15 +169,11 @@ class EngineCalls:
                         raise
                     info.engine_wait_s += time.perf_counter() - waited
                     assert bounds.expired is not None
-                    raise self.decode_timed_out(
-                        request.request_id, slot, bounds.expired, first
-                    ) from exc
+                    raise self.decode_timed_out(request, slot, bounds.expired, first) from exc
                 except TimeoutError as exc:
                     info.engine_wait_s += time.perf_counter() - waited
                     # A TimeoutError the connector raised itself is its (whole-call) deadline.
-                    raise self.decode_timed_out(
-                        request.request_id, slot, "deadline", first
-                    ) from exc
+                    raise self.decode_timed_out(request, slot, "deadline", first) from exc
                 except Exception as exc:
                     info.engine_wait_s += time.perf_counter() - waited
                     raise engine_error(exc, stage="decode") from exc
@@ -224,10 +218,10 @@ class EngineCalls:
                 )
         except TimeoutError as exc:  # ours, or the connector's own (whole-call) deadline
             info.engine_wait_s += time.perf_counter() - started
-            raise self.decode_timed_out(request.request_id, slot, "deadline", None) from exc
+            raise self.decode_timed_out(request, slot, "deadline", None) from exc
         except EngineStalled as exc:
             info.engine_wait_s += time.perf_counter() - started
-            raise self.decode_timed_out(request.request_id, slot, "idle", None) from exc
+            raise self.decode_timed_out(request, slot, "idle", None) from exc
         except Exception as exc:
             info.engine_wait_s += time.perf_counter() - started
             raise engine_error(exc, stage="decode") from exc
@@ -256,14 +250,14 @@ class EngineCalls:
         )
 
     def decode_timed_out(
-        self, request_id: str, slot: EngineSlot, bound: str, first: bool | None
+        self, request: GenerationRequest, slot: EngineSlot, bound: str, first: bool | None
     ) -> EngineRequestFailed:
         """Count a decode timeout, abort the request on the engine, and say which bound
         tripped (``first``: whether no token had come, ``None`` when the caller cannot tell, a
         unary call). Closing the stream (the caller's ``finally``) cancels the call as well;
         the Abort also reaches an engine whose cancellation got lost."""
         self._metrics.engine_timeouts.labels(call="decode", bound=bound).inc()
-        self.abort_later(slot, request_id)
+        self.abort_later(slot, request)
         if bound == "idle":
             what = "token" if first is None else "first token" if first else "next token"
             limit = f"decode_idle_timeout_s={self._settings.decode_idle_timeout_s:g} s"
@@ -271,7 +265,7 @@ class EngineCalls:
         else:
             limit = f"decode_timeout_s={self._settings.decode_timeout_s:g} s"
             message = f"decode engine {slot.engine_id} did not finish within {limit}"
-        logger.warning("request %s: %s; aborting it there", request_id, message)
+        logger.warning("request %s: %s; aborting it there", request.request_id, message)
         return EngineRequestFailed(message, code="engine_timeout", status_code=504)
 
     def _observe_first_delta(
@@ -301,12 +295,14 @@ class EngineCalls:
         """The request's time to first token, by its path."""
         self._metrics.ttft_by(str(info.path)).observe(time.perf_counter() - request.arrival_s)
 
-    def abort_later(self, slot: EngineSlot, request_id: str) -> None:
-        """Best-effort abort (a timed-out or orphaned request), without delaying the caller."""
+    def abort_later(self, slot: EngineSlot, request: GenerationRequest) -> None:
+        """Best-effort abort of ``request`` (timed out or orphaned), without delaying the
+        caller."""
+        request_id = request.request_id
 
         async def abort() -> bool:
             try:
-                found = await slot.connector.abort(request_id)
+                found = await slot.connector.abort(request_id, trace=request.trace)
             except Exception as exc:
                 logger.info("abort of %s on %s failed: %s", request_id, slot.engine_id, exc)
                 self._metrics.aborts.labels(role=slot.role.value, outcome="failed").inc()

@@ -249,7 +249,7 @@ class Executor:
             finally:
                 if not handed_off:
                     # The decode engine never started: release the KV the producer holds.
-                    self.calls.abort_later(prefill_slot, leg_request.request_id)
+                    self.calls.abort_later(prefill_slot, leg_request)
 
     async def _decode_leg(
         self,
@@ -291,9 +291,7 @@ class Executor:
         while True:
             info.prefill_engine = slot.engine_id
             try:
-                result, elapsed = await self.calls.prefill(
-                    slot, request.request_id, request.prompt_token_ids, request.sampling, info
-                )
+                result, elapsed = await self.calls.prefill(slot, request, info)
             except RouterError as error:
                 if not (isinstance(error, EngineRequestFailed) and error.retryable):
                     raise

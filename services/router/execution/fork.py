@@ -176,9 +176,7 @@ class _ForkedRun:
         request = self._request
         result, elapsed = await self._calls.prefill(
             self._prefill_slot,
-            request.request_id,
-            request.prompt_token_ids,
-            replace(request.sampling, n=self._n),
+            replace(request, sampling=replace(request.sampling, n=self._n)),
             self._infos[0],
         )
         self._runtime.metrics.ttft_phase_by("prefill").observe(elapsed)
@@ -234,6 +232,7 @@ class _ForkedRun:
             kv_handle=result.kv_handle,
             first_token_id=forks[0].first_token_id,
             forks=tuple(forks),
+            trace=request.trace,
         )
         started = time.perf_counter()
         runtime.pool.call_started(slot)
@@ -255,7 +254,7 @@ class _ForkedRun:
                     ) from None
                 except Exception as exc:
                     error = (
-                        self._calls.decode_timed_out(request.request_id, slot, bound, first)
+                        self._calls.decode_timed_out(request, slot, bound, first)
                         if isinstance(exc, TimeoutError)
                         else engine_error(exc, stage="decode")
                     )
@@ -298,4 +297,4 @@ class _ForkedRun:
                 await aclose()
             if first:
                 # The decode engine never started: release the KV the producer holds.
-                self._calls.abort_later(self._prefill_slot, request.request_id)
+                self._calls.abort_later(self._prefill_slot, request)

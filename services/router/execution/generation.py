@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+from services.engines.trace_context import TraceContext
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class GenerationRequest:
     stream: bool = True
     """Whether the client receives tokens as they come. A request that is not streamed decodes
     with one unary call (see :mod:`services.router.execution.engine_calls`)."""
+    trace: TraceContext | None = None
+    """The W3C trace context of the HTTP request (valid; ``None`` when it had none or an
+    invalid one): every engine call of the request sends it as gRPC metadata."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 key when configured), ``GET /health`` and ``GET /metrics`` (open: probes and Prometheus). A
 generation route turns the body into a
 :class:`~services.router.execution.generation.GenerationRequest` (checked against the engines of its
-model) and hands it to
+model, with the HTTP request's W3C trace context: :mod:`services.router.frontend.trace_headers`)
+and hands it to
 :func:`services.router.frontend.responses.serve` (one choice) or
 :func:`services.router.frontend.choices.serve_choices` (``n > 1``, echo, logprobs); the response
 shapes and headers are described there. Every error is answered with the OpenAI envelope by
@@ -27,13 +28,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import SamplingParams
 from services.engines.errors import InvalidRequest
+from services.engines.trace_context import TraceContext
 from services.router.errors import (
     AuthenticationError,
     InvalidRequestError,
     NoEngineAvailable,
 )
 from services.router.execution.generation import GenerationRequest
-from services.router.frontend import params
+from services.router.frontend import params, trace_headers
 from services.router.frontend.choices import Choice, serve_choices
 from services.router.frontend.direct_route import DirectRoute
 from services.router.frontend.protocol import (
@@ -123,8 +125,11 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
         body, max(max_tokens, 1), logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
     stream = bool(body.stream)
+    trace = trace_headers.from_asgi(http.scope["headers"], runtime.metrics)
     if len(prompts) == 1 and body.n == 1 and not echo and params.plain(sampling):
-        request = _generation_request("cmpl", body.model, prompts[0], sampling, arrival, stream)
+        request = _generation_request(
+            "cmpl", body.model, prompts[0], sampling, arrival, stream, trace
+        )
         _check_engines(runtime, request)
         return await serve(runtime, http, COMPLETIONS, request, stream, _stream_usage(body))
     base = f"cmpl-{_random_hex()}"
@@ -133,7 +138,7 @@ async def completions(body: CompletionRequest, runtime: Runtime, http: Request) 
         echo_text = runtime.tokenizer.decode(token_ids) if echo else ""
         for i in range(body.n):
             request = _generation_request(
-                "cmpl", body.model, token_ids, _nth(sampling, i), arrival, stream
+                "cmpl", body.model, token_ids, _nth(sampling, i), arrival, stream, trace
             )
             request = dataclasses.replace(request, request_id=f"{base}-{len(choices)}")
             _check_engines(runtime, request)
@@ -178,15 +183,18 @@ async def chat_completions(
         body, max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs
     )
     stream = bool(body.stream)
+    trace = trace_headers.from_asgi(http.scope["headers"], runtime.metrics)
     if body.n == 1 and params.plain(sampling):
-        request = _generation_request("chatcmpl", body.model, token_ids, sampling, arrival, stream)
+        request = _generation_request(
+            "chatcmpl", body.model, token_ids, sampling, arrival, stream, trace
+        )
         _check_engines(runtime, request)
         return await serve(runtime, http, CHAT, request, stream, _stream_usage(body))
     base = f"chatcmpl-{_random_hex()}"
     choices = []
     for i in range(body.n):
         request = _generation_request(
-            "chatcmpl", body.model, token_ids, _nth(sampling, i), arrival, stream
+            "chatcmpl", body.model, token_ids, _nth(sampling, i), arrival, stream, trace
         )
         request = dataclasses.replace(request, request_id=f"{base}-{i}")
         _check_engines(runtime, request)
@@ -332,6 +340,7 @@ def _generation_request(
     sampling: SamplingParams,
     arrival_s: float,
     stream: bool,
+    trace: TraceContext | None,
 ) -> GenerationRequest:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -342,4 +351,5 @@ def _generation_request(
         sampling=sampling,
         arrival_s=arrival_s,
         stream=stream,
+        trace=trace,
     )

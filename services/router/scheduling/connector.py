@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
 from services.engines.errors import EngineStalled
+from services.engines.trace_context import TraceContext
 from services.router.config import GrpcClientName
 from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES, EngineClient
 from services.serving.convert import merge_deltas
@@ -34,6 +35,9 @@ class EngineConnector(abc.ABC):
     itself, with ``timeout_s`` as a backstop a little later, so that its own
     ``TimeoutError`` names the bound that tripped; it translates all of them (see
     :func:`services.router.errors.engine_error`).
+
+    Every call of a request carries the request's W3C trace context when it has one (``trace``,
+    or ``DecodeRequest.trace``): the gRPC connector sends it as the call's metadata.
     """
 
     @abc.abstractmethod
@@ -44,6 +48,7 @@ class EngineConnector(abc.ABC):
         sampling: SamplingParams,
         *,
         timeout_s: float | None = None,
+        trace: TraceContext | None = None,
     ) -> PrefillResult:
         """Prefill on this engine; the KV is held for a consumer until the handle's lease."""
 
@@ -93,7 +98,7 @@ class EngineConnector(abc.ABC):
         return merge_deltas(steps) if steps else TokenDelta((), "")
 
     @abc.abstractmethod
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, *, trace: TraceContext | None = None) -> bool:
         """Abort a request or release its held KV; ``False`` when the engine does not know it."""
 
     @abc.abstractmethod
@@ -123,9 +128,10 @@ class GrpcConnector(EngineConnector):
         sampling: SamplingParams,
         *,
         timeout_s: float | None = None,
+        trace: TraceContext | None = None,
     ) -> PrefillResult:
         return await self._client.prefill(
-            request_id, prompt_token_ids, sampling, timeout_s=timeout_s
+            request_id, prompt_token_ids, sampling, timeout_s=timeout_s, trace=trace
         )
 
     def decode(
@@ -143,8 +149,8 @@ class GrpcConnector(EngineConnector):
             request, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s
         )
 
-    async def abort(self, request_id: str) -> bool:
-        return await self._client.abort(request_id)
+    async def abort(self, request_id: str, *, trace: TraceContext | None = None) -> bool:
+        return await self._client.abort(request_id, trace=trace)
 
     async def close(self) -> None:
         await self._client.close()

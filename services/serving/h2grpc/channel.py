@@ -29,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import random
 import ssl
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 
+from services.serving.h2grpc import frames
 from services.serving.h2grpc.call import Call
 from services.serving.h2grpc.connection import H2Connection, ProtocolErrorHook
 from services.serving.h2grpc.errors import CallFailed
@@ -106,10 +107,20 @@ class H2GrpcChannel:
         connections = [c for c in (self._connection, *self._draining) if c is not None]
         return sum(c.held_bytes for c in connections)
 
-    async def unary(self, path: bytes, request: bytes, *, timeout_s: float | None) -> bytes:
-        """One unary call of ``path`` (``/package.Service/Method``): the answer's bytes."""
+    async def unary(
+        self,
+        path: bytes,
+        request: bytes,
+        *,
+        timeout_s: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+    ) -> bytes:
+        """One unary call of ``path`` (``/package.Service/Method``) with ``metadata`` (see
+        :func:`~services.serving.h2grpc.frames.metadata_block`; ``ValueError`` before anything
+        is sent when it breaks gRPC's rules): the answer's bytes."""
+        fields = frames.metadata_block(metadata) if metadata else b""
         deadline = self._deadline(timeout_s)
-        call = await self._start(path, request, deadline, streaming=False)
+        call = await self._start(path, request, deadline, fields, streaming=False)
         while True:
             try:
                 await call.wait()
@@ -118,7 +129,7 @@ class H2GrpcChannel:
                 raise
             if call.code is grpc.StatusCode.OK:
                 break
-            call = await self._again(call, path, request, deadline)
+            call = await self._again(call, path, request, deadline, fields)
         if len(call.messages) != 1:
             raise CallFailed(
                 grpc.StatusCode.INTERNAL,
@@ -127,12 +138,19 @@ class H2GrpcChannel:
         return call.messages[0]
 
     async def server_stream(
-        self, path: bytes, request: bytes, *, timeout_s: float | None
+        self,
+        path: bytes,
+        request: bytes,
+        *,
+        timeout_s: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> AsyncGenerator[bytes, None]:
-        """One server-streaming call: its messages as they arrive. Leaving the iteration
-        early (``aclose``, or the consuming task cancelled) cancels the call."""
+        """One server-streaming call with ``metadata`` (as :meth:`unary`'s): its messages as
+        they arrive. Leaving the iteration early (``aclose``, or the consuming task cancelled)
+        cancels the call."""
+        fields = frames.metadata_block(metadata) if metadata else b""
         deadline = self._deadline(timeout_s)
-        call = await self._start(path, request, deadline, streaming=True)
+        call = await self._start(path, request, deadline, fields, streaming=True)
         try:
             while True:
                 while call.messages:
@@ -140,7 +158,7 @@ class H2GrpcChannel:
                 if call.code is not None:
                     if call.code is grpc.StatusCode.OK:
                         return
-                    call = await self._again(call, path, request, deadline)
+                    call = await self._again(call, path, request, deadline, fields)
                     continue
                 await call.wait()
         finally:
@@ -151,7 +169,7 @@ class H2GrpcChannel:
         return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
     async def _again(
-        self, failed: Call, path: bytes, request: bytes, deadline: float | None
+        self, failed: Call, path: bytes, request: bytes, deadline: float | None, fields: bytes
     ) -> Call:
         """``failed`` sent again on a fresh connection when the server never processed it and
         it was not sent again already; otherwise raises its failure."""
@@ -161,7 +179,7 @@ class H2GrpcChannel:
             self._on_retry(failed.unprocessed)
         if self._connection is failed.connection:
             self._set_aside(failed.connection)
-        call = await self._start(path, request, deadline, streaming=failed.streaming)
+        call = await self._start(path, request, deadline, fields, streaming=failed.streaming)
         call.retried = True
         return call
 
@@ -174,15 +192,25 @@ class H2GrpcChannel:
             self._draining.add(connection)
 
     async def _start(
-        self, path: bytes, request: bytes, deadline: float | None, *, streaming: bool
+        self,
+        path: bytes,
+        request: bytes,
+        deadline: float | None,
+        fields: bytes,
+        *,
+        streaming: bool,
     ) -> Call:
+        """A call on the current connection (opened when there is none usable); ``fields``:
+        the request's encoded metadata."""
         connection = self._connection
         if connection is None or not connection.usable:
             loop = asyncio.get_running_loop()
             connection = await self._connect(
                 loop, None if deadline is None else deadline - loop.time()
             )
-        return await connection.start(path, request, deadline=deadline, streaming=streaming)
+        return await connection.start(
+            path, request, deadline=deadline, streaming=streaming, metadata=fields
+        )
 
     async def _connect(
         self, loop: asyncio.AbstractEventLoop, timeout_s: float | None

@@ -219,8 +219,10 @@ class H2Connection(asyncio.Protocol):
         streaming: bool,
         metadata: bytes = b"",
     ) -> Call:
-        """Send one call's request (headers and its single message; what the server's windows
-        do not take yet follows as they open) and return its :class:`Call`. Raises
+        """Send one call's request (headers with ``metadata``, the encoded fields of
+        :func:`~services.serving.h2grpc.frames.metadata_block`, and its single message; what
+        the server's windows do not take yet follows as they open) and return its
+        :class:`Call`. Raises
         :class:`CallFailed` UNAVAILABLE when the connection cannot take it, DEADLINE_EXCEEDED
         when ``deadline`` (the loop's clock) passes while it waits for a free stream. The call
         is reset and fails DEADLINE_EXCEEDED when ``deadline`` comes."""

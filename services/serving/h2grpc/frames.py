@@ -1,18 +1,21 @@
 """HTTP/2 frames and gRPC's wire pieces, as bytes (RFC 9113, RFC 7541, gRPC's PROTOCOL-HTTP2).
 
 Only what a gRPC client of pdserve's engines sends or must understand: frame headers, SETTINGS,
-PING, WINDOW_UPDATE, RST_STREAM, GOAWAY, request HEADERS, the length-prefixed message, the
-``grpc-timeout`` header and the status a response's HTTP/2 outcome maps to. Request header blocks
-are encoded here without HPACK's dynamic table (literal fields, never indexed, never Huffman), so
-the connection's encoder keeps no state; responses are decoded with the ``hpack`` package, whose
-decoder follows the server's dynamic table.
+PING, WINDOW_UPDATE, RST_STREAM, GOAWAY, request HEADERS (a call's metadata included), the
+length-prefixed message, the ``grpc-timeout`` header and the status a response's HTTP/2 outcome
+maps to. Request header blocks are encoded here without HPACK's dynamic table (literal fields,
+never indexed, never Huffman), so the connection's encoder keeps no state; responses are decoded
+with the ``hpack`` package, whose decoder follows the server's dynamic table.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
+import re
 import struct
+from collections.abc import Sequence
 from urllib.parse import unquote
 
 import grpc
@@ -210,6 +213,52 @@ def timeout_field(timeout_s: float) -> bytes:
             value = b"%d%s" % (count, unit)
             break
     return _TIMEOUT_NAME + bytes((len(value),)) + value
+
+
+MAX_METADATA_BYTES = 8 << 10
+"""The most a call's custom metadata may take, encoded: gRPC's soft limit on a header list
+(8 KiB, grpc-core's default). It also keeps a request's header block within one HEADERS frame
+(16 KiB, the least SETTINGS_MAX_FRAME_SIZE a server may have), which this client relies on."""
+_METADATA_NAME = re.compile(r"[0-9a-z_.\-]+")
+_METADATA_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?|")
+_RESERVED_NAMES = frozenset(
+    {"content-type", "te", "user-agent", "host", "connection", "keep-alive", "proxy-connection"}
+    | {"transfer-encoding", "upgrade"}
+)
+"""Names a call's metadata may not use: the fields this client writes itself and those HTTP/2
+forbids (RFC 9113 8.2.2); ``grpc-`` names are gRPC's own and ``:`` names are pseudo-headers."""
+
+
+def metadata_block(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
+    """A call's custom metadata as header fields (gRPC's PROTOCOL-HTTP2 ``Custom-Metadata``),
+    each a literal without indexing with a new name (RFC 7541 6.2.2).
+
+    A name is lowercase ASCII (``0-9 a-z _ - .``), neither reserved (``:``-prefixed, ``grpc-``,
+    or one of :data:`_RESERVED_NAMES`); a ``-bin`` name takes ``bytes``, sent as base64 without
+    padding, any other a ``str`` of printable ASCII that neither starts nor ends with a space.
+    Raises :class:`ValueError` naming the first pair that breaks a rule, and when the block
+    would pass :data:`MAX_METADATA_BYTES`."""
+    parts: list[bytes] = []
+    for name, value in metadata:
+        if not _METADATA_NAME.fullmatch(name) or name.startswith("grpc-"):
+            raise ValueError(f"metadata name {name!r} is not a custom gRPC metadata name")
+        if name in _RESERVED_NAMES:
+            raise ValueError(f"metadata name {name!r} is reserved")
+        if name.endswith("-bin"):
+            if not isinstance(value, bytes):
+                raise ValueError(f"metadata {name!r} is binary (-bin): its value must be bytes")
+            encoded = base64.b64encode(value).rstrip(b"=")
+        elif not isinstance(value, str) or not _METADATA_VALUE.fullmatch(value):
+            raise ValueError(
+                f"metadata {name!r}: {value!r} is not printable ASCII without outer spaces"
+            )
+        else:
+            encoded = value.encode("ascii")
+        parts.append(literal(name.encode("ascii"), encoded))
+    block = b"".join(parts)
+    if len(block) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata of {len(block)} bytes is over {MAX_METADATA_BYTES}")
+    return block
 
 
 def message(payload: bytes) -> bytes:

@@ -32,6 +32,7 @@ from services.engines.backend import (
     TokenDelta,
     Usage,
 )
+from services.engines.trace_context import TraceContext
 from services.router.config import RouterSettings
 from services.router.main import create_app
 from services.router.metrics import RouterMetrics
@@ -73,6 +74,8 @@ class FakeEngine(EngineConnector):
     idle_bounds: list[float] = field(default_factory=list)
     """The ``idle_timeout_s`` of each ``decode_once``."""
     aborted: list[str] = field(default_factory=list)
+    traces: list[tuple[str, str, TraceContext | None]] = field(default_factory=list)
+    """``(call, request id, trace context)`` of every call (prefill, decode, abort)."""
     closed: bool = False
 
     async def prefill(
@@ -82,8 +85,10 @@ class FakeEngine(EngineConnector):
         sampling: SamplingParams,
         *,
         timeout_s: float | None = None,
+        trace: TraceContext | None = None,
     ) -> PrefillResult:
         self.prefills.append(request_id)
+        self.traces.append(("prefill", request_id, trace))
         if self.prefill_error is not None:
             raise self.prefill_error
         if self.stall_prefill:
@@ -118,6 +123,7 @@ class FakeEngine(EngineConnector):
         timeout_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         self.decodes.append(request)
+        self.traces.append(("decode", request.request_id, request.trace))
         if self.decode_error is not None:
             raise self.decode_error
         if request.forks:  # one sequence per fork, interleaved, each tagged with its choice
@@ -187,8 +193,9 @@ class FakeEngine(EngineConnector):
         finally:
             self.stalled_calls_closed.append(request_id)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, *, trace: TraceContext | None = None) -> bool:
         self.aborted.append(request_id)
+        self.traces.append(("abort", request_id, trace))
         return True
 
     async def close(self) -> None:

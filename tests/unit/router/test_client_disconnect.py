@@ -16,6 +16,7 @@ from typing import Any
 
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+from services.engines.trace_context import TraceContext
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import FakeEngine, FakeFactory, runtime, sample, view
@@ -38,6 +39,7 @@ class SlowEngine(FakeEngine):
         sampling: SamplingParams,
         *,
         timeout_s: float | None = None,
+        trace: TraceContext | None = None,
     ) -> PrefillResult:
         self.prefills.append(request_id)
         self.started.set()

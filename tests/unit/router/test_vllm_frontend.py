@@ -26,6 +26,7 @@ from services.cli.main import main as cli_main
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines.errors import EngineFailed
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.trace_context import TraceContext
 from services.engines.vllm.backend import _import_vllm
 from services.engines.vllm.version_guard import (
     FRONTEND_SYMBOLS,
@@ -193,6 +194,43 @@ async def test_n_choices_fork_on_engines_that_fork(factory: FakeFactory, model_d
     assert answer.status_code == 200, answer.text
     assert sorted(c["index"] for c in answer.json()["choices"]) == [0, 1]
     assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
+
+
+async def test_the_trace_context_vllm_extracts_reaches_the_engines(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    """vLLM's serving classes hand ``generate`` the request's ``traceparent``/``tracestate``
+    (``trace_headers``): checked as pdserve's front end checks them, sent with every engine
+    call of the request (chat and completions), an invalid one dropped and counted."""
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    rt = pd_runtime(factory, model_dir)
+    async with served(rt) as client:
+        for path, body in (
+            ("/v1/completions", {"prompt": "hello there", "max_tokens": 3}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3},
+            ),
+        ):
+            answer = await client.post(
+                path,
+                json={"model": MODEL, **body},
+                headers={"traceparent": traceparent, "tracestate": "rojo=1"},
+            )
+            assert answer.status_code == 200, answer.text
+        answer = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": 3},
+            headers={"traceparent": "00-not-a-trace-01"},
+        )
+        assert answer.status_code == 200, answer.text
+    trace = TraceContext(traceparent, "rojo=1")
+    sent = [(call, t) for engine in factory.engines.values() for call, _, t in engine.traces]
+    assert sorted(sent, key=str) == sorted(
+        [("prefill", trace)] * 2 + [("decode", trace)] * 2 + [("prefill", None), ("decode", None)],
+        key=str,
+    )
+    assert sample(rt, "pdserve_router_trace_context_dropped_total", header="traceparent") == 1
 
 
 def test_sampling_has_one_spelling_and_nothing_is_dropped() -> None:

@@ -96,11 +96,15 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
         transfer_mode="pull",
         kv_lease_s=7,
         enforce_eager=True,
+        otlp_traces_endpoint="http://collector:4317",
     )
     backend = create_backend("vllm", flags)
     assert isinstance(backend, VllmBackend)
     assert backend.options.transfer_mode == "pull" and backend.options.kv_lease_s == 7
     assert backend.options.enforce_eager
+    assert backend.options.otlp_traces_endpoint == "http://collector:4317"
+    with pytest.raises(EngineOptionsError, match="does not take --otlp-traces-endpoint"):
+        create_backend("stub", EngineOptions(otlp_traces_endpoint="http://collector:4317"))
     description = backend.describe()
     assert (description.pp_size, description.tp_size, description.block_size) == (2, 1, 16)
     assert description.engine_kind == "vllm"

@@ -36,6 +36,59 @@ def test_request_headers_decode_to_grpc_fields_and_reset_the_table() -> None:
     ]
 
 
+def test_metadata_decodes_as_literal_fields_with_new_names() -> None:
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    metadata = [
+        ("traceparent", traceparent),
+        ("tracestate", "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"),
+        ("x.a_b-c", ""),
+        ("trace-bin", b"\x00\xff\x10"),  # base64 without padding (4 characters, not "AP8Q")
+        ("long", "v" * 300),  # multi-byte string lengths
+    ]
+    block = frames.metadata_block(metadata)
+    decoder = hpack.Decoder()
+    assert decoder.decode(block) == [
+        ("traceparent", traceparent),
+        ("tracestate", "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"),
+        ("x.a_b-c", ""),
+        ("trace-bin", "AP8Q"),
+        ("long", "v" * 300),
+    ]
+    # 6.2.2: each field starts 0000 0000 (never indexed: no dynamic table entry on either side).
+    assert block[0] == 0 and len(decoder.header_table.dynamic_entries) == 0
+    assert frames.metadata_block([("b-bin", b"\xfb")]).endswith(b"\x02+w")  # "+w==" unpadded
+    # After the request's own fields, as gRPC orders them: one block decodes to both.
+    prefix = frames.request_headers_prefix(b"/x", b"h:1", tls=False) + frames.timeout_field(1)
+    fields = hpack.Decoder().decode(prefix + block)
+    assert fields[-6:-4] == [("grpc-timeout", "1000000u"), ("traceparent", traceparent)]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "match"),
+    [
+        ([(":path", "/x")], "not a custom gRPC metadata name"),
+        ([("grpc-timeout", "1S")], "not a custom gRPC metadata name"),
+        ([("Traceparent", "x")], "not a custom gRPC metadata name"),
+        ([("", "x")], "not a custom gRPC metadata name"),
+        ([("a b", "x")], "not a custom gRPC metadata name"),
+        ([("te", "trailers")], "reserved"),
+        ([("content-type", "text/plain")], "reserved"),
+        ([("connection", "close")], "reserved"),
+        ([("a", "caf\u00e9")], "printable ASCII"),
+        ([("a", "line\nbreak")], "printable ASCII"),
+        ([("a", " padded")], "printable ASCII"),
+        ([("a", b"bytes")], "printable ASCII"),
+        ([("a-bin", "text")], "must be bytes"),
+        ([("a", "v" * 8200)], "over 8192"),
+    ],
+)
+def test_metadata_that_breaks_grpc_rules_is_refused(
+    metadata: list[tuple[str, str | bytes]], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        frames.metadata_block(metadata)
+
+
 @pytest.mark.parametrize(
     ("seconds", "field"),
     [

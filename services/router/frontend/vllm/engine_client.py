@@ -51,6 +51,7 @@ from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.router.errors import InvalidRequestError, RouterError
 from services.router.execution.fork import ChunkStream, forked_runs
 from services.router.execution.generation import GenerationRequest, RunInfo
+from services.router.frontend import trace_headers as trace_of
 from services.router.frontend.params import check_engines
 from services.router.frontend.vllm.config import Frontend
 from services.router.runtime import RouterRuntime
@@ -231,6 +232,7 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 child.request_id = child_id
                 child.sampling_params = child_params
                 children.append((child, parent))
+        trace = trace_of.from_vllm(trace_headers, self.runtime.metrics)
         try:
             generations = [
                 GenerationRequest(
@@ -240,6 +242,7 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                     sampling=engine_sampling(child.sampling_params),
                     arrival_s=arrival_s,
                     stream=params.output_kind.name != "FINAL_ONLY",
+                    trace=trace,
                 )
                 for child, _ in children
             ]
