@@ -147,6 +147,8 @@ async def misbehaving(
     )
     try:
         yield server, channel, counted
+        assert not server.errors, server.errors  # the server's own failures
+        assert not server.rejected, server.rejected  # the client's frames h2 rejected
     finally:
         await channel.close()
         await server.close()
