@@ -2,14 +2,17 @@
 ends the call with a status and a message naming it, the client answers as RFC 9113 says
 (GOAWAY for a connection error, RST_STREAM for a stream error, with the error's code), the
 breach is counted, and the same channel serves the next call (on a new connection after a
-connection error, on the same one after a stream error). Real sockets, the real client."""
+connection error, on the same one after a stream error). Meanwhile and afterwards a second
+channel, to a conforming grpc.aio server, is served: the router goes on serving its other
+engines. Real sockets, the real client."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -34,6 +37,9 @@ CALL_BOUND_S = 30.0
 """Outer bound of every await; reaching it is a hang and fails the test."""
 
 ECHO = b"/test.Echo/Echo"
+MAX_MESSAGE_BYTES = 1 << 20
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -130,37 +136,86 @@ BREACHES = {
 }
 
 
+@dataclass
+class Stage:
+    """A misbehaving server, a channel to it and what the channel counted; another engine."""
+
+    server: MisbehavingServer
+    channel: H2GrpcChannel
+    counted: list[str]
+    """The breaches the channel counted (``on_protocol_error``)."""
+    other: H2GrpcChannel | None
+    """A channel to a conforming grpc.aio echo server: another engine of the router's."""
+
+    async def beside(self, work: Awaitable[T]) -> T:
+        """``work``'s outcome, awaited while the other engine serves calls (one at least,
+        then one every 10 ms until ``work`` is done)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                await self.other_serves()
+                if task.done():
+                    return task.result()
+                await asyncio.wait({task}, timeout=0.01)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def other_serves(self) -> None:
+        assert self.other is not None
+        assert await self.other.unary(ECHO, b"other", timeout_s=CALL_BOUND_S) == b"other"
+
+
 @contextlib.asynccontextmanager
 async def misbehaving(
-    behaviours: list[Behaviour], retried: list[str] | None = None
-) -> AsyncIterator[tuple[MisbehavingServer, H2GrpcChannel, list[str]]]:
-    """A :class:`MisbehavingServer` with ``behaviours``, an :class:`H2GrpcChannel` to it, and
-    the breaches the channel counted (its retries go to ``retried``); both closed afterwards."""
+    behaviours: list[Behaviour],
+    retried: list[str] | None = None,
+    *,
+    other_engine: bool = True,
+) -> AsyncIterator[Stage]:
+    """A :class:`MisbehavingServer` with ``behaviours``, an :class:`H2GrpcChannel` to it (its
+    retries go to ``retried``), and (``other_engine``) a channel to a grpc.aio echo server, which
+    must serve afterwards; all closed afterwards."""
     server = MisbehavingServer(behaviours)
     port = await server.start()
     counted: list[str] = []
     channel = H2GrpcChannel(
         f"127.0.0.1:{port}",
-        max_message_bytes=1 << 20,
+        max_message_bytes=MAX_MESSAGE_BYTES,
         on_protocol_error=counted.append,
         on_retry=retried.append if retried is not None else None,
     )
+    grpc_server, other = None, None
+    if other_engine:
+        grpc_server = _echo_server()
+        grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        other = H2GrpcChannel(f"127.0.0.1:{grpc_port}", max_message_bytes=MAX_MESSAGE_BYTES)
+    stage = Stage(server, channel, counted, other)
     try:
-        yield server, channel, counted
+        yield stage
         assert not server.errors, server.errors  # the server's own failures
         assert not server.rejected, server.rejected  # the client's frames h2 rejected
+        if other is not None:
+            async with asyncio.timeout(CALL_BOUND_S):
+                await stage.other_serves()
     finally:
         await channel.close()
         await server.close()
+        if other is not None and grpc_server is not None:
+            await other.close()
+            await grpc_server.stop(None)
 
 
 @pytest.mark.parametrize("name", list(BREACHES))
 async def test_a_breach_ends_its_call_as_rfc_9113_says_and_the_channel_goes_on(name: str) -> None:
     breach = BREACHES[name]
-    async with misbehaving([breach.behaviour]) as (server, channel, counted):
+    async with misbehaving([breach.behaviour]) as stage:
+        server, channel, counted = stage.server, stage.channel, stage.counted
         async with asyncio.timeout(CALL_BOUND_S):
             with pytest.raises(CallFailed) as failed:
-                await channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S)
+                await stage.beside(channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S))
             assert failed.value.code is breach.code, failed.value.details
             assert breach.details in failed.value.details
             if breach.goaway is not None:
@@ -182,7 +237,8 @@ async def test_a_refused_stream_is_sent_once_more_on_a_fresh_connection() -> Non
     retried: list[str] = []
     refused, good = misbehaving_h2.refused_stream, misbehaving_h2.good
     behaviours = [refused, good, refused, refused]
-    async with misbehaving(behaviours, retried) as (server, channel, counted):
+    async with misbehaving(behaviours, retried) as stage:
+        server, channel, counted = stage.server, stage.channel, stage.counted
         async with asyncio.timeout(CALL_BOUND_S):
             assert await channel.unary(ECHO, b"once", timeout_s=CALL_BOUND_S) == b"once"
             assert retried == ["refused_stream"]
@@ -201,14 +257,16 @@ async def test_a_refused_stream_is_sent_once_more_on_a_fresh_connection() -> Non
 
 async def test_endless_continuation_is_cut_at_the_header_list_bound() -> None:
     held = 0
-    async with misbehaving([misbehaving_h2.endless_continuation]) as (server, channel, counted):
+    async with misbehaving([misbehaving_h2.endless_continuation]) as stage:
+        server, channel, counted = stage.server, stage.channel, stage.counted
         async with asyncio.timeout(CALL_BOUND_S):
             call = asyncio.create_task(channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S))
+            served = asyncio.create_task(stage.beside(call))
             while not call.done():
                 held = max(held, channel.buffered_bytes())  # what it holds between reads
                 await asyncio.sleep(0)
             with pytest.raises(CallFailed) as failed:
-                await call
+                await served
             assert failed.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"header block of over {MAX_HEADER_LIST_SIZE} bytes" in failed.value.details
             assert held <= MAX_HEADER_LIST_SIZE + DEFAULT_MAX_FRAME  # and one unread frame
@@ -234,7 +292,9 @@ async def test_a_failure_of_the_client_itself_closes_the_connection_and_never_es
 
     monkeypatch.setattr(HpackDecoder, "decode", broken)
     try:
-        async with misbehaving([]) as (server, channel, counted):
+        # No other engine: the broken decoder is every channel's.
+        async with misbehaving([], other_engine=False) as stage:
+            server, channel, counted = stage.server, stage.channel, stage.counted
             async with asyncio.timeout(CALL_BOUND_S):
                 with pytest.raises(CallFailed) as failed:
                     await channel.unary(ECHO, b"hello", timeout_s=CALL_BOUND_S)
