@@ -36,6 +36,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
+from h2.settings import SettingCodes
 
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
     0x0,
@@ -50,8 +51,6 @@ DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION =
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 REFUSED_STREAM = ErrorCodes.REFUSED_STREAM
-INITIAL_WINDOW_SIZE = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
-MAX_CONCURRENT_STREAMS = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
 
 ENDLESS_CAP = 16 << 20
 """Bytes after which an endless answer (:func:`endless_stream`) stops sending, to keep a test
@@ -119,8 +118,8 @@ class Link:
         self.h2.local_settings = h2.settings.Settings(
             client=False,
             initial_values={
-                MAX_CONCURRENT_STREAMS: 100,  # h2's defaults
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 1 << 16,
+                SettingCodes.MAX_CONCURRENT_STREAMS: 100,  # h2's defaults
+                SettingCodes.MAX_HEADER_LIST_SIZE: 1 << 16,
                 **server.settings,
             },
         )
@@ -335,11 +334,12 @@ class MisbehavingServer:
 
     ``settings`` are advertised besides h2's defaults (INITIAL_WINDOW_SIZE,
     MAX_CONCURRENT_STREAMS...); ``ack_settings`` False never acknowledges the client's SETTINGS;
-    ``read_after_request`` False stops reading a connection at its first request's headers (the
-    client's data then waits on flow control, its other frames in the socket)."""
+    ``read_after_request`` False stops reading a connection at its first request's headers and
+    sends no WINDOW_UPDATE (the client's data then waits on flow control, its other frames in the
+    socket)."""
 
     behaviours: list[Behaviour]
-    settings: dict[int, int] = field(default_factory=dict)
+    settings: dict[SettingCodes, int] = field(default_factory=dict)
     ack_settings: bool = True
     read_after_request: bool = True
     connections: int = 0
@@ -434,9 +434,10 @@ class MisbehavingServer:
                         stop_reading = stop_reading or not self.read_after_request
                     elif isinstance(event, h2.events.DataReceived):
                         bodies[event.stream_id] += event.data
-                        link.h2.acknowledge_received_data(
-                            event.flow_controlled_length, event.stream_id
-                        )
+                        if self.read_after_request:  # else no WINDOW_UPDATE ever
+                            link.h2.acknowledge_received_data(
+                                event.flow_controlled_length, event.stream_id
+                            )
                     elif isinstance(event, h2.events.StreamEnded):
                         body = bodies.pop(event.stream_id)
                         behaviour = self.behaviours.pop(0) if self.behaviours else good
