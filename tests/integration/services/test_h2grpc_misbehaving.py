@@ -255,28 +255,6 @@ async def test_a_breach_ends_its_call_as_rfc_9113_says_and_the_channel_goes_on(n
             assert not server.goaways
 
 
-async def test_a_refused_stream_is_sent_once_more_on_a_fresh_connection() -> None:
-    refused, good = misbehaving_h2.refused_stream, misbehaving_h2.good
-    behaviours = [refused, good, refused, refused]
-    async with misbehaving(behaviours, count_retries=True) as stage:
-        server, channel, counted = stage.server, stage.channel, stage.counted
-        retried = stage.retries
-        async with asyncio.timeout(CALL_BOUND_S):
-            assert await channel.unary(ECHO, b"once", timeout_s=CALL_BOUND_S) == b"once"
-            assert retried == ["refused_stream"]
-            assert server.connections == 2
-            with pytest.raises(CallFailed) as failed:  # refused on both connections
-                await channel.unary(ECHO, b"twice", timeout_s=CALL_BOUND_S)
-            assert failed.value.code is grpc.StatusCode.UNAVAILABLE
-            assert (
-                "with REFUSED_STREAM (HTTP/2 error 7): the server did not process the request"
-                in failed.value.details
-            )
-            assert retried == ["refused_stream"] * 2
-            assert server.connections == 3
-        assert counted == []
-
-
 async def test_endless_continuation_is_cut_at_the_header_list_bound() -> None:
     held = 0
     async with misbehaving([misbehaving_h2.endless_continuation]) as stage:
