@@ -107,6 +107,17 @@ class StepOutcome:
     """Sequences that reached ``max_new_tokens`` (their blocks are free again)."""
 
 
+@dataclass
+class SchedulerStats:
+    """Committed steps so far (what a benchmark reads to show the interference)."""
+
+    steps: int = 0
+    mixed_steps: int = 0
+    """Steps that carried prefill work and decode tokens together (chunked prefill)."""
+    longest_decode_step_ms: float = 0.0
+    """The longest step that carried a decode token: every running stream waited for it."""
+
+
 class SimScheduler:
     """See the module docstring. Not thread-safe; one per engine, on the engine's loop."""
 
@@ -119,6 +130,7 @@ class SimScheduler:
         self.running: list[SimSequence] = []
         self.clock_ms = 0.0
         """Simulated time: the sum of committed steps' durations."""
+        self.stats = SchedulerStats()
         self._by_id: dict[str, SimSequence] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -206,6 +218,12 @@ class SimScheduler:
         """The step ran: advance the clock and the planned sequences (those removed since
         the plan are skipped); sequences done sampling finish and free their blocks."""
         self.clock_ms += plan.duration_ms
+        self.stats.steps += 1
+        if plan.decode_batch:
+            self.stats.mixed_steps += plan.prefill_tokens > 0
+            self.stats.longest_decode_step_ms = max(
+                self.stats.longest_decode_step_ms, plan.duration_ms
+            )
         outcome = StepOutcome()
         for chunk in plan.chunks:
             sequence = chunk.sequence

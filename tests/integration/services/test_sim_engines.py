@@ -2,7 +2,8 @@
 engine hosted in-process (real gRPC servers, real Redis control plane) turn READY, and a
 streamed completion crosses the router with the right number of tokens, taking at least the
 time the profile gives its steps (a lower bound: load only adds), while each engine's simulated
-clock equals the profile's figure for what it computed."""
+clock equals the profile's figure for what it computed. Colocated, a long prompt arriving
+mid-stream lengthens one of the stream's steps by its prefill (the interference PD removes)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,51 @@ async def test_a_stream_through_the_router_follows_the_profile(
     assert prefill.scheduler.clock_ms == pytest.approx(prefill_ms)
     assert decode.scheduler.clock_ms == pytest.approx(decode_ms)
     assert elapsed_ms >= prefill_ms + decode_ms
+
+
+async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    """A colocated router on one sim decode engine: a long prompt that arrives while a stream
+    decodes is prefilled in the stream's steps (chunked prefill), so one of the stream's steps
+    takes at least the whole prompt's prefill time; every step it would take alone is short."""
+    profile = load_profile()
+    decode = SimBackend(SimOptions(profile))
+    settings = service_settings(cp_settings)
+    router = RouterSettings(
+        control_plane=cp_settings, colocated=True, prefill_timeout_s=10, decode_timeout_s=30
+    )
+
+    def body(prompt_len: int, max_tokens: int, *, stream: bool) -> dict[str, object]:
+        prompt = [1 + i % 250 for i in range(prompt_len)]
+        return {
+            "model": profile.served_model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+
+    long_prompt = 4000
+    async with (
+        hosted(settings, decode, engine_id="sim-colocated", role=EngineRole.DECODE),
+        serving_router(router) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        # 2000 tokens: at least 9 s of simulated decode, and wall time is never shorter.
+        first = body(PROMPT_LEN, 2000, stream=True)
+        async with client.stream("POST", "/v1/completions", json=first) as streaming:
+            assert streaming.status_code == 200
+            assert streaming.headers["x-pdserve-execution-path"] != "disaggregated"
+            lines = streaming.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            second = await client.post("/v1/completions", json=body(long_prompt, 2, stream=False))
+            assert second.status_code == 200, second.text
+            assert second.json()["usage"]["completion_tokens"] == 2
+            assert decode.load().running_requests == 1  # the first is still decoding
+        # Closing the stream aborted the first request.
+
+    alone_longest = profile.decode_step_ms(2, PROMPT_LEN + 2000 + long_prompt + 2)
+    assert decode.scheduler.stats.mixed_steps >= 1
+    assert decode.scheduler.stats.longest_decode_step_ms >= profile.prefill_ms(long_prompt)
+    assert profile.prefill_ms(long_prompt) > 10 * alone_longest

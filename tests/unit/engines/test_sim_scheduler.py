@@ -118,6 +118,8 @@ def test_a_prefill_chunk_in_a_decode_step_makes_the_step_longer() -> None:
     assert pd_step == pytest.approx(decode_only)
     assert mixed_step == pytest.approx(decode_only + 0.5 * 60)
     assert mixed_step > pd_step
+    assert colocated.stats.mixed_steps == 1 and disaggregated.stats.mixed_steps == 0
+    assert colocated.stats.longest_decode_step_ms == pytest.approx(mixed_step)
 
 
 def test_blocks_grow_with_the_output_and_are_freed_at_the_end() -> None:
