@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 SIM_KIND = "sim"
 
+MAX_CATCH_UP_S = 0.02
+"""How far behind its simulated time an engine's steps may run and still be made up."""
+
 
 @dataclass(frozen=True)
 class SimOptions:
@@ -157,14 +160,24 @@ class SimBackend(SyntheticEngine):
         self._wake.set()
 
     async def _run_steps(self) -> None:
+        """Steps end on deadlines (the start of busy time plus the simulated time since), not
+        after a sleep each: a sleep that overran (a busy loop wakes late) is made up by the
+        next steps, so wall time tracks simulated time instead of drifting a little later
+        every step. A step never ends before its deadline (wall time >= simulated time), and
+        a lag beyond :data:`MAX_CATCH_UP_S` is dropped rather than made up in a burst."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
         try:
             while True:
                 plan = self.scheduler.schedule()
                 if plan.empty:
                     self._wake.clear()
                     await self._wake.wait()
+                    deadline = loop.time()
                     continue
-                await asyncio.sleep(plan.duration_ms / 1000 * self.options.time_scale)
+                deadline = max(deadline, loop.time() - MAX_CATCH_UP_S)
+                deadline += plan.duration_ms / 1000 * self.options.time_scale
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
                 outcome = self.scheduler.commit(plan)
                 for sequence in outcome.sampled:
                     stream = self._streams.get(sequence.request_id)
