@@ -15,8 +15,10 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
+from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
 from services.engines.sim import SimBackend, SimOptions, load_profile
 from services.router.config import RouterSettings
+from services.serving.client import EngineClient
 from tests.integration.services.conftest import hosted, service_settings
 from tests.security.router_harness import serving_router
 
@@ -116,3 +118,23 @@ async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
     assert decode.scheduler.stats.mixed_steps >= 1
     assert decode.scheduler.stats.longest_decode_step_ms >= profile.prefill_ms(long_prompt)
     assert profile.prefill_ms(long_prompt) > 10 * alone_longest
+
+
+async def test_a_failed_sim_engine_ends_its_stream_and_its_host_exits_1(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    settings = service_settings(cp_settings)
+    backend = SimBackend(SimOptions(load_profile()))
+    async with hosted(settings, backend, engine_id="sim-dies", role=EngineRole.DECODE) as dec:
+        client = EngineClient(dec.endpoints.grpc)
+        request = DecodeRequest("req-1", (1, 2, 3), SamplingParams(max_tokens=100_000))
+        stream = client.decode(request)
+        first = await anext(stream)
+        assert first.token_ids
+        backend.fail("simulated GPU fault")
+        last = first
+        async for delta in stream:
+            last = delta
+        assert last.finish_reason is FinishReason.ERROR
+        assert await dec.exit_code() == 1
+        await client.close()
