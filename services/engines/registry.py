@@ -177,6 +177,8 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         raise EngineOptionsError("the sim engine takes --sim-profile, not --model")
     if options.dtype is not None:
         raise EngineOptionsError("the sim engine takes its dtype from its profile (--dtype)")
+    if options.stub_token_delay_s or options.stub_vocab_size is not None:
+        raise EngineOptionsError("the sim engine takes its pace and vocabulary from its profile")
     vllm_only = dataclasses.replace(options, sim_profile=None)
     _refuse_vllm_only(vllm_only, "sim")
     profile = load_profile(options.sim_profile or DEFAULT_PROFILE)

@@ -117,6 +117,10 @@ def test_the_registry_builds_sim_engines_from_a_profile_and_refuses_other_flags(
         create_backend("sim", EngineOptions(sim_profile="h999"))
     with pytest.raises(EngineOptionsError, match="--model"):
         create_backend("sim", EngineOptions(model_dir=Path(".")))
+    with pytest.raises(EngineOptionsError, match="--max-model-len"):
+        create_backend("sim", EngineOptions(max_model_len=100))
+    with pytest.raises(EngineOptionsError, match="pace and vocabulary"):
+        create_backend("sim", EngineOptions(stub_vocab_size=100))
     with pytest.raises(EngineOptionsError, match="--sim-profile"):
         create_backend("stub", EngineOptions(sim_profile="llama-3.1-8b-h100"))
     assert isinstance(create_backend("stub", EngineOptions()), StubBackend)
