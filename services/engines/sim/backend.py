@@ -12,8 +12,10 @@ token to every sequence the step sampled. It never spins: an idle engine waits o
 Roles follow the calls, as for every backend: :meth:`SimBackend.prefill` computes the prompt
 and samples one token (a prefill engine; its blocks are freed once the token is out, see the
 scheduler's docstring), :meth:`SimBackend.decode` with a handle starts from the prompt's KV
-already in place (no transfer time is simulated) and without one prefills the prompt itself,
-sharing steps with the other sequences' decode tokens (colocated: the interference).
+pulled from the producer and without one prefills the prompt itself,
+sharing steps with the other sequences' decode tokens (colocated: the interference). With a
+profile's ``kv_transfer``, a decode with a handle first waits for its prompt's KV to move
+(reported as the first delta's ``kv_transfer_s``); without one the KV is there at once.
 
 Time: the scheduler's clock is simulated (the sum of step durations); ``prefill_s`` and
 ``queue_s`` of a prefill are read from it, so they follow the profile whatever the machine's
@@ -89,6 +91,7 @@ _Event = int | _Aborted | EngineFailed
 class _Stream:
     sequence: SimSequence
     events: asyncio.Queue[_Event] = field(default_factory=asyncio.Queue)
+    aborted: bool = False
 
 
 class SimBackend(SyntheticEngine):
@@ -191,7 +194,9 @@ class SimBackend(SyntheticEngine):
 
     # --- admission -----------------------------------------------------------------------
 
-    def _admit(self, sequence: SimSequence) -> _Stream:
+    def _admit(self, sequence: SimSequence, *, queue: bool = True) -> _Stream:
+        """Register a request; ``queue``: hand it to the scheduler now (else :meth:`_queue`
+        does, once its KV arrived)."""
         if self._failure is not None:
             raise self._failure
         if self._draining:
@@ -207,10 +212,14 @@ class SimBackend(SyntheticEngine):
             raise EngineOverloaded(f"queue full: {self.options.max_waiting} requests waiting")
         stream = _Stream(sequence)
         self._streams[sequence.request_id] = stream
-        self.scheduler.add(sequence)
         self._idle.clear()
-        self._ensure_loop()
+        if queue:
+            self._queue(stream)
         return stream
+
+    def _queue(self, stream: _Stream) -> None:
+        self.scheduler.add(stream.sequence)
+        self._ensure_loop()
 
     def _release(self, request_id: str) -> None:
         self.scheduler.remove(request_id)
@@ -275,12 +284,23 @@ class SimBackend(SyntheticEngine):
         if sequence.generated >= sequence.max_new_tokens:
             yield self._last(request, sequence.generated, FinishReason.LENGTH)
             return
-        stream = self._admit(sequence)
+        transfer_ms = self.options.profile.transfer_ms(prompt_len) if remote else 0.0
+        stream = self._admit(sequence, queue=not transfer_ms)
         try:
             if remote:
                 assert request.first_token_id is not None
                 token = request.first_token_id
-                transfer_s: float | None = 0.0
+                transfer_s: float | None = transfer_ms / 1000
+                if transfer_ms:
+                    # The prompt's KV moves before the request is scheduled (its blocks are
+                    # taken at admission after it, not during the transfer: a simplification).
+                    await asyncio.sleep(transfer_ms / 1000 * self.options.time_scale)
+                    if self._failure is not None:
+                        raise self._failure
+                    if stream.aborted:
+                        yield self._last(request, sequence.generated, FinishReason.ABORT)
+                        return
+                    self._queue(stream)
             else:
                 token = self._first_token(request.prompt_token_ids) - 1
                 transfer_s = None
@@ -308,6 +328,7 @@ class SimBackend(SyntheticEngine):
         stream = self._streams.get(request_id)
         if stream is not None:
             self.scheduler.remove(request_id)
+            stream.aborted = True
             stream.events.put_nowait(_ABORTED)
             return True
         return self._drop_held(request_id)

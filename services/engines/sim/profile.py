@@ -14,7 +14,8 @@ takes a name or a path)::
       "prefill": {"base_ms": a, "per_token_ms": b, "per_token_squared_ms": c},
       "decode": {"base_ms": d, "per_sequence_ms": e, "per_context_token_ms": f},
       "kv_cache": {"num_blocks": 28000, "block_size": 16},
-      "scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
+      "scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 256},
+      "kv_transfer": {"base_ms": g, "gb_per_s": h}     # optional: no transfer time without
     }
 
 The model (all times in milliseconds, one engine step = one forward pass):
@@ -31,6 +32,9 @@ The model (all times in milliseconds, one engine step = one forward pass):
 
 ``kv_cache`` is the engine's KV capacity in blocks of ``block_size`` tokens; ``scheduler`` the
 vLLM limits it admits by (``max_num_batched_tokens`` per step, ``max_num_seqs`` running).
+``kv_transfer`` (optional) is the prefill -> decode hand-off of a disaggregated request: a
+prompt of ``T`` tokens moves ``T * kv_bytes_per_token`` bytes (``2 * num_layers * num_kv_heads *
+head_size * dtype bytes``) in ``g + bytes / (h * 1e9) * 1000`` ms before its decode begins.
 Unknown keys and negative figures are refused (:class:`SimProfileError`), naming the field.
 """
 
@@ -39,9 +43,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.control_plane.aggregation import DTYPE_BYTES
 from services.engines.errors import EngineError
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -79,7 +85,8 @@ class ProfileModel(_Frozen):
     head_size: int = Field(ge=1)
     vocab_size: int = Field(ge=2)
     max_model_len: int = Field(ge=2)
-    dtype: str = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"] = "bfloat16"
+    """The KV cache's dtype."""
 
 
 class PrefillTiming(_Frozen):
@@ -106,6 +113,13 @@ class SchedulerLimits(_Frozen):
     """Sequences running at once at most."""
 
 
+class KVTransferTiming(_Frozen):
+    base_ms: float = Field(ge=0)
+    """Per transfer, whatever its size (notification, descriptor set-up)."""
+    gb_per_s: float = Field(gt=0)
+    """The link's bandwidth in GB/s (1e9 bytes)."""
+
+
 class SimProfile(_Frozen):
     """One profile (see the module docstring for the format and the timing model)."""
 
@@ -118,6 +132,23 @@ class SimProfile(_Frozen):
     decode: DecodeTiming
     kv_cache: KVCache
     scheduler: SchedulerLimits
+    kv_transfer: KVTransferTiming | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over every layer and KV head (keys and values)."""
+        model = self.model
+        return (
+            2 * model.num_layers * model.num_kv_heads * model.head_size * DTYPE_BYTES[model.dtype]
+        )
+
+    def transfer_ms(self, num_tokens: int) -> float:
+        """Moving ``num_tokens`` tokens' KV from a prefill to a decode engine (0 without
+        ``kv_transfer``)."""
+        if self.kv_transfer is None or num_tokens <= 0:
+            return 0.0
+        seconds = num_tokens * self.kv_bytes_per_token / (self.kv_transfer.gb_per_s * 1e9)
+        return self.kv_transfer.base_ms + seconds * 1000
 
     @property
     def served_model(self) -> str:

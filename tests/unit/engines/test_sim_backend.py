@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import main
-from services.engines.backend import DecodeRequest, FinishReason, SamplingParams, TokenDelta
+from services.engines.backend import (
+    DecodeRequest,
+    FinishReason,
+    KVHandle,
+    SamplingParams,
+    TokenDelta,
+)
 from services.engines.errors import EngineDraining, EngineFailed, EngineOverloaded
 from services.engines.registry import EngineOptions, EngineOptionsError, create_backend
 from services.engines.sim import SimBackend, SimOptions, SimProfileError, load_profile
@@ -46,6 +52,35 @@ async def test_a_colocated_stream_has_the_stub_tokens_and_the_profile_time() -> 
     )
     assert backend.scheduler.clock_ms == pytest.approx(expected)
     assert backend.load().kv_blocks_free == backend.load().kv_blocks_total
+    await backend.stop()
+
+
+def _pulled(request_id: str, prompt_len: int, max_tokens: int) -> DecodeRequest:
+    """A decode whose prompt a (simulated) prefill engine computed."""
+    handle = KVHandle("sim-prefill", 1, request_id, (0,), prompt_len, lease_expires_at_s=0.0)
+    request = _request(request_id, prompt_len, max_tokens)
+    return DecodeRequest(
+        request_id, request.prompt_token_ids, request.sampling, handle, first_token_id=7
+    )
+
+
+async def test_a_decode_from_a_handle_waits_for_the_kv_transfer_and_decodes_only() -> None:
+    backend = _backend()
+    profile = backend.options.profile
+    deltas = await _collect(backend, _pulled("r1", 1000, 3))
+    assert [t for d in deltas for t in d.token_ids] == [8, 9]  # after the producer's 7
+    assert deltas[0].kv_transfer_s == pytest.approx(profile.transfer_ms(1000) / 1000)
+    assert deltas[0].kv_transfer_s > 0
+    # No prefill here: two decode steps of one sequence.
+    expected = profile.decode_step_ms(1, 1001) + profile.decode_step_ms(1, 1002)
+    assert backend.scheduler.clock_ms == pytest.approx(expected)
+    # Aborted while its KV moves: it ends without being scheduled.
+    stream = backend.decode(_pulled("r2", 1000, 3))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    assert await backend.abort("r2")
+    assert (await first).finish_reason is FinishReason.ABORT
+    assert backend.scheduler.clock_ms == pytest.approx(expected)
     await backend.stop()
 
 

@@ -100,3 +100,15 @@ def test_profiles_are_found_by_name_or_path_and_unknown_names_list_the_choices(
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(SimProfileError, match="cannot be read"):
         load_profile(str(tmp_path / "broken.json"))
+
+
+def test_a_kv_transfer_moves_the_prompts_bytes_at_the_links_rate() -> None:
+    profile = load_profile()
+    assert profile.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B, bf16 KV
+    assert profile.kv_transfer is not None
+    moved_ms = 1000 * 1000 * profile.kv_bytes_per_token / (profile.kv_transfer.gb_per_s * 1e9)
+    assert profile.transfer_ms(1000) == pytest.approx(profile.kv_transfer.base_ms + moved_ms)
+    assert profile.transfer_ms(0) == 0.0
+    data = _data()
+    del data["kv_transfer"]
+    assert parse_profile(data).transfer_ms(1000) == 0.0  # optional: no transfer time
