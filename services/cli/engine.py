@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stub-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS
     )  # stub engine only (tests)
     engine.add_argument("--stub-vocab-size", type=int, help=argparse.SUPPRESS)  # (benchmarks)
+    engine.add_argument(
+        "--sim-profile",
+        metavar="NAME|PATH",
+        help="sim: the GPU timing profile, a shipped one's name or a JSON file "
+        "(default: llama-3.1-8b-h100)",
+    )
     service = parser.add_argument_group("service")
     service.add_argument(
         "--listen",
@@ -174,6 +180,7 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             transfer_mode=args.transfer_mode,
             stub_token_delay_s=args.stub_token_delay_s,
             stub_vocab_size=args.stub_vocab_size,
+            sim_profile=args.sim_profile,
         )
         registry = CollectorRegistry()
         backend = create_backend(args.engine, options, registry=registry)

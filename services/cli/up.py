@@ -5,7 +5,8 @@ Starts, as subprocesses of this command: the embedded Redis (unless ``--redis`` 
 prefill`` / ``pdserve decode`` with the chosen PP x TP), then the router (``pdserve router``).
 ``--colocated`` starts decode engines only and a router that runs every request on one engine
 (no disaggregation), to compare against. Without ``--model`` the tiny test checkpoint is
-generated into ``<work-dir>/tiny-model`` (no downloads).
+generated into ``<work-dir>/tiny-model`` (no downloads), except for the engines that load no
+model (``--engine stub``; ``--engine sim``, whose ``--sim-profile`` goes to every engine).
 
 While it runs: every engine's per-rank readiness grid is printed as it changes; each child's
 output goes to ``<work-dir>/logs/<name>.log``. Once the router's ``/health`` answers 200,
@@ -60,6 +61,8 @@ from services.supervision import ChildProcess, RestartPolicy, RestartTracker, st
 
 PASSWORD_ENV = "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD"
 _STOP_ORDER = ("router", "decode", "prefill")
+MODEL_FREE_ENGINES = frozenset({"stub", "sim"})
+"""Engines that load no model: ``pdserve up`` makes no tiny checkpoint for them."""
 
 
 class StartupFailed(Exception):
@@ -253,7 +256,7 @@ async def _start_prometheus(prometheus: LocalPrometheus, endpoints: dict[str, An
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
     given: Path | None = args.model
-    if args.engine == "stub" or given is not None:
+    if args.engine in MODEL_FREE_ENGINES or given is not None:
         return given
     model: Path = args.work_dir / TINY_MODEL_DIR
     if not (model / "config.json").is_file():
@@ -297,6 +300,7 @@ def _engine_children(
                 *(["--model", str(model)] if model is not None else []),
                 *(["--block-size", str(args.block_size)] if args.block_size else []),
                 *(["--dtype", args.dtype] if args.dtype else []),
+                *(["--sim-profile", args.sim_profile] if args.sim_profile else []),
                 *args.engine_arg,
             )
             children.append(ChildProcess(name, argv, logs / f"{name}.log", role=role, env=secrets))

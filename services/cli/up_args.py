@@ -30,7 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"model folder (default: the tiny checkpoint, made in WORK_DIR/{TINY_MODEL_DIR})",
     )
     parser.add_argument(
-        "--engine", default="reference", help="engine backend: reference (CPU), vllm or stub"
+        "--engine",
+        default="reference",
+        help="engine backend: reference (CPU), vllm, stub or sim (GPU timing, no compute)",
+    )
+    parser.add_argument(
+        "--sim-profile",
+        metavar="NAME|PATH",
+        default=None,
+        help="sim engines' timing profile (pdserve prefill --sim-profile; default: theirs)",
     )
     parser.add_argument("--prefill-pp", type=int, default=1, help="prefill engines' PP size")
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill engines' TP size")

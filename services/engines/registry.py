@@ -1,9 +1,10 @@
-"""Engine backends by name: ``reference`` (CPU), ``vllm`` (GPU), ``stub`` (no model, benchmarks).
+"""Engine backends by name: ``reference`` (CPU), ``vllm`` (GPU), ``stub`` (no model, benchmarks),
+``sim`` (no model, a GPU engine's timing from a profile: fleets on a small machine).
 
 The host builds its backend with :func:`create_backend` from the service's
 :class:`EngineOptions`. Constructors: ``ReferenceBackend(ReferenceEngineOptions, registry=)``,
 ``VllmBackend(VllmEngineOptions, registry=)`` (its NIXL transfers as pdserve's KV-transfer
-series), ``StubBackend(StubOptions)``.
+series), ``StubBackend(StubOptions)``, ``SimBackend(SimOptions)``.
 
 Backends are imported only when selected, so a machine without vLLM (or torch) can run the
 others; a backend that cannot be imported raises :class:`UnknownEngine` with the import error
@@ -12,6 +13,7 @@ in the message (never a silent fallback to another engine).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +65,9 @@ class EngineOptions:
     stub_vocab_size: int | None = None
     """Stub engine only: its vocabulary (default 32000; a real tokenizer's size when a front
     end detokenizes its ids, as ``pdserve bench router --vllm-frontend``)."""
+    sim_profile: str | None = None
+    """Sim engine only: a shipped profile's name or a profile file's path (default: the
+    shipped ``llama-3.1-8b-h100``)."""
 
     def overrides(self) -> dict[str, object]:
         """The KV options that were set, by the field names backends share."""
@@ -95,6 +100,12 @@ def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
     given = [flag for flag, value in vllm_only.items() if value is not None]
     if given:
         raise EngineOptionsError(f"the {engine} engine does not take {', '.join(given)}")
+    _refuse_sim_only(options, engine)
+
+
+def _refuse_sim_only(options: EngineOptions, engine: str) -> None:
+    if options.sim_profile is not None:
+        raise EngineOptionsError(f"the {engine} engine does not take --sim-profile")
 
 
 def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
@@ -124,6 +135,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         )
     if options.num_kv_blocks is not None:
         raise EngineOptionsError("the vllm engine sizes its KV cache itself (--num-kv-blocks)")
+    _refuse_sim_only(options, "vllm")
     vllm_options = options_module.VllmEngineOptions(
         model_dir=_need_model(options, "vllm"),
         pp_size=options.pp_size,
@@ -161,6 +173,30 @@ def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     return StubBackend(stub_options)
 
 
+def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
+    from services.engines.sim import SimBackend, SimOptions, load_profile  # noqa: PLC0415
+    from services.engines.sim.profile import DEFAULT_PROFILE  # noqa: PLC0415
+
+    if options.model_dir is not None:
+        raise EngineOptionsError("the sim engine takes --sim-profile, not --model")
+    if options.dtype is not None:
+        raise EngineOptionsError("the sim engine takes its dtype from its profile (--dtype)")
+    if options.stub_token_delay_s or options.stub_vocab_size is not None:
+        raise EngineOptionsError("the sim engine takes its pace and vocabulary from its profile")
+    vllm_only = dataclasses.replace(options, sim_profile=None)
+    _refuse_vllm_only(vllm_only, "sim")
+    profile = load_profile(options.sim_profile or DEFAULT_PROFILE)
+    return SimBackend(
+        SimOptions(
+            profile=profile,
+            pp_size=options.pp_size,
+            tp_size=options.tp_size,
+            layer_partition=options.layer_partition,
+            **options.overrides(),  # type: ignore[arg-type]
+        )
+    )
+
+
 def _import(module: str, engine: str) -> ModuleType:
     try:
         return importlib.import_module(module)
@@ -168,7 +204,12 @@ def _import(module: str, engine: str) -> ModuleType:
         raise UnknownEngine(f"the {engine} engine cannot be loaded: {exc}") from exc
 
 
-ENGINES: dict[str, BackendFactory] = {"reference": _reference, "vllm": _vllm, "stub": _stub}
+ENGINES: dict[str, BackendFactory] = {
+    "reference": _reference,
+    "vllm": _vllm,
+    "stub": _stub,
+    "sim": _sim,
+}
 
 
 def create_backend(

@@ -7,33 +7,25 @@ registers and publishes a synthetic but consistent handshake grid (so it turns R
 its inputs, admits up to ``num_kv_blocks`` worth of requests, streams, aborts, drains.
 
 What it does not do: compute anything or move KV. A prefill returns a handle with real-looking
-block ids but holds nothing (nobody could pull it); a decode with a handle trusts it. Tokens are
-a pure function of the prompt: ``first = (sum(prompt) + len(prompt)) % vocab``, then each next
-token is the previous one plus one (mod vocab), rendered as text ``" t<id>"``.
+block ids but holds nothing (nobody could pull it); a decode with a handle trusts it. The grid,
+handles, tokens and text are :class:`~services.engines.synthetic.SyntheticEngine`'s, shared with
+the simulated engine (:mod:`services.engines.sim`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
-
-from services.control_plane import ControlPlaneMetrics, EngineNotFound, RedisControlPlane
-from services.control_plane.synthetic import synthetic_records, synthetic_spec
+from services.control_plane.synthetic import synthetic_spec
 from services.control_plane.wire import EngineLoad
 from services.engines.backend import (
-    BackendDescription,
     DecodeRequest,
-    EngineBackend,
-    EngineRegistration,
     FinishReason,
-    KVHandle,
     PrefillRequest,
     PrefillResult,
     TokenDelta,
@@ -42,10 +34,10 @@ from services.engines.backend import (
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
-    EngineFailed,
     EngineOverloaded,
     RequestAborted,
 )
+from services.engines.synthetic import SyntheticEngine, SyntheticShape
 
 STUB_MODEL = "stub"
 
@@ -74,12 +66,12 @@ class _Running:
     aborted: asyncio.Event
 
 
-class StubBackend(EngineBackend):
+class StubBackend(SyntheticEngine):
     """See the module docstring."""
 
     def __init__(self, options: StubOptions | None = None) -> None:
         self.options = options or StubOptions()
-        self._spec = synthetic_spec(
+        spec = synthetic_spec(
             "stub",
             pp_size=self.options.pp_size,
             tp_size=self.options.tp_size,
@@ -87,68 +79,28 @@ class StubBackend(EngineBackend):
             num_kv_heads=self.options.num_kv_heads,
             block_size=self.options.block_size,
         )
-        self._registration: EngineRegistration | None = None
+        super().__init__(
+            SyntheticShape(
+                engine_kind="stub",
+                model=STUB_MODEL,
+                compat_hash=spec.compat_hash,
+                pp_size=self.options.pp_size,
+                tp_size=self.options.tp_size,
+                layer_partition=self.options.layer_partition,
+                num_layers=self.options.num_layers,
+                num_kv_heads=self.options.num_kv_heads,
+                vocab_size=self.options.vocab_size,
+                max_model_len=self.options.max_model_len,
+                num_kv_blocks=self.options.num_kv_blocks,
+                block_size=self.options.block_size,
+                kv_lease_s=self.options.kv_lease_s,
+            )
+        )
         self._running: dict[str, _Running] = {}
-        self._held: dict[str, float] = {}
         self._free_blocks = self.options.num_kv_blocks
         self._draining = False
-        self._block_ids = itertools.count()
-        self._control_plane: RedisControlPlane | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-
-    def describe(self) -> BackendDescription:
-        return BackendDescription(
-            model=STUB_MODEL,
-            compat_hash=self._spec.compat_hash,
-            pp_size=self.options.pp_size,
-            tp_size=self.options.tp_size,
-            num_layers=self.options.num_layers,
-            num_kv_heads=self.options.num_kv_heads,
-            block_size=self.options.block_size,
-            vocab_size=self.options.vocab_size,
-            max_model_len=self.options.max_model_len,
-            eos_token_ids=(),
-            engine_kind="stub",
-        )
-
-    async def start(self, registration: EngineRegistration) -> None:
-        """Publish a synthetic grid (one call for every rank, as a vLLM scheduler would)."""
-        self._registration = registration
-        self._control_plane = RedisControlPlane(
-            registration.control_plane, ControlPlaneMetrics(CollectorRegistry())
-        )
-        try:
-            await self._publish(registration)
-        except EngineNotFound as exc:
-            raise EngineFailed(str(exc)) from exc
-
-    async def republish(self, registration: EngineRegistration) -> None:
-        """Publish the synthetic grid again under the new generation; handles made from now
-        on name it."""
-        current = self._require_registration()
-        if (registration.engine_id, registration.role) != (current.engine_id, current.role):
-            raise EngineFailed("republish must keep the engine id and role of start()")
-        await self._publish(registration)
-        self._registration = registration
-
-    async def _publish(self, registration: EngineRegistration) -> None:
-        if self._control_plane is None:
-            raise EngineFailed("stub engine used before start()")
-        view = await self._control_plane.get_engine(registration.engine_id)
-        if view is None or view.record is None or view.generation != registration.generation:
-            raise EngineNotFound(
-                f"stub engine {registration.engine_id} generation {registration.generation} "
-                "is not registered"
-            )
-        records = synthetic_records(
-            view.record,
-            num_blocks=self.options.num_kv_blocks,
-            layer_partition=(
-                list(self.options.layer_partition) if self.options.layer_partition else None
-            ),
-        )
-        await self._control_plane.publish_handshakes(view.record, list(records.values()))
 
     def _admit(self, request_id: str, num_tokens: int) -> _Running:
         if self._draining:
@@ -173,9 +125,6 @@ class StubBackend(EngineBackend):
         if not self._running:
             self._idle.set()
 
-    def _first_token(self, prompt: Sequence[int]) -> int:
-        return (sum(prompt) + len(prompt)) % self.options.vocab_size
-
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         request_id, prompt_token_ids, sampling = (
             request.request_id,
@@ -195,19 +144,7 @@ class StubBackend(EngineBackend):
                 finish = FinishReason.STOP
             handle = None
             if finish is None:
-                registration = self._require_registration()
-                handle = KVHandle(
-                    producer_engine_id=registration.engine_id,
-                    generation=registration.generation,
-                    request_id=request_id,
-                    block_ids=tuple(
-                        next(self._block_ids) % self.options.num_kv_blocks
-                        for _ in range(running.blocks)
-                    ),
-                    num_tokens=len(prompt_token_ids),
-                    lease_expires_at_s=time.time() + self.options.kv_lease_s,
-                )
-                self._held[request_id] = handle.lease_expires_at_s
+                handle = self._hold(request_id, running.blocks, len(prompt_token_ids))
             return PrefillResult(
                 request_id=request_id,
                 first_token_id=token,
@@ -238,7 +175,7 @@ class StubBackend(EngineBackend):
                 if running.aborted.is_set():
                     yield self._last(request, generated, FinishReason.ABORT)
                     return
-                token = (token + 1) % self.options.vocab_size
+                token = self._next_token(token)
                 if token in sampling.stop_token_ids:
                     yield self._last(request, generated, FinishReason.STOP)
                     return
@@ -260,7 +197,7 @@ class StubBackend(EngineBackend):
         if running is not None:
             running.aborted.set()
             return True
-        return self._held.pop(request_id, None) is not None
+        return self._drop_held(request_id)
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -285,17 +222,3 @@ class StubBackend(EngineBackend):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), 5.0)
         return aborted
-
-    async def stop(self) -> None:
-        control_plane, self._control_plane = self._control_plane, None
-        if control_plane is not None:
-            with contextlib.suppress(Exception):
-                await control_plane.close()
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return "".join(f" t{t}" for t in token_ids)
-
-    def _require_registration(self) -> EngineRegistration:
-        if self._registration is None:
-            raise EngineFailed("stub engine used before start()")
-        return self._registration

@@ -47,8 +47,9 @@ ENGINE_UNSUPPORTED: dict[str, frozenset[str]] = {
     "reference": frozenset(
         {"skip_special_tokens", "spaces_between_special_tokens", "structured_outputs"}
     ),
-    # The stub engine of the router tests samples nothing.
+    # The stub engine of the router tests samples nothing; nor does the simulated engine.
     "stub": frozenset(EXTENDED_PARAMS),
+    "sim": frozenset(EXTENDED_PARAMS),
 }
 
 SEED_MASK = 2**63 - 1

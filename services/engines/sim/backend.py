@@ -1,0 +1,366 @@
+"""``SimBackend``: a GPU engine's timing from a profile, with no compute (engine name "sim").
+
+For fleets on a small machine: the planner and ``bench goodput`` put dozens of these behind the
+real router and control plane. It registers, publishes a synthetic grid and turns READY, hands
+out KV handles, streams, aborts, fails and drains as the stub does (both are
+:class:`~services.engines.synthetic.SyntheticEngine`: same grid, handles, tokens and text), but
+every token comes when a real engine's would: one asyncio task per engine runs the step loop of
+:class:`~.scheduler.SimScheduler` (vLLM's admission, token budget, KV blocks, chunked prefill),
+sleeping for each step's duration from the :class:`~.profile.SimProfile`, then handing one
+token to every sequence the step sampled. It never spins: an idle engine waits on an event.
+
+Roles follow the calls, as for every backend: :meth:`SimBackend.prefill` computes the prompt
+and samples one token (a prefill engine; its blocks are freed once the token is out, see the
+scheduler's docstring), :meth:`SimBackend.decode` with a handle starts from the prompt's KV
+pulled from the producer and without one prefills the prompt itself,
+sharing steps with the other sequences' decode tokens (colocated: the interference). With a
+profile's ``kv_transfer``, a decode with a handle first waits for its prompt's KV to move
+(reported as the first delta's ``kv_transfer_s``); without one the KV is there at once.
+
+Time: the scheduler's clock is simulated (the sum of step durations); ``prefill_s`` and
+``queue_s`` of a prefill are read from it, so they follow the profile whatever the machine's
+load. Wall time between tokens is at least the simulated time (a loaded event loop only adds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.control_plane.wire import EngineLoad, compute_compat_hash
+from services.engines.backend import (
+    DecodeRequest,
+    FinishReason,
+    PrefillRequest,
+    PrefillResult,
+    TokenDelta,
+    Usage,
+)
+from services.engines.errors import (
+    DuplicateRequest,
+    EngineDraining,
+    EngineFailed,
+    EngineOverloaded,
+    RequestAborted,
+)
+from services.engines.sim.profile import SimProfile, load_profile
+from services.engines.sim.scheduler import SimScheduler, SimSequence
+from services.engines.synthetic import SyntheticEngine, SyntheticShape
+
+logger = logging.getLogger(__name__)
+
+SIM_KIND = "sim"
+
+MAX_CATCH_UP_S = 0.02
+"""How far behind its simulated time an engine's steps may run and still be made up."""
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The simulated engine: its profile and what the command line may override."""
+
+    profile: SimProfile = field(default_factory=load_profile)
+    pp_size: int = 1
+    tp_size: int = 1
+    layer_partition: tuple[int, ...] | None = None
+    num_kv_blocks: int | None = None
+    """Default: the profile's."""
+    block_size: int | None = None
+    """Default: the profile's."""
+    kv_lease_s: float = 30.0
+    max_waiting: int = 4096
+    """Requests queued at most; beyond, admission is refused (``EngineOverloaded``)."""
+    time_scale: float = 1.0
+    """Wall seconds slept per simulated second (1: real time; < 1 runs a simulation faster,
+    every figure it reports still in simulated time)."""
+
+
+class _Aborted:
+    """Put in a stream's queue when its request is aborted or drained."""
+
+
+_ABORTED = _Aborted()
+_Event = int | _Aborted | EngineFailed
+"""A stream's events: the count of tokens sampled so far, an abort, or the engine's failure."""
+
+
+@dataclass
+class _Stream:
+    sequence: SimSequence
+    events: asyncio.Queue[_Event] = field(default_factory=asyncio.Queue)
+    aborted: bool = False
+
+
+class SimBackend(SyntheticEngine):
+    """See the module docstring."""
+
+    def __init__(self, options: SimOptions | None = None) -> None:
+        self.options = options or SimOptions()
+        profile = self.options.profile
+        block_size = self.options.block_size or profile.kv_cache.block_size
+        num_blocks = self.options.num_kv_blocks or profile.kv_cache.num_blocks
+        model = profile.model
+        super().__init__(
+            SyntheticShape(
+                engine_kind=SIM_KIND,
+                model=profile.served_model,
+                compat_hash=compute_compat_hash(
+                    model=profile.served_model,
+                    dtype=model.dtype,
+                    head_size=model.head_size,
+                    num_layers=model.num_layers,
+                    num_kv_heads=model.num_kv_heads,
+                    kv_layout="HND",
+                    engine_kind=SIM_KIND,
+                ),
+                pp_size=self.options.pp_size,
+                tp_size=self.options.tp_size,
+                layer_partition=self.options.layer_partition,
+                num_layers=model.num_layers,
+                num_kv_heads=model.num_kv_heads,
+                vocab_size=model.vocab_size,
+                max_model_len=model.max_model_len,
+                num_kv_blocks=num_blocks,
+                block_size=block_size,
+                kv_lease_s=self.options.kv_lease_s,
+            )
+        )
+        self.scheduler = SimScheduler(profile, num_blocks=num_blocks, block_size=block_size)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._failure: EngineFailed | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def failure(self) -> EngineFailed | None:
+        """Set once the step loop died or :meth:`fail` was called (the host exits)."""
+        return self._failure
+
+    def fail(self, reason: str) -> None:
+        """Fail the engine as a dead rank would: every request in flight ends with
+        ``EngineFailed``, new ones are refused, the host sees :attr:`failure` and exits."""
+        if self._failure is not None:
+            return
+        self._failure = EngineFailed(f"sim engine failed: {reason}")
+        logger.error("%s", self._failure)
+        for request_id, stream in list(self._streams.items()):
+            self.scheduler.remove(request_id)
+            stream.events.put_nowait(self._failure)
+        if self._loop_task is not None and self._loop_task is not asyncio.current_task():
+            self._loop_task.cancel()
+
+    # --- the step loop -------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._run_steps(), name="sim-steps")
+        self._wake.set()
+
+    async def _run_steps(self) -> None:
+        """Steps end on deadlines (the start of busy time plus the simulated time since), not
+        after a sleep each: a sleep that overran (a busy loop wakes late) is made up by the
+        next steps, so wall time tracks simulated time instead of drifting a little later
+        every step. A step never ends before its deadline (wall time >= simulated time), and
+        a lag beyond :data:`MAX_CATCH_UP_S` is dropped rather than made up in a burst."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        try:
+            while True:
+                plan = self.scheduler.schedule()
+                if plan.empty:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    deadline = loop.time()
+                    continue
+                deadline = max(deadline, loop.time() - MAX_CATCH_UP_S)
+                deadline += plan.duration_ms / 1000 * self.options.time_scale
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+                outcome = self.scheduler.commit(plan)
+                for sequence in outcome.sampled:
+                    stream = self._streams.get(sequence.request_id)
+                    if stream is not None:
+                        stream.events.put_nowait(sequence.generated)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the simulation: fail loudly, as a dead rank
+            logger.exception("the sim engine's step loop died")
+            self.fail(f"the step loop died: {exc!r}")
+
+    # --- admission -----------------------------------------------------------------------
+
+    def _admit(self, sequence: SimSequence, *, queue: bool = True) -> _Stream:
+        """Register a request; ``queue``: hand it to the scheduler now (else :meth:`_queue`
+        does, once its KV arrived)."""
+        if self._failure is not None:
+            raise self._failure
+        if self._draining:
+            raise EngineDraining("the engine is draining and admits no new request")
+        if sequence.request_id in self._streams:
+            raise DuplicateRequest(f"request {sequence.request_id} is already running")
+        if not self.scheduler.fits_ever(sequence.prompt_len):
+            raise EngineOverloaded(
+                f"a prompt of {sequence.prompt_len} tokens needs more KV blocks than the "
+                f"engine's {self.scheduler.num_blocks}"
+            )
+        if len(self.scheduler.waiting) >= self.options.max_waiting:
+            raise EngineOverloaded(f"queue full: {self.options.max_waiting} requests waiting")
+        stream = _Stream(sequence)
+        self._streams[sequence.request_id] = stream
+        self._idle.clear()
+        if queue:
+            self._queue(stream)
+        return stream
+
+    def _queue(self, stream: _Stream) -> None:
+        self.scheduler.add(stream.sequence)
+        self._ensure_loop()
+
+    def _release(self, request_id: str) -> None:
+        self.scheduler.remove(request_id)
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    async def _next(self, stream: _Stream) -> int | None:
+        """Tokens sampled so far after the next step that sampled one; ``None`` when the
+        request was aborted. Raises the engine's failure."""
+        event = await stream.events.get()
+        if isinstance(event, EngineFailed):
+            raise event
+        if isinstance(event, _Aborted):
+            return None
+        return event
+
+    # --- the seam ------------------------------------------------------------------------
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        prompt, sampling = request.prompt_token_ids, request.sampling
+        sequence = SimSequence(request.request_id, len(prompt), max_new_tokens=1)
+        stream = self._admit(sequence)
+        try:
+            if await self._next(stream) is None:
+                raise RequestAborted(f"request {request.request_id} aborted before its first token")
+            token = self._first_token(prompt)
+            finish = FinishReason.LENGTH if sampling.max_tokens == 1 else None
+            if token in sampling.stop_token_ids:
+                finish = FinishReason.STOP
+            handle = None
+            if finish is None:
+                handle = self._hold(
+                    request.request_id, self.scheduler.blocks_for(len(prompt)), len(prompt)
+                )
+            first_token_ms = sequence.first_token_ms or 0.0
+            scheduled_ms = sequence.first_scheduled_ms or 0.0
+            return PrefillResult(
+                request_id=request.request_id,
+                first_token_id=token,
+                text=self.detokenize([token]),
+                kv_handle=handle,
+                finish_reason=finish,
+                usage=Usage(prompt_tokens=len(prompt), completion_tokens=1),
+                prefill_s=(first_token_ms - scheduled_ms) / 1000,
+                queue_s=(scheduled_ms - sequence.arrived_ms) / 1000,
+            )
+        finally:
+            self._release(request.request_id)
+
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        sampling = request.sampling
+        prompt_len = len(request.prompt_token_ids)
+        remote = request.kv_handle is not None and request.first_token_id is not None
+        sequence = SimSequence(
+            request.request_id,
+            prompt_len,
+            max_new_tokens=sampling.max_tokens,
+            generated=1 if remote else 0,
+            computed=prompt_len if remote else 0,
+        )
+        if sequence.generated >= sequence.max_new_tokens:
+            yield self._last(request, sequence.generated, FinishReason.LENGTH)
+            return
+        transfer_ms = self.options.profile.transfer_ms(prompt_len) if remote else 0.0
+        stream = self._admit(sequence, queue=not transfer_ms)
+        try:
+            if remote:
+                assert request.first_token_id is not None
+                token = request.first_token_id
+                transfer_s: float | None = transfer_ms / 1000
+                if transfer_ms:
+                    # The prompt's KV moves before the request is scheduled (its blocks are
+                    # taken at admission after it, not during the transfer: a simplification).
+                    await asyncio.sleep(transfer_ms / 1000 * self.options.time_scale)
+                    if self._failure is not None:
+                        raise self._failure
+                    if stream.aborted:
+                        yield self._last(request, sequence.generated, FinishReason.ABORT)
+                        return
+                    self._queue(stream)
+            else:
+                token = self._first_token(request.prompt_token_ids) - 1
+                transfer_s = None
+            generated = sequence.generated
+            while generated < sampling.max_tokens:
+                if await self._next(stream) is None:
+                    yield self._last(request, generated, FinishReason.ABORT)
+                    return
+                token = self._next_token(token)
+                if token in sampling.stop_token_ids:
+                    yield self._last(request, generated, FinishReason.STOP)
+                    return
+                generated += 1
+                yield TokenDelta((token,), self.detokenize([token]), kv_transfer_s=transfer_s)
+                transfer_s = None
+            yield self._last(request, generated, FinishReason.LENGTH)
+        finally:
+            self._release(request.request_id)
+
+    def _last(self, request: DecodeRequest, generated: int, reason: FinishReason) -> TokenDelta:
+        usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=generated)
+        return TokenDelta((), "", reason, usage)
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.scheduler.remove(request_id)
+            stream.aborted = True
+            stream.events.put_nowait(_ABORTED)
+            return True
+        return self._drop_held(request_id)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queue_depth=len(self.scheduler.waiting),
+            running_requests=len(self.scheduler.running),
+            kv_blocks_free=self.scheduler.free_blocks,
+            kv_blocks_total=self.scheduler.num_blocks,
+        )
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting, let running and queued requests finish within ``timeout_s``, abort
+        the rest; held handles are dropped (nothing real is held)."""
+        self._draining = True
+        self._held.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        aborted = 0
+        for request_id in list(self._streams):
+            aborted += await self.abort(request_id)
+        # Aborted streams end at their next read; the host's server stop cancels a stream
+        # whose consumer stopped reading.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+        return aborted
+
+    async def stop(self) -> None:
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await super().stop()

@@ -1,0 +1,257 @@
+"""The simulated engine's scheduler: vLLM V1's admission and step planning, with no clock.
+
+Sans-IO: :meth:`SimScheduler.schedule` plans one step and says how long it takes (from the
+profile); :meth:`SimScheduler.commit` applies it and says which sequences got a token and which
+finished. The backend (:mod:`.backend`) sleeps for the step's duration between the two; a test
+drives them directly and reads the durations, with no clock at all.
+
+What it does as vLLM's scheduler does (``vllm/v1/core/sched/scheduler.py``):
+
+- every sequence has ``num_tokens`` (prompt + output so far) and ``computed`` (tokens whose KV
+  exists); a step computes ``num_tokens - computed`` of a sequence, at most what is left of the
+  step's token budget (``max_num_batched_tokens``): a long prompt is prefilled in chunks, and a
+  sequence whose KV is complete after the step samples one token;
+- running sequences are planned first, in admission order, then waiting ones (first come,
+  first served) while budget, ``max_num_seqs`` and free KV blocks allow; a waiting sequence whose
+  blocks do not fit stays at the head of the queue, and nothing behind it is admitted;
+- KV blocks are allocated as a sequence's tokens need them and freed when it finishes or is
+  removed; a running sequence that needs a block when none is free preempts the most recently
+  admitted running one (its blocks freed, it goes back to the head of the queue and computes its
+  tokens again: vLLM's recompute preemption);
+- prefill chunks and decode tokens share a step (chunked prefill), and the step pays for both
+  (:meth:`~services.engines.sim.profile.SimProfile.step_ms`).
+
+What it leaves out: prefix caching, speculative decoding, priorities, a prefill engine holding
+KV until its consumer pulled it (its blocks are freed once its first token is out).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.engines.sim.profile import SimProfile
+
+
+@dataclass(eq=False)
+class SimSequence:
+    """One request in the scheduler."""
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    """Tokens to sample here in all (a prefill engine: 1), ``generated`` included."""
+    generated: int = 0
+    """Output tokens so far (a decode from remote KV starts at 1: the producer's)."""
+    computed: int = 0
+    """Tokens whose KV exists here (a decode from remote KV starts with the prompt's)."""
+    blocks: int = 0
+    arrived_ms: float = 0.0
+    first_scheduled_ms: float | None = None
+    first_token_ms: float | None = None
+    done: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next token can be sampled."""
+        return self.num_tokens - self.computed
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    sequence: SimSequence
+    num_tokens: int
+    computed_before: int
+
+    @property
+    def is_decode(self) -> bool:
+        """One token of a sequence whose prompt is computed: a decode token; anything else
+        (a prompt chunk, a preempted sequence's recompute) is prefill work."""
+        return self.num_tokens == 1 and self.computed_before >= self.sequence.prompt_len
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: what it computes and how long it takes."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    duration_ms: float
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+
+    @property
+    def decode_batch(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+
+@dataclass
+class StepOutcome:
+    """What a committed step produced."""
+
+    sampled: list[SimSequence] = field(default_factory=list)
+    """Sequences that got one token this step (in plan order)."""
+    finished: list[SimSequence] = field(default_factory=list)
+    """Sequences that reached ``max_new_tokens`` (their blocks are free again)."""
+
+
+@dataclass
+class SchedulerStats:
+    """Committed steps so far (what a benchmark reads to show the interference)."""
+
+    steps: int = 0
+    mixed_steps: int = 0
+    """Steps that carried prefill work and decode tokens together (chunked prefill)."""
+    longest_decode_step_ms: float = 0.0
+    """The longest step that carried a decode token: every running stream waited for it."""
+
+
+class SimScheduler:
+    """See the module docstring. Not thread-safe; one per engine, on the engine's loop."""
+
+    def __init__(self, profile: SimProfile, *, num_blocks: int, block_size: int) -> None:
+        self.profile = profile
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks = num_blocks
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+        self.clock_ms = 0.0
+        """Simulated time: the sum of committed steps' durations."""
+        self.stats = SchedulerStats()
+        self._by_id: dict[str, SimSequence] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def fits_ever(self, prompt_len: int) -> bool:
+        """Whether a prompt and one sampled token fit in the whole KV pool."""
+        return self.blocks_for(prompt_len + 1) <= self.num_blocks
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def add(self, sequence: SimSequence) -> None:
+        """Queue a sequence (the caller checked that its id is new and that it fits ever)."""
+        sequence.arrived_ms = self.clock_ms
+        self._by_id[sequence.request_id] = sequence
+        self.waiting.append(sequence)
+
+    def remove(self, request_id: str) -> SimSequence | None:
+        """Take a sequence out (finished by its consumer, aborted) and free its blocks."""
+        sequence = self._by_id.pop(request_id, None)
+        if sequence is None:
+            return None
+        sequence.done = True
+        if sequence in self.running:
+            self.running.remove(sequence)
+        else:
+            self.waiting.remove(sequence)
+        self._free(sequence)
+        return sequence
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step (allocating its blocks); an empty plan when nothing can run."""
+        budget = self.profile.scheduler.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            sequence = self.running[index]
+            take = min(sequence.remaining, budget)
+            need = self.blocks_for(sequence.computed + take) - sequence.blocks
+            # Victims are the most recently admitted: always after this one, never planned.
+            while need > self.free_blocks and self.running[-1] is not sequence:
+                preempted.append(self._preempt(self.running[-1]))
+            if need > self.free_blocks:
+                preempted.append(self._preempt(sequence))
+                break
+            self._allocate(sequence, need)
+            chunks.append(ScheduledChunk(sequence, take, sequence.computed))
+            budget -= take
+            index += 1
+        if not preempted:
+            max_seqs = self.profile.scheduler.max_num_seqs
+            while self.waiting and budget > 0 and len(self.running) < max_seqs:
+                sequence = self.waiting[0]
+                take = min(sequence.remaining, budget)
+                need = self.blocks_for(sequence.computed + take) - sequence.blocks
+                if need > self.free_blocks:
+                    break  # the head waits for blocks; first come, first served
+                self.waiting.popleft()
+                self.running.append(sequence)
+                self._allocate(sequence, need)
+                chunks.append(ScheduledChunk(sequence, take, sequence.computed))
+                budget -= take
+        for chunk in chunks:
+            if chunk.sequence.first_scheduled_ms is None:
+                chunk.sequence.first_scheduled_ms = self.clock_ms
+        return StepPlan(tuple(chunks), self.duration_ms(chunks), tuple(preempted))
+
+    def duration_ms(self, chunks: Iterable[ScheduledChunk]) -> float:
+        """The profile's time for a step computing ``chunks``."""
+        prefill: list[tuple[int, int]] = []
+        batch = context = 0
+        for chunk in chunks:
+            if chunk.is_decode:
+                batch += 1
+                context += chunk.computed_before + 1
+            else:
+                prefill.append((chunk.computed_before, chunk.num_tokens))
+        return self.profile.step_ms(
+            prefill_chunks=prefill, decode_batch=batch, decode_context_tokens=context
+        )
+
+    def commit(self, plan: StepPlan) -> StepOutcome:
+        """The step ran: advance the clock and the planned sequences (those removed since
+        the plan are skipped); sequences done sampling finish and free their blocks."""
+        self.clock_ms += plan.duration_ms
+        self.stats.steps += 1
+        if plan.decode_batch:
+            self.stats.mixed_steps += plan.prefill_tokens > 0
+            self.stats.longest_decode_step_ms = max(
+                self.stats.longest_decode_step_ms, plan.duration_ms
+            )
+        outcome = StepOutcome()
+        for chunk in plan.chunks:
+            sequence = chunk.sequence
+            if sequence.done:
+                continue  # removed since the plan (aborted, its consumer gone)
+            sequence.computed += chunk.num_tokens
+            if sequence.remaining == 0:
+                sequence.generated += 1
+                if sequence.first_token_ms is None:
+                    sequence.first_token_ms = self.clock_ms
+                outcome.sampled.append(sequence)
+                if sequence.generated >= sequence.max_new_tokens:
+                    self.remove(sequence.request_id)
+                    outcome.finished.append(sequence)
+        return outcome
+
+    def _allocate(self, sequence: SimSequence, blocks: int) -> None:
+        if blocks > 0:
+            self.free_blocks -= blocks
+            sequence.blocks += blocks
+
+    def _free(self, sequence: SimSequence) -> None:
+        self.free_blocks += sequence.blocks
+        sequence.blocks = 0
+
+    def _preempt(self, sequence: SimSequence) -> str:
+        self.running.remove(sequence)
+        self._free(sequence)
+        sequence.computed = 0
+        self.waiting.appendleft(sequence)
+        return sequence.request_id

@@ -1,0 +1,141 @@
+"""Simulated engines (``--engine sim``) behind the real router: a sim prefill and a sim decode
+engine hosted in-process (real gRPC servers, real Redis control plane) turn READY, and a
+streamed completion crosses the router with the right number of tokens, taking at least the
+time the profile gives its steps (a lower bound: load only adds), while each engine's simulated
+clock equals the profile's figure for what it computed. Colocated, a long prompt arriving
+mid-stream lengthens one of the stream's steps by its prefill (the interference PD removes)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from services.config import ControlPlaneSettings
+from services.control_plane.wire import EngineRole
+from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
+from services.engines.sim import SimBackend, SimOptions, load_profile
+from services.router.config import RouterSettings
+from services.serving.client import EngineClient
+from tests.integration.services.conftest import hosted, service_settings
+from tests.security.router_harness import serving_router
+
+pytestmark = pytest.mark.integration
+
+PROMPT_LEN = 512
+MAX_TOKENS = 20
+
+
+async def test_a_stream_through_the_router_follows_the_profile(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    profile = load_profile()
+    prefill, decode = SimBackend(SimOptions(profile)), SimBackend(SimOptions(profile))
+    settings = service_settings(cp_settings)
+    router = RouterSettings(control_plane=cp_settings, prefill_timeout_s=10, decode_timeout_s=10)
+    body = {
+        "model": profile.served_model,
+        "prompt": [1 + i % 250 for i in range(PROMPT_LEN)],  # the router's byte vocabulary
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+    }
+    async with (
+        hosted(settings, prefill, engine_id="sim-prefill", role=EngineRole.PREFILL),
+        hosted(settings, decode, engine_id="sim-decode", role=EngineRole.DECODE),
+        serving_router(router) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [profile.served_model]
+        started = time.monotonic()
+        texts: list[str] = []
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            assert response.headers["x-pdserve-prefill-engine"] == "sim-prefill"
+            assert response.headers["x-pdserve-decode-engine"] == "sim-decode"
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    texts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+        elapsed_ms = (time.monotonic() - started) * 1000
+        assert len("".join(texts).split()) == MAX_TOKENS
+
+    # The prefill engine ran one step of the whole prompt; the decode engine one step per
+    # token after the producer's first, a batch of one over a growing context.
+    prefill_ms = profile.prefill_ms(PROMPT_LEN)
+    decode_ms = sum(
+        profile.decode_step_ms(1, PROMPT_LEN + 1 + step) for step in range(MAX_TOKENS - 1)
+    )
+    assert prefill.scheduler.clock_ms == pytest.approx(prefill_ms)
+    assert decode.scheduler.clock_ms == pytest.approx(decode_ms)
+    # Between them the prompt's KV moved over the profile's link, before the decode began.
+    assert elapsed_ms >= prefill_ms + profile.transfer_ms(PROMPT_LEN) + decode_ms
+
+
+async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    """A colocated router on one sim decode engine: a long prompt that arrives while a stream
+    decodes is prefilled in the stream's steps (chunked prefill), so one of the stream's steps
+    takes at least the whole prompt's prefill time; every step it would take alone is short."""
+    profile = load_profile()
+    decode = SimBackend(SimOptions(profile))
+    settings = service_settings(cp_settings)
+    router = RouterSettings(
+        control_plane=cp_settings, colocated=True, prefill_timeout_s=10, decode_timeout_s=30
+    )
+
+    def body(prompt_len: int, max_tokens: int, *, stream: bool) -> dict[str, object]:
+        prompt = [1 + i % 250 for i in range(prompt_len)]
+        return {
+            "model": profile.served_model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+
+    long_prompt = 4000
+    async with (
+        hosted(settings, decode, engine_id="sim-colocated", role=EngineRole.DECODE),
+        serving_router(router) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        # 2000 tokens: at least 9 s of simulated decode, and wall time is never shorter.
+        first = body(PROMPT_LEN, 2000, stream=True)
+        async with client.stream("POST", "/v1/completions", json=first) as streaming:
+            assert streaming.status_code == 200
+            assert streaming.headers["x-pdserve-execution-path"] != "disaggregated"
+            lines = streaming.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            second = await client.post("/v1/completions", json=body(long_prompt, 2, stream=False))
+            assert second.status_code == 200, second.text
+            assert second.json()["usage"]["completion_tokens"] == 2
+            assert decode.load().running_requests == 1  # the first is still decoding
+        # Closing the stream aborted the first request.
+
+    alone_longest = profile.decode_step_ms(2, PROMPT_LEN + 2000 + long_prompt + 2)
+    assert decode.scheduler.stats.mixed_steps >= 1
+    assert decode.scheduler.stats.longest_decode_step_ms >= profile.prefill_ms(long_prompt)
+    assert profile.prefill_ms(long_prompt) > 10 * alone_longest
+
+
+async def test_a_failed_sim_engine_ends_its_stream_and_its_host_exits_1(
+    cp_settings: ControlPlaneSettings,
+) -> None:
+    settings = service_settings(cp_settings)
+    backend = SimBackend(SimOptions(load_profile()))
+    async with hosted(settings, backend, engine_id="sim-dies", role=EngineRole.DECODE) as dec:
+        client = EngineClient(dec.endpoints.grpc)
+        request = DecodeRequest("req-1", (1, 2, 3), SamplingParams(max_tokens=100_000))
+        stream = client.decode(request)
+        first = await anext(stream)
+        assert first.token_ids
+        backend.fail("simulated GPU fault")
+        last = first
+        async for delta in stream:
+            last = delta
+        assert last.finish_reason is FinishReason.ERROR
+        assert await dec.exit_code() == 1
+        await client.close()
