@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PredictorName = Literal["constant", "ema"]
@@ -54,6 +54,13 @@ class PlannerSettings(BaseSettings):
     """Address of the planner's own ``/metrics``."""
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     """Port of the planner's own ``/metrics`` (0: a free one, announced on its ready line)."""
+
+    @field_validator("router_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"router_url must be an http:// or https:// URL, got {value!r}")
+        return value.rstrip("/")
 
     @model_validator(mode="after")
     def _check(self) -> PlannerSettings:

@@ -85,9 +85,14 @@ def run(
     planner = build_planner(settings)
     metrics = metrics if metrics is not None else PlannerMetrics()
     stop = stop if stop is not None else _stop_on_signals()
-    server, _thread = start_http_server(
-        settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry
-    )
+    try:
+        server, _thread = start_http_server(
+            settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry
+        )
+    except OSError as exc:
+        raise PlannerConfigError(
+            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc}"
+        ) from exc
     try:
         host = settings.metrics_host
         if host in ("0.0.0.0", "::", ""):
