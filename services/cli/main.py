@@ -1,7 +1,7 @@
 """``pdserve``: one console script for every service, tool and benchmark.
 
 Subcommands: ``up`` (the system on one machine), ``router`` (the OpenAI-compatible router),
-``status`` (engines and readiness grids),
+``status`` (engines and readiness grids), ``planner`` (pool sizes for the SLOs),
 ``bench`` (benchmarks printing JSON), ``make-tiny-model`` (a local test checkpoint).
 """
 
@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from services.cli import bench, status, up, up_args
+from services.cli import bench, planner, status, up, up_args
 from services.cli import engine as engine_cli
 from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_control_plane_flags(role_parser)
         engine_cli.add_arguments(role_parser)
 
+    planner_parser = commands.add_parser("planner", help=planner.HELP, description=planner.HELP)
+    planner.add_arguments(planner_parser)
+
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
     return parser
@@ -93,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return up.run(args, settings)
         if args.command == "router":
             return router_cli.run(args, settings)
+        if args.command == "planner":
+            return planner.run(args)
         if args.command in (EngineRole.PREFILL, EngineRole.DECODE):
             return engine_cli.run(args, settings, EngineRole(args.command))
         return bench.run(args, settings)

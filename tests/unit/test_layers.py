@@ -20,7 +20,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"engines"}),
     frozenset({"serving"}),
     frozenset({"supervision"}),
-    frozenset({"router", "prefill", "decode", "bench", "observability", "devtools"}),
+    frozenset({"router", "prefill", "decode", "bench", "observability", "devtools", "planner"}),
     frozenset({"cli"}),
 )
 """Bottom to top; the same order as docs/architecture.md."""

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.devtools.dashboards import catalogue_series, exported_series
+from services.planner.metrics import PlannerMetrics
 from services.router.metrics import RouterMetrics
 from services.serving.metrics import EngineServiceMetrics
 
@@ -27,6 +28,10 @@ def _engine_service() -> CollectorRegistry:
     return registry
 
 
+def _planner() -> CollectorRegistry:
+    return PlannerMetrics(CollectorRegistry()).registry
+
+
 @pytest.mark.parametrize(
     ("registry_of", "prefix", "section", "recent"),
     [
@@ -37,8 +42,9 @@ def _engine_service() -> CollectorRegistry:
             "Engine services",
             "pdserve_engine_producer_check_fallbacks_total",
         ),
+        (_planner, "pdserve_planner_", "Planner", "pdserve_planner_decisions_total"),
     ],
-    ids=["router", "engine-service"],
+    ids=["router", "engine-service", "planner"],
 )
 def test_every_exported_metric_is_in_the_catalogue(
     registry_of: Callable[[], CollectorRegistry], prefix: str, section: str, recent: str

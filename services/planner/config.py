@@ -1,0 +1,73 @@
+"""Settings of ``pdserve planner`` (environment ``PDSERVE_PLANNER_...``, flags on top)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PredictorName = Literal["constant", "ema"]
+
+
+class PlannerSettings(BaseSettings):
+    """What the planner reads, the SLOs it sizes for, its pools' bounds and what it serves."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_PLANNER_", extra="forbid")
+
+    router_url: str = "http://127.0.0.1:8000"
+    """The router whose ``/metrics`` the planner reads (``<router_url>/metrics``)."""
+    profile: str = "llama-3.1-8b-h100"
+    """The engines' profile: a shipped name or a JSON file (the simulated engine's format)."""
+    ttft_ms: float = Field(default=500.0, gt=0)
+    """Time-to-first-token SLO the prefill pool is sized for (mean)."""
+    itl_ms: float = Field(default=50.0, gt=0)
+    """Inter-token latency SLO the decode pool is sized for (mean)."""
+    interval_s: float = Field(default=30.0, gt=0)
+    """Seconds between two decisions (and two reads of the router's figures)."""
+    predictor: PredictorName = "constant"
+    """How the next interval's load follows from the last ones: ``constant`` (the last
+    interval's) or ``ema`` (an exponential moving average)."""
+    ema_alpha: float = Field(default=0.5, gt=0, le=1)
+    """The weight of the newest interval in the ``ema`` predictor."""
+    input_tokens: float = Field(default=1024.0, gt=0)
+    """Mean prompt length in tokens (the router counts no tokens, so this is given)."""
+    output_tokens: float = Field(default=256.0, gt=0)
+    """Mean generated length in tokens (given, as ``input_tokens``)."""
+    prefill_min: int = Field(default=1, ge=1)
+    """Fewest prefill engines (never zero: an outage never empties a pool)."""
+    prefill_max: int = Field(default=8, ge=1)
+    """Most prefill engines."""
+    decode_min: int = Field(default=1, ge=1)
+    """Fewest decode engines."""
+    decode_max: int = Field(default=8, ge=1)
+    """Most decode engines."""
+    stabilization_intervals: int = Field(default=5, ge=1)
+    """A pool goes down only after its need was lower for this many intervals (up at once)."""
+    correction_min: float = Field(default=0.5, gt=0)
+    """Lowest observed/expected ratio applied to the SLOs."""
+    correction_max: float = Field(default=3.0, gt=0)
+    """Highest observed/expected ratio applied to the SLOs."""
+    scrape_timeout_s: float = Field(default=5.0, gt=0)
+    """Bound of one read of the router's ``/metrics``."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the planner's own ``/metrics``."""
+    metrics_port: int = Field(default=9400, ge=0, le=65535)
+    """Port of the planner's own ``/metrics`` (0: a free one, announced on its ready line)."""
+
+    @field_validator("router_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"router_url must be an http:// or https:// URL, got {value!r}")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check(self) -> PlannerSettings:
+        if self.prefill_min > self.prefill_max:
+            raise ValueError("prefill_min must be <= prefill_max")
+        if self.decode_min > self.decode_max:
+            raise ValueError("decode_min must be <= decode_max")
+        if self.correction_min > self.correction_max:
+            raise ValueError("correction_min must be <= correction_max")
+        return self

@@ -1,0 +1,139 @@
+"""``pdserve planner``'s loop: read the router's figures every interval, plan, publish, print.
+
+It decides and publishes; it does not start or stop engines (acting, locally or through
+Kubernetes, is the next part of issue 32). A planner that dies changes nothing: the pools keep
+the engines they have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import TextIO
+
+import httpx
+from prometheus_client import start_http_server
+
+from services.engines.sim.profile import SimProfileError, load_profile
+from services.planner.config import PlannerSettings
+from services.planner.decision import Bounds
+from services.planner.errors import MetricsUnreadable, PlannerConfigError
+from services.planner.metrics import PlannerMetrics
+from services.planner.observe import RouterSnapshot, parse_router_metrics
+from services.planner.plan import Planner, PlanStep, step_record
+from services.planner.predictors import make_predictor
+from services.planner.sizing import Slo
+from services.serving.ready import format_ready_line
+
+logger = logging.getLogger(__name__)
+
+
+def build_planner(settings: PlannerSettings) -> Planner:
+    """The planner ``settings`` describe; :class:`PlannerConfigError` for a bad profile."""
+    try:
+        profile = load_profile(settings.profile)
+    except SimProfileError as exc:
+        raise PlannerConfigError(str(exc)) from exc
+    return Planner(
+        profile,
+        Slo(ttft_ms=settings.ttft_ms, itl_ms=settings.itl_ms),
+        make_predictor(settings.predictor, settings.ema_alpha),
+        prefill=Bounds(settings.prefill_min, settings.prefill_max),
+        decode=Bounds(settings.decode_min, settings.decode_max),
+        window=settings.stabilization_intervals,
+        input_tokens=settings.input_tokens,
+        output_tokens=settings.output_tokens,
+        correction_range=(settings.correction_min, settings.correction_max),
+    )
+
+
+def scrape(client: httpx.Client, url: str) -> RouterSnapshot:
+    """The router's figures now; :class:`MetricsUnreadable` when they cannot be had."""
+    try:
+        response = client.get(url)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise MetricsUnreadable(f"{url}: {exc}") from exc
+    return parse_router_metrics(response.text, time.monotonic())
+
+
+def publish(metrics: PlannerMetrics, step: PlanStep) -> None:
+    for pool, plan in (("prefill", step.prefill), ("decode", step.decode)):
+        metrics.desired_replicas.labels(pool=pool).set(plan.decision.desired)
+        metrics.needed_replicas.labels(pool=pool).set(plan.decision.needed)
+        metrics.correction.labels(pool=pool).set(plan.correction)
+        metrics.decisions.labels(pool=pool, reason=plan.decision.reason).inc()
+    if step.predicted is not None:
+        metrics.predicted_rate.set(step.predicted.rate_rps)
+        metrics.predicted_input.set(step.predicted.input_tokens)
+        metrics.predicted_output.set(step.predicted.output_tokens)
+
+
+def run(
+    settings: PlannerSettings,
+    *,
+    stop: threading.Event | None = None,
+    out: TextIO = sys.stdout,
+    metrics: PlannerMetrics | None = None,
+) -> int:
+    """Plan until ``stop`` is set (SIGTERM or SIGINT set it when this is the main thread)."""
+    planner = build_planner(settings)
+    metrics = metrics if metrics is not None else PlannerMetrics()
+    stop = stop if stop is not None else _stop_on_signals()
+    try:
+        server, _thread = start_http_server(
+            settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry
+        )
+    except OSError as exc:
+        raise PlannerConfigError(
+            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc}"
+        ) from exc
+    try:
+        host = settings.metrics_host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        url = f"{settings.router_url.rstrip('/')}/metrics"
+        # The gauges exist from the start, at the bounds' view of the pools.
+        publish_desired(metrics, planner)
+        print(
+            format_ready_line({"metrics": f"http://{host}:{server.server_port}/metrics"}),
+            file=out,
+            flush=True,
+        )
+        with httpx.Client(timeout=settings.scrape_timeout_s) as client:
+            while True:
+                try:
+                    snapshot: RouterSnapshot | None = scrape(client, url)
+                except MetricsUnreadable as exc:
+                    logger.warning("planner: holding, no figures this interval: %s", exc)
+                    snapshot = None
+                step = planner.step(snapshot)
+                publish(metrics, step)
+                print(json.dumps(step_record(step), sort_keys=True), file=out, flush=True)
+                if stop.wait(settings.interval_s):
+                    return 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def publish_desired(metrics: PlannerMetrics, planner: Planner) -> None:
+    metrics.desired_replicas.labels(pool="prefill").set(planner.prefill.desired)
+    metrics.desired_replicas.labels(pool="decode").set(planner.decode.desired)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+    return stop

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the planner (docs/metrics.md, "Planner", is the contract)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.planner.decision import REASONS
+
+POOLS = ("prefill", "decode")
+
+
+class PlannerMetrics:
+    """``pdserve_planner_*``, created with an injectable registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.desired_replicas = Gauge(
+            "pdserve_planner_desired_replicas",
+            "Engines the planner wants in each pool (after bounds and stabilisation).",
+            ["pool"],
+            registry=r,
+        )
+        self.needed_replicas = Gauge(
+            "pdserve_planner_needed_replicas",
+            "Engines each pool needs for the predicted load at the SLOs (before bounds).",
+            ["pool"],
+            registry=r,
+        )
+        self.correction = Gauge(
+            "pdserve_planner_correction_ratio",
+            "Observed over expected latency of each pool (TTFT for prefill, ITL for decode), "
+            "clamped; the SLO is divided by it.",
+            ["pool"],
+            registry=r,
+        )
+        self.predicted_rate = Gauge(
+            "pdserve_planner_predicted_requests_per_second",
+            "Requests a second predicted for the next interval.",
+            registry=r,
+        )
+        self.predicted_input = Gauge(
+            "pdserve_planner_predicted_input_tokens",
+            "Mean prompt length predicted for the next interval.",
+            registry=r,
+        )
+        self.predicted_output = Gauge(
+            "pdserve_planner_predicted_output_tokens",
+            "Mean generated length predicted for the next interval.",
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pdserve_planner_decisions_total",
+            "Decisions per pool by reason (scale_up, scale_down, hold, hold_stabilizing, "
+            "at_min, at_max, no_metrics).",
+            ["pool", "reason"],
+            registry=r,
+        )
+        for pool in POOLS:
+            for reason in REASONS:
+                self.decisions.labels(pool=pool, reason=reason)

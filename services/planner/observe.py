@@ -1,0 +1,107 @@
+"""The router's figures the planner reads, from its ``/metrics`` text, and an interval's deltas.
+
+Read (names from ``services/router/metrics.py``, by string: the planner does not import the
+router): ``pdserve_router_requests_total`` (every endpoint and outcome: the arrivals the pools
+serve), ``pdserve_router_ttft_seconds`` (every path) and ``pdserve_router_itl_seconds`` (their
+``_sum`` and ``_count``: an interval's mean is the sums' delta over the counts'), and
+``pdserve_router_ready_engines{role}`` (the engines each pool has now). The router counts no
+prompt or generated tokens, so the mean input and output lengths are not read here: the
+planner takes them from its settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.planner.errors import MetricsUnreadable
+
+REQUESTS = "pdserve_router_requests_total"
+TTFT = "pdserve_router_ttft_seconds"
+ITL = "pdserve_router_itl_seconds"
+READY_ENGINES = "pdserve_router_ready_engines"
+
+
+@dataclass(frozen=True)
+class RouterSnapshot:
+    """The cumulative figures of one scrape, at ``at_s`` (the planner's monotonic clock)."""
+
+    at_s: float
+    requests: float
+    ttft_sum_s: float
+    ttft_count: float
+    itl_sum_s: float
+    itl_count: float
+    ready_prefill: int | None
+    ready_decode: int | None
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What happened between two snapshots: arrivals a second, and the mean TTFT and ITL of
+    what was observed in it (``None`` when nothing was)."""
+
+    duration_s: float
+    rate_rps: float
+    ttft_ms: float | None
+    itl_ms: float | None
+
+
+def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
+    """The snapshot in a router's exposition ``text``; :class:`MetricsUnreadable` when it is
+    not Prometheus text or lacks the request counter (not a router's)."""
+    totals: dict[str, float] = {}
+    ready: dict[str, int] = {}
+    found: set[str] = set()
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name == REQUESTS.removesuffix("_total"):
+                found.add(REQUESTS)  # declared even before the first request
+            for sample in family.samples:
+                name = sample.name
+                if name == REQUESTS:
+                    totals[REQUESTS] = totals.get(REQUESTS, 0.0) + sample.value
+                elif name in (f"{TTFT}_sum", f"{TTFT}_count", f"{ITL}_sum", f"{ITL}_count"):
+                    totals[name] = totals.get(name, 0.0) + sample.value
+                elif name == READY_ENGINES:
+                    role = sample.labels.get("role", "")
+                    ready[role] = int(sample.value)
+    except ValueError as exc:
+        raise MetricsUnreadable(f"router metrics are not Prometheus text: {exc}") from exc
+    if REQUESTS not in found:
+        raise MetricsUnreadable(f"router metrics have no {REQUESTS}: not a pdserve router?")
+    return RouterSnapshot(
+        at_s=at_s,
+        requests=totals.get(REQUESTS, 0.0),
+        ttft_sum_s=totals.get(f"{TTFT}_sum", 0.0),
+        ttft_count=totals.get(f"{TTFT}_count", 0.0),
+        itl_sum_s=totals.get(f"{ITL}_sum", 0.0),
+        itl_count=totals.get(f"{ITL}_count", 0.0),
+        ready_prefill=ready.get("prefill"),
+        ready_decode=ready.get("decode"),
+    )
+
+
+def interval_between(before: RouterSnapshot, after: RouterSnapshot) -> Interval | None:
+    """The interval from ``before`` to ``after``; ``None`` when a counter went down (the router
+    restarted: the next interval starts from ``after``) or no time passed."""
+    duration = after.at_s - before.at_s
+    deltas = (
+        after.requests - before.requests,
+        after.ttft_count - before.ttft_count,
+        after.itl_count - before.itl_count,
+    )
+    if duration <= 0 or min(deltas) < 0:
+        return None
+    requests, ttft_count, itl_count = deltas
+    return Interval(
+        duration_s=duration,
+        rate_rps=requests / duration,
+        ttft_ms=_mean_ms(after.ttft_sum_s - before.ttft_sum_s, ttft_count),
+        itl_ms=_mean_ms(after.itl_sum_s - before.itl_sum_s, itl_count),
+    )
+
+
+def _mean_ms(sum_s: float, count: float) -> float | None:
+    return sum_s / count * 1000 if count > 0 else None

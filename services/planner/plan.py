@@ -1,0 +1,153 @@
+"""One interval of planning, without I/O: a snapshot of the router's figures in, a decision per
+pool out (the loop in :mod:`services.planner.main` fetches, publishes and prints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engines.sim.profile import SimProfile
+from services.planner.decision import Bounds, Decision, PoolPlanner
+from services.planner.observe import Interval, RouterSnapshot, interval_between
+from services.planner.predictors import LoadPredictor
+from services.planner.sizing import (
+    Load,
+    PoolSize,
+    Slo,
+    correction,
+    decode_size,
+    expected_itl_ms,
+    expected_ttft_ms,
+    prefill_size,
+)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool's outcome of an interval."""
+
+    decision: Decision
+    correction: float
+    size: PoolSize | None
+    """``None`` when the interval had no figures."""
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    interval: Interval | None
+    predicted: Load | None
+    prefill: PoolPlan
+    decode: PoolPlan
+
+
+class Planner:
+    """Sizes both pools each interval from ``profile`` at ``slo``; the mean lengths are given
+    (``input_tokens``, ``output_tokens``: the router counts no tokens)."""
+
+    def __init__(
+        self,
+        profile: SimProfile,
+        slo: Slo,
+        predictor: LoadPredictor,
+        *,
+        prefill: Bounds,
+        decode: Bounds,
+        window: int,
+        input_tokens: float,
+        output_tokens: float,
+        correction_range: tuple[float, float] = (0.5, 3.0),
+    ) -> None:
+        self.profile = profile
+        self.slo = slo
+        self.predictor = predictor
+        self.prefill = PoolPlanner(prefill, window)
+        self.decode = PoolPlanner(decode, window)
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        self.correction_range = correction_range
+        self._last: RouterSnapshot | None = None
+
+    def step(self, snapshot: RouterSnapshot | None) -> PlanStep:
+        """The decisions after an interval ending at ``snapshot`` (``None``: its figures could
+        not be read, so both pools hold)."""
+        if snapshot is None:
+            return self._hold()
+        before, self._last = self._last, snapshot
+        if before is None:
+            # The first read: the pools start from what the router has now.
+            for pool, ready in (
+                (self.prefill, snapshot.ready_prefill),
+                (self.decode, snapshot.ready_decode),
+            ):
+                if ready:
+                    pool.desired = pool.bounds.clamp(ready)
+            return self._hold()
+        interval = interval_between(before, snapshot)
+        if interval is None:
+            return self._hold()
+        observed = Load(interval.rate_rps, self.input_tokens, self.output_tokens)
+        self.predictor.observe(observed)
+        predicted = self.predictor.predict() or observed
+        low, high = self.correction_range
+        prefill_engines = snapshot.ready_prefill or self.prefill.desired
+        decode_engines = snapshot.ready_decode or self.decode.desired
+        service_s = self.profile.prefill_ms(max(1, round(observed.input_tokens))) / 1000
+        utilisation = observed.rate_rps * service_s / prefill_engines
+        prefill_ratio = correction(
+            interval.ttft_ms,
+            expected_ttft_ms(self.profile, observed.input_tokens, utilisation),
+            low,
+            high,
+        )
+        decode_ratio = correction(
+            interval.itl_ms, expected_itl_ms(self.profile, observed, decode_engines), low, high
+        )
+        prefill = prefill_size(self.profile, predicted, self.slo.ttft_ms / prefill_ratio)
+        decode = decode_size(self.profile, predicted, self.slo.itl_ms / decode_ratio)
+        return PlanStep(
+            interval,
+            predicted,
+            PoolPlan(self.prefill.decide(prefill.replicas), prefill_ratio, prefill),
+            PoolPlan(self.decode.decide(decode.replicas), decode_ratio, decode),
+        )
+
+    def _hold(self) -> PlanStep:
+        return PlanStep(
+            None,
+            None,
+            PoolPlan(self.prefill.hold(), 1.0, None),
+            PoolPlan(self.decode.hold(), 1.0, None),
+        )
+
+
+def step_record(step: PlanStep) -> dict[str, object]:
+    """The JSON line of one interval (what ``pdserve planner`` prints)."""
+    record: dict[str, object] = {}
+    if step.interval is not None:
+        record["observed"] = {
+            "interval_s": round(step.interval.duration_s, 3),
+            "rate_rps": round(step.interval.rate_rps, 4),
+            "ttft_ms": _round(step.interval.ttft_ms),
+            "itl_ms": _round(step.interval.itl_ms),
+        }
+    if step.predicted is not None:
+        record["predicted"] = {
+            "rate_rps": round(step.predicted.rate_rps, 4),
+            "input_tokens": round(step.predicted.input_tokens, 1),
+            "output_tokens": round(step.predicted.output_tokens, 1),
+        }
+    for name, plan in (("prefill", step.prefill), ("decode", step.decode)):
+        pool: dict[str, object] = {
+            "desired": plan.decision.desired,
+            "needed": plan.decision.needed,
+            "reason": plan.decision.reason,
+            "correction": round(plan.correction, 3),
+        }
+        if plan.size is not None:
+            pool["tokens_per_s_per_engine"] = round(plan.size.tokens_per_s, 1)
+            pool["slo_reachable"] = plan.size.slo_reachable
+        record[name] = pool
+    return record
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

@@ -1,0 +1,42 @@
+"""``pdserve planner``'s flags: parsed without importing the planner, laid over its environment
+settings, and refused when they disagree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from services.cli.main import build_parser
+from services.cli.planner import build_settings
+
+
+def test_building_the_parser_does_not_import_the_planner() -> None:
+    probe = (
+        "import sys; from services.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith('services.planner')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_PLANNER_ITL_MS", "30")
+    monkeypatch.setenv("PDSERVE_PLANNER_DECODE_MAX", "12")
+    args = build_parser().parse_args(
+        ["planner", "--router-url", "http://r:9", "--ttft-ms", "300", "--predictor", "ema",
+         "--decode-max", "6", "--prefill-min", "2", "--prefill-max", "2"]
+    )  # fmt: skip
+    settings = build_settings(args)
+    assert (settings.router_url, settings.ttft_ms, settings.itl_ms) == ("http://r:9", 300, 30)
+    assert (settings.predictor, settings.decode_max, settings.prefill_min) == ("ema", 6, 2)
+
+
+def test_a_minimum_above_the_maximum_is_refused() -> None:
+    args = build_parser().parse_args(["planner", "--decode-min", "5", "--decode-max", "4"])
+    with pytest.raises(ValidationError, match="decode_min"):
+        build_settings(args)

@@ -1,0 +1,83 @@
+"""The router's figures as the planner reads them: from a real ``RouterMetrics`` registry's
+exposition text, recorded through its own methods, into snapshots and interval deltas."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.planner.errors import MetricsUnreadable
+from services.planner.observe import interval_between, parse_router_metrics
+from services.router.metrics import RouterMetrics
+
+
+def _text(metrics: RouterMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def _serve(metrics: RouterMetrics, requests: int, ttft_s: float, itl_s: float) -> None:
+    """``requests`` answered, each with its TTFT and three token gaps."""
+    for index in range(requests):
+        endpoint = "completions" if index % 2 else "chat_completions"
+        metrics.requests_by(endpoint, "ok").inc()
+        metrics.ttft_by("disaggregated" if index % 3 else "local").observe(ttft_s)
+        for _ in range(3):
+            metrics.itl.observe(itl_s)
+        metrics.e2e_by(endpoint).observe(ttft_s + 3 * itl_s)
+
+
+def test_a_fresh_router_reads_as_zeros_with_its_ready_engines() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    metrics.ready_engines.labels(role="prefill").set(2)
+    metrics.ready_engines.labels(role="decode").set(3)
+    snapshot = parse_router_metrics(_text(metrics), at_s=1.0)
+    assert (snapshot.requests, snapshot.ttft_count, snapshot.itl_count) == (0, 0, 0)
+    assert (snapshot.ready_prefill, snapshot.ready_decode) == (2, 3)
+
+
+def test_an_interval_gives_the_rate_and_mean_latencies_of_what_happened_in_it() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    _serve(metrics, 4, ttft_s=1.0, itl_s=1.0)  # before the interval: not counted in it
+    metrics.requests_by("completions", "rate_limited").inc()
+    before = parse_router_metrics(_text(metrics), at_s=10.0)
+    _serve(metrics, 6, ttft_s=0.2, itl_s=0.02)
+    metrics.requests_by("completions", "no_engine").inc(2)  # errors are arrivals too
+    after = parse_router_metrics(_text(metrics), at_s=14.0)
+    interval = interval_between(before, after)
+    assert interval is not None
+    assert interval.duration_s == 4.0
+    assert interval.rate_rps == pytest.approx(8 / 4)
+    assert interval.ttft_ms == pytest.approx(200)
+    assert interval.itl_ms == pytest.approx(20)
+    assert after.ready_prefill is None  # the router exported none
+
+
+def test_an_interval_without_tokens_has_no_latencies() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    before = parse_router_metrics(_text(metrics), at_s=0.0)
+    after = parse_router_metrics(_text(metrics), at_s=5.0)
+    interval = interval_between(before, after)
+    assert interval is not None
+    assert (interval.rate_rps, interval.ttft_ms, interval.itl_ms) == (0, None, None)
+
+
+def test_a_restarted_router_gives_no_interval() -> None:
+    old = RouterMetrics(CollectorRegistry())
+    _serve(old, 5, ttft_s=0.1, itl_s=0.01)
+    before = parse_router_metrics(_text(old), at_s=0.0)
+    after = parse_router_metrics(_text(RouterMetrics(CollectorRegistry())), at_s=5.0)
+    assert interval_between(before, after) is None
+    assert interval_between(before, before) is None  # no time passed
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# TYPE some_other_total counter\nsome_other_total 3\n",
+        "this is { not prometheus",
+    ],
+    ids=["not-a-router", "not-prometheus"],
+)
+def test_text_that_is_not_a_routers_metrics_is_refused(text: str) -> None:
+    with pytest.raises(MetricsUnreadable):
+        parse_router_metrics(text, at_s=0.0)

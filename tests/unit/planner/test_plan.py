@@ -1,0 +1,96 @@
+"""One planning interval end to end, without I/O: router snapshots in, decisions out."""
+
+from __future__ import annotations
+
+from services.engines.sim.profile import load_profile
+from services.planner.decision import Bounds
+from services.planner.observe import RouterSnapshot
+from services.planner.plan import Planner, step_record
+from services.planner.predictors import ConstantPredictor
+from services.planner.sizing import Load, Slo, decode_size, prefill_size
+
+
+def _snapshot(
+    at_s: float, requests: float, ready: tuple[int, int] | None = (1, 1)
+) -> RouterSnapshot:
+    ttft_ms, itl_ms = 60.0, 8.0  # means of every request so far
+    return RouterSnapshot(
+        at_s=at_s,
+        requests=requests,
+        ttft_sum_s=requests * ttft_ms / 1000,
+        ttft_count=requests,
+        itl_sum_s=requests * 100 * itl_ms / 1000,
+        itl_count=requests * 100,
+        ready_prefill=ready[0] if ready else None,
+        ready_decode=ready[1] if ready else None,
+    )
+
+
+def _planner(window: int = 2) -> Planner:
+    return Planner(
+        load_profile(),
+        Slo(ttft_ms=200, itl_ms=20),
+        ConstantPredictor(),
+        prefill=Bounds(1, 6),
+        decode=Bounds(1, 6),
+        window=window,
+        input_tokens=2000,
+        output_tokens=500,
+    )
+
+
+def test_the_first_read_starts_from_the_routers_engines_and_holds() -> None:
+    planner = _planner()
+    step = planner.step(_snapshot(0, 0, ready=(2, 9)))
+    assert (step.prefill.decision.desired, step.decode.decision.desired) == (2, 6)  # max 6
+    assert step.prefill.decision.reason == "no_metrics"
+    assert step.predicted is None
+
+
+def test_an_interval_sizes_both_pools_for_the_observed_rate() -> None:
+    planner = _planner()
+    planner.step(_snapshot(0, 0))
+    step = planner.step(_snapshot(10, 400))  # 40 requests/s
+    assert step.interval is not None
+    assert step.predicted == Load(40, 2000, 500)
+    # The sizes are the sizing functions' at the corrected SLOs.
+    profile = load_profile()
+    prefill = prefill_size(profile, Load(40, 2000, 500), 200 / step.prefill.correction)
+    decode = decode_size(profile, Load(40, 2000, 500), 20 / step.decode.correction)
+    assert step.prefill.decision.needed == prefill.replicas
+    assert step.decode.decision.needed == decode.replicas
+    assert step.decode.decision.needed > 1
+    assert step.decode.decision.reason == "scale_up"
+    record = step_record(step)
+    assert record["observed"] == {
+        "interval_s": 10.0,
+        "rate_rps": 40.0,
+        "ttft_ms": 60.0,
+        "itl_ms": 8.0,
+    }
+    assert record["decode"]["desired"] == step.decode.decision.desired  # type: ignore[index]
+
+
+def test_missing_figures_and_a_router_restart_hold_the_last_decision() -> None:
+    planner = _planner()
+    planner.step(_snapshot(0, 0))
+    grown = planner.step(_snapshot(10, 400))
+    held = planner.step(None)
+    assert held.decode.decision.desired == grown.decode.decision.desired
+    assert held.decode.decision.reason == held.prefill.decision.reason == "no_metrics"
+    restarted = planner.step(_snapshot(20, 3))  # the counter went down
+    assert restarted.decode.decision.reason == "no_metrics"
+    assert restarted.decode.decision.desired == grown.decode.decision.desired
+
+
+def test_a_slower_fleet_than_the_profile_needs_more_engines() -> None:
+    fast, slow = _planner(), _planner()
+    fast.step(_snapshot(0, 0))
+    slow.step(_snapshot(0, 0))
+    quick = fast.step(_snapshot(10, 100))
+    late = RouterSnapshot(10, 100, 100 * 0.6, 100, 100 * 100 * 0.04, 100 * 100, 1, 1)
+    lagging = slow.step(late)  # TTFT 600 ms, ITL 40 ms observed
+    assert lagging.prefill.correction > quick.prefill.correction
+    assert lagging.decode.correction > quick.decode.correction
+    assert lagging.decode.decision.needed > quick.decode.decision.needed
+    assert lagging.prefill.decision.needed > quick.prefill.decision.needed
