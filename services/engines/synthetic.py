@@ -26,9 +26,13 @@ from services.control_plane import ControlPlaneMetrics, EngineNotFound, RedisCon
 from services.control_plane.synthetic import synthetic_records
 from services.engines.backend import (
     BackendDescription,
+    DecodeRequest,
     EngineBackend,
     EngineRegistration,
+    FinishReason,
     KVHandle,
+    TokenDelta,
+    Usage,
 )
 from services.engines.errors import EngineFailed
 
@@ -135,6 +139,12 @@ class SyntheticEngine(EngineBackend, abc.ABC):
 
     def _next_token(self, token: int) -> int:
         return (token + 1) % self.shape.vocab_size
+
+    @staticmethod
+    def _last(request: DecodeRequest, generated: int, reason: FinishReason) -> TokenDelta:
+        """A decode stream's last delta: no token, ``reason``, the usage of ``generated``."""
+        usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=generated)
+        return TokenDelta((), "", reason, usage)
 
     def _hold(self, request_id: str, num_blocks: int, num_tokens: int) -> KVHandle:
         """A handle for ``request_id``'s KV under the current generation, remembered until

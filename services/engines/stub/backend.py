@@ -188,10 +188,6 @@ class StubBackend(SyntheticEngine):
         finally:
             self._release(request.request_id)
 
-    def _last(self, request: DecodeRequest, generated: int, reason: FinishReason) -> TokenDelta:
-        usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=generated)
-        return TokenDelta((), "", reason, usage)
-
     async def abort(self, request_id: str) -> bool:
         running = self._running.get(request_id)
         if running is not None:
