@@ -123,6 +123,13 @@ class EngineRecord:
     max_model_len: int = 0
     """The engine's context (prompt + output tokens); 0 = unknown (the router then cannot
     check a request's length against it)."""
+    kv_events_endpoint: str = ""
+    """Where the engine publishes its KV-cache events (a ZMQ PUB address, ``tcp://host:port``;
+    ``services.kv_events``); empty = it publishes none. Part of this generation's record, so a
+    restarted engine's endpoints come with its new generation."""
+    kv_events_replay_endpoint: str = ""
+    """The engine's KV-event replay endpoint (ZMQ ROUTER: send a start sequence number, get the
+    buffered batches from it on); empty = no replay."""
 
     @property
     def world_size(self) -> int:

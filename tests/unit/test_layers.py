@@ -15,7 +15,7 @@ SERVICES = Path(__file__).resolve().parents[2] / "services"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"proto_gen", "config", "topology", "lifetime"}),
     frozenset({"control_plane"}),
-    frozenset({"kv_transfer"}),
+    frozenset({"kv_transfer", "kv_events"}),
     frozenset({"tokenization"}),
     frozenset({"engines"}),
     frozenset({"serving"}),
