@@ -48,6 +48,12 @@ BENCHMARKS = (
         "thousands of requests through pdserve up: errors, TTFT/ITL, RSS growth",
     ),
     Benchmark(
+        "routing",
+        "services.bench.routing",
+        "multi-turn chats through pdserve up: cached share of reusable prompt tokens per pool, "
+        "KV bytes moved, TTFT; round-robin, approximate and KV-event placement side by side",
+    ),
+    Benchmark(
         "chaos",
         "services.bench.chaos",
         "load through pdserve up (2 prefill, 2 decode) while engine processes fail: "

@@ -1,0 +1,372 @@
+"""``pdserve bench routing``: multi-turn conversations through ``pdserve up``, one fresh stack
+per routing setting, side by side in one run.
+
+The workload: ``--conversations`` chats arrive as a Poisson process (``--rate`` per second);
+each opens with one of ``--system-prompts`` shared system prompts and runs ``--turns`` turns.
+Turn ``t``'s prompt is turn ``t - 1``'s prompt plus the assistant's reply and the next user
+message (token ids, so every turn extends the last one exactly), so a scheduler that sends a
+turn where the previous ones ran finds most of its prompt cached. ``--kv-blocks`` bounds every
+engine's cache (a small value makes engines evict).
+
+Settings (``--policies``; each on a fresh ``pdserve up`` with ``--prefill-replicas`` and
+``--decode-replicas`` engines, per router worker count of ``--router-workers``):
+
+- ``round_robin``: the router's ``round_robin`` policy;
+- ``approximate``: ``prefix_aware`` with engines that publish no KV events (what the router
+  sent, and the reference engine's heartbeat report of its cache);
+- ``precise``: ``prefix_aware`` over the engines' KV-cache events.
+
+Figures per setting (JSON): requests and errors; **reusable** prompt tokens (the full blocks of
+a prompt that a request finished before it was sent already had: what a scheduler that knew
+every cache, with no evictions, could find cached: the oracle); **prefill cached share**:
+``usage.prompt_tokens_details.cached_tokens`` summed over requests / reusable tokens;
+**prefill tokens computed** (prompt tokens minus cached ones); **KV bytes moved per request**
+(the engines' ``pdserve_kv_transfer_bytes_total``, delta over the run) and the **decode cached
+share** it implies (1 - moved / the bytes of the reusable tokens, the KV bytes per token read
+from the model's config); TTFT p50/p99 (streamed, from the client). ``comparison`` puts each
+setting's shares beside ``approximate``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.bench.soak import percentiles_ms, wait_endpoints
+from services.supervision import DetachedProcess
+
+SETTINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "round_robin": (("--policy=round_robin",), ()),
+    "approximate": (("--policy=prefix_aware",), ("--no-kv-events",)),
+    "precise": (("--policy=prefix_aware",), ()),
+}
+"""Setting -> (router arguments, engine arguments)."""
+
+TOKEN_RANGE = (16, 300)
+"""Token ids the prompts draw from: the tiny checkpoint's ordinary tokens (its special tokens
+have the lowest ids)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("reference", "vllm"), default="reference")
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: tiny)")
+    parser.add_argument("--policies", default=",".join(SETTINGS), help="comma-separated settings")
+    parser.add_argument("--router-workers", default="1,2", help="comma-separated worker counts")
+    parser.add_argument("--prefill-replicas", type=int, default=2)
+    parser.add_argument("--decode-replicas", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-prompts", type=int, default=3, help="distinct shared ones")
+    parser.add_argument("--system-tokens", type=int, default=96)
+    parser.add_argument("--user-tokens", type=int, default=24, help="per user message")
+    parser.add_argument("--reply-tokens", type=int, default=24, help="per assistant reply")
+    parser.add_argument("--max-tokens", type=int, default=4, help="generated per request")
+    parser.add_argument("--rate", type=float, default=2.0, help="conversations started per s")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--kv-blocks", type=int, default=None, help="engines' KV blocks (cache pressure)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
+
+
+@dataclass
+class Turn:
+    """One request's result."""
+
+    prompt_tokens: int
+    reusable_tokens: int
+    ok: bool = False
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Conversation:
+    system: list[int]
+    messages: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """(user message, assistant reply) per turn."""
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    policies = [name for name in str(args.policies).split(",") if name]
+    unknown = [name for name in policies if name not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"pdserve bench routing: unknown setting(s) {unknown}; known: {SETTINGS}")
+    workers = [int(count) for count in str(args.router_workers).split(",") if count]
+    results: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        root: Path = args.work_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-routing-"))
+        )
+        for count in workers:
+            for policy in policies:
+                name = f"{policy}/workers={count}"
+                results[name] = _run_setting(args, policy, count, root / f"{policy}-{count}")
+    return {
+        "workload": _workload_figures(args),
+        "settings": results,
+        "comparison": _comparison(results),
+    }
+
+
+def _workload_figures(args: argparse.Namespace) -> dict[str, Any]:
+    keys = (
+        "engine", "conversations", "turns", "system_prompts", "system_tokens", "user_tokens",
+        "reply_tokens", "max_tokens", "rate", "block_size", "kv_blocks", "prefill_replicas",
+        "decode_replicas", "seed",
+    )  # fmt: skip
+    return {key: getattr(args, key) for key in keys}
+
+
+def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: Path) -> Any:
+    router_args, engine_args = SETTINGS[policy]
+    engine_args = (
+        *engine_args,
+        *((f"--num-kv-blocks={args.kv_blocks}",) if args.kv_blocks else ()),
+    )
+    work_dir.mkdir(parents=True, exist_ok=True)
+    up = DetachedProcess.pdserve_up(
+        work_dir,
+        "--engine",
+        args.engine,
+        "--prefill-replicas",
+        str(args.prefill_replicas),
+        "--decode-replicas",
+        str(args.decode_replicas),
+        "--router-workers",
+        str(workers),
+        "--block-size",
+        str(args.block_size),
+        *(["--model", str(args.model)] if args.model is not None else []),
+        *(f"--router-arg={arg}" for arg in router_args),
+        *(f"--engine-arg={arg}" for arg in engine_args),
+    )
+    try:
+        endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
+        router = str(endpoints["router"])
+        model = str(httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"])
+        metrics = [str(url) for name, url in endpoints["metrics"].items() if name != "router"]
+        moved_before = _kv_bytes(metrics)
+        started = time.perf_counter()
+        turns = asyncio.run(_load(args, router, model))
+        elapsed = time.perf_counter() - started
+        moved = _kv_bytes(metrics) - moved_before
+        model_dir = args.model or work_dir / "tiny-model"
+        return _summarize(turns, moved, _kv_bytes_per_token(model_dir, args.engine), elapsed)
+    finally:
+        up.stop()
+
+
+def _conversations(args: argparse.Namespace) -> list[Conversation]:
+    rng = random.Random(args.seed)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
+
+    systems = [tokens(args.system_tokens) for _ in range(args.system_prompts)]
+    return [
+        Conversation(
+            systems[index % len(systems)],
+            [(tokens(args.user_tokens), tokens(args.reply_tokens)) for _ in range(args.turns)],
+        )
+        for index in range(args.conversations)
+    ]
+
+
+class _Oracle:
+    """The chained block keys of every prompt that has finished: a prompt's reusable tokens
+    are its leading full blocks found here (as an engine counts cached tokens: never the
+    prompt's last token)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.known: set[int] = set()
+
+    def _keys(self, prompt: list[int]) -> list[int]:
+        keys, previous = [], 0
+        size = self.block_size
+        for start in range(0, len(prompt) - size + 1, size):
+            previous = hash((previous, tuple(prompt[start : start + size])))
+            keys.append(previous)
+        return keys
+
+    def reusable(self, prompt: list[int]) -> int:
+        found = 0
+        for key in self._keys(prompt):
+            if key not in self.known:
+                break
+            found += 1
+        limit = (len(prompt) - 1) // self.block_size
+        return min(found, limit) * self.block_size
+
+    def finished(self, prompt: list[int]) -> None:
+        self.known.update(self._keys(prompt))
+
+
+async def _load(args: argparse.Namespace, router: str, model: str) -> list[Turn]:
+    conversations = _conversations(args)
+    oracle = _Oracle(args.block_size)
+    turns: list[Turn] = []
+    rng = random.Random(args.seed + 1)
+    limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=router, limits=limits) as client:
+
+        async def chat(conversation: Conversation, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            prompt = list(conversation.system)
+            for user, reply in conversation.messages:
+                prompt += user
+                turn = Turn(len(prompt), oracle.reusable(prompt))
+                turns.append(turn)
+                await _complete(client, model, prompt, args, turn)
+                oracle.finished(prompt)
+                prompt += reply
+
+        delays, at = [], 0.0
+        for _ in conversations:
+            delays.append(at)
+            at += rng.expovariate(args.rate)
+        await asyncio.gather(*(chat(c, d) for c, d in zip(conversations, delays, strict=True)))
+    return turns
+
+
+async def _complete(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    args: argparse.Namespace,
+    turn: Turn,
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, timeout=args.request_timeout_s
+        ) as reply:
+            turn.prefill_engine = reply.headers.get("x-pdserve-prefill-engine")
+            turn.decode_engine = reply.headers.get("x-pdserve-decode-engine")
+            if reply.status_code != 200:
+                turn.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
+                return
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    turn.error = str(event["error"])[:300]
+                    return
+                if turn.ttft_s is None and any(c.get("text") for c in event.get("choices", [])):
+                    turn.ttft_s = time.perf_counter() - sent
+                usage = event.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    turn.cached_tokens = int(details.get("cached_tokens") or 0)
+                    turn.ok = True
+    except httpx.HTTPError as exc:
+        turn.error = f"{type(exc).__name__}: {exc}"
+    if not turn.ok and turn.error is None:
+        turn.error = "stream ended without usage"
+
+
+def _kv_bytes(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        text = httpx.get(url, timeout=30).text
+        for family in text_string_to_metric_families(text):
+            if family.name == "pdserve_kv_transfer_bytes":
+                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
+def _kv_bytes_per_token(model_dir: Path, engine: str) -> float | None:
+    """K and V of one token over every layer, from the checkpoint's ``config.json`` (float32
+    on the reference engine; the config's dtype on vLLM)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dtype = "float32" if engine == "reference" else str(config.get("torch_dtype", "bfloat16"))
+    element = 4 if dtype == "float32" else 2
+    return float(2 * config["num_hidden_layers"] * heads * head_dim * element)
+
+
+def _summarize(
+    turns: list[Turn], moved_bytes: float, bytes_per_token: float | None, elapsed_s: float
+) -> dict[str, Any]:
+    done = [turn for turn in turns if turn.ok]
+    reusable = sum(turn.reusable_tokens for turn in done)
+    cached = sum(min(turn.cached_tokens, turn.prompt_tokens) for turn in done)
+    prompt = sum(turn.prompt_tokens for turn in done)
+    decode_share = None
+    if bytes_per_token and reusable:
+        # Every prompt token the decode engine lacks moves once; what it holds does not.
+        lacking = moved_bytes / bytes_per_token
+        decode_share = round(max(0.0, 1 - max(0.0, lacking - (prompt - reusable)) / reusable), 4)
+    errors = [turn.error for turn in turns if not turn.ok]
+    return {
+        "requests": len(turns),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "elapsed_s": round(elapsed_s, 2),
+        "prompt_tokens": prompt,
+        "reusable_tokens": reusable,
+        "cached_tokens": cached,
+        "prefill_cached_share": round(cached / reusable, 4) if reusable else None,
+        "prefill_tokens_computed": prompt - cached,
+        "kv_bytes_moved_per_request": round(moved_bytes / len(done)) if done else None,
+        "decode_cached_share": decode_share,
+        "ttft_ms": percentiles_ms([t.ttft_s for t in done if t.ttft_s is not None]),
+        "prefill_engines": sorted({t.prefill_engine for t in done if t.prefill_engine}),
+        "decode_engines": sorted({t.decode_engine for t in done if t.decode_engine}),
+    }
+
+
+def _comparison(results: dict[str, Any]) -> dict[str, Any]:
+    """Each setting's figures beside ``approximate``'s with the same router workers."""
+    rows: dict[str, Any] = {}
+    for name, figures in results.items():
+        policy, workers = name.split("/")
+        baseline = results.get(f"approximate/{workers}")
+        if baseline is None or policy == "approximate":
+            continue
+        rows[name] = {
+            key: {"this": figures.get(key), "approximate": baseline.get(key)}
+            for key in (
+                "prefill_cached_share",
+                "decode_cached_share",
+                "kv_bytes_moved_per_request",
+                "prefill_tokens_computed",
+            )
+        }
+        rows[name]["ttft_p50_ms"] = {
+            "this": figures["ttft_ms"]["p50"],
+            "approximate": baseline["ttft_ms"]["p50"],
+        }
+    return rows
