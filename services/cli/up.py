@@ -43,7 +43,8 @@ import httpx
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.cli.up_args import TINY_MODEL_DIR
-from services.cli.up_supervise import supervise
+from services.cli.up_autoscale import autoscale, planner_argv_flags
+from services.cli.up_supervise import KeptEngines, supervise
 from services.config import ControlPlaneSettings
 from services.config.control_plane import split_url_password
 from services.control_plane import RedisControlPlane
@@ -60,7 +61,7 @@ from services.serving.ready import pdserve_argv
 from services.supervision import ChildProcess, RestartPolicy, RestartTracker, stop_in_order
 
 PASSWORD_ENV = "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD"
-_STOP_ORDER = ("router", "decode", "prefill")
+_STOP_ORDER = ("planner", "router", "decode", "prefill")
 MODEL_FREE_ENGINES = frozenset({"stub", "sim"})
 """Engines that load no model: ``pdserve up`` makes no tiny checkpoint for them."""
 
@@ -74,6 +75,10 @@ def run(args: argparse.Namespace, settings: ToolSettings) -> int:
         policy = restart_policy(args)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if args.autoscale and args.colocated:
+        print("pdserve up: --autoscale sizes prefill and decode pools: not with --colocated",
+              file=sys.stderr, flush=True)  # fmt: skip
         return 2
     try:
         check_free(fixed_ports(args))
@@ -216,6 +221,14 @@ async def _run_system(
         await _wait_healthy(router_url, children, stop, deadline)
         if stop.is_set():
             return 0
+        planner: ChildProcess | None = None
+        if args.autoscale:
+            planner = _planner_child(args, router_url, logs)
+            children.append(planner)
+            await planner.start()
+            await _wait_ready([planner], stop, deadline)
+            if stop.is_set():
+                return 0
         endpoints = _endpoints(control_plane, children, router_url)
         if prometheus is not None:
             endpoints["prometheus"] = await _start_prometheus(prometheus, endpoints)
@@ -233,6 +246,19 @@ async def _run_system(
             prometheus.write_targets(current)
         _write_endpoints(args.work_dir, current)
 
+    async def follow_planner(kept: KeptEngines) -> None:
+        assert planner is not None
+        await autoscale(
+            kept,
+            planner=planner,
+            children=children,
+            new_engine=lambda role, index: _engine_child(
+                args, model, common, logs, secrets, role, index
+            ),
+            poll_s=args.autoscale_poll_s,
+            scale_down_timeout_s=args.scale_down_timeout_s,
+        )
+
     return await supervise(
         engines,
         router,
@@ -240,6 +266,7 @@ async def _run_system(
         policy=policy,
         ready_timeout_s=args.ready_timeout_s,
         on_change=rewrite,
+        alongside=follow_planner if planner is not None else None,
     )
 
 
@@ -278,35 +305,67 @@ def _engine_children(
     layouts = [("decode", args.decode_replicas, args.decode_pp, args.decode_tp)]
     if not args.colocated:
         layouts.insert(0, ("prefill", args.prefill_replicas, args.prefill_pp, args.prefill_tp))
-    children = []
-    for role, replicas, pp, tp in layouts:
-        for index in range(replicas):
-            name = f"{role}-{index}"
-            argv = pdserve_argv(
-                role,
-                *common,
-                "--engine",
-                args.engine,
-                "--engine-id",
-                name,
-                "--pp",
-                str(pp),
-                "--tp",
-                str(tp),
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-port",
-                "0",
-                *(["--model", str(model)] if model is not None else []),
-                *(["--block-size", str(args.block_size)] if args.block_size else []),
-                *(["--dtype", args.dtype] if args.dtype else []),
-                *(["--sim-profile", args.sim_profile] if args.sim_profile else []),
-                *args.engine_arg,
-            )
-            children.append(ChildProcess(name, argv, logs / f"{name}.log", role=role, env=secrets))
+    children = [
+        _engine_child(args, model, common, logs, secrets, role, index)
+        for role, replicas, _, _ in layouts
+        for index in range(replicas)
+    ]
     if args.engine == "vllm":
         _bind_vllm_cpu_threads(children, [pp * tp for _, n, pp, tp in layouts for _ in range(n)])
     return children
+
+
+def _engine_child(
+    args: argparse.Namespace,
+    model: Path | None,
+    common: list[str],
+    logs: Path,
+    secrets: dict[str, str],
+    role: str,
+    index: int,
+) -> ChildProcess:
+    """Engine ``<role>-<index>`` with the run's layout for its role and every engine flag."""
+    pp, tp = (
+        (args.prefill_pp, args.prefill_tp)
+        if role == "prefill"
+        else (args.decode_pp, args.decode_tp)
+    )
+    name = f"{role}-{index}"
+    argv = pdserve_argv(
+        role,
+        *common,
+        "--engine",
+        args.engine,
+        "--engine-id",
+        name,
+        "--pp",
+        str(pp),
+        "--tp",
+        str(tp),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+        *(["--model", str(model)] if model is not None else []),
+        *(["--block-size", str(args.block_size)] if args.block_size else []),
+        *(["--dtype", args.dtype] if args.dtype else []),
+        *(["--sim-profile", args.sim_profile] if args.sim_profile else []),
+        *args.engine_arg,
+    )
+    return ChildProcess(name, argv, logs / f"{name}.log", role=role, env=secrets)
+
+
+def _planner_child(args: argparse.Namespace, router_url: str, logs: Path) -> ChildProcess:
+    """``pdserve planner`` over this run's router, its metrics on a free port."""
+    argv = pdserve_argv(
+        "planner",
+        "--router-url",
+        router_url,
+        "--metrics-port",
+        "0",
+        *planner_argv_flags(args.sim_profile, args.planner_arg),
+    )
+    return ChildProcess("planner", argv, logs / "planner.log", role="planner")
 
 
 def _bind_vllm_cpu_threads(engines: list[ChildProcess], world_sizes: list[int]) -> None:
@@ -412,6 +471,10 @@ def _endpoints(
     workers: list[dict[str, Any]] = []
     for child in children:
         announced = child.announced or {}
+        if child.role == "planner":
+            if announced.get("metrics"):
+                metrics["planner"] = str(announced["metrics"])
+            continue
         if child.role == "router":
             # Several workers: each one's own /metrics (the shared port answers one of them).
             urls = announced.get("metrics_urls") or []

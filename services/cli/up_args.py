@@ -92,6 +92,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra argument for every pdserve prefill/decode (repeatable)",
     )
     parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="run pdserve planner over the router and start/drain engines to its desired "
+        "pool sizes (the replicas flags are the starting sizes)",
+    )
+    parser.add_argument(
+        "--planner-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for pdserve planner with --autoscale (repeatable; e.g. "
+        "--planner-arg=--ttft-ms=300 --planner-arg=--decode-max=4)",
+    )
+    parser.add_argument(
+        "--autoscale-poll-s",
+        type=float,
+        default=2.0,
+        help="how often --autoscale reads the planner's decisions",
+    )
+    parser.add_argument(
+        "--scale-down-timeout-s",
+        type=float,
+        default=120.0,
+        help="bound of a released engine's drain (longer than the engines' drain bound)",
+    )
+    parser.add_argument(
         "--prometheus",
         action="store_true",
         help="also run a local Prometheus scraping every process, with the alert rules",

@@ -7,7 +7,9 @@ generation with the control plane, the router picks it up from its watcher, and
 ``endpoints.json`` is rewritten (its new pid, gRPC and ``/metrics`` addresses, its
 ``restarts``). A crash loop (more than ``--restart-limit`` fast failures in a row) ends its
 restarts with an error line; the other engines keep serving. The router exiting ends the run
-with status 1.
+with status 1. With ``--autoscale`` the set of engines changes while it runs
+(:mod:`services.cli.up_autoscale`): :class:`KeptEngines` keeps the ones added and lets go of
+the ones released.
 """
 
 from __future__ import annotations
@@ -15,9 +17,61 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from services.supervision import ChildExited, ChildProcess, RestartPolicy, RestartTracker
+
+
+class KeptEngines:
+    """The engines ``pdserve up`` keeps: each one is restarted when it exits on its own (as
+    its tracker decides) until it is released or the run stops. ``on_change`` is called with
+    every engine's tracker after an engine was restarted or given up on."""
+
+    def __init__(
+        self,
+        stop: asyncio.Event,
+        *,
+        policy: RestartPolicy,
+        ready_timeout_s: float,
+        on_change: Callable[[dict[str, RestartTracker]], None],
+    ) -> None:
+        self.stop = stop
+        self.policy = policy
+        self.ready_timeout_s = ready_timeout_s
+        self.on_change = on_change
+        self.trackers: dict[str, RestartTracker] = {}
+        self._keepers: dict[str, asyncio.Task[None]] = {}
+
+    def keep(self, engine: ChildProcess) -> None:
+        """Watch ``engine`` (started and READY) from now on."""
+        tracker = self.trackers.setdefault(engine.name, RestartTracker(self.policy))
+        self._keepers[engine.name] = asyncio.create_task(
+            _keep(engine, tracker, self.stop, self.ready_timeout_s, self.changed)
+        )
+
+    def changed(self) -> None:
+        self.on_change(self.trackers)
+
+    async def release(self, engine: ChildProcess, timeout_s: float) -> bool:
+        """Stop keeping ``engine`` and stop it: SIGTERM, so its host drains (no new requests;
+        those in flight finish, held KV is released) and deregisters, within ``timeout_s``;
+        then whatever is left is killed. Whether it stopped within the bound."""
+        keeper = self._keepers.pop(engine.name, None)
+        if keeper is not None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+        self.trackers.pop(engine.name, None)
+        return await engine.stop(timeout_s, group=False)
+
+    async def close(self) -> None:
+        keepers = list(self._keepers.values())
+        self._keepers.clear()
+        for keeper in keepers:
+            keeper.cancel()
+        for keeper in keepers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
 
 
 async def supervise(
@@ -28,16 +82,14 @@ async def supervise(
     policy: RestartPolicy,
     ready_timeout_s: float,
     on_change: Callable[[dict[str, RestartTracker]], None],
+    alongside: Callable[[KeptEngines], Awaitable[None]] | None = None,
 ) -> int:
-    """Until ``stop`` (0) or the router's exit (1); ``on_change`` is called with every engine's
-    tracker after an engine was restarted or given up on."""
-    trackers = {engine.name: RestartTracker(policy) for engine in engines}
-    keepers = [
-        asyncio.create_task(
-            _keep(engine, trackers[engine.name], stop, ready_timeout_s, lambda: on_change(trackers))
-        )
-        for engine in engines
-    ]
+    """Until ``stop`` (0) or the router's exit (1). ``alongside`` (the autoscaler) runs with
+    the kept engines until then; its end (or failure) ends nothing else."""
+    kept = KeptEngines(stop, policy=policy, ready_timeout_s=ready_timeout_s, on_change=on_change)
+    for engine in engines:
+        kept.keep(engine)
+    helper = asyncio.ensure_future(alongside(kept)) if alongside is not None else None
     router_exit = asyncio.ensure_future(router.wait())
     stopped = asyncio.ensure_future(stop.wait())
     try:
@@ -47,11 +99,12 @@ async def supervise(
         print(f"pdserve up: {router.describe_exit()}", file=sys.stderr, flush=True)
         return 1
     finally:
-        for task in (*keepers, router_exit, stopped):
+        for task in (router_exit, stopped, *([helper] if helper is not None else [])):
             task.cancel()
-        for keeper in keepers:
+        if helper is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+                await helper
+        await kept.close()
 
 
 async def _keep(

@@ -3,6 +3,7 @@ served to the ``openai`` client at no less than their profile's pace, and stoppe
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,59 @@ def test_pdserve_up_serves_simulated_engines_at_the_profiles_pace(tmp_path: Path
         assert elapsed_ms >= (MAX_TOKENS - 1) * profile.decode.base_ms
         assert up.metric("pdserve_router_execution_path_total", path="disaggregated") >= 1
     finally:
+        pids = [engine["pid"] for engine in up.endpoints.get("engines", {}).values()]
+        status = up.stop()
+        assert status == 0, up.output()
+        assert no_processes_left(pids) == []
+
+
+def test_autoscale_starts_and_drains_engines_as_the_planner_decides(tmp_path: Path) -> None:
+    """``--autoscale``: the planner (bounds given through ``--planner-arg``) wants two prefill
+    engines where one runs and one decode engine where three run: ``pdserve up`` starts
+    ``prefill-1`` and drains ``decode-2`` then ``decode-1``, while a client streams requests
+    that all complete (no request lost to the drains)."""
+    profile = load_profile()
+    up = UpSystem(
+        tmp_path,
+        "--engine", "sim", "--sim-profile", profile.name, "--decode-replicas", "3",
+        "--autoscale", "--autoscale-poll-s", "0.5",
+        "--planner-arg=--interval-s=1", "--planner-arg=--prefill-min=2",
+        "--planner-arg=--decode-max=3", "--planner-arg=--stabilization-intervals=3",
+    )  # fmt: skip
+    outcomes: list[str] = []
+    done = threading.Event()
+
+    def client_loop() -> None:
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0)
+        while not done.is_set():
+            try:
+                stream = client.completions.create(
+                    model=profile.served_model, prompt="Hello", max_tokens=40, stream=True
+                )
+                text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+                outcomes.append("ok" if len(text.split()) == 40 else f"short: {text!r}")
+            except openai.OpenAIError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    try:
+        up.wait_ready()
+        assert "planner" in up.endpoints["metrics"]
+        loader = threading.Thread(target=client_loop, daemon=True)
+        loader.start()
+        wanted = {"prefill-0", "prefill-1", "decode-0"}
+        deadline = time.monotonic() + 180
+        while set(up.read_endpoints()["engines"]) != wanted and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done.set()
+        loader.join(timeout=60)
+        engines = up.read_endpoints()["engines"]
+        assert set(engines) == wanted, (engines, up.output())
+        assert outcomes and set(outcomes) == {"ok"}, outcomes
+        output = up.output()
+        assert "starting prefill-1" in output and "draining decode-2" in output, output
+        assert "draining decode-1" in output, output
+    finally:
+        done.set()
         pids = [engine["pid"] for engine in up.endpoints.get("engines", {}).values()]
         status = up.stop()
         assert status == 0, up.output()
