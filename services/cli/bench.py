@@ -54,6 +54,12 @@ BENCHMARKS = (
         "KV bytes moved, TTFT; round-robin, approximate and KV-event placement side by side",
     ),
     Benchmark(
+        "goodput",
+        "services.bench.goodput",
+        "simulated GPU engines through the real router: PD splits against colocated "
+        "(goodput at TTFT/ITL SLOs over a rate sweep, PNG) and --autoscale against fixed pools",
+    ),
+    Benchmark(
         "chaos",
         "services.bench.chaos",
         "load through pdserve up (2 prefill, 2 decode) while engine processes fail: "

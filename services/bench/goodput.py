@@ -1,0 +1,395 @@
+"""``pdserve bench goodput``: what disaggregation and the planner buy, on simulated engines.
+
+Everything runs through ``pdserve up --engine sim`` (real router, control plane and engine
+hosts; the engines sleep for the time their profile gives a GPU, ``--profile``), driven by an
+open-loop client (Poisson arrivals of streamed completions of ``--input-tokens`` prompt tokens
+and exactly ``--output-tokens`` generated ones). A request *meets the SLOs* when its TTFT is
+at most ``--ttft-ms`` and its mean inter-token latency at most ``--itl-ms`` (both from the
+client). Goodput: requests per second that met them (arrivals within the measured window).
+
+- **sweep** (``--engines N``): every PD split ``xPyD`` with ``x + y = N`` and colocated with
+  ``N`` engines (chunked prefill mixing prompts into decode steps), each on a fresh stack,
+  over ``--rates``: goodput per rate and layout, the best split per rate against colocated,
+  and a PNG of goodput against rate (``--plot``).
+- **step** (``--step RATE:SECONDS,...``): a load that steps up and down, against fixed pools
+  at ``--max-prefill`` / ``--max-decode`` and against ``pdserve up --autoscale`` (starting at
+  one engine a pool, the planner bounded by the same maxima, planning for the same SLOs and
+  lengths): SLO attainment, engine-seconds (the engines ``endpoints.json`` lists, sampled every
+  0.5 s) and lost requests.
+
+``client`` figures say whether the load generator kept up: how late requests were sent
+against their schedule (p99), in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.bench.soak import percentiles_ms, wait_endpoints
+from services.supervision import DetachedProcess
+
+SAMPLE_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default="llama-3.1-8b-h100", help="sim profile name|path")
+    parser.add_argument("--engines", type=int, default=4, help="engines per layout (sweep)")
+    parser.add_argument("--rates", default="2,4,8,12", help="request rates (req/s), sweep")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="per rate point")
+    parser.add_argument("--input-tokens", type=int, default=3000)
+    parser.add_argument("--output-tokens", type=int, default=48)
+    parser.add_argument("--ttft-ms", type=float, default=300.0)
+    parser.add_argument("--itl-ms", type=float, default=25.0)
+    parser.add_argument(
+        "--step", default="", help="RATE:SECONDS,... for the step workload (empty: skip it)"
+    )
+    parser.add_argument("--max-prefill", type=int, default=3, help="step: the fixed pools' size")
+    parser.add_argument("--max-decode", type=int, default=3)
+    parser.add_argument("--planner-interval-s", type=float, default=2.0)
+    parser.add_argument("--no-sweep", action="store_true", help="only the step workload")
+    parser.add_argument("--plot", type=Path, default=None, help="write goodput vs rate (PNG)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
+
+
+@dataclass
+class Outcome:
+    scheduled_s: float
+    sent_s: float = 0.0
+    ok: bool = False
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Slo:
+    ttft_s: float
+    itl_s: float
+
+    def met(self, outcome: Outcome) -> bool:
+        return (
+            outcome.ok
+            and outcome.ttft_s is not None
+            and outcome.ttft_s <= self.ttft_s
+            and (outcome.itl_s is None or outcome.itl_s <= self.itl_s)
+        )
+
+
+@dataclass
+class _Stack:
+    up: DetachedProcess
+    work_dir: Path
+    router: str = ""
+    model: str = ""
+    samples: list[tuple[float, int]] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    slo = Slo(args.ttft_ms / 1000, args.itl_ms / 1000)
+    result: dict[str, Any] = {"setup": _setup(args)}
+    with contextlib.ExitStack() as stack:
+        root: Path = args.work_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-goodput-"))
+        )
+        if not args.no_sweep:
+            result["sweep"] = _sweep(args, slo, root)
+            if args.plot is not None:
+                _plot(result["sweep"], args.plot)
+                result["plot"] = str(args.plot)
+        if args.step:
+            result["step"] = _step(args, slo, root)
+    return result
+
+
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    keys = (
+        "profile", "engines", "rates", "duration_s", "input_tokens", "output_tokens", "ttft_ms",
+        "itl_ms", "step", "max_prefill", "max_decode", "planner_interval_s", "seed",
+    )  # fmt: skip
+    return {key: getattr(args, key) for key in keys}
+
+
+def _layouts(engines: int) -> list[tuple[str, int, int]]:
+    """(name, prefill engines, decode engines); 0 prefill engines = colocated."""
+    return [("colocated", 0, engines)] + [
+        (f"{x}P{engines - x}D", x, engines - x) for x in range(1, engines)
+    ]
+
+
+def _sweep(args: argparse.Namespace, slo: Slo, root: Path) -> dict[str, Any]:
+    rates = [float(rate) for rate in str(args.rates).split(",") if rate]
+    layouts: dict[str, Any] = {}
+    for name, prefill, decode in _layouts(args.engines):
+        stack = _start(args, root / name, prefill, decode)
+        try:
+            points = []
+            for rate in rates:
+                outcomes = asyncio.run(_open_loop(args, stack, [(rate, args.duration_s)]))
+                points.append({"rate": rate, **_figures(outcomes, slo, args.duration_s)})
+            layouts[name] = points
+        finally:
+            stack.up.stop()
+    best: list[dict[str, Any]] = []
+    for index, rate in enumerate(rates):
+        pd = max(
+            ((name, points[index]["goodput"]) for name, points in layouts.items() if "P" in name),
+            key=lambda item: item[1],
+        )
+        colocated = layouts["colocated"][index]["goodput"]
+        best.append(
+            {
+                "rate": rate,
+                "best_pd": pd[0],
+                "best_pd_goodput": pd[1],
+                "colocated_goodput": colocated,
+                "winner": "pd"
+                if pd[1] > colocated
+                else "colocated"
+                if colocated > pd[1]
+                else "tie",
+            }
+        )
+    return {"layouts": layouts, "best_split_vs_colocated": best}
+
+
+def _step(args: argparse.Namespace, slo: Slo, root: Path) -> dict[str, Any]:
+    phases = []
+    for part in str(args.step).split(","):
+        rate, seconds = part.split(":")
+        phases.append((float(rate), float(seconds)))
+    total_s = sum(seconds for _, seconds in phases)
+    planner = [
+        f"--ttft-ms={args.ttft_ms}",
+        f"--itl-ms={args.itl_ms}",
+        f"--interval-s={args.planner_interval_s}",
+        f"--input-tokens={args.input_tokens}",
+        f"--output-tokens={args.output_tokens}",
+        f"--prefill-max={args.max_prefill}",
+        f"--decode-max={args.max_decode}",
+        "--stabilization-intervals=3",
+    ]
+    runs: dict[str, Any] = {}
+    for name, prefill, decode, extra in (
+        ("fixed_max", args.max_prefill, args.max_decode, []),
+        (
+            "autoscale",
+            1,
+            1,
+            ["--autoscale", "--autoscale-poll-s", "0.5", *(f"--planner-arg={a}" for a in planner)],
+        ),
+    ):
+        stack = _start(args, root / f"step-{name}", prefill, decode, extra)
+        try:
+            outcomes = asyncio.run(_open_loop(args, stack, phases, sample=True))
+            figures = _figures(outcomes, slo, total_s)
+            engine_s = sum(
+                count * (later[0] - at)
+                for (at, count), later in zip(stack.samples, stack.samples[1:], strict=False)
+            )
+            runs[name] = {
+                "slo_attainment": figures["slo_attainment"],
+                "lost_requests": figures["errors"],
+                "engine_seconds": round(engine_s, 1),
+                "engines_seen": sorted({count for _, count in stack.samples}),
+                **figures,
+            }
+        finally:
+            stack.up.stop()
+    fixed, auto = runs["fixed_max"], runs["autoscale"]
+    runs["comparison"] = {
+        "attainment_points_below_fixed": round(
+            100 * ((fixed["slo_attainment"] or 0) - (auto["slo_attainment"] or 0)), 1
+        ),
+        "engine_seconds_saved": round(1 - auto["engine_seconds"] / fixed["engine_seconds"], 3)
+        if fixed["engine_seconds"]
+        else None,
+    }
+    return runs
+
+
+def _start(
+    args: argparse.Namespace,
+    work_dir: Path,
+    prefill: int,
+    decode: int,
+    extra: list[str] | None = None,
+) -> _Stack:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    layout = (
+        ["--colocated", "--decode-replicas", str(decode)]
+        if prefill == 0
+        else ["--prefill-replicas", str(prefill), "--decode-replicas", str(decode)]
+    )
+    up = DetachedProcess.pdserve_up(
+        work_dir,
+        "--engine", "sim", "--sim-profile", str(args.profile), "--port", "0",
+        *layout, *(extra or []),
+    )  # fmt: skip
+    stack = _Stack(up, work_dir)
+    endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
+    stack.router = str(endpoints["router"])
+    stack.model = str(httpx.get(f"{stack.router}/v1/models", timeout=30).json()["data"][0]["id"])
+    return stack
+
+
+async def _open_loop(
+    args: argparse.Namespace,
+    stack: _Stack,
+    phases: list[tuple[float, float]],
+    *,
+    sample: bool = False,
+) -> list[Outcome]:
+    rng = random.Random(args.seed)
+    schedule: list[float] = []
+    start_of_phase = 0.0
+    for rate, seconds in phases:
+        at = start_of_phase
+        while True:
+            at += rng.expovariate(rate)
+            if at >= start_of_phase + seconds:
+                break
+            schedule.append(at)
+        start_of_phase += seconds
+    prompt = [rng.randrange(32, 256) for _ in range(args.input_tokens)]
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=stack.router, limits=limits) as client:
+        begin = time.perf_counter()
+        sampler = asyncio.create_task(_sample_engines(stack, begin)) if sample else None
+
+        async def one(at: float) -> Outcome:
+            outcome = Outcome(scheduled_s=at)
+            await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
+            outcome.sent_s = time.perf_counter() - begin
+            await _stream(client, stack.model, prompt, args, outcome)
+            return outcome
+
+        try:
+            return list(await asyncio.gather(*(one(at) for at in schedule)))
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+                stack.samples.append((time.perf_counter() - begin, _engine_count(stack)))
+
+
+async def _sample_engines(stack: _Stack, begin: float) -> None:
+    while True:
+        stack.samples.append((time.perf_counter() - begin, _engine_count(stack)))
+        await asyncio.sleep(SAMPLE_S)
+
+
+def _engine_count(stack: _Stack) -> int:
+    try:
+        endpoints = json.loads((stack.work_dir / "endpoints.json").read_text())
+    except (OSError, ValueError):
+        return stack.samples[-1][1] if stack.samples else 0
+    return len(endpoints.get("engines", {}))
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    args: argparse.Namespace,
+    outcome: Outcome,
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    first = last = None
+    try:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, timeout=args.request_timeout_s
+        ) as reply:
+            if reply.status_code != 200:
+                outcome.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+                return
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    outcome.error = str(event["error"])[:200]
+                    return
+                for choice in event.get("choices", []):
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        first = first if first is not None else now
+                        last = now
+                        outcome.tokens += 1
+    except httpx.HTTPError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        return
+    if first is None or last is None:
+        outcome.error = "no token"
+        return
+    outcome.ok = True
+    outcome.ttft_s = first - sent
+    if outcome.tokens > 1:
+        outcome.itl_s = (last - first) / (outcome.tokens - 1)
+
+
+def _figures(outcomes: list[Outcome], slo: Slo, window_s: float) -> dict[str, Any]:
+    met = [outcome for outcome in outcomes if slo.met(outcome)]
+    done = [outcome for outcome in outcomes if outcome.ok]
+    lateness = [max(0.0, o.sent_s - o.scheduled_s) for o in outcomes]
+    errors = [o.error for o in outcomes if not o.ok]
+    return {
+        "requests": len(outcomes),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "goodput": round(len(met) / window_s, 3),
+        "slo_attainment": round(len(met) / len(outcomes), 4) if outcomes else None,
+        "ttft_ms": percentiles_ms([o.ttft_s for o in done if o.ttft_s is not None]),
+        "itl_ms": percentiles_ms([o.itl_s for o in done if o.itl_s is not None]),
+        "client": {"send_lateness_ms": percentiles_ms(lateness)},
+    }
+
+
+def _plot(sweep: dict[str, Any], path: Path) -> None:
+    """Goodput against rate, one line per layout (matplotlib, imported here: only this
+    needs it)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, points in sweep["layouts"].items():
+        style = "--" if name == "colocated" else "-"
+        axes.plot(
+            [p["rate"] for p in points],
+            [p["goodput"] for p in points],
+            style,
+            marker="o",
+            label=name,
+        )
+    axes.set_xlabel("request rate (req/s)")
+    axes.set_ylabel("goodput (req/s meeting TTFT and ITL SLOs)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
