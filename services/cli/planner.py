@@ -40,9 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", choices=("constant", "ema"), help="load predictor")
     parser.add_argument("--ema-alpha", type=float, help="weight of the newest interval (ema)")
     parser.add_argument(
-        "--input-tokens", type=float, help="mean prompt length (the router counts no tokens)"
+        "--input-tokens",
+        type=float,
+        help="mean prompt length until the router has measured it",
     )
-    parser.add_argument("--output-tokens", type=float, help="mean generated length")
+    parser.add_argument(
+        "--output-tokens", type=float, help="mean generated length until the router has"
+    )
     for pool in ("prefill", "decode"):
         parser.add_argument(f"--{pool}-min", type=int, help=f"fewest {pool} engines (>= 1)")
         parser.add_argument(f"--{pool}-max", type=int, help=f"most {pool} engines")

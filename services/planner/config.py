@@ -31,9 +31,11 @@ class PlannerSettings(BaseSettings):
     ema_alpha: float = Field(default=0.5, gt=0, le=1)
     """The weight of the newest interval in the ``ema`` predictor."""
     input_tokens: float = Field(default=1024.0, gt=0)
-    """Mean prompt length in tokens (the router counts no tokens, so this is given)."""
+    """Mean prompt length in tokens until the router has measured it (its
+    ``pdserve_router_request_prompt_tokens``; a router without it: always)."""
     output_tokens: float = Field(default=256.0, gt=0)
-    """Mean generated length in tokens (given, as ``input_tokens``)."""
+    """Mean generated length in tokens until the router has measured it (as
+    ``input_tokens``)."""
     prefill_min: int = Field(default=1, ge=1)
     """Fewest prefill engines (never zero: an outage never empties a pool)."""
     prefill_max: int = Field(default=8, ge=1)

@@ -68,6 +68,8 @@ def publish(metrics: PlannerMetrics, step: PlanStep) -> None:
         metrics.needed_replicas.labels(pool=pool).set(plan.decision.needed)
         metrics.correction.labels(pool=pool).set(plan.correction)
         metrics.decisions.labels(pool=pool, reason=plan.decision.reason).inc()
+    if step.lengths == "flags":
+        metrics.lengths_from_settings.inc()
     if step.predicted is not None:
         metrics.predicted_rate.set(step.predicted.rate_rps)
         metrics.predicted_input.set(step.predicted.input_tokens)
