@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from services.planner.config import PlannerSettings
 
 _FLAGS = (
-    "router_url", "profile", "ttft_ms", "itl_ms", "interval_s", "predictor", "ema_alpha",
+    "router_url", "profile", "prefill_layout", "decode_layout", "ttft_ms", "itl_ms",
+    "interval_s", "predictor", "ema_alpha",
     "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min", "decode_max",
     "stabilization_intervals", "metrics_host", "metrics_port",
 )  # fmt: skip
@@ -34,6 +35,12 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-url", help="the router whose /metrics is read")
     parser.add_argument("--profile", metavar="NAME|PATH", help="the engines' timing profile")
+    for pool in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{pool}-layout",
+            metavar="PPxTP",
+            help=f"the {pool} engines' layout (default 1x1); the profile must be of it",
+        )
     parser.add_argument("--ttft-ms", type=float, help="time-to-first-token SLO (mean, ms)")
     parser.add_argument("--itl-ms", type=float, help="inter-token latency SLO (mean, ms)")
     parser.add_argument("--interval-s", type=float, help="seconds between decisions")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PredictorName = Literal["constant", "ema"]
+
+LAYOUT_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*$"
 
 
 class PlannerSettings(BaseSettings):
@@ -19,6 +21,14 @@ class PlannerSettings(BaseSettings):
     """The router whose ``/metrics`` the planner reads (``<router_url>/metrics``)."""
     profile: str = "llama-3.1-8b-h100"
     """The engines' profile: a shipped name or a JSON file (the simulated engine's format)."""
+    prefill_layout: str = Field(default="1x1", pattern=LAYOUT_PATTERN)
+    """The prefill engines' ``PPxTP`` (``1x2``: one stage of two TP ranks); a profile measured
+    on another layout is refused at start."""
+    decode_layout: str = Field(default="1x1", pattern=LAYOUT_PATTERN)
+    """The decode engines' ``PPxTP`` (a colocated profile's engine is checked against both)."""
+    api_key: SecretStr | None = None
+    """The router's API key, for its ``/v1/models`` (the served model the profile must be of);
+    ``/metrics`` needs none."""
     ttft_ms: float = Field(default=500.0, gt=0)
     """Time-to-first-token SLO the prefill pool is sized for (mean)."""
     itl_ms: float = Field(default=50.0, gt=0)
