@@ -43,7 +43,7 @@ import httpx
 from services.bench.soak import Outcome, stream_completion
 from services.config import ControlPlaneSettings
 from services.control_plane import EngineView, RedisControlPlane
-from services.control_plane.wire import EngineRecord, EngineRole
+from services.control_plane.wire import EngineRole
 from services.engines.sim.profile import (
     PROFILE_FORMAT_VERSION,
     ItlPoint,
@@ -120,21 +120,23 @@ def fleet_of(views: Sequence[EngineView]) -> Fleet:
     decode = by_role[EngineRole.DECODE]
     if not decode:
         raise ProfileError("no READY decode engine to profile")
-    records = [view.record for view in (*by_role[EngineRole.PREFILL], *decode)]
+    records = [v.record for v in (*by_role[EngineRole.PREFILL], *decode) if v.record is not None]
     for what in ("model", "engine_kind", "num_layers", "num_kv_heads", "block_size"):
         values = {getattr(record, what) for record in records}
         if len(values) > 1:
             raise ProfileError(f"the engines differ in {what} ({sorted(map(str, values))})")
-    first: EngineRecord = decode[0].record  # type: ignore[assignment]
+    first = decode[0].record
+    decode_side = _side(decode, "decode")
+    assert first is not None and decode_side is not None  # (views without a record: skipped)
     blocks = [view.load.kv_blocks_total for view in decode if view.load is not None]
     if not blocks or min(blocks) <= 0:
         raise ProfileError("the decode engines report no KV capacity (kv_blocks_total)")
-    lengths = [r.max_model_len for r in records if r is not None and r.max_model_len > 0]
+    lengths = [record.max_model_len for record in records if record.max_model_len > 0]
     return Fleet(
         model=first.model,
         engine_kind=first.engine_kind,
         prefill=_side(by_role[EngineRole.PREFILL], "prefill"),
-        decode=_side(decode, "decode"),  # type: ignore[arg-type]
+        decode=decode_side,
         num_layers=first.num_layers,
         num_kv_heads=first.num_kv_heads,
         block_size=first.block_size,

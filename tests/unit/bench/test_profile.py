@@ -18,6 +18,7 @@ from services.bench.profile import (
     prompt_ids,
     read_model_geometry,
 )
+from services.cli.main import main
 from services.control_plane.base import EngineView
 from services.control_plane.wire import EngineLoad, EngineRole
 from services.engines.sim.profile import ItlPoint, SideLayout, TtftPoint, parse_profile
@@ -113,3 +114,14 @@ def test_prompts_are_distinct_from_their_first_token_and_within_the_vocabulary()
     prompts = [prompt_ids(32, salt, 384) for salt in range(50)]
     assert len({prompt[0] for prompt in prompts}) == 50
     assert all(3 <= token < 384 for prompt in prompts for token in prompt)
+
+
+def test_the_command_refuses_a_missing_model_config_and_a_bad_name_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["profile", "--router", "http://127.0.0.1:1", "--out", str(tmp_path / "p.json")]
+    assert main([*common, "--model-config", str(tmp_path / "nowhere")]) == 2
+    assert "KV geometry" in capsys.readouterr().err
+    assert main([*common, "--model-config", str(tmp_path), "--name", "../x"]) == 2
+    assert "a profile name is" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
