@@ -224,10 +224,14 @@ async def _load(
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, timeout_s: float
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    timeout_s: float,
 ) -> Outcome:
-    """One streaming completion, timed from the client; never raises, never exceeds
-    ``timeout_s`` (a hang is an error with ``timed_out``)."""
+    """One streaming completion (a text prompt or token ids), timed from the client; never
+    raises, never exceeds ``timeout_s`` (a hang is an error with ``timed_out``)."""
     try:
         return await asyncio.wait_for(
             _stream(client, model, prompt, max_tokens, timeout_s), timeout_s
@@ -239,7 +243,11 @@ async def stream_completion(
 
 
 async def _stream(
-    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, timeout_s: float
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    timeout_s: float,
 ) -> Outcome:
     body = {
         "model": model,
@@ -276,7 +284,9 @@ async def _stream(
                 outcome.tokens = int(event["usage"]["completion_tokens"])
             for choice in event.get("choices", []):
                 now = time.perf_counter()
-                if choice.get("text"):
+                # (a first chunk without text but with the finish still ends the TTFT: a
+                # single token whose text is held back, an incomplete character)
+                if choice.get("text") or (last is None and choice.get("finish_reason")):
                     if last is None:
                         outcome.ttft_s = now - sent
                     else:

@@ -2,6 +2,7 @@
 
 Subcommands: ``up`` (the system on one machine), ``router`` (the OpenAI-compatible router),
 ``status`` (engines and readiness grids), ``planner`` (pool sizes for the SLOs),
+``profile`` (a running layout measured into a profile),
 ``bench`` (benchmarks printing JSON), ``make-tiny-model`` (a local test checkpoint).
 """
 
@@ -12,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from services.cli import bench, planner, status, up, up_args
+from services.cli import bench, planner, profile, status, up, up_args
 from services.cli import engine as engine_cli
 from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     planner_parser = commands.add_parser("planner", help=planner.HELP, description=planner.HELP)
     planner.add_arguments(planner_parser)
 
+    profile_parser = commands.add_parser("profile", help=profile.HELP, description=profile.HELP)
+    add_control_plane_flags(profile_parser)
+    profile.add_arguments(profile_parser)
+
     bench_parser = commands.add_parser("bench", help="benchmarks printing JSON figures")
     bench.add_arguments(bench_parser)
     return parser
@@ -98,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return router_cli.run(args, settings)
         if args.command == "planner":
             return planner.run(args)
+        if args.command == "profile":
+            return profile.run(args, settings.control_plane)
         if args.command in (EngineRole.PREFILL, EngineRole.DECODE):
             return engine_cli.run(args, settings, EngineRole(args.command))
         return bench.run(args, settings)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from services.planner.config import PlannerSettings
 
 _FLAGS = (
-    "router_url", "profile", "ttft_ms", "itl_ms", "interval_s", "predictor", "ema_alpha",
+    "router_url", "profile", "prefill_layout", "decode_layout", "ttft_ms", "itl_ms",
+    "interval_s", "predictor", "ema_alpha",
     "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min", "decode_max",
     "stabilization_intervals", "metrics_host", "metrics_port",
 )  # fmt: skip
@@ -34,15 +35,25 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-url", help="the router whose /metrics is read")
     parser.add_argument("--profile", metavar="NAME|PATH", help="the engines' timing profile")
+    for pool in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{pool}-layout",
+            metavar="PPxTP",
+            help=f"the {pool} engines' layout (default 1x1); the profile must be of it",
+        )
     parser.add_argument("--ttft-ms", type=float, help="time-to-first-token SLO (mean, ms)")
     parser.add_argument("--itl-ms", type=float, help="inter-token latency SLO (mean, ms)")
     parser.add_argument("--interval-s", type=float, help="seconds between decisions")
     parser.add_argument("--predictor", choices=("constant", "ema"), help="load predictor")
     parser.add_argument("--ema-alpha", type=float, help="weight of the newest interval (ema)")
     parser.add_argument(
-        "--input-tokens", type=float, help="mean prompt length (the router counts no tokens)"
+        "--input-tokens",
+        type=float,
+        help="mean prompt length until the router has measured it",
     )
-    parser.add_argument("--output-tokens", type=float, help="mean generated length")
+    parser.add_argument(
+        "--output-tokens", type=float, help="mean generated length until the router has"
+    )
     for pool in ("prefill", "decode"):
         parser.add_argument(f"--{pool}-min", type=int, help=f"fewest {pool} engines (>= 1)")
         parser.add_argument(f"--{pool}-max", type=int, help=f"most {pool} engines")

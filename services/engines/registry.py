@@ -175,7 +175,11 @@ def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
 
 def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     from services.engines.sim import SimBackend, SimOptions, load_profile  # noqa: PLC0415
-    from services.engines.sim.profile import DEFAULT_PROFILE  # noqa: PLC0415
+    from services.engines.sim.profile import (  # noqa: PLC0415
+        DEFAULT_PROFILE,
+        SideLayout,
+        check_layout,
+    )
 
     if options.model_dir is not None:
         raise EngineOptionsError("the sim engine takes --sim-profile, not --model")
@@ -186,6 +190,8 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     vllm_only = dataclasses.replace(options, sim_profile=None)
     _refuse_vllm_only(vllm_only, "sim")
     profile = load_profile(options.sim_profile or DEFAULT_PROFILE)
+    # A profile of another layout would simulate a different GPU engine than the one it says.
+    check_layout(profile, SideLayout(pp_size=options.pp_size, tp_size=options.tp_size))
     return SimBackend(
         SimOptions(
             profile=profile,

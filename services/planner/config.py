@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PredictorName = Literal["constant", "ema"]
+
+LAYOUT_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*$"
 
 
 class PlannerSettings(BaseSettings):
@@ -19,6 +21,14 @@ class PlannerSettings(BaseSettings):
     """The router whose ``/metrics`` the planner reads (``<router_url>/metrics``)."""
     profile: str = "llama-3.1-8b-h100"
     """The engines' profile: a shipped name or a JSON file (the simulated engine's format)."""
+    prefill_layout: str = Field(default="1x1", pattern=LAYOUT_PATTERN)
+    """The prefill engines' ``PPxTP`` (``1x2``: one stage of two TP ranks); a profile measured
+    on another layout is refused at start."""
+    decode_layout: str = Field(default="1x1", pattern=LAYOUT_PATTERN)
+    """The decode engines' ``PPxTP`` (a colocated profile's engine is checked against both)."""
+    api_key: SecretStr | None = None
+    """The router's API key, for its ``/v1/models`` (the served model the profile must be of);
+    ``/metrics`` needs none."""
     ttft_ms: float = Field(default=500.0, gt=0)
     """Time-to-first-token SLO the prefill pool is sized for (mean)."""
     itl_ms: float = Field(default=50.0, gt=0)
@@ -31,9 +41,11 @@ class PlannerSettings(BaseSettings):
     ema_alpha: float = Field(default=0.5, gt=0, le=1)
     """The weight of the newest interval in the ``ema`` predictor."""
     input_tokens: float = Field(default=1024.0, gt=0)
-    """Mean prompt length in tokens (the router counts no tokens, so this is given)."""
+    """Mean prompt length in tokens until the router has measured it (its
+    ``pdserve_router_request_prompt_tokens``; a router without it: always)."""
     output_tokens: float = Field(default=256.0, gt=0)
-    """Mean generated length in tokens (given, as ``input_tokens``)."""
+    """Mean generated length in tokens until the router has measured it (as
+    ``input_tokens``)."""
     prefill_min: int = Field(default=1, ge=1)
     """Fewest prefill engines (never zero: an outage never empties a pool)."""
     prefill_max: int = Field(default=8, ge=1)

@@ -19,7 +19,14 @@ from typing import TextIO
 import httpx
 from prometheus_client import start_http_server
 
-from services.engines.sim.profile import SimProfileError, load_profile
+from services.engines.sim.profile import (
+    SideLayout,
+    SimProfile,
+    SimProfileError,
+    check_layout,
+    check_model,
+    load_profile,
+)
 from services.planner.config import PlannerSettings
 from services.planner.decision import Bounds
 from services.planner.errors import MetricsUnreadable, PlannerConfigError
@@ -37,6 +44,11 @@ def build_planner(settings: PlannerSettings) -> Planner:
     """The planner ``settings`` describe; :class:`PlannerConfigError` for a bad profile."""
     try:
         profile = load_profile(settings.profile)
+        for role, layout in (
+            ("prefill", settings.prefill_layout),
+            ("decode", settings.decode_layout),
+        ):
+            check_layout(profile, parse_layout(layout), role)
     except SimProfileError as exc:
         raise PlannerConfigError(str(exc)) from exc
     return Planner(
@@ -50,6 +62,42 @@ def build_planner(settings: PlannerSettings) -> Planner:
         output_tokens=settings.output_tokens,
         correction_range=(settings.correction_min, settings.correction_max),
     )
+
+
+def parse_layout(text: str) -> SideLayout:
+    """``PPxTP`` (validated by the settings' pattern) as a layout."""
+    pp, tp = text.split("x")
+    return SideLayout(pp_size=int(pp), tp_size=int(tp))
+
+
+def served_models(client: httpx.Client, settings: PlannerSettings) -> list[str]:
+    """The models the router serves now (its ``/v1/models``); empty when it cannot say (not
+    reachable, no engine READY yet): the check waits for a later interval."""
+    headers = {}
+    if settings.api_key is not None:
+        headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+    try:
+        response = client.get(f"{settings.router_url}/v1/models", headers=headers)
+        response.raise_for_status()
+        return [str(model["id"]) for model in response.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("planner: cannot read the router's models yet: %s", exc)
+        return []
+
+
+def check_served_model(
+    client: httpx.Client, settings: PlannerSettings, profile: SimProfile
+) -> bool:
+    """Whether the router's models could be checked against ``profile``'s (``False``: not
+    yet); :class:`PlannerConfigError` when it serves another model."""
+    models = served_models(client, settings)
+    if not models:
+        return False
+    try:
+        check_model(profile, models)
+    except SimProfileError as exc:
+        raise PlannerConfigError(str(exc)) from exc
+    return True
 
 
 def scrape(client: httpx.Client, url: str) -> RouterSnapshot:
@@ -68,6 +116,8 @@ def publish(metrics: PlannerMetrics, step: PlanStep) -> None:
         metrics.needed_replicas.labels(pool=pool).set(plan.decision.needed)
         metrics.correction.labels(pool=pool).set(plan.correction)
         metrics.decisions.labels(pool=pool, reason=plan.decision.reason).inc()
+    if step.lengths == "flags":
+        metrics.lengths_from_settings.inc()
     if step.predicted is not None:
         metrics.predicted_rate.set(step.predicted.rate_rps)
         metrics.predicted_input.set(step.predicted.input_tokens)
@@ -100,13 +150,18 @@ def run(
         url = f"{settings.router_url.rstrip('/')}/metrics"
         # The gauges exist from the start, at the bounds' view of the pools.
         publish_desired(metrics, planner)
-        print(
-            format_ready_line({"metrics": f"http://{host}:{server.server_port}/metrics"}),
-            file=out,
-            flush=True,
-        )
         with httpx.Client(timeout=settings.scrape_timeout_s) as client:
+            # A router already serving is checked before the planner says it is ready; one
+            # that is not (no engine yet, not up) at the first interval it serves a model.
+            model_checked = check_served_model(client, settings, planner.profile)
+            print(
+                format_ready_line({"metrics": f"http://{host}:{server.server_port}/metrics"}),
+                file=out,
+                flush=True,
+            )
             while True:
+                if not model_checked:
+                    model_checked = check_served_model(client, settings, planner.profile)
                 try:
                     snapshot: RouterSnapshot | None = scrape(client, url)
                 except MetricsUnreadable as exc:

@@ -59,3 +59,10 @@ class PlannerMetrics:
         for pool in POOLS:
             for reason in REASONS:
                 self.decisions.labels(pool=pool, reason=reason)
+        self.lengths_from_settings = Counter(
+            "pdserve_planner_lengths_from_settings_total",
+            "Intervals planned with the mean prompt and generated lengths of the settings "
+            "(--input-tokens, --output-tokens) because the router had not measured them "
+            "(it exports no token figures, or no request has finished yet).",
+            registry=r,
+        )

@@ -4,9 +4,11 @@ Read (names from ``services/router/metrics.py``, by string: the planner does not
 router): ``pdserve_router_requests_total`` (every endpoint and outcome: the arrivals the pools
 serve), ``pdserve_router_ttft_seconds`` (every path) and ``pdserve_router_itl_seconds`` (their
 ``_sum`` and ``_count``: an interval's mean is the sums' delta over the counts'), and
-``pdserve_router_ready_engines{role}`` (the engines each pool has now). The router counts no
-prompt or generated tokens, so the mean input and output lengths are not read here: the
-planner takes them from its settings.
+``pdserve_router_ready_engines{role}`` (the engines each pool has now), and
+``pdserve_router_request_prompt_tokens`` and ``pdserve_router_request_generation_tokens`` (per
+request histograms: an interval's mean input and output lengths are their sums' deltas over
+their counts'). A router without the token histograms (an older one) gives ``None`` lengths:
+the planner then takes them from its settings.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ REQUESTS = "pdserve_router_requests_total"
 TTFT = "pdserve_router_ttft_seconds"
 ITL = "pdserve_router_itl_seconds"
 READY_ENGINES = "pdserve_router_ready_engines"
+PROMPT_TOKENS = "pdserve_router_request_prompt_tokens"
+GENERATION_TOKENS = "pdserve_router_request_generation_tokens"
+_SUMMED = tuple(
+    f"{family}_{part}"
+    for family in (TTFT, ITL, PROMPT_TOKENS, GENERATION_TOKENS)
+    for part in ("sum", "count")
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,10 @@ class RouterSnapshot:
     itl_count: float
     ready_prefill: int | None
     ready_decode: int | None
+    prompt_tokens: tuple[float, float] | None = None
+    """``(sum, count)`` of the prompt-token histogram; ``None`` when the router has none."""
+    generation_tokens: tuple[float, float] | None = None
+    """``(sum, count)`` of the generated-token histogram; ``None`` as ``prompt_tokens``."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,11 @@ class Interval:
     rate_rps: float
     ttft_ms: float | None
     itl_ms: float | None
+    input_tokens: float | None = None
+    """Mean prompt length of the requests that finished in it (``None``: none did, or the
+    router counts no tokens)."""
+    output_tokens: float | None = None
+    """Mean generated length, as ``input_tokens``."""
 
 
 def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
@@ -62,7 +80,7 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
                 name = sample.name
                 if name == REQUESTS:
                     totals[REQUESTS] = totals.get(REQUESTS, 0.0) + sample.value
-                elif name in (f"{TTFT}_sum", f"{TTFT}_count", f"{ITL}_sum", f"{ITL}_count"):
+                elif name in _SUMMED:
                     totals[name] = totals.get(name, 0.0) + sample.value
                 elif name == READY_ENGINES:
                     role = sample.labels.get("role", "")
@@ -80,7 +98,15 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
         itl_count=totals.get(f"{ITL}_count", 0.0),
         ready_prefill=ready.get("prefill"),
         ready_decode=ready.get("decode"),
+        prompt_tokens=_sum_count(totals, PROMPT_TOKENS),
+        generation_tokens=_sum_count(totals, GENERATION_TOKENS),
     )
+
+
+def _sum_count(totals: dict[str, float], family: str) -> tuple[float, float] | None:
+    if f"{family}_count" not in totals:
+        return None
+    return totals.get(f"{family}_sum", 0.0), totals[f"{family}_count"]
 
 
 def interval_between(before: RouterSnapshot, after: RouterSnapshot) -> Interval | None:
@@ -100,7 +126,18 @@ def interval_between(before: RouterSnapshot, after: RouterSnapshot) -> Interval 
         rate_rps=requests / duration,
         ttft_ms=_mean_ms(after.ttft_sum_s - before.ttft_sum_s, ttft_count),
         itl_ms=_mean_ms(after.itl_sum_s - before.itl_sum_s, itl_count),
+        input_tokens=_mean_tokens(before.prompt_tokens, after.prompt_tokens),
+        output_tokens=_mean_tokens(before.generation_tokens, after.generation_tokens),
     )
+
+
+def _mean_tokens(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    if before is None or after is None:
+        return None
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count if count > 0 else None
 
 
 def _mean_ms(sum_s: float, count: float) -> float | None:

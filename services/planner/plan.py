@@ -4,6 +4,7 @@ pool out (the loop in :mod:`services.planner.main` fetches, publishes and prints
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from services.engines.sim.profile import SimProfile
 from services.planner.decision import Bounds, Decision, PoolPlanner
@@ -31,17 +32,27 @@ class PoolPlan:
     """``None`` when the interval had no figures."""
 
 
+LengthsSource = Literal["router", "flags"]
+
+
 @dataclass(frozen=True)
 class PlanStep:
     interval: Interval | None
     predicted: Load | None
     prefill: PoolPlan
     decode: PoolPlan
+    lengths: LengthsSource | None = None
+    """Where the interval's mean input and output lengths came from: the router's token
+    figures (this interval's, or the last interval that had any), or the settings (a router
+    that counts no tokens, or none yet); ``None`` for an interval without figures."""
 
 
 class Planner:
-    """Sizes both pools each interval from ``profile`` at ``slo``; the mean lengths are given
-    (``input_tokens``, ``output_tokens``: the router counts no tokens)."""
+    """Sizes both pools each interval from ``profile`` at ``slo``. The mean lengths are the
+    router's (its token histograms over the interval); ``input_tokens`` and ``output_tokens``
+    stand in for each until the router has measured it (a router without the histograms, or
+    no request finished yet), and an interval where no request finished keeps the last
+    measured."""
 
     def __init__(
         self,
@@ -65,6 +76,8 @@ class Planner:
         self.output_tokens = output_tokens
         self.correction_range = correction_range
         self._last: RouterSnapshot | None = None
+        self._measured_input: float | None = None
+        self._measured_output: float | None = None
 
     def step(self, snapshot: RouterSnapshot | None) -> PlanStep:
         """The decisions after an interval ending at ``snapshot`` (``None``: its figures could
@@ -84,7 +97,16 @@ class Planner:
         interval = interval_between(before, snapshot)
         if interval is None:
             return self._hold()
-        observed = Load(interval.rate_rps, self.input_tokens, self.output_tokens)
+        if interval.input_tokens is not None:
+            self._measured_input = interval.input_tokens
+        if interval.output_tokens is not None:
+            self._measured_output = interval.output_tokens
+        measured = self._measured_input is not None and self._measured_output is not None
+        observed = Load(
+            interval.rate_rps,
+            self._measured_input if self._measured_input is not None else self.input_tokens,
+            self._measured_output if self._measured_output is not None else self.output_tokens,
+        )
         self.predictor.observe(observed)
         predicted = self.predictor.predict() or observed
         low, high = self.correction_range
@@ -108,6 +130,7 @@ class Planner:
             predicted,
             PoolPlan(self.prefill.decide(prefill.replicas), prefill_ratio, prefill),
             PoolPlan(self.decode.decide(decode.replicas), decode_ratio, decode),
+            "router" if measured else "flags",
         )
 
     def _hold(self) -> PlanStep:
@@ -134,6 +157,7 @@ def step_record(step: PlanStep) -> dict[str, object]:
             "rate_rps": round(step.predicted.rate_rps, 4),
             "input_tokens": round(step.predicted.input_tokens, 1),
             "output_tokens": round(step.predicted.output_tokens, 1),
+            "lengths": step.lengths,
         }
     for name, plan in (("prefill", step.prefill), ("decode", step.decode)):
         pool: dict[str, object] = {

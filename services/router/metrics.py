@@ -39,6 +39,7 @@ _LATENCY_BUCKETS = (
     60,
 )
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
 FALLBACK_REASONS = (
@@ -176,6 +177,20 @@ class RouterMetrics:
             "pdserve_router_overhead_seconds",
             "Router time of a request excluding the time spent waiting on engine calls.",
             _OVERHEAD_BUCKETS,
+        )
+        # Per request, so ``_sum`` over ``_count`` is an interval's mean length (the planner's
+        # input and output lengths) and ``_sum`` alone the token rate.
+        self.prompt_tokens = self._loop_histogram(
+            "pdserve_router_request_prompt_tokens",
+            "Prompt tokens of each request that reached an engine (every prompt of a batch, "
+            "once per prompt).",
+            _TOKEN_BUCKETS,
+        )
+        self.generation_tokens = self._loop_histogram(
+            "pdserve_router_request_generation_tokens",
+            "Tokens generated for each request that reached an engine (every choice; a "
+            "request that failed mid-stream counts what it had generated).",
+            _TOKEN_BUCKETS,
         )
         self.engine_inflight = InflightGauge()
         r.register(self.engine_inflight)

@@ -73,12 +73,26 @@ def test_endpoints_file_names_the_router_and_every_metrics_url(system: UpSystem)
 def test_completion_runs_on_a_prefill_and_a_decode_engine(
     client: openai.OpenAI, system: UpSystem
 ) -> None:
+    tokens = (
+        "pdserve_router_request_prompt_tokens_sum",
+        "pdserve_router_request_generation_tokens_sum",
+        "pdserve_router_request_prompt_tokens_count",
+    )
+    before = [system.metric(name) for name in tokens]
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello, world!", max_tokens=5, temperature=0
     )
     completion = raw.parse()
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage is not None and completion.usage.completion_tokens == 5
+    # The router's token figures (what the planner reads) move by the request's usage.
+    after = [system.metric(name) for name in tokens]
+    usage = completion.usage
+    assert [b - a for a, b in zip(before, after, strict=True)] == [
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        1,
+    ]
     assert len(completion.choices[0].text.split()) == 5
     assert raw.headers["x-pdserve-prefill-engine"] in {"prefill-0", "prefill-1"}
     assert raw.headers["x-pdserve-decode-engine"] == "decode-0"

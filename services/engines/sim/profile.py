@@ -15,7 +15,12 @@ takes a name or a path)::
       "decode": {"base_ms": d, "per_sequence_ms": e, "per_context_token_ms": f},
       "kv_cache": {"num_blocks": 28000, "block_size": 16},
       "scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 256},
-      "kv_transfer": {"base_ms": g, "gb_per_s": h}     # optional: no transfer time without
+      "kv_transfer": {"base_ms": g, "gb_per_s": h},    # optional: no transfer time without
+      "layout": {"engine_kind": "vllm", "mode": "disaggregated",      # what was measured
+                 "prefill": {"pp_size": 1, "tp_size": 1},             # (null when colocated)
+                 "decode": {"pp_size": 1, "tp_size": 1}},             # (the colocated engine)
+      "measured": {"ttft": [{"input_tokens": 64, "ms": 41.2}, ...],   # optional: the points
+                   "itl": [{"batch": 4, "context_tokens": 128, "ms": 9.1}, ...]}
     }
 
 The model (all times in milliseconds, one engine step = one forward pass):
@@ -35,6 +40,11 @@ vLLM limits it admits by (``max_num_batched_tokens`` per step, ``max_num_seqs`` 
 ``kv_transfer`` (optional) is the prefill -> decode hand-off of a disaggregated request: a
 prompt of ``T`` tokens moves ``T * kv_bytes_per_token`` bytes (``2 * num_layers * num_kv_heads *
 head_size * dtype bytes``) in ``g + bytes / (h * 1e9) * 1000`` ms before its decode begins.
+``layout`` is what the figures are of: the engine kind and PP x TP of each side (format 2; a
+format-1 file has none). A simulated engine started with another PP x TP, or a planner whose
+router serves another model or is told other pools' layouts, refuses the profile at start
+(:func:`check_layout`, :func:`check_model`). ``measured`` (optional) keeps the points
+``pdserve profile`` measured and fitted the coefficients to.
 Unknown keys and negative figures are refused (:class:`SimProfileError`), naming the field.
 """
 
@@ -45,7 +55,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.control_plane.aggregation import DTYPE_BYTES
 from services.engines.errors import EngineError
@@ -55,8 +65,11 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
 
-PROFILE_FORMAT_VERSION = 1
-"""1: the first format (linear + quadratic prefill, linear decode, KV blocks, vLLM limits)."""
+PROFILE_FORMAT_VERSION = 2
+"""1: the first format (linear + quadratic prefill, linear decode, KV blocks, vLLM limits).
+2: ``layout`` (engine kind, mode, PP x TP per side; required) and ``measured`` (optional)."""
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""Versions still read: a format-1 profile has no layout (and none is checked)."""
 
 
 class SimProfileError(EngineError, ValueError):
@@ -120,6 +133,65 @@ class KVTransferTiming(_Frozen):
     """The link's bandwidth in GB/s (1e9 bytes)."""
 
 
+class SideLayout(_Frozen):
+    """One engine's parallel layout."""
+
+    pp_size: int = Field(default=1, ge=1)
+    tp_size: int = Field(default=1, ge=1)
+
+    def __str__(self) -> str:
+        return f"PP={self.pp_size} x TP={self.tp_size}"
+
+
+class ProfileLayout(_Frozen):
+    """What was measured: the engine kind and each side's layout."""
+
+    engine_kind: str = Field(min_length=1)
+    """``vllm``, ``reference``... (``nim`` for the shipped, published figures)."""
+    mode: Literal["disaggregated", "colocated"]
+    prefill: SideLayout | None = None
+    """The prefill engines' layout (disaggregated only)."""
+    decode: SideLayout
+    """The decode engines' (colocated: the one engine's)."""
+
+    @model_validator(mode="after")
+    def _sides(self) -> ProfileLayout:
+        if (self.mode == "disaggregated") != (self.prefill is not None):
+            raise ValueError("a disaggregated layout has a prefill side, a colocated one none")
+        return self
+
+    def sides(self) -> dict[str, SideLayout]:
+        """Each side's layout by role (``prefill`` and ``decode``; colocated: the engine's for
+        both)."""
+        return {"prefill": self.prefill or self.decode, "decode": self.decode}
+
+    def __str__(self) -> str:
+        if self.prefill is None:
+            return f"{self.engine_kind} colocated {self.decode}"
+        return f"{self.engine_kind} prefill {self.prefill}, decode {self.decode}"
+
+
+class TtftPoint(_Frozen):
+    input_tokens: int = Field(ge=1)
+    ms: float = Field(ge=0)
+
+
+class ItlPoint(_Frozen):
+    batch: int = Field(ge=1)
+    context_tokens: int = Field(ge=0)
+    """Context tokens of each stream at the middle of its decode."""
+    ms: float = Field(ge=0)
+
+
+class Measured(_Frozen):
+    """The points a profile's coefficients were fitted to (``pdserve profile``)."""
+
+    ttft: tuple[TtftPoint, ...] = ()
+    """Time to first token of one request alone, by prompt length."""
+    itl: tuple[ItlPoint, ...] = ()
+    """Mean gap between tokens of ``batch`` concurrent streams."""
+
+
 class SimProfile(_Frozen):
     """One profile (see the module docstring for the format and the timing model)."""
 
@@ -133,6 +205,15 @@ class SimProfile(_Frozen):
     kv_cache: KVCache
     scheduler: SchedulerLimits
     kv_transfer: KVTransferTiming | None = None
+    layout: ProfileLayout | None = None
+    """Required from format 2 (``None``: a format-1 profile, of an unrecorded layout)."""
+    measured: Measured | None = None
+
+    @model_validator(mode="after")
+    def _layout_from_format_2(self) -> SimProfile:
+        if self.format_version >= 2 and self.layout is None:
+            raise ValueError("format 2 needs the layout the figures are of")
+        return self
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -229,10 +310,10 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> SimProfile:
 
 def parse_profile(data: object, *, origin: str = "<profile>") -> SimProfile:
     """A profile from parsed JSON; :class:`SimProfileError` naming the first bad field."""
-    if isinstance(data, dict) and data.get("format_version") != PROFILE_FORMAT_VERSION:
+    if isinstance(data, dict) and data.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise SimProfileError(
-            f"sim profile {origin}: format_version {data.get('format_version')!r} is not "
-            f"{PROFILE_FORMAT_VERSION}"
+            f"sim profile {origin}: format_version {data.get('format_version')!r} is not one "
+            f"of {', '.join(map(str, READABLE_FORMAT_VERSIONS))}"
         )
     try:
         return SimProfile.model_validate(data)
@@ -240,3 +321,32 @@ def parse_profile(data: object, *, origin: str = "<profile>") -> SimProfile:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "(top level)"
         raise SimProfileError(f"sim profile {origin}: {where}: {first['msg']}") from exc
+
+
+def check_layout(profile: SimProfile, given: SideLayout, role: str | None = None) -> None:
+    """:class:`SimProfileError` naming both when ``profile`` was measured with another layout
+    than ``given`` on the ``role`` side (``prefill`` or ``decode``; ``None``: on either, for an
+    engine that does not know its role); a format-1 profile (no layout recorded) passes."""
+    if profile.layout is None:
+        return
+    sides = profile.layout.sides()
+    measured = [sides[role]] if role is not None else list(sides.values())
+    if given not in measured:
+        engines = f"the {role} engines" if role is not None else "this engine"
+        raise SimProfileError(
+            f"profile {profile.name} was measured on {profile.layout} (model "
+            f"{profile.model.name}); {engines} here: {given}. Measure this layout with "
+            "pdserve profile, or give the layout the profile was made for"
+        )
+
+
+def check_model(profile: SimProfile, served: Iterable[str]) -> None:
+    """:class:`SimProfileError` naming both when none of the ``served`` models is
+    ``profile``'s (its model's name, or ``sim-<name>`` of its simulated engines)."""
+    served = sorted(served)
+    if profile.model.name in served or profile.served_model in served:
+        return
+    raise SimProfileError(
+        f"profile {profile.name} is of model {profile.model.name} (simulated: "
+        f"{profile.served_model}); the router serves {', '.join(served) or 'no model'}"
+    )

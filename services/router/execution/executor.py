@@ -333,11 +333,23 @@ class Executor:
             return result, slot
 
     def observe_end(
-        self, request_arrival_s: float, endpoint: str, outcome: str, info: RunInfo | None
+        self,
+        request_arrival_s: float,
+        endpoint: str,
+        outcome: str,
+        info: RunInfo | None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
-        """Count the answered request and its end-to-end latency and router overhead."""
+        """Count the answered request, its end-to-end latency and router overhead, and its
+        prompt and generated tokens: ``tokens`` (a request of several choices or prompts: its
+        usage's) or else ``info``'s, when the request reached an engine."""
         self._metrics.requests_by(endpoint, outcome).inc()
         self.observe_latency(request_arrival_s, endpoint, info)
+        if tokens is None and info is not None and info.path is not None:
+            tokens = (info.prompt_tokens, info.completion_tokens)
+        if tokens is not None:
+            self._metrics.prompt_tokens.observe(tokens[0])
+            self._metrics.generation_tokens.observe(tokens[1])
 
     def observe_latency(
         self, request_arrival_s: float, endpoint: str, info: RunInfo | None

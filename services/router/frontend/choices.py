@@ -135,7 +135,9 @@ async def serve_choices(
     }
     if kind == "chat" and (prompt_logprobs := prompt_logprobs_body(tokenizer, states[0])):
         body["prompt_logprobs"] = prompt_logprobs  # vLLM's chat answer: the request's, once
-    runtime.executor.observe_end(first_request.arrival_s, endpoint, "ok", states[0].info)
+    runtime.executor.observe_end(
+        first_request.arrival_s, endpoint, "ok", states[0].info, _tokens(states)
+    )
     return Response(
         json.dumps(body, separators=(",", ":")),
         media_type="application/json",
@@ -173,16 +175,31 @@ async def _finish(state: _State, first: Chunk) -> None:
         _take(state, await anext(state.run))
 
 
-def _usage(states: list[_State]) -> dict[str, Any]:
+def _prompts(states: list[_State]) -> list[RunInfo]:
+    """One run's info per prompt (its choices share the prompt)."""
     prompts: dict[int, RunInfo] = {}
     for state in states:
         prompts.setdefault(state.choice.prompt_index, state.info)
+    return list(prompts.values())
+
+
+def _usage(states: list[_State]) -> dict[str, Any]:
+    prompts = _prompts(states)
     completion = sum(0 if s.choice.echo_only else s.info.completion_tokens for s in states)
     return usage_body(
-        sum(info.prompt_tokens for info in prompts.values()),
+        sum(info.prompt_tokens for info in prompts),
         completion,
-        sum(info.cached_tokens for info in prompts.values()),
+        sum(info.cached_tokens for info in prompts),
     )
+
+
+def _tokens(states: list[_State]) -> tuple[int, int] | None:
+    """The request's prompt tokens (once per prompt) and every choice's generated tokens, for
+    the router's token metrics; ``None`` when no run reached an engine."""
+    if all(state.info.path is None for state in states):
+        return None
+    prompt = sum(info.prompt_tokens for info in _prompts(states))
+    return prompt, sum(state.info.completion_tokens for state in states)
 
 
 def prompt_logprobs_body(tokenizer: Tokenizer, state: _State) -> list[Any] | None:
@@ -451,4 +468,6 @@ async def _sse(
         await asyncio.gather(*tasks, return_exceptions=True)
         for state in states:
             await state.run.aclose()
-        runtime.executor.observe_end(request.arrival_s, endpoint, outcome, states[0].info)
+        runtime.executor.observe_end(
+            request.arrival_s, endpoint, outcome, states[0].info, _tokens(states)
+        )

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
+from services.engines.sim.profile import load_profile
 from services.engines.stub import StubBackend
 from services.router.config import RouterSettings
 from services.serving.ready import parse_ready_line, pdserve_argv
@@ -60,9 +62,20 @@ async def _line(process: asyncio.subprocess.Process) -> str:
     return line.decode()
 
 
+def _stub_profile(directory: Path) -> Path:
+    """The shipped profile's timing, as if measured on the stub engines' model (the planner
+    refuses a profile of another model than the router serves)."""
+    data = json.loads(load_profile().model_dump_json())
+    data["model"]["name"] = "stub"
+    path = directory / "stub.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
 async def test_planner_publishes_a_desired_count_per_pool_within_bounds(
     cp_settings: ControlPlaneSettings,
     planner_process: list[asyncio.subprocess.Process],
+    tmp_path: Path,
 ) -> None:
     settings = service_settings(cp_settings)
     router = RouterSettings(control_plane=cp_settings, prefill_timeout_s=10, decode_timeout_s=10)
@@ -77,6 +90,7 @@ async def test_planner_publishes_a_desired_count_per_pool_within_bounds(
         argv = pdserve_argv(
             "planner",
             "--router-url", url,
+            "--profile", str(_stub_profile(tmp_path)),
             "--interval-s", "0.5",
             "--metrics-port", "0",
             "--ttft-ms", "200",
@@ -104,6 +118,12 @@ async def test_planner_publishes_a_desired_count_per_pool_within_bounds(
     assert records[0]["decode"]["desired"] == BOUNDS["decode"][0]  # one ready, min 2
     for record in records[1:]:
         assert record["observed"]["rate_rps"] >= 0
+        # The mean lengths are the router's token figures: 3 prompt tokens, 4 generated.
+        assert record["predicted"]["lengths"] == "router", record
+        assert (record["predicted"]["input_tokens"], record["predicted"]["output_tokens"]) == (
+            3,
+            4,
+        )
         for pool in BOUNDS:
             assert record[pool]["reason"] != "no_metrics", record
             assert "tokens_per_s_per_engine" in record[pool]

@@ -5,6 +5,7 @@ streams with the right tokens, simulated time that follows the profile, queueing
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -141,8 +142,16 @@ async def test_a_failed_engine_fails_its_streams_and_says_so_to_the_host() -> No
     await backend.stop()
 
 
-def test_the_registry_builds_sim_engines_from_a_profile_and_refuses_other_flags() -> None:
-    backend = create_backend("sim", EngineOptions(pp_size=2, num_kv_blocks=64))
+def test_the_registry_builds_sim_engines_from_a_profile_and_refuses_other_flags(
+    tmp_path: Path,
+) -> None:
+    data = json.loads(load_profile().model_dump_json())
+    data["layout"]["decode"]["pp_size"] = 2
+    two_stages = tmp_path / "pp2.json"
+    two_stages.write_text(json.dumps(data))
+    backend = create_backend(
+        "sim", EngineOptions(pp_size=2, num_kv_blocks=64, sim_profile=str(two_stages))
+    )
     assert isinstance(backend, SimBackend)
     description = backend.describe()
     assert description.engine_kind == "sim" and description.pp_size == 2
@@ -159,6 +168,11 @@ def test_the_registry_builds_sim_engines_from_a_profile_and_refuses_other_flags(
     with pytest.raises(EngineOptionsError, match="--sim-profile"):
         create_backend("stub", EngineOptions(sim_profile="llama-3.1-8b-h100"))
     assert isinstance(create_backend("stub", EngineOptions()), StubBackend)
+
+
+def test_a_profile_of_another_layout_is_refused_naming_both() -> None:
+    with pytest.raises(SimProfileError, match=r"nim colocated PP=1 x TP=1.*PP=1 x TP=2"):
+        create_backend("sim", EngineOptions(tp_size=2))
 
 
 def test_a_bad_sim_profile_on_the_command_line_exits_2_naming_it(

@@ -9,8 +9,11 @@ import pytest
 
 from services.engines.sim.profile import (
     DEFAULT_PROFILE,
+    SideLayout,
     SimProfile,
     SimProfileError,
+    check_layout,
+    check_model,
     load_profile,
     parse_profile,
     shipped_profiles,
@@ -73,7 +76,12 @@ def test_decode_step_grows_with_batch_and_context_and_a_prefill_chunk_lengthens_
     [
         ({"decode": {"base_ms": -1, "per_sequence_ms": 0, "per_context_token_ms": 0}}, "decode"),
         ({"kv_cache": {"num_blocks": 0, "block_size": 16}}, "kv_cache.num_blocks"),
-        ({"format_version": 2}, "format_version"),
+        ({"format_version": 3}, "format_version"),
+        ({"layout": None}, "layout"),
+        (
+            {"layout": {"engine_kind": "vllm", "mode": "colocated", "prefill": {}, "decode": {}}},
+            "prefill side",
+        ),
         ({"surprise": 1}, "surprise"),
         ({"name": "../etc"}, "name"),
     ],
@@ -112,3 +120,31 @@ def test_a_kv_transfer_moves_the_prompts_bytes_at_the_links_rate() -> None:
     data = _data()
     del data["kv_transfer"]
     assert parse_profile(data).transfer_ms(1000) == 0.0  # optional: no transfer time
+
+
+def test_a_format_1_profile_is_read_without_a_layout_and_passes_every_check() -> None:
+    data = _data()
+    data["format_version"] = 1
+    del data["layout"]
+    profile = parse_profile(data)
+    assert profile.layout is None
+    check_layout(profile, SideLayout(pp_size=4, tp_size=8))
+
+
+def test_layout_and_model_checks_name_both_sides() -> None:
+    data = _data()
+    data["layout"] = {
+        "engine_kind": "vllm",
+        "mode": "disaggregated",
+        "prefill": {"pp_size": 1, "tp_size": 2},
+        "decode": {"pp_size": 1, "tp_size": 1},
+    }
+    profile = parse_profile(data)
+    check_layout(profile, SideLayout(tp_size=2), "prefill")
+    check_layout(profile, SideLayout(tp_size=1))  # either side, for a role-less engine
+    with pytest.raises(SimProfileError, match=r"prefill PP=1 x TP=2.*decode engines here: PP=2"):
+        check_layout(profile, SideLayout(pp_size=2), "decode")
+    check_model(profile, ["meta-llama/Llama-3.1-8B-Instruct"])
+    check_model(profile, ["other", profile.served_model])
+    with pytest.raises(SimProfileError, match=r"Llama-3.1-8B-Instruct.*router serves tiny"):
+        check_model(profile, ["tiny"])

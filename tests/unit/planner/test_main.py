@@ -4,10 +4,13 @@ it cannot run with."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
 import json
 import socket
 import threading
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -79,3 +82,50 @@ def test_a_taken_metrics_port_and_an_unknown_profile_are_refused_at_start() -> N
 def test_a_router_url_that_is_not_http_is_refused() -> None:
     with pytest.raises(ValueError, match="router_url"):
         PlannerSettings(router_url="redis://localhost:6379")
+
+
+@contextlib.contextmanager
+def _router_serving(model: str) -> Iterator[str]:
+    """A real HTTP server answering ``/v1/models`` with ``model`` and an empty router
+    ``/metrics``, in a thread; its URL."""
+    models = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+    metrics = "# TYPE pdserve_router_requests_total counter\n"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = (models if self.path == "/v1/models" else metrics).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_profile_of_another_model_or_layout_is_refused_at_start_naming_both() -> None:
+    stop = threading.Event()
+    stop.set()
+    with _router_serving("tiny") as url:
+        settings = PlannerSettings(router_url=url, metrics_port=0)
+        with pytest.raises(PlannerConfigError, match=r"Llama-3.1-8B-Instruct.*serves tiny"):
+            run(settings, stop=stop, out=io.StringIO())
+    with _router_serving("sim-llama-3.1-8b-h100") as url:
+        out = io.StringIO()
+        assert run(PlannerSettings(router_url=url, metrics_port=0), stop=stop, out=out) == 0
+        assert parse_ready_line(out.getvalue().splitlines()[0]) is not None
+        with pytest.raises(PlannerConfigError, match=r"TP=1.*decode engines here: PP=1 x TP=2"):
+            run(
+                PlannerSettings(router_url=url, metrics_port=0, decode_layout="1x2"),
+                stop=stop,
+                out=io.StringIO(),
+            )

@@ -81,3 +81,32 @@ def test_a_restarted_router_gives_no_interval() -> None:
 def test_text_that_is_not_a_routers_metrics_is_refused(text: str) -> None:
     with pytest.raises(MetricsUnreadable):
         parse_router_metrics(text, at_s=0.0)
+
+
+def test_an_interval_gives_the_mean_lengths_of_the_requests_that_finished_in_it() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    metrics.prompt_tokens.observe(5000)  # before the interval: not in its means
+    metrics.generation_tokens.observe(1)
+    before = parse_router_metrics(_text(metrics), at_s=0.0)
+    for prompt, generated in ((100, 10), (300, 30), (200, 20)):
+        metrics.prompt_tokens.observe(prompt)
+        metrics.generation_tokens.observe(generated)
+    after = parse_router_metrics(_text(metrics), at_s=5.0)
+    interval = interval_between(before, after)
+    assert interval is not None
+    assert (interval.input_tokens, interval.output_tokens) == (200, 20)
+    idle = interval_between(after, parse_router_metrics(_text(metrics), at_s=9.0))
+    assert idle is not None and (idle.input_tokens, idle.output_tokens) == (None, None)
+
+
+def test_a_router_without_token_figures_gives_no_lengths() -> None:
+    text = (
+        "# TYPE pdserve_router_requests_total counter\n"
+        'pdserve_router_requests_total{endpoint="completions",outcome="ok"} 3\n'
+    )
+    before = parse_router_metrics(text, at_s=0.0)
+    after = parse_router_metrics(text.replace("} 3", "} 9"), at_s=3.0)
+    assert before.prompt_tokens is None
+    interval = interval_between(before, after)
+    assert interval is not None and interval.rate_rps == 2
+    assert (interval.input_tokens, interval.output_tokens) == (None, None)

@@ -11,10 +11,17 @@ from services.planner.sizing import Load, Slo, decode_size, prefill_size
 
 
 def _snapshot(
-    at_s: float, requests: float, ready: tuple[int, int] | None = (1, 1)
+    at_s: float,
+    requests: float,
+    ready: tuple[int, int] | None = (1, 1),
+    tokens: tuple[float, float] | None = None,
 ) -> RouterSnapshot:
+    """``tokens``: every request's prompt and generated length so far (``None``: a router
+    that counts no tokens)."""
     ttft_ms, itl_ms = 60.0, 8.0  # means of every request so far
     return RouterSnapshot(
+        prompt_tokens=None if tokens is None else (requests * tokens[0], requests),
+        generation_tokens=None if tokens is None else (requests * tokens[1], requests),
         at_s=at_s,
         requests=requests,
         ttft_sum_s=requests * ttft_ms / 1000,
@@ -94,3 +101,20 @@ def test_a_slower_fleet_than_the_profile_needs_more_engines() -> None:
     assert lagging.decode.correction > quick.decode.correction
     assert lagging.decode.decision.needed > quick.decode.decision.needed
     assert lagging.prefill.decision.needed > quick.prefill.decision.needed
+
+
+def test_the_routers_token_figures_replace_the_given_lengths_until_they_are_missing() -> None:
+    planner = _planner()
+    planner.step(_snapshot(0, 0, tokens=(0, 0)))
+    measured = planner.step(_snapshot(10, 400, tokens=(1000, 100)))
+    assert measured.predicted == Load(40, 1000, 100)
+    assert measured.lengths == "router"
+    assert step_record(measured)["predicted"]["lengths"] == "router"  # type: ignore[index]
+    # No request finished in the next interval: the last measured lengths hold.
+    idle = planner.step(_snapshot(20, 400, tokens=(1000, 100)))
+    assert idle.predicted == Load(0, 1000, 100) and idle.lengths == "router"
+    # A router without token figures: the settings' lengths, and said so.
+    given = _planner()
+    given.step(_snapshot(0, 0))
+    step = given.step(_snapshot(10, 400))
+    assert step.predicted == Load(40, 2000, 500) and step.lengths == "flags"

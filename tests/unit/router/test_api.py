@@ -61,6 +61,27 @@ async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, fac
     assert (
         sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
     )
+    prompt_sum = sample(rt, "pdserve_router_request_prompt_tokens_sum")
+    assert prompt_sum == completion.usage.prompt_tokens > 0
+    assert sample(rt, "pdserve_router_request_generation_tokens_sum") == 4
+    assert sample(rt, "pdserve_router_request_generation_tokens_count") == 1
+
+
+async def test_token_figures_count_a_prompt_once_and_every_choice(client, rt):
+    """n choices of one prompt (streamed): the prompt's tokens once, every choice's tokens."""
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=3,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage async for chunk in stream if chunk.usage is not None][-1]
+    assert usage.completion_tokens == 6
+    assert sample(rt, "pdserve_router_request_prompt_tokens_sum") == usage.prompt_tokens
+    assert sample(rt, "pdserve_router_request_generation_tokens_sum") == 6
+    assert sample(rt, "pdserve_router_request_prompt_tokens_count") == 1
 
 
 async def test_only_a_non_streamed_request_decodes_with_one_unary_call(client, factory, rt):

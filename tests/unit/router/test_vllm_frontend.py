@@ -118,6 +118,10 @@ async def test_text_is_vllms_detokenization_of_the_engines_tokens(
     assert (
         sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
     )
+    usage = answer.json()["usage"]
+    prompt_sum = sample(rt, "pdserve_router_request_prompt_tokens_sum")
+    assert prompt_sum == usage["prompt_tokens"] > 0
+    assert sample(rt, "pdserve_router_request_generation_tokens_sum") == 4
 
 
 async def test_a_stop_string_found_by_vllms_detokenizer_ends_the_run(

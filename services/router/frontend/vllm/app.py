@@ -147,8 +147,18 @@ class PdserveHeaders:
             if runtime is not None:
                 outcome = "ok" if status < 400 else str(status)
                 runtime.executor.observe_end(
-                    arrival_s, endpoint, outcome, infos[0] if infos else None
+                    arrival_s, endpoint, outcome, infos[0] if infos else None, _tokens(infos)
                 )
+
+
+def _tokens(infos: list[RunInfo]) -> tuple[int, int] | None:
+    """Every run's prompt and generated tokens, for the router's token metrics (vLLM's front
+    end runs a run per choice: a prompt of ``n`` choices counts ``n`` times, as its engines
+    were asked for it); ``None`` when no run reached an engine."""
+    ran = [info for info in infos if info.path is not None]
+    if not ran:
+        return None
+    return sum(info.prompt_tokens for info in ran), sum(info.completion_tokens for info in ran)
 
 
 def _bounded_body(
