@@ -30,6 +30,9 @@ class PoolPlan:
     correction: float
     size: PoolSize | None
     """``None`` when the interval had no figures."""
+    slo_breach: bool = False
+    """The interval's observed mean missed the SLO while the profile said the pool was big
+    enough: the need was raised to one engine more than the pool has (:func:`breach_need`)."""
 
 
 LengthsSource = Literal["router", "flags"]
@@ -125,11 +128,17 @@ class Planner:
         )
         prefill = prefill_size(self.profile, predicted, self.slo.ttft_ms / prefill_ratio)
         decode = decode_size(self.profile, predicted, self.slo.itl_ms / decode_ratio)
+        prefill_need, prefill_breach = breach_need(
+            prefill.replicas, interval.ttft_ms, self.slo.ttft_ms, snapshot.ready_prefill
+        )
+        decode_need, decode_breach = breach_need(
+            decode.replicas, interval.itl_ms, self.slo.itl_ms, snapshot.ready_decode
+        )
         return PlanStep(
             interval,
             predicted,
-            PoolPlan(self.prefill.decide(prefill.replicas), prefill_ratio, prefill),
-            PoolPlan(self.decode.decide(decode.replicas), decode_ratio, decode),
+            PoolPlan(self.prefill.decide(prefill_need), prefill_ratio, prefill, prefill_breach),
+            PoolPlan(self.decode.decide(decode_need), decode_ratio, decode, decode_breach),
             "router" if measured else "flags",
         )
 
@@ -140,6 +149,19 @@ class Planner:
             PoolPlan(self.prefill.hold(), 1.0, None),
             PoolPlan(self.decode.hold(), 1.0, None),
         )
+
+
+def breach_need(
+    sized: int, observed_ms: float | None, slo_ms: float, ready: int | None
+) -> tuple[int, bool]:
+    """The need after the SLO check: a pool whose interval missed its SLO (observed mean above
+    it) although the profile sized it big enough (``sized <= ready``) needs one engine more
+    than it has. The profile's correction is bounded (``--correction-max``), and latency the
+    profile does not model (a busy host, a slow network) would otherwise never be answered.
+    Scale-down stabilization still bounds how soon it goes back."""
+    if observed_ms is None or ready is None or observed_ms <= slo_ms or sized > ready:
+        return sized, False
+    return ready + 1, True
 
 
 def step_record(step: PlanStep) -> dict[str, object]:
@@ -169,6 +191,8 @@ def step_record(step: PlanStep) -> dict[str, object]:
         if plan.size is not None:
             pool["tokens_per_s_per_engine"] = round(plan.size.tokens_per_s, 1)
             pool["slo_reachable"] = plan.size.slo_reachable
+        if plan.slo_breach:
+            pool["slo_breach"] = True
         record[name] = pool
     return record
 

@@ -118,3 +118,26 @@ def test_the_routers_token_figures_replace_the_given_lengths_until_they_are_miss
     given.step(_snapshot(0, 0))
     step = given.step(_snapshot(10, 400))
     assert step.predicted == Load(40, 2000, 500) and step.lengths == "flags"
+
+
+def test_a_missed_slo_the_profile_cannot_explain_asks_one_engine_more() -> None:
+    planner = _planner()
+    planner.step(_snapshot(0, 0, ready=(2, 2)))
+    # 1 request/s: the profile sizes both pools at one engine, at any bounded correction; but
+    # the interval's TTFT (600 ms) and ITL (40 ms) miss the SLOs (200 ms, 20 ms).
+    late = RouterSnapshot(10, 10, 10 * 0.6, 10, 10 * 100 * 0.04, 10 * 100, 2, 2)
+    step = planner.step(late)
+    assert step.prefill.size is not None and step.prefill.size.replicas <= 2
+    assert step.decode.size is not None and step.decode.size.replicas <= 2
+    assert (step.prefill.decision.needed, step.decode.decision.needed) == (3, 3)
+    assert (step.prefill.decision.desired, step.decode.decision.desired) == (3, 3)
+    assert step.prefill.slo_breach and step.decode.slo_breach
+    assert step_record(step)["decode"]["slo_breach"] is True  # type: ignore[index]
+    # Within the SLOs the profile's size stands (no breach, and the pools wait out the window).
+    # Ten more requests at TTFT 60 ms and ITL 8 ms (the sums are cumulative).
+    fine = planner.step(RouterSnapshot(20, 20, 6.0 + 0.6, 20, 40.0 + 8.0, 2000, 3, 3))
+    assert fine.interval is not None and round(fine.interval.ttft_ms or 0, 6) == 60.0
+    assert fine.prefill.decision.reason == "hold_stabilizing"
+    assert not fine.prefill.slo_breach and not fine.decode.slo_breach
+    assert fine.decode.decision.desired == 3
+    assert "slo_breach" not in step_record(fine)["decode"]  # type: ignore[operator]
