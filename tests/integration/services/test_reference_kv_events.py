@@ -1,0 +1,165 @@
+"""The reference engine's KV events end to end: an engine host (real gRPC server, real Redis
+control plane, real rank processes) registers its event endpoints in its record; a ZMQ
+subscriber of those endpoints receives BlockStored for a prompt's full blocks and BlockRemoved
+when a small cache evicts them, with sequence numbers from 0 (the replay endpoint fills what the
+subscriber joined too late to see)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from services.config import ControlPlaneSettings
+from services.control_plane import RedisControlPlane
+from services.control_plane.wire import EngineRecord, EngineRole
+from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.reference.backend import ReferenceBackend
+from services.engines.reference.options import ReferenceEngineOptions
+from services.engines.reference.prefix_cache import block_keys
+from services.engines.reference.tiny_model import make_tiny_model
+from services.kv_events.events import (
+    END_OF_REPLAY_SEQ,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+)
+from tests.integration.services.conftest import hosted, service_settings
+
+pytestmark = pytest.mark.integration
+
+BLOCK_SIZE = 4
+WAIT_MS = 20_000
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("kv-events-tiny"), seed=0)
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+class Subscriber:
+    """What a router does with an engine's endpoints, minimally: SUB from now on, and the
+    replay endpoint for what came before the SUB joined."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], record: EngineRecord) -> None:
+        self._context = context
+        self._record = record
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(record.kv_events_endpoint)
+        self.batches: dict[int, EventBatch] = {}
+        self.live: set[int] = set()
+        """Sequence numbers that came over the SUB socket (not replayed)."""
+
+    def receive_until(self, done: Callable[[list[object]], bool]) -> None:
+        """Receive (blocking: run it in a thread) until ``done(events)`` holds."""
+        while not done(self.events()):
+            assert self.sub.poll(WAIT_MS), f"no KV events in {WAIT_MS} ms: {self.events()}"
+            _, seq, payload = self.sub.recv_multipart()
+            number = int.from_bytes(seq, "big")
+            self.batches[number] = decode_batch(payload)
+            self.live.add(number)
+            if min(self.batches) > 0:  # joined late: fetch the start from the replay endpoint
+                self.replay(0)
+
+    def replay(self, start: int) -> None:
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.connect(self._record.kv_events_replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                assert dealer.poll(WAIT_MS), "the replay did not end"
+                _, _, seq, payload = dealer.recv_multipart()
+                number = int.from_bytes(seq, "big", signed=True)
+                if number == END_OF_REPLAY_SEQ:
+                    return
+                self.batches.setdefault(number, decode_batch(payload))
+        finally:
+            dealer.close(0)
+
+    def close(self) -> None:
+        self.sub.close(0)
+
+    def events(self) -> list[object]:
+        return [event for seq in sorted(self.batches) for event in self.batches[seq].events]
+
+
+def has(kind: type, count: int) -> Callable[[list[object]], bool]:
+    return lambda events: sum(isinstance(e, kind) for e in events) >= count
+
+
+async def generate(backend: ReferenceBackend, request_id: str, prompt: list[int]) -> None:
+    request = DecodeRequest(request_id, tuple(prompt), SamplingParams(max_tokens=2))
+    async for _ in backend.decode(request):
+        pass
+
+
+async def test_a_hosted_reference_engine_publishes_its_prefix_cache_at_its_records_endpoints(
+    cp_settings: ControlPlaneSettings,
+    tiny_model: Path,
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    # 8 blocks of 4: a 13-token prompt with 2 new tokens takes 4 and leaves its 3 full prompt
+    # blocks cached; the third such prompt must evict.
+    backend = ReferenceBackend(
+        ReferenceEngineOptions(model_dir=tiny_model, num_kv_blocks=8, block_size=BLOCK_SIZE)
+    )
+    settings = service_settings(cp_settings, ready_timeout_s=60.0)
+    async with hosted(settings, backend, engine_id="kv-events-0", role=EngineRole.DECODE):
+        control_plane = RedisControlPlane(cp_settings)
+        try:
+            view = await control_plane.get_engine("kv-events-0")
+        finally:
+            await control_plane.close()
+        assert view is not None and view.record is not None
+        record = view.record
+        publisher = backend.kv_event_publisher
+        assert publisher is not None
+        events_port = publisher.endpoints.events.rpartition(":")[2]
+        replay_port = publisher.endpoints.replay.rpartition(":")[2]
+        # Bound on every interface, advertised at the host's gRPC host.
+        assert record.kv_events_endpoint == f"tcp://127.0.0.1:{events_port}"
+        assert record.kv_events_replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
+
+        subscriber = Subscriber(zmq_context, record)
+        try:
+            prompts = [list(range(base, base + 13)) for base in (10, 40, 70)]
+            keys = [block_keys(prompt, BLOCK_SIZE, len(prompt)) for prompt in prompts]
+
+            await generate(backend, "first", prompts[0])
+            await asyncio.to_thread(subscriber.receive_until, has(BlockStored, 1))
+            stored = [e for e in subscriber.events() if isinstance(e, BlockStored)]
+            assert stored == [BlockStored(tuple(keys[0]), None, tuple(prompts[0][:12]), BLOCK_SIZE)]
+            assert min(subscriber.batches) == 0
+
+            await generate(backend, "second", prompts[1])
+            await generate(backend, "third", prompts[2])  # 6 cached + 4 needed > 8: 2 evicted
+            await asyncio.to_thread(
+                subscriber.receive_until,
+                lambda events: (
+                    any(isinstance(e, BlockRemoved) for e in events)
+                    and len([e for e in events if isinstance(e, BlockStored)]) == 3
+                ),
+            )
+            removed = [e for e in subscriber.events() if isinstance(e, BlockRemoved)]
+            # The least recently used blocks go first: the first prompt's first two.
+            assert removed == [BlockRemoved(tuple(keys[0][:2]))]
+            stored = [e for e in subscriber.events() if isinstance(e, BlockStored)]
+            assert [e.block_hashes for e in stored] == [tuple(k) for k in keys]
+            assert sorted(subscriber.batches) == list(range(len(subscriber.batches)))
+            assert subscriber.live, "nothing came over the PUB socket"
+            # The heartbeat's cached keys and the events name the same blocks.
+            assert set(backend.load().cached_block_hashes) == {*keys[0][2:], *keys[1], *keys[2]}
+        finally:
+            subscriber.close()
