@@ -7,7 +7,7 @@ subscriber joined too late to see)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,25 +15,19 @@ import zmq
 
 from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
-from services.control_plane.wire import EngineRecord, EngineRole
+from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, SamplingParams
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.prefix_cache import block_keys
 from services.engines.reference.tiny_model import make_tiny_model
-from services.kv_events.events import (
-    END_OF_REPLAY_SEQ,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    decode_batch,
-)
+from services.kv_events.events import BlockRemoved, BlockStored
+from tests.integration.kv_event_client import EventClient, has
 from tests.integration.services.conftest import hosted, service_settings
 
 pytestmark = pytest.mark.integration
 
 BLOCK_SIZE = 4
-WAIT_MS = 20_000
 
 
 @pytest.fixture(scope="module")
@@ -46,57 +40,6 @@ def zmq_context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-class Subscriber:
-    """What a router does with an engine's endpoints, minimally: SUB from now on, and the
-    replay endpoint for what came before the SUB joined."""
-
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], record: EngineRecord) -> None:
-        self._context = context
-        self._record = record
-        self.sub = context.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(record.kv_events_endpoint)
-        self.batches: dict[int, EventBatch] = {}
-        self.live: set[int] = set()
-        """Sequence numbers that came over the SUB socket (not replayed)."""
-
-    def receive_until(self, done: Callable[[list[object]], bool]) -> None:
-        """Receive (blocking: run it in a thread) until ``done(events)`` holds."""
-        while not done(self.events()):
-            assert self.sub.poll(WAIT_MS), f"no KV events in {WAIT_MS} ms: {self.events()}"
-            _, seq, payload = self.sub.recv_multipart()
-            number = int.from_bytes(seq, "big")
-            self.batches[number] = decode_batch(payload)
-            self.live.add(number)
-            if min(self.batches) > 0:  # joined late: fetch the start from the replay endpoint
-                self.replay(0)
-
-    def replay(self, start: int) -> None:
-        dealer = self._context.socket(zmq.DEALER)
-        try:
-            dealer.connect(self._record.kv_events_replay_endpoint)
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            while True:
-                assert dealer.poll(WAIT_MS), "the replay did not end"
-                _, _, seq, payload = dealer.recv_multipart()
-                number = int.from_bytes(seq, "big", signed=True)
-                if number == END_OF_REPLAY_SEQ:
-                    return
-                self.batches.setdefault(number, decode_batch(payload))
-        finally:
-            dealer.close(0)
-
-    def close(self) -> None:
-        self.sub.close(0)
-
-    def events(self) -> list[object]:
-        return [event for seq in sorted(self.batches) for event in self.batches[seq].events]
-
-
-def has(kind: type, count: int) -> Callable[[list[object]], bool]:
-    return lambda events: sum(isinstance(e, kind) for e in events) >= count
 
 
 async def generate(backend: ReferenceBackend, request_id: str, prompt: list[int]) -> None:
@@ -132,7 +75,7 @@ async def test_a_hosted_reference_engine_publishes_its_prefix_cache_at_its_recor
         assert record.kv_events_endpoint == f"tcp://127.0.0.1:{events_port}"
         assert record.kv_events_replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
 
-        subscriber = Subscriber(zmq_context, record)
+        subscriber = EventClient(zmq_context, record)
         try:
             prompts = [list(range(base, base + 13)) for base in (10, 40, 70)]
             keys = [block_keys(prompt, BLOCK_SIZE, len(prompt)) for prompt in prompts]
