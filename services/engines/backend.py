@@ -468,7 +468,9 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def describe(self) -> BackendDescription:
-        """The spec fields the host registers; cheap (reads the model config only)."""
+        """The spec fields the host registers; cheap (reads the model config only), except
+        that a backend that publishes KV events binds or reserves their ports on the first
+        call (the same endpoints every call after; :meth:`stop` releases them)."""
 
     @abc.abstractmethod
     async def start(self, registration: EngineRegistration) -> None:

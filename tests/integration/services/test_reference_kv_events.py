@@ -1,8 +1,8 @@
 """The reference engine's KV events end to end: an engine host (real gRPC server, real Redis
-control plane, real rank processes) registers its event endpoints in its record; a ZMQ
-subscriber of those endpoints receives BlockStored for a prompt's full blocks and BlockRemoved
-when a small cache evicts them, with sequence numbers from 0 (the replay endpoint fills what the
-subscriber joined too late to see)."""
+control plane, real rank processes: PP=2, whose host process alone publishes) registers its
+event endpoints in its record; a ZMQ subscriber of those endpoints receives BlockStored for a
+prompt's full blocks, once, and BlockRemoved when a small cache evicts them, with sequence
+numbers from 0 (the replay endpoint fills what the subscriber joined too late to see)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ async def test_a_hosted_reference_engine_publishes_its_prefix_cache_at_its_recor
     # 8 blocks of 4: a 13-token prompt with 2 new tokens takes 4 and leaves its 3 full prompt
     # blocks cached; the third such prompt must evict.
     backend = ReferenceBackend(
-        ReferenceEngineOptions(model_dir=tiny_model, num_kv_blocks=8, block_size=BLOCK_SIZE)
-    )
+        ReferenceEngineOptions(
+            model_dir=tiny_model, pp_size=2, num_kv_blocks=8, block_size=BLOCK_SIZE
+        )
+    )  # PP=2: the host process publishes once for both stages
     settings = service_settings(cp_settings, ready_timeout_s=60.0)
     async with hosted(settings, backend, engine_id="kv-events-0", role=EngineRole.DECODE):
         control_plane = RedisControlPlane(cp_settings)
