@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "READs it (pull); both sides must use the same",
     )
     engine.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="reference, vllm: do not publish KV-cache events (default: published on two "
+        "ephemeral ports, named in the engine's control-plane record)",
+    )
+    engine.add_argument(
         "--kv-lease-s", type=float, help="how long a prefill engine holds KV for its consumer"
     )
     engine.add_argument(
@@ -178,6 +185,7 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             enforce_eager=args.enforce_eager,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             transfer_mode=args.transfer_mode,
+            kv_events=args.kv_events,
             stub_token_delay_s=args.stub_token_delay_s,
             stub_vocab_size=args.stub_vocab_size,
             sim_profile=args.sim_profile,

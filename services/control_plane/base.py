@@ -78,6 +78,10 @@ class EngineSpec:
     engine_kind: str = "reference"
     max_model_len: int = 0
     """The engine's context in tokens (0 = unknown)."""
+    kv_events_endpoint: str = ""
+    """Where the engine publishes KV-cache events (``tcp://host:port``; empty = none)."""
+    kv_events_replay_endpoint: str = ""
+    """The engine's KV-event replay endpoint (empty = none)."""
 
     def record(
         self, generation: Generation, *, lease_ttl_ms: int, registered_at_ms: int

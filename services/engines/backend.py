@@ -39,6 +39,7 @@ from services.control_plane.base import EngineSpec
 from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
 from services.engines.errors import InvalidRequest
 from services.engines.trace_context import TraceContext
+from services.kv_events.endpoints import advertised
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -426,16 +427,24 @@ class BackendDescription:
     eos_token_ids: tuple[int, ...]
     pp_aware: bool = True
     engine_kind: str = "reference"
+    kv_events_endpoint: str = ""
+    """Where the engine publishes its KV-cache events, as bound (``tcp://*:PORT`` binds every
+    interface; :meth:`spec` puts the host's advertised host in place of the wildcard); empty =
+    no events. A backend that publishes binds (or reserves) its ports by :meth:`describe`."""
+    kv_events_replay_endpoint: str = ""
+    """The KV-event replay endpoint, as bound (same rules)."""
 
     def spec(self, engine_id: EngineId, role: EngineRole, endpoint: str) -> EngineSpec:
-        """The control-plane spec of an engine with this description (what the host registers)."""
+        """The control-plane spec of an engine with this description (what the host registers):
+        ``endpoint`` is the advertised gRPC ``HOST:PORT``, whose host also replaces a wildcard
+        in the KV-event endpoints."""
         shared = {f.name for f in dataclasses.fields(EngineSpec)} - SPEC_ONLY_FIELDS
-        return EngineSpec(
-            engine_id=engine_id,
-            role=role,
-            endpoint=endpoint,
-            **{name: getattr(self, name) for name in shared},
-        )
+        values = {name: getattr(self, name) for name in shared}
+        host = endpoint.rpartition(":")[0] or endpoint
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if values[name]:
+                values[name] = advertised(values[name], host)
+        return EngineSpec(engine_id=engine_id, role=role, endpoint=endpoint, **values)
 
 
 SPEC_ONLY_FIELDS = frozenset({"engine_id", "role", "endpoint"})
@@ -459,7 +468,9 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def describe(self) -> BackendDescription:
-        """The spec fields the host registers; cheap (reads the model config only)."""
+        """The spec fields the host registers; cheap (reads the model config only), except
+        that a backend that publishes KV events binds or reserves their ports on the first
+        call (the same endpoints every call after; :meth:`stop` releases them)."""
 
     @abc.abstractmethod
     async def start(self, registration: EngineRegistration) -> None:

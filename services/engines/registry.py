@@ -65,6 +65,9 @@ class EngineOptions:
     stub_vocab_size: int | None = None
     """Stub engine only: its vocabulary (default 32000; a real tokenizer's size when a front
     end detokenizes its ids, as ``pdserve bench router --vllm-frontend``)."""
+    kv_events: bool = True
+    """Publish KV-cache events (reference and vLLM engines; the stub and the sim publish none):
+    ``--no-kv-events`` turns them off."""
     sim_profile: str | None = None
     """Sim engine only: a shipped profile's name or a profile file's path (default: the
     shipped ``llama-3.1-8b-h100``)."""
@@ -117,6 +120,7 @@ def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBac
         pp_size=options.pp_size,
         tp_size=options.tp_size,
         layer_partition=options.layer_partition,
+        kv_events=options.kv_events,
         **options.overrides(),
         **({"dtype": options.dtype} if options.dtype is not None else {}),
     )
@@ -145,6 +149,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         kv_cache_bytes=options.kv_cache_bytes,
         enforce_eager=options.enforce_eager,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
+        kv_events=options.kv_events,
         **({"dtype": options.dtype} if options.dtype is not None else {}),
         **(
             {"transfer_mode": layouts.TransferMode(options.transfer_mode)}

@@ -9,6 +9,7 @@ import dataclasses
 from services.control_plane.base import EngineSpec
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines.backend import SPEC_ONLY_FIELDS, BackendDescription
+from services.kv_events.endpoints import advertised
 
 
 def names(cls: type) -> set[str]:
@@ -55,3 +56,29 @@ def test_every_value_survives_description_to_spec_to_record() -> None:
         "host:1",
     )
     assert (record.generation, record.lease_ttl_ms, record.registered_at_ms) == (7, 10_000, 5)
+
+
+def test_the_spec_advertises_wildcard_kv_event_endpoints_at_the_engines_host() -> None:
+    description = BackendDescription(
+        model="m",
+        compat_hash="h",
+        pp_size=1,
+        tp_size=1,
+        num_layers=2,
+        num_kv_heads=2,
+        block_size=16,
+        vocab_size=100,
+        max_model_len=2048,
+        eos_token_ids=(1,),
+        kv_events_endpoint="tcp://*:5557",
+        kv_events_replay_endpoint="tcp://10.1.2.3:5558",
+    )
+    record = description.spec("decode-0", EngineRole.DECODE, "engine-host:50051").record(
+        1, lease_ttl_ms=10_000, registered_at_ms=5
+    )
+    assert record.kv_events_endpoint == "tcp://engine-host:5557"
+    assert record.kv_events_replay_endpoint == "tcp://10.1.2.3:5558"  # bound to one address
+    silent = dataclasses.replace(description, kv_events_endpoint="", kv_events_replay_endpoint="")
+    spec = silent.spec("decode-0", EngineRole.DECODE, "[::1]:50051")
+    assert (spec.kv_events_endpoint, spec.kv_events_replay_endpoint) == ("", "")
+    assert advertised("tcp://*:7", "[::1]") == "tcp://[::1]:7"

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.devtools.dashboards import catalogue_series, exported_series
+from services.kv_events.publisher import PublisherMetrics
 from services.planner.metrics import PlannerMetrics
 from services.router.metrics import RouterMetrics
 from services.serving.metrics import EngineServiceMetrics
@@ -32,6 +33,15 @@ def _planner() -> CollectorRegistry:
     return PlannerMetrics(CollectorRegistry()).registry
 
 
+def _kv_event_publisher() -> CollectorRegistry:
+    metrics = PublisherMetrics(CollectorRegistry())
+    for event in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        metrics.events.labels(type=event)
+    for outcome in ("served", "malformed"):
+        metrics.replays.labels(outcome=outcome)
+    return metrics.registry
+
+
 @pytest.mark.parametrize(
     ("registry_of", "prefix", "section", "recent"),
     [
@@ -43,8 +53,14 @@ def _planner() -> CollectorRegistry:
             "pdserve_engine_producer_check_fallbacks_total",
         ),
         (_planner, "pdserve_planner_", "Planner", "pdserve_planner_decisions_total"),
+        (
+            _kv_event_publisher,
+            "pdserve_kv_events_publisher_",
+            "KV-event publisher",
+            "pdserve_kv_events_publisher_replays_total",
+        ),
     ],
-    ids=["router", "engine-service", "planner"],
+    ids=["router", "engine-service", "planner", "kv-event-publisher"],
 )
 def test_every_exported_metric_is_in_the_catalogue(
     registry_of: Callable[[], CollectorRegistry], prefix: str, section: str, recent: str

@@ -12,6 +12,12 @@ Roles: every engine can run a request start to finish (``decode`` without a KV h
 with a KV handle needs ``decode`` or ``both`` (the ranks pull it from the producer, pre-warmed
 by PeerSync when the producer turned READY).
 
+KV-cache events (``options.kv_events`` with prefix caching): the host process owns the
+scheduler and its prefix cache, so it alone publishes, whatever the PP x TP grid
+(:class:`~services.kv_events.publisher.KVEventPublisher`, one batch per engine step with cache
+changes). The publisher binds on the first :meth:`describe` so the spec the host registers
+carries its ports; :meth:`stop` closes it.
+
 Requests arrive valid (the contracts of :class:`PrefillRequest` and :class:`DecodeRequest`) and
 a handle's producer was checked by the Decode RPC (READY at the handle's generation, a
 compatible KV producer of the same block size: :meth:`EngineBackend.decode`). Before a pull the
@@ -65,6 +71,7 @@ from services.engines.reference.request_state import RequestKind, SchedulerLimit
 from services.engines.reference.scheduler import Scheduler
 from services.engines.reference.sharding import ShardGeometry, ShardSpec
 from services.engines.trace_context import TraceContext
+from services.kv_events.publisher import KVEventPublisher, PublisherMetrics
 from services.kv_transfer.block_pool import KV_LAYOUT
 from services.tokenization.errors import TokenizerFilesError
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
@@ -122,11 +129,13 @@ class ReferenceBackend(EngineBackend):
         self.registration: EngineRegistration | None = None
         self._engine: EngineLoop | None = None
         self._stopped = False
+        self._kv_events: KVEventPublisher | None = None
 
     # -- the seam ------------------------------------------------------------------------------
 
     def describe(self) -> BackendDescription:
         config = self.config
+        publisher = self._kv_event_publisher()
         return BackendDescription(
             model=self.options.served_model_name(),
             compat_hash=self.compat_hash,
@@ -138,7 +147,21 @@ class ReferenceBackend(EngineBackend):
             vocab_size=config.vocab_size,
             max_model_len=config.max_position_embeddings,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            kv_events_endpoint=publisher.endpoints.events if publisher else "",
+            kv_events_replay_endpoint=publisher.endpoints.replay if publisher else "",
         )
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """The engine's publisher, bound on first use (``None`` when events are off)."""
+        options = self.options
+        if self._kv_events is None and options.kv_events and options.prefix_caching:
+            if self._stopped:
+                return None
+            self._kv_events = KVEventPublisher(
+                metrics=PublisherMetrics(self._registry),
+                name="pdserve-kv-events",
+            )
+        return self._kv_events
 
     async def start(self, registration: EngineRegistration) -> None:
         if self._engine is not None or self._stopped:
@@ -152,6 +175,7 @@ class ReferenceBackend(EngineBackend):
             await asyncio.to_thread(group.kill)
             raise
         options = self.options
+        publisher = self._kv_event_publisher()
         scheduler = Scheduler(
             engine_id=registration.engine_id,
             generation=registration.generation,
@@ -171,9 +195,14 @@ class ReferenceBackend(EngineBackend):
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
             metrics=self.metrics,
+            record_kv_events=publisher is not None,
         )
         self._engine = EngineLoop(
-            group, scheduler, self.relay, stop_timeout_s=options.stop_timeout_s
+            group,
+            scheduler,
+            self.relay,
+            stop_timeout_s=options.stop_timeout_s,
+            kv_events=publisher,
         )
         self._engine.start()
         logger.info(
@@ -322,6 +351,8 @@ class ReferenceBackend(EngineBackend):
         if self._engine is not None:
             self._engine.stop()
             await asyncio.to_thread(self._engine.join)
+        if self._kv_events is not None:  # after the loop: its last batch is sent first
+            await asyncio.to_thread(self._kv_events.close)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
@@ -337,6 +368,11 @@ class ReferenceBackend(EngineBackend):
     def failure(self) -> EngineFailed | None:
         """Why the engine failed (a rank died), once it has; the host must then exit."""
         return None if self._engine is None else self._engine.failure
+
+    @property
+    def kv_event_publisher(self) -> KVEventPublisher | None:
+        """The bound publisher (``None``: events off or :meth:`describe` not called yet)."""
+        return self._kv_events
 
     def rank_pids(self) -> dict[tuple[int, int], int]:
         """``(pp_rank, tp_rank) -> pid`` of the rank processes (tests, diagnostics)."""

@@ -9,6 +9,7 @@ through their request's sink. The loop, until stopped::
     plan a step; if there is one, send it to every rank and wait for the last stage's logits
     (handling other rank events as they come), then sample; else wait for a rank event, a call
     or 50 ms
+    publish the prefix cache's KV events of this iteration as one batch (with a publisher)
 
 A rank death (sentinel) or fatal error ends the loop: every in-flight request gets
 :class:`EngineFailed`, the remaining ranks are killed, and every later call raises.
@@ -47,6 +48,7 @@ from services.engines.reference.metrics import RankMetricsRelay
 from services.engines.reference.rank import DIST_TIMEOUT_S
 from services.engines.reference.request_state import PlannedStep
 from services.engines.reference.scheduler import Scheduler
+from services.kv_events.publisher import KVEventPublisher
 from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)
@@ -90,11 +92,15 @@ class EngineLoop:
         relay: RankMetricsRelay,
         *,
         stop_timeout_s: float,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
+        """With ``kv_events`` the scheduler must record its prefix cache's events
+        (``record_kv_events``); the loop publishes them, never blocking on the publisher."""
         self.group = group
         self.scheduler = scheduler
         self._relay = relay
         self._stop_timeout_s = stop_timeout_s
+        self._kv_events = kv_events
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
         self._wake_reader, self._wake_writer = Pipe(duplex=False)
@@ -186,6 +192,7 @@ class EngineLoop:
                         self._dispatch(event)
                     while self._wake_reader.poll():
                         self._wake_reader.recv_bytes()
+                self._publish_kv_events()
                 self._update_snapshot()
                 self.scheduler.deliver_all()
         except EngineFailed as exc:
@@ -260,6 +267,14 @@ class EngineLoop:
             )
         else:
             pending.done.set_result(None)
+
+    def _publish_kv_events(self) -> None:
+        cache = self.scheduler.prefix_cache
+        if self._kv_events is None or cache is None:
+            return
+        events = cache.take_events()
+        if events:
+            self._kv_events.publish(events)
 
     def _update_snapshot(self) -> None:
         s = self.scheduler

@@ -48,6 +48,10 @@ class ReferenceEngineOptions:
     prefix_caching: bool = True
     """Reuse the KV of full prompt blocks across requests (``usage.cached_tokens``); see
     :mod:`~services.engines.reference.prefix_cache`."""
+    kv_events: bool = True
+    """Publish the prefix cache's KV events (:mod:`services.kv_events`, vLLM's wire protocol)
+    on two ephemeral ports of every interface, named in the engine's record; needs
+    ``prefix_caching`` (without it there are no events and no endpoints)."""
     producer_connect_wait_s: float = 5.0
     """How long a decode rank waits for its pre-warm (PeerSync) to reach a producer that the
     control plane already shows READY, before failing the pull ``producer_unavailable``."""

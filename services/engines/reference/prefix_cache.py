@@ -11,6 +11,14 @@ its own blocks). The cache holds one reference on every cached block (in the sch
 At most ``len(prompt) - 1`` tokens are served from the cache: the last prompt token is always
 computed, because its logits give the first token. Requests that want prompt logprobs bypass
 the cache (as in vLLM): their logits are needed at every prompt position.
+
+With ``record_events`` the cache records what changed as KV events
+(:mod:`services.kv_events`, vLLM's shapes), which the engine loop takes after every step
+(:meth:`PrefixCache.take_events`) and publishes as one batch: :class:`BlockStored` when full
+blocks enter (one event per run of consecutive blocks: their chained keys, the key of the block
+before the run as parent, their token ids), :class:`BlockRemoved` when blocks are evicted,
+:class:`AllBlocksCleared` on :meth:`PrefixCache.reset`. The block hashes are the cache's own
+keys, the values ``EngineLoad.cached_block_hashes`` reports.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from services.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from services.kv_transfer.allocator import BlockAllocator
 
 
@@ -35,7 +44,9 @@ def block_keys(tokens: Sequence[int], block_size: int, limit: int) -> list[int]:
 class PrefixCache:
     """See the module docstring. Not thread-safe (the scheduler's thread owns it)."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, *, record_events: bool = False
+    ) -> None:
         self._allocator = allocator
         self._block_size = block_size
         self._blocks: dict[int, int] = {}
@@ -46,6 +57,8 @@ class PrefixCache:
         self.queries = 0
         self.version = 0
         """Changes whenever the cached set or its recency order changes."""
+        self._record = record_events
+        self._events: list[KVEvent] = []
 
     @property
     def num_cached(self) -> int:
@@ -83,26 +96,69 @@ class PrefixCache:
         short = count - self._allocator.free_count
         if short > 0:
             victims = [b for b in self._keys if self._allocator.refcount(b) == 1][:short]
-            for block in victims:
-                del self._blocks[self._keys.pop(block)]
+            evicted = [self._keys.pop(block) for block in victims]
+            for key in evicted:
+                del self._blocks[key]
             if victims:
                 self.version += 1
                 self._allocator.free(victims)
+                if self._record:
+                    self._events.append(BlockRemoved(tuple(evicted)))
         return list(self._allocator.allocate(count))
 
     def insert(self, prompt: Sequence[int], block_ids: Sequence[int]) -> None:
         """Cache ``prompt``'s full blocks (their KV is computed), unless already cached."""
         keys = block_keys(prompt, self._block_size, len(prompt))
         added: list[int] = []
-        for key, block in zip(keys, block_ids, strict=False):
+        run: list[int] = []  # indexes of the blocks added since the last skipped one
+        for index, (key, block) in enumerate(zip(keys, block_ids, strict=False)):
             if key in self._blocks or block in self._keys:
+                self._stored(prompt, keys, run)
+                run = []
                 continue
             self._blocks[key] = block
             self._keys[block] = key
             added.append(block)
+            run.append(index)
+        self._stored(prompt, keys, run)
         if added:
             self.version += 1
             self._allocator.incref(added)
+
+    def reset(self) -> bool:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``); ``False``, and nothing
+        dropped, while a request still uses one of them."""
+        if any(self._allocator.refcount(block) > 1 for block in self._keys):
+            return False
+        blocks = list(self._keys)
+        self._keys.clear()
+        self._blocks.clear()
+        if blocks:
+            self._allocator.free(blocks)
+        self.version += 1
+        if self._record:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, in order (empty without
+        ``record_events``)."""
+        events, self._events = self._events, []
+        return events
+
+    def _stored(self, prompt: Sequence[int], keys: Sequence[int], run: Sequence[int]) -> None:
+        if not run or not self._record:
+            return
+        size = self._block_size
+        first, end = run[0], run[-1] + 1
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(keys[first:end]),
+                parent_block_hash=keys[first - 1] if first > 0 else None,
+                token_ids=tuple(prompt[first * size : end * size]),
+                block_size=size,
+            )
+        )
 
     def recent_keys(self, limit: int) -> tuple[int, ...]:
         """The keys of at most ``limit`` cached blocks, most recently used first (what the

@@ -120,13 +120,16 @@ class Scheduler:
         metrics: ReferenceEngineMetrics,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        record_kv_events: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.generation = generation
         self.limits = limits
         self.allocator = BlockAllocator(limits.num_blocks)
         self.prefix_cache = (
-            PrefixCache(self.allocator, limits.block_size) if limits.prefix_caching else None
+            PrefixCache(self.allocator, limits.block_size, record_events=record_kv_events)
+            if limits.prefix_caching
+            else None
         )
         self.outbox: list[HostCommand] = []
         """Commands for every rank, in order; the engine loop sends and clears them."""

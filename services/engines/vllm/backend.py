@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -59,6 +60,7 @@ from services.engines.vllm.options import (
     connector_settings,
     describe_model,
     graph_args,
+    kv_events_config,
     kv_transfer_config,
 )
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
@@ -73,6 +75,7 @@ from services.engines.vllm.request_mapping import (
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
 from services.engines.vllm.version_guard import ENGINE_SYMBOLS, VllmVersionMismatch, check_vllm
 from services.engines.vllm.worker_extension import RELEASE_HELD_KV, WORKER_EXTENSION
+from services.kv_events.endpoints import free_tcp_ports
 from services.kv_transfer.metrics import KVTransferMetrics
 from services.lifetime import WATCH_PARENT_ENV
 
@@ -119,6 +122,14 @@ class VllmBackend(EngineBackend):
         """vLLM's NIXL transfers as ``pdserve_kv_transfer_*`` (:mod:`.transfer_metrics`)."""
         self.transfers: VllmTransferExporter | None = None
         self._description = describe_model(options)
+        self._kv_events: dict[str, Any] | None = None
+        if options.kv_events:
+            self._kv_events = kv_events_config(*free_tcp_ports(2))
+            self._description = dataclasses.replace(
+                self._description,
+                kv_events_endpoint=self._kv_events["endpoint"],
+                kv_events_replay_endpoint=self._kv_events["replay_endpoint"],
+            )
         self._engine: Any = None
         self._registration: EngineRegistration | None = None
         self._running: set[str] = set()
@@ -194,6 +205,7 @@ class VllmBackend(EngineBackend):
             ),
             worker_extension_cls=WORKER_EXTENSION,
             otlp_traces_endpoint=self.options.otlp_traces_endpoint,
+            **self._kv_events_args(modules),
         )
         backend = self
 
@@ -239,6 +251,15 @@ class VllmBackend(EngineBackend):
         engine._run_output_handler()
         self._engine = engine
         self._registration = registration
+
+    def _kv_events_args(self, modules: _VllmModules) -> dict[str, Any]:
+        """vLLM publishes KV events (with prefix caching, which they describe) when asked."""
+        if self._kv_events is None:
+            return {}
+        return {
+            "enable_prefix_caching": True,
+            "kv_events_config": modules.config.KVEventsConfig(**self._kv_events),
+        }
 
     async def republish(self, registration: EngineRegistration) -> None:
         """Not supported: the generation is baked into the KV connector's config inside

@@ -73,6 +73,8 @@ class VllmEngineOptions:
     otlp_traces_endpoint: str | None = None
     """Where vLLM exports its OpenTelemetry request spans (vLLM's ``--otlp-traces-endpoint``);
     ``None``: no tracing, and the trace context a request carries is not handed to vLLM."""
+    kv_events: bool = True
+    """Have vLLM publish its KV-cache events (:func:`kv_events_config`; prefix caching on)."""
 
     def served_model_name(self) -> str:
         return self.model_name or Path(self.model_dir).resolve().name
@@ -181,4 +183,17 @@ def kv_transfer_config(
         "kv_role": role.value,
         "engine_id": settings.vllm_engine_id,
         "kv_connector_extra_config": extra,
+    }
+
+
+def kv_events_config(events_port: int, replay_port: int) -> dict[str, Any]:
+    """vLLM's ``kv_events_config``: its ZMQ publisher (``ZmqEventPublisher``, in the engine core:
+    one per engine whatever its PP x TP) bound on every interface at ``events_port``, with
+    the replay endpoint at ``replay_port`` (both chosen free before launch; the record
+    advertises them at the host's address)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
     }

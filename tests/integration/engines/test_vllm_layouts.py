@@ -35,18 +35,22 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import zmq
 from prometheus_client import CollectorRegistry
 
 from services.config import ControlPlaneSettings, RedisSettings
+from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.errors import KVTransferFailed
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
-from services.engines.standalone import registered_engine
+from services.engines.standalone import STANDALONE_ENDPOINT, registered_engine
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import TransferMode
 from services.engines.vllm.options import VllmEngineOptions
+from services.kv_events.events import BlockStored, KVEvent
+from tests.integration.kv_event_client import EventClient
 
 pytestmark = [
     pytest.mark.integration,
@@ -265,6 +269,41 @@ async def assert_producer_freed(prefill: VllmBackend) -> None:
         if sample.name.endswith("_total")
     ]
     assert expired and sum(expired) == 0, "a producer lease expired"
+
+
+async def test_vllm_publishes_kv_events_at_the_endpoints_in_its_record(
+    settings: ControlPlaneSettings, prefill_pp2: VllmBackend
+) -> None:
+    """Issue 31: vLLM's engine core publishes its KV events (one publisher for both PP stages)
+    at the endpoints the engine's record names, advertised at its host; a fresh prompt's full
+    blocks come as BlockStored (read with pdserve's decoder: vLLM 0.32's encoding)."""
+    control_plane = RedisControlPlane(settings)
+    try:
+        view = await control_plane.get_engine("pre-pp2")
+    finally:
+        await control_plane.close()
+    assert view is not None and view.record is not None
+    record = view.record
+    host = STANDALONE_ENDPOINT.rpartition(":")[0]
+    assert record.kv_events_endpoint.startswith(f"tcp://{host}:")
+    assert record.kv_events_replay_endpoint.startswith(f"tcp://{host}:")
+    tokens = prompt(3 * BLOCK_SIZE + 7, 950)
+    full = tokens[: 3 * BLOCK_SIZE]
+
+    def stored_the_prompt(events: list[KVEvent]) -> bool:
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        ids = [t for e in stored if e.block_size == BLOCK_SIZE for t in e.token_ids]
+        return any(tuple(ids[i : i + len(full)]) == full for i in range(len(ids)))
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client = EventClient(context, record)
+    try:
+        await colocated(prefill_pp2, tokens)
+        await asyncio.to_thread(client.receive_until, stored_the_prompt)
+        assert client.live, "nothing came over the PUB socket"
+    finally:
+        client.close()
+        context.destroy(linger=0)
 
 
 class TestDecodeTP2:

@@ -35,7 +35,9 @@ class ListSink:
         self.items.append(item)
 
 
-def make(*, prefix_caching: bool = False, **limits: int) -> Scheduler:
+def make(
+    *, prefix_caching: bool = False, record_kv_events: bool = False, **limits: int
+) -> Scheduler:
     values = {
         "num_blocks": 16,
         "block_size": 4,
@@ -59,6 +61,7 @@ def make(*, prefix_caching: bool = False, **limits: int) -> Scheduler:
         tokenizer=ByteTokenizer(),
         eos_token_ids=frozenset(),
         metrics=ReferenceEngineMetrics("e", CollectorRegistry()),
+        record_kv_events=record_kv_events,
     )
 
 

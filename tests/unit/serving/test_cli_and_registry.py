@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.cli.engine import build_settings
@@ -110,3 +112,34 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
     assert description.engine_kind == "vllm"
     with pytest.raises(EngineOptionsError, match="VLLM_PP_LAYER_PARTITION"):
         create_backend("vllm", EngineOptions(model_dir=model, layer_partition=(3, 4)))
+
+
+def test_kv_events_are_on_by_default_and_no_kv_events_turns_them_off(tmp_path) -> None:
+    from services.engines.reference.backend import ReferenceBackend  # noqa: PLC0415
+    from services.engines.reference.tiny_model import make_tiny_model  # noqa: PLC0415
+    from services.engines.vllm.backend import VllmBackend  # noqa: PLC0415
+
+    parser = build_parser()
+    assert parser.parse_args(["decode"]).kv_events
+    assert not parser.parse_args(["decode", "--no-kv-events"]).kv_events
+    model = make_tiny_model(tmp_path / "tiny")
+    vllm_on = create_backend("vllm", EngineOptions(model_dir=model))
+    assert isinstance(vllm_on, VllmBackend)
+    described = vllm_on.describe()
+    events, replay = described.kv_events_endpoint, described.kv_events_replay_endpoint
+    assert events.startswith("tcp://*:") and replay.startswith("tcp://*:") and events != replay
+    assert vllm_on._kv_events is not None and vllm_on._kv_events["endpoint"] == events
+    vllm_off = create_backend("vllm", EngineOptions(model_dir=model, kv_events=False))
+    assert vllm_off.describe().kv_events_endpoint == ""
+    reference = create_backend("reference", EngineOptions(model_dir=model))
+    assert isinstance(reference, ReferenceBackend)
+    try:
+        described = reference.describe()
+        publisher = reference.kv_event_publisher
+        assert publisher is not None and described.kv_events_endpoint == publisher.endpoints.events
+        assert reference.describe() == described  # bound once
+    finally:
+        asyncio.run(reference.stop())
+    assert not reference.kv_event_publisher.publish([])  # type: ignore[union-attr]
+    silent = create_backend("reference", EngineOptions(model_dir=model, kv_events=False))
+    assert silent.describe().kv_events_replay_endpoint == ""

@@ -18,7 +18,12 @@ from services.engines.vllm.handshake import (
     VllmHandshakeExtra,
 )
 from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
-from services.engines.vllm.options import VllmEngineOptions, describe_model, kv_transfer_config
+from services.engines.vllm.options import (
+    VllmEngineOptions,
+    describe_model,
+    kv_events_config,
+    kv_transfer_config,
+)
 from services.engines.vllm.request_mapping import (
     OUTPUT_IN_PROMPT_ARG,
     SAMPLED_TOKENS_ARG,
@@ -204,3 +209,11 @@ def test_vllm_logprobs_map_to_token_logprobs() -> None:
     assert output_logprobs([7], [step], None) == ()
     prompt = prompt_logprobs_of([4, 7], [None, step], 0)
     assert [(e.token_id, e.top) for e in prompt] == [(7, ())]
+
+
+def test_kv_events_config_is_vllms_zmq_publisher_with_replay_on_every_interface() -> None:
+    from vllm.config import KVEventsConfig  # noqa: PLC0415
+
+    config = KVEventsConfig(**kv_events_config(5557, 5558))
+    assert config.enable_kv_cache_events and config.publisher == "zmq"
+    assert (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
