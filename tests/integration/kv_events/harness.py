@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from services.kv_events.events import EventBatch
 
 WAIT_S = 30.0
+kv_events: Any = None
 
 
 def free_port() -> int:
@@ -27,6 +31,77 @@ async def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float 
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+class Publisher:
+    """vLLM's real publisher (``vllm.distributed.kv_events``, imported when first built) bound
+    on fresh ports; batch ``i`` of :meth:`stored` stores block ``i``."""
+
+    def __init__(self, buffer_steps: int = 10_000) -> None:
+        global kv_events  # noqa: PLW0603 - vLLM imports slowly: only tests that publish pay
+        if kv_events is None:
+            kv_events = importlib.import_module("vllm.distributed.kv_events")
+        self.port, self.replay_port = free_port(), free_port()
+        self.pub: Any = kv_events.ZmqEventPublisher(
+            0,
+            endpoint=f"tcp://*:{self.port}",
+            replay_endpoint=f"tcp://*:{self.replay_port}",
+            buffer_steps=buffer_steps,
+        )
+        self.count = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def stored(self, n: int = 1) -> None:
+        """Publish ``n`` batches, batch ``i`` storing block ``i`` (4 tokens ``i``)."""
+        for _ in range(n):
+            i = self.count
+            self.count += 1
+            event = kv_events.BlockStored(
+                block_hashes=[i],
+                parent_block_hash=None,
+                token_ids=[i] * 4,
+                block_size=4,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            )
+            self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[event]))
+
+    def raw(self, events: list[Any]) -> None:
+        self.count += 1
+        self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=events))
+
+    def shutdown(self) -> None:
+        self.pub.shutdown()
+
+    def blocks(
+        self, tokens: Sequence[int], hashes: Sequence[int], parent: int | None = None
+    ) -> None:
+        """One batch storing ``tokens`` as blocks of 4 under the engine's ``hashes``."""
+        self.raw(
+            [
+                kv_events.BlockStored(
+                    block_hashes=list(hashes),
+                    parent_block_hash=parent,
+                    token_ids=list(tokens),
+                    block_size=4,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                )
+            ]
+        )
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        """One batch removing the engine's ``hashes``."""
+        self.raw([kv_events.BlockRemoved(block_hashes=list(hashes), medium="CPU")])
 
 
 class RecordingSink:

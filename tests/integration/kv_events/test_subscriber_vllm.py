@@ -6,7 +6,6 @@ publisher. vLLM is imported here only (the subscriber speaks its wire format wit
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -16,7 +15,13 @@ import zmq.asyncio
 
 from services.kv_events.events import MAX_PAYLOAD_BYTES, BlockRemoved, BlockStored
 from services.kv_events.subscriber import EventSubscriber
-from tests.integration.kv_events.harness import Proxy, RecordingSink, free_port, wait_until
+from tests.integration.kv_events.harness import (
+    Proxy,
+    Publisher,
+    RecordingSink,
+    free_port,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -28,51 +33,6 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
-
-
-class Publisher:
-    """vLLM's publisher bound on fresh ports."""
-
-    def __init__(self, buffer_steps: int = 10_000) -> None:
-        self.port, self.replay_port = free_port(), free_port()
-        self.pub: Any = kv_events.ZmqEventPublisher(
-            0,
-            endpoint=f"tcp://*:{self.port}",
-            replay_endpoint=f"tcp://*:{self.replay_port}",
-            buffer_steps=buffer_steps,
-        )
-        self.count = 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    @property
-    def replay_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
-
-    def stored(self, n: int = 1) -> None:
-        """Publish ``n`` batches, batch ``i`` storing block ``i`` (4 tokens ``i``)."""
-        for _ in range(n):
-            i = self.count
-            self.count += 1
-            event = kv_events.BlockStored(
-                block_hashes=[i],
-                parent_block_hash=None,
-                token_ids=[i] * 4,
-                block_size=4,
-                lora_id=None,
-                medium="CPU",
-                lora_name=None,
-            )
-            self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[event]))
-
-    def raw(self, events: list[Any]) -> None:
-        self.count += 1
-        self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=events))
-
-    def shutdown(self) -> None:
-        self.pub.shutdown()
 
 
 @pytest.fixture
