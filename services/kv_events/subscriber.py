@@ -58,6 +58,8 @@ MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 1024
 payload between :data:`MAX_PAYLOAD_BYTES` and this is read and dropped as ``oversized``)."""
 MAX_REPLAY_MESSAGES = 200_000
 """Replayed batches read per request at most (vLLM buffers 10,000 by default)."""
+REPLAY_RCVHWM = 12_000
+"""Replayed batches queued in the replay socket (vLLM keeps 10,000 by default)."""
 _SEQ = 8
 
 
@@ -73,7 +75,8 @@ class EventSink(Protocol):
 
     def stale(self, reason: str, *, lost: bool) -> None:
         """The stream is not complete: see the module docstring (``disconnected``, ``gap``,
-        ``no_replay``, ``replay_timeout``)."""
+        ``no_replay``, ``replay_timeout``; ``endpoint``: an address libzmq cannot parse, and
+        ``failed``: the subscriber itself failed (logged), both for good)."""
 
     def resumed(self) -> None:
         """The stream is consistent again after :meth:`stale`."""
@@ -147,6 +150,17 @@ class EventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 await self._received(frames)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EINVAL, zmq.EPROTONOSUPPORT):
+                # An endpoint libzmq cannot parse: this engine's events are never read.
+                logger.warning("KV events of %s: cannot connect (%s)", self._endpoint, exc)
+                self._lose("endpoint")
+            else:
+                logger.exception("KV events of %s: subscriber failed", self._endpoint)
+                self._lose("failed")
+        except Exception:
+            logger.exception("KV events of %s: subscriber failed", self._endpoint)
+            self._lose("failed")
         finally:
             monitoring.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -235,6 +249,9 @@ class EventSubscriber:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # vLLM's ROUTER sends the whole buffer in one loop and drops what the pipe cannot take:
+        # room for its default buffer, else the replay comes back with a gap (a loss).
+        dealer.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         try:
             dealer.connect(self._replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(_SEQ, "big")])

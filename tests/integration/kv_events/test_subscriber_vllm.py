@@ -219,3 +219,15 @@ async def test_a_hung_publisher_is_stale_after_the_heartbeat_timeout(
     finally:
         await sub.close()
         await proxy.close()
+
+
+async def test_an_endpoint_libzmq_cannot_parse_is_a_stale_engine_not_a_crash(
+    context: zmq.asyncio.Context,
+) -> None:
+    sink = RecordingSink()
+    sub = subscriber("tcp://no-port", "", sink, context)
+    try:
+        await wait_until(lambda: sink.events("stale") != [], "staleness")
+        assert sink.events("stale") == [("stale", "endpoint", True)]
+    finally:
+        await sub.close()
