@@ -44,14 +44,24 @@ async def stack() -> AsyncIterator[tuple[RouterRuntime, FakeFactory, dict[str, P
             pub.shutdown()
 
 
-async def completion(rt: RouterRuntime) -> str:
+async def placed(rt: RouterRuntime) -> tuple[str, str, str]:
+    """One completion of PROMPT through the router's HTTP app: (path, prefill engine or "",
+    decode engine)."""
     async with http(rt) as client:
         response = await client.post(
             "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
         )
     assert response.status_code == 200, response.text
-    engine: str = response.headers["x-pdserve-prefill-engine"]
-    return engine
+    headers = response.headers
+    return (
+        headers["x-pdserve-execution-path"],
+        headers.get("x-pdserve-prefill-engine", ""),
+        headers["x-pdserve-decode-engine"],
+    )
+
+
+async def completion(rt: RouterRuntime) -> str:
+    return (await placed(rt))[1]
 
 
 async def test_requests_go_to_the_prefill_engine_whose_events_hold_the_prompt(stack):
@@ -91,3 +101,65 @@ async def test_requests_go_to_the_prefill_engine_whose_events_hold_the_prompt(st
     rt.pool.update("p1", view("p1", EngineRole.PREFILL, generation=2))
     assert index.blocks_of(p1) == 0 and rt.kv_events.subscriber(p1) is None
     assert sample(rt, "pdserve_router_kv_index_blocks") == 7
+
+
+def evented(engine_id: str, role: EngineRole, pub: Publisher):
+    return view(
+        engine_id,
+        role,
+        kv_events_endpoint=pub.endpoint,
+        kv_events_replay_endpoint=pub.replay_endpoint,
+    )
+
+
+async def test_two_router_replicas_place_alike_from_events_on_both_pools():
+    """Two routers (as two replicas or two ``--workers``) with no shared state subscribe to
+    the same four engines: both send the prompt's prefill and decode where the events say it
+    is, and both run it on the decode engine alone once that engine holds all of it."""
+    publishers = {name: Publisher() for name in ("p1", "p2", "d1", "d2")}
+    routers = []
+    try:
+        for _ in range(2):
+            rt = runtime(FakeFactory(), policy="prefix_aware", local_cached_fraction=0.9)
+            for name, pub in publishers.items():
+                role = EngineRole.PREFILL if name.startswith("p") else EngineRole.DECODE
+                rt.pool.update(name, evented(name, role, pub))
+            rt.pool._synced.set()
+            routers.append(rt)
+        await asyncio.sleep(0.5)
+        publishers["p2"].blocks(PROMPT[:32], range(100, 108))
+        publishers["d2"].blocks(PROMPT[:24], range(300, 306))
+        for rt in routers:
+            assert rt.kv_events is not None
+            index, pool = rt.kv_events.index, rt.pool
+            await wait_until(
+                lambda index=index, pool=pool: (
+                    index.blocks_of(pool.get("p2")) == 8 and index.blocks_of(pool.get("d2")) == 6
+                ),
+                "the events",
+            )
+        for rt in routers:
+            assert await placed(rt) == ("disaggregated", "p2", "d2")
+            assert sample(rt, "pdserve_router_kv_blocks_moved_sum") == 10 - 6
+        # d2 completes the prompt (the decode of a previous turn): it holds all 10 blocks.
+        publishers["d2"].blocks(PROMPT[24:], range(306, 310), parent=305)
+        for rt in routers:
+            index, pool = rt.kv_events.index, rt.pool
+            await wait_until(
+                lambda index=index, pool=pool: index.blocks_of(pool.get("d2")) == 10, "d2"
+            )
+            assert await placed(rt) == ("local", "", "d2")
+            assert (
+                sample(
+                    rt,
+                    "pdserve_router_placement_decisions_total",
+                    pool="local",
+                    reason="cached_prompt",
+                )
+                == 1
+            )
+    finally:
+        for rt in routers:
+            await rt.close()
+        for pub in publishers.values():
+            pub.shutdown()
