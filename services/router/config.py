@@ -145,8 +145,9 @@ class RouterSettings(BaseSettings):
     (``services.kv_events``): ``prefix_aware`` then places by what those engines really hold
     (docs/architecture.md, Policies); engines that publish none keep the approximation."""
     kv_events_replay_timeout_s: float = Field(default=2.0, gt=0)
-    """How long a replay request to an engine's replay endpoint may take before the events it
-    should have returned count as lost (the engine is then stale, its entries dropped)."""
+    """How long a replay from an engine's replay endpoint may go without a message (the
+    request's answer, then each next batch) before the events it should have returned count as
+    lost (the engine is then stale, its entries dropped)."""
     kv_events_heartbeat_s: float = Field(default=5.0, gt=0)
     """ZMTP heartbeat interval on each event subscription; a publisher silent for three
     intervals is disconnected, and its engine stale until it reconnects and replays."""
