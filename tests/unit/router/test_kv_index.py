@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from services.control_plane.wire import EngineRole
 from services.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from services.router.scheduling.kv_feed import _SlotSink
 from services.router.scheduling.kv_index import KVIndex, block_keys, chain_root
 from services.router.scheduling.policies import PromptInfo, prompt_block_hashes
 from tests.unit.router.fakes import runtime, sample, view
@@ -178,3 +179,26 @@ def test_a_stale_engine_matches_nothing_and_a_lost_stream_drops_its_entries():
     index.set_stale(slot, stale=True, lost=True)
     index.set_stale(slot, stale=False)
     assert index.matched(slot, keys(range(8))) == 0 and len(index) == 0
+
+
+def test_the_feed_marks_stale_once_per_episode_logs_once_and_a_lost_stream_drops_entries(caplog):
+    rt, index = rt_with(evented("p"))
+    slot = rt.pool.get("p")
+    sink = _SlotSink(rt.kv_events, slot)
+    sink.apply(0, batch(stored([1, 2], range(8))))
+    assert sample(rt, "pdserve_router_kv_index_blocks") == 2
+    sink.stale("disconnected", lost=False)
+    sink.stale("disconnected", lost=False)  # the same episode: counted once
+    assert sample(rt, "pdserve_router_kv_events_stale_total", reason="disconnected") == 1
+    assert sample(rt, "pdserve_router_kv_events_stale_engines") == 1
+    assert index.blocks_of(slot) == 2 and index.matched(slot, keys(range(8))) == 0
+    sink.resumed()
+    assert index.matched(slot, keys(range(8))) == 2
+    assert sample(rt, "pdserve_router_kv_events_stale_engines") == 0
+    sink.stale("gap", lost=True)
+    assert index.blocks_of(slot) == 0
+    assert sample(rt, "pdserve_router_kv_events_stale_total", reason="gap") == 1
+    sink.dropped("malformed")
+    assert sample(rt, "pdserve_router_kv_events_dropped_total", reason="malformed") == 1
+    warnings = [r for r in caplog.records if "placed by load only" in r.getMessage()]
+    assert len(warnings) == 1
