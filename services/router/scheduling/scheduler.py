@@ -158,7 +158,7 @@ class Scheduler:
         self._count(
             "prefill",
             prefill_reason,
-            self._policy.cached_blocks(prefill, prompt) * (prefill.record.block_size),
+            self._policy.cached_blocks(prefill, prompt) * prefill.record.block_size,
         )
         self._count("decode", decode_reason, cached * block_size)
         blocks = -(-len(prompt.token_ids) // block_size)
@@ -207,7 +207,7 @@ class Scheduler:
     def _local(self, candidates: list[EngineSlot], prompt: PromptInfo, reason: str) -> Plan:
         decode = self._policy.choose(candidates, prompt, Stage.LOCAL)
         self._count(
-            "local", reason, self._policy.cached_blocks(decode, prompt) * (decode.record.block_size)
+            "local", reason, self._policy.cached_blocks(decode, prompt) * decode.record.block_size
         )
         self._policy.routed(decode, prompt)
         return Plan(decode=decode, prefill=None, local_reason=reason)
