@@ -13,7 +13,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.kv_events.events import MAX_PAYLOAD_BYTES, BlockRemoved, BlockStored
+from services.kv_events.events import (
+    MAX_PAYLOAD_BYTES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    encode_batch,
+)
 from services.kv_events.subscriber import EventSubscriber
 from tests.integration.kv_events.harness import (
     Proxy,
@@ -231,3 +238,28 @@ async def test_an_endpoint_libzmq_cannot_parse_is_a_stale_engine_not_a_crash(
         assert sink.events("stale") == [("stale", "endpoint", True)]
     finally:
         await sub.close()
+
+
+async def test_without_a_replay_endpoint_a_gap_is_a_lost_stream(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A raw PUB with no replay endpoint: the first batch read starts the stream (seq 3: no
+    loss, nothing was known), a jump is a loss, the batch after it resumes."""
+    port = free_port()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    sink = RecordingSink()
+    sub = subscriber(f"tcp://127.0.0.1:{port}", "", sink, context)
+    payload = encode_batch(EventBatch(0.0, (AllBlocksCleared(),)))
+    try:
+        await asyncio.sleep(0.5)
+        for seq in (3, 4, 9, 10):
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        await wait_until(lambda: len(sink.applied) == 4, "four batches")
+        assert sink.seqs == [3, 4, 9, 10]
+        assert sink.events("stale") == [("stale", "no_replay", True)]
+        assert sink.log.index(("stale", "no_replay", True)) == 2  # before batch 9
+        assert sink.log[3:5] == [("apply", 9), ("resumed",)]
+    finally:
+        await sub.close()
+        pub.close(linger=0)
