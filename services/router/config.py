@@ -101,7 +101,9 @@ class RouterSettings(BaseSettings):
     policy: PolicyName = "prefix_aware"
     """How engines are chosen: ``round_robin``; ``least_loaded`` (the router's in-flight
     reservations plus each engine's reported queue); ``prefix_aware`` (least-loaded decode,
-    prefill by longest cached prompt prefix unless that engine is overloaded)."""
+    prefill by longest cached prompt prefix unless that engine is overloaded; with engines that
+    publish KV events, both pools by their real caches balanced with load, see
+    ``prefill_cache_weight``)."""
     colocated: bool = False
     """Serve without disaggregation: every request runs on one decode (or ``both``) engine,
     which prefills it itself; prefill engines are not used. For comparison runs
@@ -110,8 +112,10 @@ class RouterSettings(BaseSettings):
     """Prompts of at most this many tokens run entirely on the decode engine (no KV transfer);
     0 disaggregates every prompt."""
     local_cached_fraction: float = Field(default=0.9, gt=0)
-    """Prompts of which at least this fraction of full blocks was already sent to the chosen
-    decode engine run there locally; above 1 disables the rule."""
+    """Prompts of which the chosen decode engine holds at least this fraction of full blocks
+    run there alone, no prefill engine and no KV transfer (conditional disaggregation): by its
+    KV events when it publishes them, else by what this router already sent it; above 1
+    disables the rule."""
     max_prefill_attempts: int = Field(default=3, ge=1)
     """Prefill attempts per request, each on a different engine."""
     local_fallback: bool = True
@@ -136,6 +140,30 @@ class RouterSettings(BaseSettings):
     prefix_load_slack: int = Field(default=4, ge=0)
     """``prefix_aware`` prefers the best-cached prefill engine only while its load is within
     this many requests of the least-loaded one (no herding on a hot prefix)."""
+    kv_events: bool = True
+    """Follow the KV-cache events of every READY engine whose record names an event endpoint
+    (``services.kv_events``): ``prefix_aware`` then places by what those engines really hold
+    (docs/architecture.md, Policies); engines that publish none keep the approximation."""
+    kv_events_replay_timeout_s: float = Field(default=2.0, gt=0)
+    """How long a replay from an engine's replay endpoint may go without a message (the
+    request's answer, then each next batch) before the events it should have returned count as
+    lost (the engine is then stale, its entries dropped)."""
+    kv_events_heartbeat_s: float = Field(default=5.0, gt=0)
+    """ZMTP heartbeat interval on each event subscription; a publisher silent for three
+    intervals is disconnected, and its engine stale until it reconnects and replays."""
+    kv_index_blocks_per_engine: int = Field(default=262_144, ge=1)
+    """Blocks the KV-event index keeps per engine (its oldest forgotten past it, counted in
+    ``pdserve_router_kv_index_evictions_total``); about 230 bytes each (measured)."""
+    kv_index_blocks_total: int = Field(default=2_097_152, ge=1)
+    """Blocks the KV-event index keeps over every engine together (the largest engine's oldest
+    forgotten past it)."""
+    prefill_cache_weight: float = Field(default=4.0, ge=0)
+    """With KV events: a prefill engine's score is this times the share of the prompt's full
+    blocks it holds, minus its load (in-flight + queued requests); the highest wins. So a
+    fully cached prompt is worth this many queued requests; 0 places by load only."""
+    decode_cache_weight: float = Field(default=4.0, ge=0)
+    """The same for the decode engine (its cached blocks are not moved over NIXL) and for
+    local placement."""
     workers: int = Field(default=1, ge=1, le=64)
     """Router processes serving ``port`` together (``SO_REUSEPORT``: the kernel spreads
     connections over them). Each follows the control plane and reserves engines on its own,

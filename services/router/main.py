@@ -109,6 +109,7 @@ def create_app(
                 await follower
             await built.executor.close()
             built.prompts.close()
+            await built.close()
             await built.pool.close()
             await control_plane.close()
 

@@ -51,6 +51,9 @@ FALLBACK_REASONS = (
 """Every ``reason`` of ``pdserve_router_fallbacks_total``."""
 
 
+_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 """Every ``header`` of ``pdserve_router_trace_context_dropped_total``."""
 
@@ -245,12 +248,69 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.placement_decisions = Counter(
+            "pdserve_router_placement_decisions_total",
+            "Engine choices, by pool (prefill, decode, local) and reason: what decided it "
+            "(docs/architecture.md, Policies).",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.cached_tokens = self._loop_histogram(
+            "pdserve_router_cached_tokens",
+            "Prompt tokens the chosen engine holds per request, by pool, as the router's "
+            "cache view (KV events or its own routing history) says at placement.",
+            _TOKEN_BUCKETS,
+            ["pool"],
+        )
+        self.kv_blocks_moved = self._loop_histogram(
+            "pdserve_router_kv_blocks_moved",
+            "Prompt blocks a disaggregated request's decode engine lacks at placement (the "
+            "blocks its KV transfer moves; times the engine's block bytes for bytes).",
+            _BLOCK_BUCKETS,
+        )
+        self.kv_events_received = Counter(
+            "pdserve_router_kv_events_received_total",
+            "KV-event batches applied to the router's index (every engine together).",
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "pdserve_router_kv_events_dropped_total",
+            "KV-event messages or events not applied, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_events_stale = Counter(
+            "pdserve_router_kv_events_stale_total",
+            "Engines whose KV-event stream became incomplete (placed by load only until it "
+            "resumes), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_events_stale_engines = Gauge(
+            "pdserve_router_kv_events_stale_engines",
+            "Engines publishing KV events whose stream is incomplete now.",
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "pdserve_router_kv_index_blocks",
+            "Blocks in the router's KV-event index, every engine together.",
+            registry=r,
+        )
+        self.kv_index_evictions = Counter(
+            "pdserve_router_kv_index_evictions_total",
+            "Index entries forgotten to stay within a bound (engine: max_blocks_per_engine; "
+            "total: max_blocks_total).",
+            ["bound"],
+            registry=r,
+        )
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
         self.execution_path_by = Children(self.execution_path)
         self.ttft_by = self.ttft.labels
         self.ttft_phase_by = self.ttft_phase.labels
         self.e2e_by = self.e2e.labels
+        self.placement_by = Children(self.placement_decisions)
+        self.cached_tokens_by = self.cached_tokens.labels
 
     def engine_protocol_error(self, error: str) -> None:
         """Count one breach (the h2 client's ``on_protocol_error``; ``error`` is one of

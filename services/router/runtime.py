@@ -11,6 +11,8 @@ from services.router.frontend.tokenizing import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.connector import ConnectorFactory
 from services.router.scheduling.health import CircuitBreaker
+from services.router.scheduling.kv_feed import KVEventFeed
+from services.router.scheduling.kv_index import KVIndex
 from services.router.scheduling.policies import make_policy
 from services.router.scheduling.pool import EnginePool
 from services.router.scheduling.scheduler import Scheduler
@@ -31,6 +33,15 @@ class RouterRuntime:
     scheduler: Scheduler
     executor: Executor
     api_keys: tuple[bytes, ...]
+    kv_events: KVEventFeed | None = None
+    """The subscriptions to the engines' KV events (``None``: ``kv_events`` off); closed
+    with the runtime (:meth:`close`)."""
+
+    async def close(self) -> None:
+        """Stop what :meth:`build` started that the pool does not own (KV-event
+        subscriptions)."""
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     @classmethod
     def build(
@@ -54,10 +65,28 @@ class RouterRuntime:
                 max_backoff_s=settings.circuit_max_backoff_s,
             ),
         )
+        feed: KVEventFeed | None = None
+        if settings.kv_events and settings.policy == "prefix_aware":
+            index = KVIndex(
+                max_blocks_per_engine=settings.kv_index_blocks_per_engine,
+                max_blocks_total=settings.kv_index_blocks_total,
+                on_evicted=lambda bound: metrics.kv_index_evictions.labels(bound=bound).inc(),
+                on_dropped=lambda reason: metrics.kv_events_dropped.labels(reason=reason).inc(),
+            )
+            feed = KVEventFeed(
+                index,
+                metrics,
+                replay_timeout_s=settings.kv_events_replay_timeout_s,
+                heartbeat_s=settings.kv_events_heartbeat_s,
+            )
+            pool.add_listener(feed)
         policy = make_policy(
             settings.policy,
             prefix_cache_blocks=settings.prefix_cache_blocks,
             prefix_load_slack=settings.prefix_load_slack,
+            events=feed.index if feed is not None else None,
+            prefill_cache_weight=settings.prefill_cache_weight,
+            decode_cache_weight=settings.decode_cache_weight,
         )
         scheduler = Scheduler(pool, policy, settings, metrics)
         chat = ChatRenderer(tokenizer)
@@ -73,4 +102,5 @@ class RouterRuntime:
             scheduler=scheduler,
             executor=Executor(pool, scheduler, settings, metrics, tokenizer=tokenizer),
             api_keys=tuple(key.get_secret_value().encode() for key in settings.api_keys),
+            kv_events=feed,
         )

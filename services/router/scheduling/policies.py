@@ -19,6 +19,18 @@ Policies run on the request path, synchronously: no I/O, a few microseconds.
   approximation (an LRU per engine). Both are kept per :class:`EngineSlot`, weakly: an engine
   that restarts (new generation, so a new slot) starts empty, and one that leaves the pool is
   forgotten with its slot.
+
+  Engines that publish KV events (``EngineRecord.kv_events_endpoint``; the router's
+  :class:`~services.router.scheduling.kv_index.KVIndex`) are scored by what their events say
+  they hold, on both pools: each candidate's score is ``weight * cached_share - load``
+  (``cached_share``: the leading full blocks of the prompt it holds over the prompt's full
+  blocks; ``load``: :func:`load_score`; ``weight``: ``prefill_cache_weight`` or
+  ``decode_cache_weight``), the highest wins, ties rotate. A stale engine (its event stream
+  incomplete) holds nothing as far as the score goes: load only. A candidate list with no
+  event-publishing engine keeps the approximate behaviour above.
+
+Every ``choose`` leaves its reason in :attr:`RoutingPolicy.reason` (read by the scheduler
+right after, for ``pdserve_router_placement_decisions_total``).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.control_plane.wire import EngineLoad
+from services.router.scheduling.kv_index import BlockKey, KVIndex, block_keys, chain_root
 from services.router.scheduling.pool import EngineSlot
 
 
@@ -47,13 +60,10 @@ class Stage(enum.StrEnum):
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks: hash ``i`` covers tokens
     ``[0, (i + 1) * block_size)``, so equal hashes mean equal prefixes (as engines' prefix
-    caches key blocks). Python's hash of int tuples is deterministic across processes."""
-    hashes: list[int] = []
-    previous = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        previous = hash((previous, tuple(token_ids[start : start + block_size])))
-        hashes.append(previous)
-    return hashes
+    caches key blocks). Python's hash of int tuples is deterministic across processes. The
+    KV-event index chains the same way from a root naming the model
+    (:func:`~services.router.scheduling.kv_index.block_keys`)."""
+    return block_keys(token_ids, block_size, 0)
 
 
 @dataclass
@@ -65,6 +75,9 @@ class PromptInfo:
     context_tokens: int = 0
     """Prompt + ``max_tokens``: the scheduler skips engines whose ``max_model_len`` (when
     published) is smaller."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (part of the KV-event index's keys)."""
+    _keys: dict[tuple[str, int], list[BlockKey]] = field(default_factory=dict)
 
     def fits(self, max_model_len: int) -> bool:
         """Whether an engine with this context (0 = unknown) can hold the request."""
@@ -77,6 +90,17 @@ class PromptInfo:
             self._hashes[block_size] = hashes
         return hashes
 
+    def block_keys(self, model: str, block_size: int) -> list[BlockKey]:
+        """The KV-event index's keys of the prompt's full blocks for ``model``."""
+        keys = self._keys.get((model, block_size))
+        if keys is None:
+            root = chain_root(model, self.lora_name)
+            keys = self._keys[(model, block_size)] = block_keys(self.token_ids, block_size, root)
+        return keys
+
+    def full_blocks(self, block_size: int) -> int:
+        return len(self.token_ids) // block_size
+
 
 class RoutingPolicy(abc.ABC):
     """Chooses one engine among candidates; see the module docstring.
@@ -84,6 +108,11 @@ class RoutingPolicy(abc.ABC):
     Called by the scheduler only, on the event loop, with a non-empty candidate list sorted by
     engine id.
     """
+
+    reason: str = "load"
+    """Why the last :meth:`choose` chose as it did (a metric label): ``load``, ``round_robin``,
+    ``cached`` (KV events: the cached prefix outweighed load), ``cached_approx`` (the
+    approximate view's prefix)."""
 
     @abc.abstractmethod
     def choose(
@@ -101,6 +130,8 @@ class RoutingPolicy(abc.ABC):
 
 class RoundRobinPolicy(RoutingPolicy):
     """Each stage rotates over its candidates."""
+
+    reason = "round_robin"
 
     def __init__(self) -> None:
         self._counters = {stage: itertools.count() for stage in Stage}
@@ -199,17 +230,35 @@ class ReportedCaches:
 
 
 class PrefixAwarePolicy(LeastLoadedPolicy):
-    """Longest cached prefix within ``load_slack`` of the least load; else least-loaded."""
+    """Longest cached prefix within ``load_slack`` of the least load; else least-loaded. With
+    ``events``, engines that publish KV events are scored by them (see the module docstring)."""
 
-    def __init__(self, capacity_blocks: int, load_slack: int) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        load_slack: int,
+        *,
+        events: KVIndex | None = None,
+        prefill_cache_weight: float = 4.0,
+        decode_cache_weight: float = 4.0,
+    ) -> None:
         super().__init__()
         self._index = PrefixIndex(capacity_blocks)
         self._reported = ReportedCaches()
         self._slack = load_slack
+        self._events = events
+        self._weights = {
+            Stage.PREFILL: prefill_cache_weight,
+            Stage.DECODE: decode_cache_weight,
+            Stage.LOCAL: decode_cache_weight,
+        }
 
     def choose(
         self, candidates: Sequence[EngineSlot], prompt: PromptInfo, stage: Stage
     ) -> EngineSlot:
+        if self._events is not None and any(self._publishes(slot) for slot in candidates):
+            return self._by_events(candidates, prompt, stage)
+        self.reason = "load"
         if stage is Stage.DECODE:
             return self._least_loaded(candidates, stage)
         least = min(load_score(slot) for slot in candidates)
@@ -221,9 +270,35 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
             blocks = self.cached_blocks(slot, prompt)
             if blocks > best_blocks:
                 best_slot, best_blocks = slot, blocks
-        return best_slot if best_slot is not None else self._least_loaded(candidates, stage)
+        if best_slot is None:
+            return self._least_loaded(candidates, stage)
+        self.reason = "cached_approx"
+        return best_slot
+
+    def _by_events(
+        self, candidates: Sequence[EngineSlot], prompt: PromptInfo, stage: Stage
+    ) -> EngineSlot:
+        weight = self._weights[stage]
+        best: list[tuple[EngineSlot, int]] = []
+        best_score = 0.0
+        for slot in candidates:
+            full = prompt.full_blocks(slot.record.block_size)
+            cached = self.cached_blocks(slot, prompt) if full else 0
+            score = (weight * cached / full if full else 0.0) - load_score(slot)
+            if not best or score > best_score:
+                best, best_score = [(slot, cached)], score
+            elif score == best_score:
+                best.append((slot, cached))
+        chosen, cached = best[next(self._tie_breakers[stage]) % len(best)]
+        self.reason = "cached" if cached else "load"
+        return chosen
+
+    def _publishes(self, slot: EngineSlot) -> bool:
+        return bool(slot.record.kv_events_endpoint)
 
     def routed(self, slot: EngineSlot, prompt: PromptInfo) -> None:
+        if self._events is not None and self._publishes(slot):
+            return  # its events will say what it stored
         hashes = prompt.block_hashes(slot.record.block_size)
         if slot.load.prefix_cache_reported:
             self._reported.add(slot, hashes)
@@ -231,18 +306,36 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
             self._index.add(slot, hashes)
 
     def cached_blocks(self, slot: EngineSlot, prompt: PromptInfo) -> int:
+        if self._events is not None and self._publishes(slot):
+            keys = prompt.block_keys(slot.record.model, slot.record.block_size)
+            return self._events.matched(slot, keys)
         hashes = prompt.block_hashes(slot.record.block_size)
         if slot.load.prefix_cache_reported:
             return self._reported.matched(slot, hashes)
         return self._index.matched(slot, hashes)
 
 
-def make_policy(name: str, *, prefix_cache_blocks: int, prefix_load_slack: int) -> RoutingPolicy:
-    """The policy named in the settings."""
+def make_policy(
+    name: str,
+    *,
+    prefix_cache_blocks: int,
+    prefix_load_slack: int,
+    events: KVIndex | None = None,
+    prefill_cache_weight: float = 4.0,
+    decode_cache_weight: float = 4.0,
+) -> RoutingPolicy:
+    """The policy named in the settings (``events``: the KV-event index, for
+    ``prefix_aware``)."""
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
         return LeastLoadedPolicy()
     if name == "prefix_aware":
-        return PrefixAwarePolicy(prefix_cache_blocks, prefix_load_slack)
+        return PrefixAwarePolicy(
+            prefix_cache_blocks,
+            prefix_load_slack,
+            events=events,
+            prefill_cache_weight=prefill_cache_weight,
+            decode_cache_weight=decode_cache_weight,
+        )
     raise ValueError(f"unknown routing policy {name!r}")

@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.control_plane.base import ControlPlane, EngineView
 from services.control_plane.wire import EngineId, EngineLoad, EngineRecord, EngineRole
@@ -60,6 +61,15 @@ class EngineSlot:
         )
 
 
+class PoolListener(Protocol):
+    """Told when an engine slot joins or leaves the pool (the KV-event feed,
+    ``services.router.scheduling.kv_feed``). Called synchronously from :meth:`EnginePool.update`."""
+
+    def joined(self, slot: EngineSlot) -> None: ...
+
+    def left(self, slot: EngineSlot) -> None: ...
+
+
 class EnginePool:
     """READY engines by id; see the module docstring."""
 
@@ -78,6 +88,7 @@ class EnginePool:
         self._registered_models: dict[EngineId, str] = {}
         self._synced = asyncio.Event()
         self._closers: set[asyncio.Task[None]] = set()
+        self._listeners: list[PoolListener] = []
         metrics.engine_inflight.read_from(self._inflight_samples)
         metrics.circuit_state.read_from(self._circuit_samples)
 
@@ -109,6 +120,13 @@ class EnginePool:
     def synced(self) -> bool:
         """True once the first full read of the control plane was applied."""
         return self._synced.is_set()
+
+    def add_listener(self, listener: PoolListener) -> None:
+        """Tell ``listener`` of every slot that joins or leaves from now on, and of the slots
+        already in the pool."""
+        self._listeners.append(listener)
+        for slot in list(self._slots.values()):
+            listener.joined(slot)
 
     # -- reservations ---------------------------------------------------------------------------
 
@@ -179,6 +197,8 @@ class EnginePool:
                 record.generation,
                 record.endpoint,
             )
+            for listener in self._listeners:
+                listener.joined(current)
         self._export_load(current)
         self._export_ready()
 
@@ -187,6 +207,8 @@ class EnginePool:
         self._ordered.clear()
         slot.retired = True
         logger.info("engine %s left the pool", slot.engine_id)
+        for listener in self._listeners:
+            listener.left(slot)
         role = slot.role.value
         for kind in _LOAD_KINDS:
             with contextlib.suppress(KeyError):

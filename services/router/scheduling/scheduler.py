@@ -20,7 +20,13 @@ and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
    disaggregation: moving its KV costs more than computing it);
 4. otherwise the policy picks a prefill engine among those with a compatible decode engine,
    then a compatible decode engine; if that decode engine likely holds at least
-   ``local_cached_fraction`` of the prompt's blocks, the request runs there locally.
+   ``local_cached_fraction`` of the prompt's blocks (by its KV events when it publishes them),
+   the request runs there locally (conditional disaggregation from cache hits).
+
+Every placement is counted in ``pdserve_router_placement_decisions_total{pool, reason}``
+(``prefill`` / ``decode``: the policy's reason; ``local``: the plan's ``local_reason``), with
+the prompt tokens the chosen engines hold (``pdserve_router_cached_tokens{pool}``) and the
+blocks a disaggregated request's decode engine lacks (``pdserve_router_kv_blocks_moved``).
 
 Health (``services.router.scheduling.health``): engines whose circuit breaker is open are not
 chosen; a request that failed over or migrated also names engines to ``avoid``. When every decode
@@ -135,19 +141,35 @@ class Scheduler:
         if len(prompt.token_ids) <= self._settings.local_max_prompt_tokens:
             return self._local(decodes, prompt, "short_prompt")
         prefill = self._policy.choose(paired, prompt, Stage.PREFILL)
+        prefill_reason = self._policy.reason
         partners = [d for d in decodes if d.compatible_with(prefill)]
         decode = self._policy.choose(partners, prompt, Stage.DECODE)
+        decode_reason = self._policy.reason
         # Hashing the prompt is only needed when the policy knows of cached blocks (never for
         # round_robin / least_loaded); local_cached_fraction > 0, so 0 cached never qualifies.
         cached = self._policy.cached_blocks(decode, prompt)
-        if cached and cached >= self._settings.local_cached_fraction * len(
-            prompt.block_hashes(decode.record.block_size)
+        block_size = decode.record.block_size
+        if cached and cached >= self._settings.local_cached_fraction * prompt.full_blocks(
+            block_size
         ):
             self._policy.routed(decode, prompt)
+            self._count("local", "cached_prompt", cached * block_size)
             return Plan(decode=decode, prefill=None, local_reason="cached_prompt")
+        self._count(
+            "prefill",
+            prefill_reason,
+            self._policy.cached_blocks(prefill, prompt) * prefill.record.block_size,
+        )
+        self._count("decode", decode_reason, cached * block_size)
+        blocks = -(-len(prompt.token_ids) // block_size)
+        self._metrics.kv_blocks_moved.observe(blocks - cached)
         self._policy.routed(prefill, prompt)
         self._policy.routed(decode, prompt)
         return Plan(decode=decode, prefill=prefill)
+
+    def _count(self, pool: str, reason: str, cached_tokens: int) -> None:
+        self._metrics.placement_by(pool, reason).inc()
+        self._metrics.cached_tokens_by(pool).observe(cached_tokens)
 
     def next_prefill(
         self, decode: EngineSlot, prompt: PromptInfo, tried: Collection[EngineId]
@@ -164,6 +186,7 @@ class Scheduler:
         if not candidates:
             return None
         chosen = self._policy.choose(candidates, prompt, Stage.PREFILL)
+        self._metrics.placement_by("prefill", self._policy.reason).inc()
         self._policy.routed(chosen, prompt)
         return chosen
 
@@ -183,5 +206,8 @@ class Scheduler:
 
     def _local(self, candidates: list[EngineSlot], prompt: PromptInfo, reason: str) -> Plan:
         decode = self._policy.choose(candidates, prompt, Stage.LOCAL)
+        self._count(
+            "local", reason, self._policy.cached_blocks(decode, prompt) * decode.record.block_size
+        )
         self._policy.routed(decode, prompt)
         return Plan(decode=decode, prefill=None, local_reason=reason)

@@ -224,6 +224,8 @@ def view(
     load: EngineLoad | None = None,
     max_model_len: int = 0,
     engine_kind: str = "reference",
+    kv_events_endpoint: str = "",
+    kv_events_replay_endpoint: str = "",
 ) -> EngineView:
     record = EngineRecord(
         engine_id=engine_id,
@@ -242,6 +244,8 @@ def view(
         registered_at_ms=0,
         max_model_len=max_model_len,
         engine_kind=engine_kind,
+        kv_events_endpoint=kv_events_endpoint,
+        kv_events_replay_endpoint=kv_events_replay_endpoint,
     )
     status = EngineStatus(engine_id, generation, state, (), 1, 0)
     return EngineView(engine_id, record, status, load or EngineLoad())

@@ -1,0 +1,146 @@
+"""Placement from KV events: prefill and decode by cached prefix balanced with load, the local
+(conditional disaggregation) threshold, stale engines placed by load, engines without events
+on the old behaviour, and every decision counted."""
+
+from __future__ import annotations
+
+from services.control_plane.wire import EngineLoad, EngineRole
+from services.kv_events.events import BlockStored, EventBatch
+from services.router.scheduling.policies import PromptInfo, Stage
+from tests.unit.router.fakes import runtime, sample, view
+
+PREFILL, DECODE = EngineRole.PREFILL, EngineRole.DECODE
+BS = 4
+PROMPT = tuple(range(40))  # 10 full blocks
+
+
+def evented(engine_id, role, *, queue=0):
+    return view(
+        engine_id,
+        role,
+        load=EngineLoad(queue_depth=queue),
+        kv_events_endpoint=f"tcp://127.0.0.1:{len(engine_id)}",
+        kv_events_replay_endpoint="tcp://127.0.0.1:2",
+    )
+
+
+def setup(*views, **settings):
+    rt = runtime(policy="prefix_aware", **settings)
+    for v in views:
+        rt.pool.update(v.engine_id, v)
+    assert rt.kv_events is not None
+    return rt, rt.kv_events.index
+
+
+def holds(rt, index, engine_id, blocks):
+    """``engine_id``'s events stored the first ``blocks`` blocks of PROMPT."""
+    tokens = PROMPT[: blocks * BS]
+    hashes = tuple(hash((engine_id, i)) for i in range(blocks))
+    index.apply(rt.pool.get(engine_id), EventBatch(0.0, (BlockStored(hashes, None, tokens, BS),)))
+
+
+def test_prefill_goes_to_the_engine_holding_the_longest_prefix():
+    rt, index = setup(evented("p1", PREFILL), evented("p2", PREFILL), evented("d", DECODE))
+    holds(rt, index, "p1", 3)
+    holds(rt, index, "p2", 8)
+    for _ in range(3):  # not a rotation: every time
+        plan = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+        assert plan.prefill is not None and plan.prefill.engine_id == "p2"
+    assert (
+        sample(rt, "pdserve_router_placement_decisions_total", pool="prefill", reason="cached") == 3
+    )
+    assert sample(rt, "pdserve_router_cached_tokens_sum", pool="prefill") == 3 * 8 * BS
+    # The decode engine holds nothing: all 10 blocks move.
+    assert sample(rt, "pdserve_router_kv_blocks_moved_sum") == 3 * 10
+    assert sample(rt, "pdserve_router_placement_decisions_total", pool="decode", reason="load") == 3
+
+
+def test_load_outweighs_a_cached_prefix_past_the_weight():
+    """Score = weight * cached share - load: 4 * 0.8 - 3 > 0 - 0, but 4 * 0.8 - 4 < 0."""
+    rt, index = setup(evented("p1", PREFILL), evented("p2", PREFILL, queue=3), evented("d", DECODE))
+    holds(rt, index, "p2", 8)
+    assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p2"
+    rt.pool.update("p2", evented("p2", PREFILL, queue=4))
+    assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p1"
+    rt2, index2 = setup(
+        evented("p1", PREFILL),
+        evented("p2", PREFILL, queue=4),
+        evented("d", DECODE),
+        prefill_cache_weight=10.0,
+    )
+    holds(rt2, index2, "p2", 8)
+    assert rt2.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p2"
+
+
+def test_decode_prefers_the_engine_holding_the_prompt_so_fewer_blocks_move():
+    rt, index = setup(
+        evented("p", PREFILL), evented("d1", DECODE), evented("d2", DECODE), evented("d3", DECODE)
+    )
+    holds(rt, index, "d2", 6)
+    for _ in range(3):
+        plan = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+        assert plan.prefill is not None and plan.decode.engine_id == "d2"
+    assert (
+        sample(rt, "pdserve_router_placement_decisions_total", pool="decode", reason="cached") == 3
+    )
+    assert sample(rt, "pdserve_router_kv_blocks_moved_sum") == 3 * (10 - 6)
+    assert sample(rt, "pdserve_router_cached_tokens_sum", pool="decode") == 3 * 6 * BS
+
+
+def test_a_prompt_the_decode_engine_holds_past_the_threshold_runs_there_alone():
+    rt, index = setup(
+        evented("p", PREFILL),
+        evented("d1", DECODE),
+        evented("d2", DECODE),
+        local_cached_fraction=0.8,
+    )
+    holds(rt, index, "d2", 7)  # 0.7 of the prompt: disaggregated, on d2
+    plan = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+    assert plan.prefill is not None and plan.decode.engine_id == "d2"
+    holds(rt, index, "d2", 8)  # 0.8: local on d2
+    plan = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+    assert plan.prefill is None and plan.local_reason == "cached_prompt"
+    assert plan.decode.engine_id == "d2"
+    assert (
+        sample(rt, "pdserve_router_placement_decisions_total", pool="local", reason="cached_prompt")
+        == 1
+    )
+    assert sample(rt, "pdserve_router_cached_tokens_sum", pool="local") == 8 * BS
+
+
+def test_a_stale_engine_is_placed_by_load_only():
+    rt, index = setup(evented("p1", PREFILL), evented("p2", PREFILL, queue=1), evented("d", DECODE))
+    holds(rt, index, "p2", 10)
+    assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p2"
+    index.set_stale(rt.pool.get("p2"), stale=True)
+    for _ in range(3):
+        assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p1"
+    index.set_stale(rt.pool.get("p2"), stale=False)
+    assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p2"
+
+
+def test_engines_without_events_keep_the_approximate_policy():
+    rt = runtime(policy="prefix_aware")
+    for v in (view("p1", PREFILL), view("p2", PREFILL), view("d1", DECODE), view("d2", DECODE)):
+        rt.pool.update(v.engine_id, v)
+    first = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+    again = rt.scheduler.plan("tiny", PromptInfo((*PROMPT, 1, 2, 3, 4, 5)))
+    assert again.prefill is not None and again.prefill.engine_id == first.prefill.engine_id
+    assert (
+        sample(
+            rt, "pdserve_router_placement_decisions_total", pool="prefill", reason="cached_approx"
+        )
+        == 1
+    )
+    # The approximate decode choice is least-loaded, whatever it was sent before.
+    slots = rt.pool.slots((DECODE,))
+    policy = rt.scheduler._policy
+    chosen = {policy.choose(slots, PromptInfo(PROMPT), Stage.DECODE).engine_id for _ in range(4)}
+    assert chosen == {"d1", "d2"}
+
+
+def test_without_kv_events_setting_no_index_is_built():
+    rt = runtime(policy="prefix_aware", kv_events=False)
+    assert rt.kv_events is None
+    rt = runtime(policy="round_robin")
+    assert rt.kv_events is None
