@@ -51,7 +51,7 @@ FALLBACK_REASONS = (
 """Every ``reason`` of ``pdserve_router_fallbacks_total``."""
 
 
-_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_CACHED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -259,7 +259,7 @@ class RouterMetrics:
             "pdserve_router_cached_tokens",
             "Prompt tokens the chosen engine holds per request, by pool, as the router's "
             "cache view (KV events or its own routing history) says at placement.",
-            _TOKEN_BUCKETS,
+            _CACHED_TOKEN_BUCKETS,
             ["pool"],
         )
         self.kv_blocks_moved = self._loop_histogram(
