@@ -17,11 +17,13 @@ import helm_python as helm
 import httpx
 import promql_parser
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.main import build_parser
 from services.cli.planner import build_settings
 from services.engines.sim.profile import parse_profile, resolve_profile_path
+from services.observability.local_prometheus import find_binary
 from services.planner.main import build_planner
 from services.serving.ready import parse_ready_line, pdserve_argv
 from tests.deploy.chart import (
@@ -209,12 +211,16 @@ def test_a_keda_scaled_object_per_pool_targets_its_statefulset_on_its_pool(
         assert metadata["serverAddress"] == PROMETHEUS
         assert metadata["threshold"] == "1"  # one replica per unit: replicas = the figure
         assert metadata["ignoreNullValues"] == "false"  # a lost series is an error, not 0
-        assert selector_of(metadata["query"]) == {
-            "__name__": ("=", "pdserve_planner_desired_replicas"),
+        release = {
             "namespace": ("=", NAMESPACE),
             "pod": ("=~", "demo-pdserve-planner-.+"),
             "pool": ("=", pool),
             "cluster": ("=", "gpu-a"),
+        }
+        assert selectors_of(metadata["query"]) == {
+            "pdserve_planner_desired_replicas": release,
+            # The gate: the planner has decided on the router's figures.
+            "pdserve_planner_decisions_total": {**release, "reason": ("!=", "no_metrics")},
         }
         assert metadata["query"].startswith("max(")
 
@@ -360,35 +366,58 @@ def test_the_running_planner_exports_what_the_scaled_objects_select(
         finally:
             process.terminate()
             process.wait(timeout=PLANNER_START_TIMEOUT_S)
-    exported = {
-        (sample.name, sample.labels.get("pool")): sample.value
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-    }
+    samples = [
+        sample for family in text_string_to_metric_families(exposition) for sample in family.samples
+    ]
     for pool, minimum in (("prefill", 2), ("decode", 3)):
         query = find(manifests, "ScaledObject", f"-{pool}").body["spec"]["triggers"][0]
-        selector = selector_of(query["metadata"]["query"])
-        series = (selector["__name__"][1], selector["pool"][1])
-        assert exported[series] == minimum
+        selectors = selectors_of(query["metadata"]["query"])
+        assert set(selectors) == {
+            "pdserve_planner_desired_replicas",
+            "pdserve_planner_decisions_total",
+        }
+        selected = {
+            name: [s for s in samples if s.name == name and matches(s.labels, matchers)]
+            for name, matchers in selectors.items()
+        }
+        (desired,) = selected["pdserve_planner_desired_replicas"]
+        assert desired.value == minimum
+        # The gate's series exist from the start and stay at 0 while no router answers: the
+        # query selects nothing, so the pool keeps its replicas.
+        gate = selected["pdserve_planner_decisions_total"]
+        assert {s.labels["reason"] for s in gate} >= {"scale_up", "scale_down", "hold"}
+        assert sum(s.value for s in gate) == 0
 
 
-def selector_of(query: str) -> dict[str, tuple[str, str]]:
-    """label -> (operator, value) of the one vector selector in ``query`` (a real PromQL
-    parser), the metric name as ``__name__``."""
-    selectors: list[Any] = []
+OPERATORS = {"MatchOp.Equal": "=", "MatchOp.NotEqual": "!=", "MatchOp.Re": "=~"}
+
+
+def selectors_of(query: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """metric name -> {label: (operator, value)} of every vector selector in ``query`` (a real
+    PromQL parser)."""
+    selectors: dict[str, dict[str, tuple[str, str]]] = {}
 
     def visit(node: Any) -> None:
         if isinstance(node, promql_parser.VectorSelector):
-            selectors.append(node)
+            assert node.name not in selectors, f"{node.name} selected twice"
+            selectors[node.name] = {
+                m.name: (OPERATORS[str(m.op)], str(m.value)) for m in node.matchers.matchers
+            }
 
     promql_parser.walk(promql_parser.parse(query), visit)
-    (selector,) = selectors
-    operators = {"MatchOp.Equal": "=", "MatchOp.Re": "=~"}
-    matchers = {
-        m.name: (operators.get(str(m.op), str(m.op)), str(m.value))
-        for m in selector.matchers.matchers
-    }
-    return {"__name__": ("=", selector.name), **matchers}
+    return selectors
+
+
+def matches(labels: dict[str, str], matchers: dict[str, tuple[str, str]]) -> bool:
+    """Whether exported ``labels`` meet the matchers on labels the exporter sets (``pool``,
+    ``reason``); those Prometheus adds at scrape time (``namespace``, ``pod``...) are skipped."""
+    for name, (operator, value) in matchers.items():
+        if name not in ("pool", "reason"):
+            continue
+        actual = labels.get(name, "")
+        if (operator == "=" and actual != value) or (operator == "!=" and actual == value):
+            return False
+    return True
 
 
 def test_notes_say_what_scales_the_pools_and_what_must_scrape_the_planner(
@@ -400,3 +429,69 @@ def test_notes_say_what_scales_the_pools_and_what_must_scrape_the_planner(
     assert "add its Service demo-pdserve-planner (port metrics) to your Prometheus" in unscraped
     scraped = notes(chart, {**planner_values(), "metrics": {"podMonitor": {"enabled": True}}})
     assert "It must be scraped: by the PodMonitor above." in scraped
+
+
+def test_prometheus_evaluates_the_scaled_object_query_as_intended(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
+    """The rendered query run by Prometheus's own engine (``promtool test rules``) over series as
+    the PodMonitor would store them: nothing before this release's planner has decided on the
+    router's figures (a restarted planner publishes its bounds' view, and reads it could not make
+    count as no_metrics), then its figure, never another release's or another namespace's, and
+    nothing once its series went stale (the planner is gone)."""
+    manifests = render(chart, planner_values())
+    query = find(manifests, "ScaledObject", "-prefill").body["spec"]["triggers"][0]["metadata"]
+
+    def series(name: str, pod: str, values: str, namespace: str = NAMESPACE, **labels: str) -> Any:
+        fields = {"namespace": namespace, "pod": pod, "pool": "prefill", **labels}
+        text = ",".join(f'{key}="{value}"' for key, value in fields.items())
+        return {"series": f"{name}{{{text}}}", "values": values}
+
+    desired = "pdserve_planner_desired_replicas"
+    decisions = "pdserve_planner_decisions_total"
+    ours = "demo-pdserve-planner-6c9f7-x2x4q"
+    input_series = [
+        # This release's planner: its minimum (1) until minute 3, when it decides 3; it could not
+        # read the router in minutes 0 to 2 (no_metrics). Gone after minute 8 (stale).
+        series(desired, ours, "1 1 1 3 3 3 3 3 3 stale"),
+        series(decisions, ours, "1 2 3 3 3 3 3 3 3 stale", reason="no_metrics"),
+        series(decisions, ours, "0 0 0 1 1 1 1 1 1 stale", reason="scale_up"),
+        series(decisions, ours, "0 0 0 0 1 2 3 4 5 stale", reason="hold"),
+        # Another release's planner in the same namespace, and one of this name elsewhere.
+        series(desired, "other-pdserve-planner-1-a", "9x12"),
+        series(decisions, "other-pdserve-planner-1-a", "1+1x12", reason="hold"),
+        series(desired, ours, "7x12", namespace="staging"),
+        series(decisions, ours, "1+1x12", namespace="staging", reason="hold"),
+    ]
+    expected = [("2m", []), ("3m", [3]), ("7m", [3]), ("10m", [])]
+    cases = [
+        {
+            "expr": query["query"],
+            "eval_time": at,
+            "exp_samples": [{"labels": "{}", "value": value} for value in values],
+        }
+        for at, values in expected
+    ]
+    (tmp_path / "empty.rules.yaml").write_text("groups: []\n")
+    test_file = tmp_path / "scaled-object.test.yaml"
+    test_file.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": ["empty.rules.yaml"],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {"interval": "1m", "input_series": input_series, "promql_expr_test": cases}
+                ],
+            }
+        )
+    )
+    result = subprocess.run(
+        [str(find_binary("promtool")), "test", "rules", test_file.name],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout

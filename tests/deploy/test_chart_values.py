@@ -185,16 +185,6 @@ VALIDATE_REJECTS = [
         id="planner-profile-without-version",
     ),
     pytest.param(
-        with_planner(
-            intervalSeconds=60,
-            autoscaling={
-                "scaleDown": {"stabilizationWindowSeconds": 30, "pods": 1, "periodSeconds": 60}
-            },
-        ),
-        ["stabilizationWindowSeconds=30 is shorter than planner.intervalSeconds=60"],
-        id="planner-scale-down-window-shorter-than-interval",
-    ),
-    pytest.param(
         {
             "redis": {"mode": "external"},
             "prefill": {"multiNode": {"enabled": True, "nodes": 2}, "engine": "reference"},

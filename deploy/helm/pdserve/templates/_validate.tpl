@@ -87,9 +87,6 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- if or (gt (int $v.router.replicas) 1) $v.router.autoscaling.enabled (gt (int $v.router.workers) 1) }}
 {{- $errors = append $errors (printf "planner.enabled=true needs one router process (router.replicas=1, router.autoscaling.enabled=false, router.workers=1; got replicas=%d, autoscaling=%v, workers=%d): the planner reads the router Service's /metrics, which would answer from one router of several, so it would size the pools for that router's share of the load (reading every router is not built yet); with one replica also set router.podDisruptionBudget.enabled=false" (int $v.router.replicas) $v.router.autoscaling.enabled (int $v.router.workers)) }}
 {{- end }}
-{{- if lt (float64 $p.autoscaling.scaleDown.stabilizationWindowSeconds) (float64 $p.intervalSeconds) }}
-{{- $errors = append $errors (printf "planner.autoscaling.scaleDown.stabilizationWindowSeconds=%d is shorter than planner.intervalSeconds=%v: a restarted planner publishes its minimum until its first read of the router, and the pools must not follow that down" (int $p.autoscaling.scaleDown.stabilizationWindowSeconds) $p.intervalSeconds) }}
-{{- end }}
 {{- end }}
 
 {{- if $errors }}
