@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from services.planner.config import PlannerSettings
 
 _FLAGS = (
-    "router_url", "profile", "ttft_ms", "itl_ms", "interval_s", "predictor", "ema_alpha",
-    "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min", "decode_max",
-    "stabilization_intervals", "metrics_host", "metrics_port",
+    "router_url", "router_discovery", "profile", "ttft_ms", "itl_ms", "interval_s", "predictor",
+    "ema_alpha", "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min",
+    "decode_max", "stabilization_intervals", "metrics_host", "metrics_port",
 )  # fmt: skip
 
 HELP = (
@@ -33,6 +33,12 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-url", help="the router whose /metrics is read")
+    parser.add_argument(
+        "--router-discovery",
+        choices=("url", "dns"),
+        help="url: that one router; dns: every address its host resolves to (a headless "
+        "Service's router pods), added up",
+    )
     parser.add_argument("--profile", metavar="NAME|PATH", help="the engines' timing profile")
     parser.add_argument("--ttft-ms", type=float, help="time-to-first-token SLO (mean, ms)")
     parser.add_argument("--itl-ms", type=float, help="inter-token latency SLO (mean, ms)")

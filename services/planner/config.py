@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PredictorName = Literal["constant", "ema"]
+RouterDiscovery = Literal["url", "dns"]
 
 
 class PlannerSettings(BaseSettings):
@@ -17,6 +18,10 @@ class PlannerSettings(BaseSettings):
 
     router_url: str = "http://127.0.0.1:8000"
     """The router whose ``/metrics`` the planner reads (``<router_url>/metrics``)."""
+    router_discovery: RouterDiscovery = "url"
+    """``url``: read ``<router_url>/metrics`` (one router). ``dns``: each interval, resolve the
+    URL's host to every address it has (a Kubernetes headless Service: every router pod) and
+    read each one's ``/metrics`` at the URL's port, their figures added up (``fleet.py``)."""
     profile: str = "llama-3.1-8b-h100"
     """The engines' profile: a shipped name or a JSON file (the simulated engine's format)."""
     ttft_ms: float = Field(default=500.0, gt=0)

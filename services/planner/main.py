@@ -13,8 +13,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import TextIO
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client import start_http_server
@@ -23,6 +25,7 @@ from services.engines.sim.profile import SimProfileError, load_profile
 from services.planner.config import PlannerSettings
 from services.planner.decision import Bounds
 from services.planner.errors import MetricsUnreadable, PlannerConfigError
+from services.planner.fleet import Resolver, RouterFleet, read_fleet, resolve_addresses
 from services.planner.metrics import PlannerMetrics
 from services.planner.observe import RouterSnapshot, parse_router_metrics
 from services.planner.plan import Planner, PlanStep, step_record
@@ -62,6 +65,36 @@ def scrape(client: httpx.Client, url: str) -> RouterSnapshot:
     return parse_router_metrics(response.text, time.monotonic())
 
 
+def router_reader(
+    settings: PlannerSettings, client: httpx.Client, resolve: Resolver = resolve_addresses
+) -> Callable[[], RouterSnapshot]:
+    """What reads the router's figures each interval: ``<router_url>/metrics``, or with
+    ``router_discovery="dns"`` every router the URL's host resolves to, added up."""
+    if settings.router_discovery == "url":
+        url = f"{settings.router_url}/metrics"
+        return lambda: scrape(client, url)
+    parts = urlsplit(settings.router_url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    fleet = RouterFleet()
+
+    def read() -> RouterSnapshot:
+        snapshot, failures = read_fleet(
+            fleet,
+            parts.scheme,
+            host,
+            port,
+            lambda url: scrape(client, url),
+            time.monotonic,
+            resolve,
+        )
+        for address, why in failures.items():
+            logger.warning("planner: router %s not read this interval: %s", address, why)
+        return snapshot
+
+    return read
+
+
 def publish(metrics: PlannerMetrics, step: PlanStep) -> None:
     for pool, plan in (("prefill", step.prefill), ("decode", step.decode)):
         metrics.desired_replicas.labels(pool=pool).set(plan.decision.desired)
@@ -80,8 +113,10 @@ def run(
     stop: threading.Event | None = None,
     out: TextIO = sys.stdout,
     metrics: PlannerMetrics | None = None,
+    resolve: Resolver = resolve_addresses,
 ) -> int:
-    """Plan until ``stop`` is set (SIGTERM or SIGINT set it when this is the main thread)."""
+    """Plan until ``stop`` is set (SIGTERM or SIGINT set it when this is the main thread).
+    ``resolve`` finds the routers with ``router_discovery="dns"``."""
     planner = build_planner(settings)
     metrics = metrics if metrics is not None else PlannerMetrics()
     stop = stop if stop is not None else _stop_on_signals()
@@ -97,7 +132,6 @@ def run(
         host = settings.metrics_host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        url = f"{settings.router_url.rstrip('/')}/metrics"
         # The gauges exist from the start, at the bounds' view of the pools.
         publish_desired(metrics, planner)
         print(
@@ -106,9 +140,10 @@ def run(
             flush=True,
         )
         with httpx.Client(timeout=settings.scrape_timeout_s) as client:
+            read = router_reader(settings, client, resolve)
             while True:
                 try:
-                    snapshot: RouterSnapshot | None = scrape(client, url)
+                    snapshot: RouterSnapshot | None = read()
                 except MetricsUnreadable as exc:
                     logger.warning("planner: holding, no figures this interval: %s", exc)
                     snapshot = None
