@@ -41,8 +41,6 @@ from tests.deploy.chart import (
 )
 
 PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
-# The router as one process: the planner reads one router's /metrics (see _validate.tpl).
-ONE_ROUTER: dict[str, Any] = {"replicas": 1, "podDisruptionBudget": {"enabled": False}}
 AUTOSCALER_KINDS = {"ScaledObject", "HorizontalPodAutoscaler"}
 PLANNER_START_TIMEOUT_S = 60.0
 
@@ -58,7 +56,7 @@ def planner_values(**planner: Any) -> dict[str, Any]:
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    return {"planner": merged, "router": ONE_ROUTER}
+    return {"planner": merged}
 
 
 def flags_of(args: list[str]) -> dict[str, str]:
@@ -101,7 +99,8 @@ def test_the_planner_deployment_carries_the_values_as_flags(chart: helm.Chart) -
     assert args[-1] == "--log-level=INFO"
     flags = flags_of(args[:-1])
     assert flags == {
-        "--router-url": "http://demo-pdserve-router:80",
+        "--router-url": "http://demo-pdserve-router-pods:8000",
+        "--router-discovery": "dns",
         "--profile": "llama-3.1-8b-h100",
         "--ttft-ms": "300",
         "--itl-ms": "25.5",
@@ -118,10 +117,13 @@ def test_the_planner_deployment_carries_the_values_as_flags(chart: helm.Chart) -
         "--metrics-host": "0.0.0.0",
         "--metrics-port": "9500",
     }
-    # The router URL is the chart's router Service on its port.
-    router_service = find(manifests, "Service", "-router").body
-    assert router_service["metadata"]["name"] == "demo-pdserve-router"
-    assert router_service["spec"]["ports"][0]["port"] == 80
+    # The router URL names a headless Service of every router pod, on the routers' own port.
+    routers = find(manifests, "Service", "-router-pods").body["spec"]
+    assert routers["clusterIP"] == "None"
+    assert routers["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]
+    router = find(manifests, "Deployment", "-router").body["spec"]
+    assert routers["selector"] == router["selector"]["matchLabels"]
+    assert container(router["template"])["ports"][0] == {"name": "http", "containerPort": 8000}
     # Its metrics Service: the port the monitors scrape, selected like every serving target.
     service = find(manifests, "Service", "-planner").body
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9500, "targetPort": "metrics"}]
@@ -139,7 +141,8 @@ def test_the_rendered_planner_command_is_one_the_planner_accepts(chart: helm.Cha
     settings = build_settings(build_parser().parse_args(args))
     assert (settings.prefill_min, settings.prefill_max) == (2, 5)
     assert settings.predictor == "ema"
-    assert settings.router_url == "http://demo-pdserve-router:80"
+    assert settings.router_url == "http://demo-pdserve-router-pods:8000"
+    assert settings.router_discovery == "dns"
     assert settings.metrics_host == "0.0.0.0"
     build_planner(settings)  # the shipped profile name resolves and loads
 

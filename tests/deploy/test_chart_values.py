@@ -52,13 +52,12 @@ SCHEMA_REJECTS = [
     pytest.param({"planner": {"predictor": "arima"}}, "/planner/predictor", id="planner-predictor"),
 ]
 
-# The planner on, with what it needs: a Prometheus for KEDA and one router process.
+# The planner on, with what it needs: a Prometheus for KEDA.
 PLANNER_ON: dict[str, Any] = {
     "planner": {
         "enabled": True,
         "autoscaling": {"keda": {"serverAddress": "http://prometheus:9090"}},
     },
-    "router": {"replicas": 1, "podDisruptionBudget": {"enabled": False}},
 }
 
 
@@ -161,17 +160,8 @@ VALIDATE_REJECTS = [
         id="planner-keda-without-prometheus",
     ),
     pytest.param(
-        {**with_planner(), "router": {"replicas": 2}},
-        [
-            "planner.enabled=true needs one router process (router.replicas=1, "
-            "router.autoscaling.enabled=false, router.workers=1; got replicas=2, "
-            "autoscaling=false, workers=1)"
-        ],
-        id="planner-with-several-routers",
-    ),
-    pytest.param(
-        {**with_planner(), "router": {**PLANNER_ON["router"], "workers": 4}},
-        ["router.workers=1; got replicas=1, autoscaling=false, workers=4)"],
+        {**with_planner(), "router": {"workers": 4}},
+        ["planner.enabled=true needs router.workers=1 (got 4)"],
         id="planner-with-router-workers",
     ),
     pytest.param(

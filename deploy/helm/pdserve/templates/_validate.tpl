@@ -84,8 +84,8 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- $errors = append $errors "planner.profileJson is not a profile: expected the JSON of a profile file (with format_version), as `pdserve profile` writes it" }}
 {{- end }}
 {{- end }}
-{{- if or (gt (int $v.router.replicas) 1) $v.router.autoscaling.enabled (gt (int $v.router.workers) 1) }}
-{{- $errors = append $errors (printf "planner.enabled=true needs one router process (router.replicas=1, router.autoscaling.enabled=false, router.workers=1; got replicas=%d, autoscaling=%v, workers=%d): the planner reads the router Service's /metrics, which would answer from one router of several, so it would size the pools for that router's share of the load (reading every router is not built yet); with one replica also set router.podDisruptionBudget.enabled=false" (int $v.router.replicas) $v.router.autoscaling.enabled (int $v.router.workers)) }}
+{{- if gt (int $v.router.workers) 1 }}
+{{- $errors = append $errors (printf "planner.enabled=true needs router.workers=1 (got %d): the planner reads each router pod's /metrics on its port, which answers from one worker of several, so it would size the pools for that worker's share (reading each worker's port is not built yet)" (int $v.router.workers)) }}
 {{- end }}
 {{- end }}
 
