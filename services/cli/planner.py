@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from services.planner.config import PlannerSettings
 
 _FLAGS = (
-    "router_url", "router_discovery", "profile", "ttft_ms", "itl_ms", "interval_s", "predictor",
-    "ema_alpha", "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min",
-    "decode_max", "stabilization_intervals", "metrics_host", "metrics_port",
+    "router_url", "router_discovery", "router_metrics_ports", "profile", "ttft_ms", "itl_ms",
+    "interval_s", "predictor", "ema_alpha", "input_tokens", "output_tokens", "prefill_min",
+    "prefill_max", "decode_min", "decode_max", "stabilization_intervals", "metrics_host",
+    "metrics_port",
 )  # fmt: skip
 
 HELP = (
@@ -38,6 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("url", "dns"),
         help="url: that one router; dns: every address its host resolves to (a headless "
         "Service's router pods), added up",
+    )
+    parser.add_argument(
+        "--router-metrics-port",
+        dest="router_metrics_ports",
+        type=int,
+        action="append",
+        metavar="PORT",
+        help="with dns: a port read on every router address (repeat: one per router worker "
+        "process, `pdserve router --workers`); default: the URL's port",
     )
     parser.add_argument("--profile", metavar="NAME|PATH", help="the engines' timing profile")
     parser.add_argument("--ttft-ms", type=float, help="time-to-first-token SLO (mean, ms)")

@@ -1,7 +1,8 @@
 """Several routers read as one (``--router-discovery dns``).
 
 Behind a Kubernetes headless Service the router's name resolves to every router pod. Each
-interval the planner resolves it, reads each address's ``/metrics`` at the URL's port, and
+interval the planner resolves it, reads each address's ``/metrics`` at the URL's port (or at each
+of ``--router-metrics-port``: one port per worker process of ``pdserve router --workers``), and
 :class:`RouterFleet` adds the routers up into one cumulative :class:`RouterSnapshot`, so the
 planner's interval arithmetic (``observe.interval_between``) is the same for one router or many.
 
@@ -16,14 +17,14 @@ router reports (every router watches the same control plane).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.planner.errors import MetricsUnreadable
 from services.planner.observe import RouterSnapshot
 
 Address = str
-"""An IPv4 or IPv6 address of one router, as ``getaddrinfo`` gives it."""
+"""An IPv4 or IPv6 address of one router pod, as ``getaddrinfo`` gives it."""
 Resolver = Callable[[str, int], list[Address]]
 
 
@@ -88,12 +89,12 @@ class RouterFleet:
     """The running total of several routers' figures (one instance per planner)."""
 
     def __init__(self) -> None:
-        self._last: dict[Address, _Counters] = {}
+        self._last: dict[str, _Counters] = {}
         self._total = _Counters()
 
-    def add(self, reads: Mapping[Address, RouterSnapshot], at_s: float) -> RouterSnapshot:
-        """The fleet's cumulative figures after one round of ``reads`` (address -> that router's
-        snapshot now); routers absent from ``reads`` are forgotten."""
+    def add(self, reads: Mapping[str, RouterSnapshot], at_s: float) -> RouterSnapshot:
+        """The fleet's cumulative figures after one round of ``reads`` (a router's key, e.g. its
+        ``address:port`` -> its snapshot now); routers absent from ``reads`` are forgotten."""
         increase = _Counters()
         for address, snapshot in reads.items():
             now = _Counters.of(snapshot)
@@ -120,24 +121,26 @@ def read_fleet(
     fleet: RouterFleet,
     scheme: str,
     host: str,
-    port: int,
+    ports: Sequence[int],
     read: Callable[[str], RouterSnapshot],
     at_s: Callable[[], float],
     resolve: Resolver = resolve_addresses,
-) -> tuple[RouterSnapshot, dict[Address, str]]:
-    """One round: resolve ``host``, ``read`` each address's ``/metrics`` URL, add them up.
+) -> tuple[RouterSnapshot, dict[str, str]]:
+    """One round: resolve ``host``, ``read`` the ``/metrics`` URL of each address at each of
+    ``ports`` (one router process each), add them up.
 
-    Returns the fleet's snapshot and the routers that could not be read (address -> why; they
+    Returns the fleet's snapshot and the routers that could not be read (``netloc`` -> why; they
     count as gone this round). :class:`MetricsUnreadable` when none could be read.
     """
-    failures: dict[Address, str] = {}
-    reads: dict[Address, RouterSnapshot] = {}
-    for address in resolve(host, port):
-        netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-        try:
-            reads[address] = read(f"{scheme}://{netloc}/metrics")
-        except MetricsUnreadable as exc:
-            failures[address] = str(exc)
+    failures: dict[str, str] = {}
+    reads: dict[str, RouterSnapshot] = {}
+    for address in resolve(host, ports[0]):
+        for port in ports:
+            netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+            try:
+                reads[netloc] = read(f"{scheme}://{netloc}/metrics")
+            except MetricsUnreadable as exc:
+                failures[netloc] = str(exc)
     if not reads:
         raise MetricsUnreadable(f"no router behind {host!r} could be read: {failures}")
     return fleet.add(reads, at_s()), failures

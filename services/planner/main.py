@@ -75,7 +75,9 @@ def router_reader(
         return lambda: scrape(client, url)
     parts = urlsplit(settings.router_url)
     host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    ports = settings.router_metrics_ports or [
+        parts.port or (443 if parts.scheme == "https" else 80)
+    ]
     fleet = RouterFleet()
 
     def read() -> RouterSnapshot:
@@ -83,7 +85,7 @@ def router_reader(
             fleet,
             parts.scheme,
             host,
-            port,
+            ports,
             lambda url: scrape(client, url),
             time.monotonic,
             resolve,

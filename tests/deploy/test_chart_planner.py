@@ -147,6 +147,17 @@ def test_the_rendered_planner_command_is_one_the_planner_accepts(chart: helm.Cha
     build_planner(settings)  # the shipped profile name resolves and loads
 
 
+def test_the_planner_reads_each_worker_of_every_router_pod(chart: helm.Chart) -> None:
+    values = {**planner_values(), "router": {"workers": 3, "workerMetricsPort": 9300}}
+    values["router"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6}
+    args = planner_args(render(chart, values))
+    ports = [args[i + 1] for i, arg in enumerate(args) if arg == "--router-metrics-port"]
+    assert ports == ["9300", "9301", "9302"]
+    settings = build_settings(build_parser().parse_args(args))
+    assert settings.router_metrics_ports == [9300, 9301, 9302]
+    assert "--router-metrics-port" not in planner_args(render(chart, planner_values()))
+
+
 def test_the_planner_has_no_kubernetes_api_access(chart: helm.Chart) -> None:
     manifests = render(chart, planner_values())
     account = find(manifests, "ServiceAccount", "-planner").body

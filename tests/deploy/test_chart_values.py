@@ -160,11 +160,6 @@ VALIDATE_REJECTS = [
         id="planner-keda-without-prometheus",
     ),
     pytest.param(
-        {**with_planner(), "router": {"workers": 4}},
-        ["planner.enabled=true needs router.workers=1 (got 4)"],
-        id="planner-with-router-workers",
-    ),
-    pytest.param(
         with_planner(profileJson="{not json"),
         ["planner.profileJson is not a profile"],
         id="planner-profile-not-json",

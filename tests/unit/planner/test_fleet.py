@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -76,10 +77,10 @@ def test_a_round_with_no_router_read_is_unreadable_and_a_partial_one_says_who() 
 
     fleet = RouterFleet()
     snapshot, failures = read_fleet(
-        fleet, "http", "router", 8000, read, lambda: 0.0, lambda h, p: ["10.0.0.1", "10.0.0.2"]
+        fleet, "http", "router", [8000], read, lambda: 0.0, lambda h, p: ["10.0.0.1", "10.0.0.2"]
     )
     assert snapshot.requests == 0
-    assert failures == {"10.0.0.2": "connection refused"}
+    assert failures == {"10.0.0.2:8000": "connection refused"}
     urls: list[str] = []
 
     def refuse(url: str) -> RouterSnapshot:
@@ -87,7 +88,7 @@ def test_a_round_with_no_router_read_is_unreadable_and_a_partial_one_says_who() 
         raise MetricsUnreadable("down")
 
     with pytest.raises(MetricsUnreadable, match="no router behind 'router'"):
-        read_fleet(fleet, "http", "router", 8000, refuse, lambda: 0.0, lambda h, p: ["fd00::7"])
+        read_fleet(fleet, "http", "router", [8000], refuse, lambda: 0.0, lambda h, p: ["fd00::7"])
     assert urls == ["http://[fd00::7]:8000/metrics"]
 
 
@@ -107,19 +108,21 @@ def _router_text(requests: int, ready: int) -> str:
     )
 
 
-@pytest.fixture
-def two_routers() -> Iterator[tuple[int, dict[str, list[int]]]]:
-    """Two HTTP servers on 127.0.0.1 and 127.0.0.2, one port, each serving router figures
-    from ``counts[address]`` (one list entry per read, the last one repeated)."""
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    counts: dict[str, list[int]] = {"127.0.0.1": [100, 130], "127.0.0.2": [7, 17]}
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def routers(counts: dict[tuple[str, int], list[int]]) -> Iterator[None]:
+    """Real HTTP servers, one per (address, port), each serving router figures whose request
+    count is the next of ``counts[(address, port)]`` at each read (the last one repeated)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            address = self.server.server_address[0]
-            series = counts[str(address)]
+            address, port = self.server.server_address[:2]
+            series = counts[(str(address), int(port))]
             value = series.pop(0) if len(series) > 1 else series[0]
             body = _router_text(value, ready=2).encode()
             self.send_response(200)
@@ -131,22 +134,20 @@ def two_routers() -> Iterator[tuple[int, dict[str, list[int]]]]:
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-    servers = [ThreadingHTTPServer((address, port), Handler) for address in counts]
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
-    for thread in threads:
-        thread.start()
+    servers = [ThreadingHTTPServer(endpoint, Handler) for endpoint in counts]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield port, counts
+        yield
     finally:
         for server in servers:
             server.shutdown()
             server.server_close()
 
 
-def test_the_dns_reader_reads_every_router_behind_the_name(
-    two_routers: tuple[int, dict[str, list[int]]],
-) -> None:
-    port, _counts = two_routers
+def test_the_dns_reader_reads_every_router_behind_the_name() -> None:
+    """Two router pods (two loopback addresses, one port) behind one name."""
+    port = _free_port()
     settings = PlannerSettings(
         router_url=f"http://routers.test:{port}", router_discovery="dns", metrics_port=0
     )
@@ -156,10 +157,32 @@ def test_the_dns_reader_reads_every_router_behind_the_name(
         asked.append((host, resolved_port))
         return ["127.0.0.1", "127.0.0.2"]
 
-    with httpx.Client(timeout=10) as client:
+    counts = {("127.0.0.1", port): [100, 130], ("127.0.0.2", port): [7, 17]}
+    with routers(counts), httpx.Client(timeout=10) as client:
         read = router_reader(settings, client, resolve)
         first, second = read(), read()
     assert asked == [("routers.test", port)] * 2
     assert first.requests == 0
     assert second.requests == (130 - 100) + (17 - 7)
     assert second.ready_decode == 2
+
+
+def test_the_dns_reader_reads_each_worker_port_of_a_router_pod() -> None:
+    """One router pod with two worker processes, each with its own metrics port."""
+    ports = [_free_port(), _free_port()]
+    settings = PlannerSettings(
+        router_url="http://routers.test:8000",
+        router_discovery="dns",
+        router_metrics_ports=ports,
+        metrics_port=0,
+    )
+    counts = {("127.0.0.1", ports[0]): [5, 25], ("127.0.0.1", ports[1]): [50, 53]}
+    with routers(counts), httpx.Client(timeout=10) as client:
+        read = router_reader(settings, client, lambda host, port: ["127.0.0.1"])
+        first, second = read(), read()
+    assert (first.requests, second.requests) == (0, 20 + 3)
+
+
+def test_worker_ports_need_dns_discovery() -> None:
+    with pytest.raises(ValueError, match="router_metrics_ports needs router_discovery='dns'"):
+        PlannerSettings(router_metrics_ports=[9300])

@@ -84,9 +84,6 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- $errors = append $errors "planner.profileJson is not a profile: expected the JSON of a profile file (with format_version), as `pdserve profile` writes it" }}
 {{- end }}
 {{- end }}
-{{- if gt (int $v.router.workers) 1 }}
-{{- $errors = append $errors (printf "planner.enabled=true needs router.workers=1 (got %d): the planner reads each router pod's /metrics on its port, which answers from one worker of several, so it would size the pools for that worker's share (reading each worker's port is not built yet)" (int $v.router.workers)) }}
-{{- end }}
 {{- end }}
 
 {{- if $errors }}
