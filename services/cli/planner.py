@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from services.planner.config import PlannerSettings
 
 _FLAGS = (
-    "router_url", "profile", "prefill_layout", "decode_layout", "ttft_ms", "itl_ms",
-    "interval_s", "predictor", "ema_alpha",
+    "router_url", "router_discovery", "router_metrics_ports", "profile", "prefill_layout",
+    "decode_layout", "ttft_ms", "itl_ms", "interval_s", "predictor", "ema_alpha",
     "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min", "decode_max",
     "stabilization_intervals", "metrics_host", "metrics_port",
 )  # fmt: skip
@@ -34,6 +34,21 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-url", help="the router whose /metrics is read")
+    parser.add_argument(
+        "--router-discovery",
+        choices=("url", "dns"),
+        help="url: that one router; dns: every address its host resolves to (a headless "
+        "Service's router pods), added up",
+    )
+    parser.add_argument(
+        "--router-metrics-port",
+        dest="router_metrics_ports",
+        type=int,
+        action="append",
+        metavar="PORT",
+        help="with dns: a port read on every router address (repeat: one per router worker "
+        "process, `pdserve router --workers`); default: the URL's port",
+    )
     parser.add_argument("--profile", metavar="NAME|PATH", help="the engines' timing profile")
     for pool in ("prefill", "decode"):
         parser.add_argument(

@@ -8,6 +8,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PredictorName = Literal["constant", "ema"]
+RouterDiscovery = Literal["url", "dns"]
 
 LAYOUT_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*$"
 
@@ -19,6 +20,14 @@ class PlannerSettings(BaseSettings):
 
     router_url: str = "http://127.0.0.1:8000"
     """The router whose ``/metrics`` the planner reads (``<router_url>/metrics``)."""
+    router_discovery: RouterDiscovery = "url"
+    """``url``: read ``<router_url>/metrics`` (one router). ``dns``: each interval, resolve the
+    URL's host to every address it has (a Kubernetes headless Service: every router pod) and
+    read each one's ``/metrics`` at the URL's port, their figures added up (``fleet.py``)."""
+    router_metrics_ports: list[int] = Field(default_factory=list)
+    """With ``dns``: the ports read on every router address, each one router process (a router
+    with ``--workers N`` serves each worker's ``/metrics`` on a port of its own); empty: the
+    URL's port."""
     profile: str = "llama-3.1-8b-h100"
     """The engines' profile: a shipped name or a JSON file (the simulated engine's format)."""
     prefill_layout: str = Field(default="1x1", pattern=LAYOUT_PATTERN)
@@ -74,12 +83,21 @@ class PlannerSettings(BaseSettings):
             raise ValueError(f"router_url must be an http:// or https:// URL, got {value!r}")
         return value.rstrip("/")
 
+    @field_validator("router_metrics_ports")
+    @classmethod
+    def _ports(cls, value: list[int]) -> list[int]:
+        if any(not 1 <= port <= 65535 for port in value):
+            raise ValueError(f"router_metrics_ports must be ports (1..65535), got {value}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> PlannerSettings:
         if self.prefill_min > self.prefill_max:
             raise ValueError("prefill_min must be <= prefill_max")
         if self.decode_min > self.decode_max:
             raise ValueError("decode_min must be <= decode_max")
+        if self.router_metrics_ports and self.router_discovery != "dns":
+            raise ValueError("router_metrics_ports needs router_discovery='dns'")
         if self.correction_min > self.correction_max:
             raise ValueError("correction_min must be <= correction_max")
         return self

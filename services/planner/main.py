@@ -13,8 +13,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import TextIO
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client import start_http_server
@@ -30,6 +32,7 @@ from services.engines.sim.profile import (
 from services.planner.config import PlannerSettings
 from services.planner.decision import Bounds
 from services.planner.errors import MetricsUnreadable, PlannerConfigError
+from services.planner.fleet import Resolver, RouterFleet, read_fleet, resolve_addresses
 from services.planner.metrics import PlannerMetrics
 from services.planner.observe import RouterSnapshot, parse_router_metrics
 from services.planner.plan import Planner, PlanStep, step_record
@@ -110,6 +113,38 @@ def scrape(client: httpx.Client, url: str) -> RouterSnapshot:
     return parse_router_metrics(response.text, time.monotonic())
 
 
+def router_reader(
+    settings: PlannerSettings, client: httpx.Client, resolve: Resolver = resolve_addresses
+) -> Callable[[], RouterSnapshot]:
+    """What reads the router's figures each interval: ``<router_url>/metrics``, or with
+    ``router_discovery="dns"`` every router the URL's host resolves to, added up."""
+    if settings.router_discovery == "url":
+        url = f"{settings.router_url}/metrics"
+        return lambda: scrape(client, url)
+    parts = urlsplit(settings.router_url)
+    host = parts.hostname or ""
+    ports = settings.router_metrics_ports or [
+        parts.port or (443 if parts.scheme == "https" else 80)
+    ]
+    fleet = RouterFleet()
+
+    def read() -> RouterSnapshot:
+        snapshot, failures = read_fleet(
+            fleet,
+            parts.scheme,
+            host,
+            ports,
+            lambda url: scrape(client, url),
+            time.monotonic,
+            resolve,
+        )
+        for address, why in failures.items():
+            logger.warning("planner: router %s not read this interval: %s", address, why)
+        return snapshot
+
+    return read
+
+
 def publish(metrics: PlannerMetrics, step: PlanStep) -> None:
     for pool, plan in (("prefill", step.prefill), ("decode", step.decode)):
         metrics.desired_replicas.labels(pool=pool).set(plan.decision.desired)
@@ -130,8 +165,10 @@ def run(
     stop: threading.Event | None = None,
     out: TextIO = sys.stdout,
     metrics: PlannerMetrics | None = None,
+    resolve: Resolver = resolve_addresses,
 ) -> int:
-    """Plan until ``stop`` is set (SIGTERM or SIGINT set it when this is the main thread)."""
+    """Plan until ``stop`` is set (SIGTERM or SIGINT set it when this is the main thread).
+    ``resolve`` finds the routers with ``router_discovery="dns"``."""
     planner = build_planner(settings)
     metrics = metrics if metrics is not None else PlannerMetrics()
     stop = stop if stop is not None else _stop_on_signals()
@@ -147,7 +184,6 @@ def run(
         host = settings.metrics_host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        url = f"{settings.router_url.rstrip('/')}/metrics"
         # The gauges exist from the start, at the bounds' view of the pools.
         publish_desired(metrics, planner)
         with httpx.Client(timeout=settings.scrape_timeout_s) as client:
@@ -159,11 +195,12 @@ def run(
                 file=out,
                 flush=True,
             )
+            read = router_reader(settings, client, resolve)
             while True:
                 if not model_checked:
                     model_checked = check_served_model(client, settings, planner.profile)
                 try:
-                    snapshot: RouterSnapshot | None = scrape(client, url)
+                    snapshot: RouterSnapshot | None = read()
                 except MetricsUnreadable as exc:
                     logger.warning("planner: holding, no figures this interval: %s", exc)
                     snapshot = None

@@ -3,7 +3,8 @@
 Helm comes from the ``helm-python-sdk`` wheel (Helm's Go SDK behind a C ABI; no helm binary, no
 cluster). Built-in kinds are validated with ``kubernetes-validate`` (it ships the Kubernetes
 OpenAPI schemas, strict mode: unknown fields fail). Custom resources (LeaderWorkerSet,
-PodMonitor, ServiceMonitor) are validated against the structural subsets in ``crd_schemas/``,
+PodMonitor, ServiceMonitor, KEDA's ScaledObject) are validated against the structural subsets in
+``crd_schemas/``,
 and a LeaderWorkerSet's pod templates against the Kubernetes PodTemplateSpec schema.
 """
 

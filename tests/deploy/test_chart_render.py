@@ -40,6 +40,7 @@ def test_examples_exist_for_the_documented_layouts() -> None:
         "external-redis",
         "multi-node-lws",
         "reference-cpu",
+        "planner-keda",
     }
 
 

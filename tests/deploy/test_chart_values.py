@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import helm_python as helm
@@ -25,7 +26,50 @@ SCHEMA_REJECTS = [
         id="non-ucx-variable-in-ucx",
     ),
     pytest.param({"model": {"path": "models/llama"}}, "/model/path", id="relative-model-path"),
+    pytest.param(
+        {"planner": {"prefill": {"minReplicas": 0}}},
+        "/planner/prefill/minReplicas",
+        id="planner-pool-min-zero",
+    ),
+    pytest.param(
+        {"planner": {"autoscaling": {"mode": "vpa"}}},
+        "/planner/autoscaling/mode",
+        id="planner-unknown-mode",
+    ),
+    pytest.param(
+        {"planner": {"decode": {"min": 2}}}, "'min' not allowed", id="planner-typo-in-bounds"
+    ),
+    pytest.param(
+        {"planner": {"autoscaling": {"keda": {"serverAddress": "prometheus:9090"}}}},
+        "/planner/autoscaling/keda/serverAddress",
+        id="planner-prometheus-without-scheme",
+    ),
+    pytest.param(
+        {"planner": {"autoscaling": {"scaleDown": {"pods": 0}}}},
+        "/planner/autoscaling/scaleDown/pods",
+        id="planner-scale-down-zero-pods",
+    ),
+    pytest.param({"planner": {"predictor": "arima"}}, "/planner/predictor", id="planner-predictor"),
 ]
+
+# The planner on, with what it needs: a Prometheus for KEDA.
+PLANNER_ON: dict[str, Any] = {
+    "planner": {
+        "enabled": True,
+        "autoscaling": {"keda": {"serverAddress": "http://prometheus:9090"}},
+    },
+}
+
+
+def with_planner(**planner: Any) -> dict[str, Any]:
+    values = copy.deepcopy(PLANNER_ON)
+    for key, value in planner.items():
+        if isinstance(value, dict):
+            values["planner"].setdefault(key, {}).update(value)
+        else:
+            values["planner"][key] = value
+    return values
+
 
 VALIDATE_REJECTS = [
     pytest.param(
@@ -104,6 +148,26 @@ VALIDATE_REJECTS = [
     ),
     pytest.param(
         {"decode": {"enabled": False}}, ["the router needs decode engines"], id="no-decode"
+    ),
+    pytest.param(
+        with_planner(prefill={"minReplicas": 5, "maxReplicas": 3}),
+        ["planner.prefill.minReplicas=5 is above maxReplicas=3"],
+        id="planner-min-above-max",
+    ),
+    pytest.param(
+        with_planner(autoscaling={"keda": {"serverAddress": ""}}),
+        ["planner.autoscaling.mode=keda needs planner.autoscaling.keda.serverAddress"],
+        id="planner-keda-without-prometheus",
+    ),
+    pytest.param(
+        with_planner(profileJson="{not json"),
+        ["planner.profileJson is not a profile"],
+        id="planner-profile-not-json",
+    ),
+    pytest.param(
+        with_planner(profileJson='{"name": "x"}'),
+        ["planner.profileJson is not a profile"],
+        id="planner-profile-without-version",
     ),
     pytest.param(
         {

@@ -232,3 +232,25 @@ spec:
     {{- . | nindent 4 }}
     {{- end }}
 {{- end }}
+
+{{/*
+Replicas of a role's workload: (dict "root" $ "role" ... "kind" "StatefulSet"|"LeaderWorkerSet").
+With the planner on, its autoscaler owns them: an upgrade keeps the live count (looked up), and a
+first install starts within the planner's bounds. Otherwise the role's `replicas`.
+*/}}
+{{- define "pdserve.engine.replicas" -}}
+{{- $r := index .root.Values .role }}
+{{- if include "pdserve.planner.scales" . }}
+{{- $bounds := index .root.Values.planner .role }}
+{{- $apiVersion := ternary "leaderworkerset.x-k8s.io/v1" "apps/v1" (eq .kind "LeaderWorkerSet") }}
+{{- $name := printf "%s-%s" (include "pdserve.fullname" .root) .role }}
+{{- $live := lookup $apiVersion .kind .root.Release.Namespace $name }}
+{{- if and $live $live.spec (hasKey $live.spec "replicas") }}
+{{- $live.spec.replicas }}
+{{- else }}
+{{- max (int $bounds.minReplicas) (min (int $r.replicas) (int $bounds.maxReplicas)) }}
+{{- end }}
+{{- else }}
+{{- $r.replicas }}
+{{- end }}
+{{- end }}

@@ -187,3 +187,21 @@ Environment every pdserve process reads (services/cli/settings.py, nested with "
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* The planner's objects: <fullname>-planner (Deployment, Service, ConfigMap). */}}
+{{- define "pdserve.planner.fullname" -}}
+{{- printf "%s-planner" (include "pdserve.fullname" .) }}
+{{- end }}
+
+{{- define "pdserve.planner.serviceAccountName" -}}
+{{- if .Values.planner.serviceAccount.create }}
+{{- default (include "pdserve.planner.fullname" .) .Values.planner.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.planner.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the planner's autoscalers own a role's replicas: (dict "root" $ "role" "prefill"). */}}
+{{- define "pdserve.planner.scales" -}}
+{{- if and .root.Values.planner.enabled (index .root.Values .role).enabled }}true{{ end }}
+{{- end }}

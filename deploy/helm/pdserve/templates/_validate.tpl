@@ -67,6 +67,25 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- end }}
 {{- end }}
 
+{{- if $v.planner.enabled }}
+{{- $p := $v.planner }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $b := index $p $pool }}
+{{- if gt (int $b.minReplicas) (int $b.maxReplicas) }}
+{{- $errors = append $errors (printf "planner.%s.minReplicas=%d is above maxReplicas=%d" $pool (int $b.minReplicas) (int $b.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if and (eq $p.autoscaling.mode "keda") (not $p.autoscaling.keda.serverAddress) }}
+{{- $errors = append $errors "planner.autoscaling.mode=keda needs planner.autoscaling.keda.serverAddress: the Prometheus that scrapes the planner (e.g. http://prometheus-operated.monitoring.svc:9090)" }}
+{{- end }}
+{{- if $p.profileJson }}
+{{- $profile := $p.profileJson | fromJson }}
+{{- if or (hasKey $profile "Error") (not (hasKey $profile "format_version")) }}
+{{- $errors = append $errors "planner.profileJson is not a profile: expected the JSON of a profile file (with format_version), as `pdserve profile` writes it" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- if $errors }}
 {{- fail (printf "\n\npdserve: invalid values:\n  - %s\n" (join "\n  - " $errors)) }}
 {{- end }}
