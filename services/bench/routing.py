@@ -225,7 +225,10 @@ async def _load(args: argparse.Namespace, router: str, model: str) -> list[Turn]
     oracle = _Oracle(args.block_size)
     turns: list[Turn] = []
     rng = random.Random(args.seed + 1)
-    limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=64)
+    # Idle connections expire before the router's keep-alive (uvicorn: 5 s) closes them.
+    limits = httpx.Limits(
+        max_connections=args.conversations, max_keepalive_connections=64, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(base_url=router, limits=limits) as client:
 
         async def chat(conversation: Conversation, delay_s: float) -> None:

@@ -79,6 +79,7 @@ class Planner:
         self.output_tokens = output_tokens
         self.correction_range = correction_range
         self._last: RouterSnapshot | None = None
+        self._breaches = {"prefill": BreachMemory(), "decode": BreachMemory()}
         self._measured_input: float | None = None
         self._measured_output: float | None = None
 
@@ -128,12 +129,14 @@ class Planner:
         )
         prefill = prefill_size(self.profile, predicted, self.slo.ttft_ms / prefill_ratio)
         decode = decode_size(self.profile, predicted, self.slo.itl_ms / decode_ratio)
-        prefill_need, prefill_breach = breach_need(
-            prefill.replicas, interval.ttft_ms, self.slo.ttft_ms, snapshot.ready_prefill
-        )
-        decode_need, decode_breach = breach_need(
-            decode.replicas, interval.itl_ms, self.slo.itl_ms, snapshot.ready_decode
-        )
+        prefill_need, prefill_breach = self._checked(
+            "prefill", prefill.replicas, interval, interval.ttft_ms, self.slo.ttft_ms,
+            snapshot.ready_prefill, predicted.rate_rps,
+        )  # fmt: skip
+        decode_need, decode_breach = self._checked(
+            "decode", decode.replicas, interval, interval.itl_ms, self.slo.itl_ms,
+            snapshot.ready_decode, predicted.rate_rps,
+        )  # fmt: skip
         return PlanStep(
             interval,
             predicted,
@@ -141,6 +144,25 @@ class Planner:
             PoolPlan(self.decode.decide(decode_need), decode_ratio, decode, decode_breach),
             "router" if measured else "flags",
         )
+
+    def _checked(
+        self,
+        pool: str,
+        sized: int,
+        interval: Interval,
+        observed_ms: float | None,
+        slo_ms: float,
+        ready: int | None,
+        predicted_rps: float,
+    ) -> tuple[int, bool]:
+        """``sized`` after the SLO check (:func:`breach_need`) and the pool's memory of the
+        sizes that missed it (:class:`BreachMemory`)."""
+        memory = self._breaches[pool]
+        memory.tick()
+        need, breach = breach_need(sized, observed_ms, slo_ms, ready)
+        if breach and ready is not None:
+            memory.record(ready, interval.rate_rps)
+        return memory.floor(need, predicted_rps), breach
 
     def _hold(self) -> PlanStep:
         return PlanStep(
@@ -162,6 +184,38 @@ def breach_need(
     if observed_ms is None or ready is None or observed_ms <= slo_ms or sized > ready:
         return sized, False
     return ready + 1, True
+
+
+class BreachMemory:
+    """One pool's sizes that missed the SLO, each with the lowest rate it missed at. Going
+    down, a size is skipped while the predicted rate is at least ``margin`` of that rate: the
+    profile said the size was enough once and it was not, so it is not trusted again at that
+    load (without this the pool goes down, misses, comes back up, once a stabilization
+    window). A memory is forgotten after ``keep_intervals`` intervals (the host or network
+    that slowed the pool may have recovered)."""
+
+    def __init__(self, margin: float = 0.8, keep_intervals: int = 60) -> None:
+        self.margin = margin
+        self.keep_intervals = keep_intervals
+        self._missed: dict[int, tuple[float, int]] = {}
+        """size -> (lowest rate it missed at, intervals since)."""
+
+    def tick(self) -> None:
+        self._missed = {
+            size: (rate, age + 1)
+            for size, (rate, age) in self._missed.items()
+            if age + 1 < self.keep_intervals
+        }
+
+    def record(self, size: int, rate_rps: float) -> None:
+        known = self._missed.get(size)
+        self._missed[size] = (min(rate_rps, known[0]) if known else rate_rps, 0)
+
+    def floor(self, need: int, rate_rps: float) -> int:
+        """The smallest size from ``need`` up that did not miss at this rate."""
+        while need in self._missed and rate_rps >= self.margin * self._missed[need][0]:
+            need += 1
+        return need
 
 
 def step_record(step: PlanStep) -> dict[str, object]:

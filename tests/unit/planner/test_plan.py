@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.engines.sim.profile import load_profile
 from services.planner.decision import Bounds
 from services.planner.observe import RouterSnapshot
-from services.planner.plan import Planner, step_record
+from services.planner.plan import BreachMemory, Planner, step_record
 from services.planner.predictors import ConstantPredictor
 from services.planner.sizing import Load, Slo, decode_size, prefill_size
 
@@ -141,3 +141,34 @@ def test_a_missed_slo_the_profile_cannot_explain_asks_one_engine_more() -> None:
     assert not fine.prefill.slo_breach and not fine.decode.slo_breach
     assert fine.decode.decision.desired == 3
     assert "slo_breach" not in step_record(fine)["decode"]  # type: ignore[operator]
+
+
+def test_a_size_that_missed_is_not_chosen_again_at_that_rate() -> None:
+    memory = BreachMemory(margin=0.8, keep_intervals=3)
+    memory.record(1, 8.0)  # one engine missed its SLO at 8 requests/s
+    assert memory.floor(1, 8.0) == 2
+    assert memory.floor(1, 6.5) == 2  # within the margin of the rate it missed at
+    assert memory.floor(1, 6.0) == 1  # the load fell: one engine again
+    memory.record(2, 9.0)
+    assert memory.floor(1, 9.0) == 3
+    memory.record(1, 4.0)  # the lowest rate counts
+    assert memory.floor(1, 4.0) == 2 and memory.floor(1, 3.0) == 1
+    for _ in range(3):
+        memory.tick()
+    assert memory.floor(1, 9.0) == 1  # forgotten
+
+
+def test_after_a_breach_the_pool_does_not_go_back_down_at_the_same_load() -> None:
+    planner = _planner(window=1)  # no stabilization: only the memory keeps the pool up
+    planner.step(_snapshot(0, 0, ready=(1, 1)))
+    # 1 request/s, ITL 40 ms observed with one decode engine: the SLO (20 ms) missed.
+    missed = planner.step(RouterSnapshot(10, 10, 0.6, 10, 10 * 100 * 0.04, 1000, 1, 1))
+    assert missed.decode.slo_breach and missed.decode.decision.desired == 2
+    # Two engines meet it at the same rate: the profile says one is enough, the memory keeps 2.
+    met = planner.step(RouterSnapshot(20, 20, 1.2, 20, 40.0 + 8.0, 2000, 1, 2))
+    assert not met.decode.slo_breach
+    assert met.decode.size is not None and met.decode.size.replicas == 1
+    assert met.decode.decision.desired == 2
+    # The load falls well below the rate one engine missed at: back to one.
+    quiet = planner.step(RouterSnapshot(30, 22, 1.32, 22, 48.0 + 1.6, 2200, 1, 2))
+    assert quiet.decode.decision.desired == 1
