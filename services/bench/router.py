@@ -41,11 +41,18 @@ per request are measured in the same run (``load_generator``). With four or more
 generator to the others (``machine.pinning``), so the router never competes with its own load;
 the machine's load average before and after says what else ran.
 
+pdserve's router also answers a chat completion of the same prompt (``chat``: router CPU per
+request at the best concurrency, beside the completion's); vllm-router's stubs serve no chat.
+
 Optional variants of pdserve's router, measured in the same run over the same stubs:
 ``--grpcio-client`` (grpc.aio as its engine client instead of h2grpc:
-``pdserve_grpcio_client`` and ``engine_client_comparison``), ``--vllm-frontend`` (vLLM's own
-front end: ``pdserve_vllm_frontend`` and ``frontend_comparison``), ``--router-workers`` (several
-worker processes: ``pdserve_by_workers``).
+``pdserve_grpcio_client`` and ``engine_client_comparison``), ``--router-workers`` (several
+worker processes: ``pdserve_by_workers``). Front ends over the tiny checkpoint's tokenizer and
+chat template (:mod:`services.bench.router_frontends`; ``frontend_comparison``, completions and
+chat): ``--vllm-frontend`` (pdserve's router serving vLLM's own front end:
+``pdserve_vllm_frontend``) and ``--vllm-api-server`` (vLLM's own API server on the tiny model:
+``vllm_api_server``), each beside pdserve's own front end over the same tokenizer
+(``pdserve_tiny_tokenizer``).
 
 This module starts the two systems and writes the JSON (the side-by-side ``comparison``); the
 windows and their figures are measured by :mod:`services.bench.router_load`.
@@ -66,6 +73,14 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.procs import core_split, load_average, start, stop
+from services.bench.router_frontends import (
+    TINY_VOCAB,
+    bench_vllm_api_server,
+    frontend_comparison,
+    own_frontend_flags,
+    tiny_model,
+    vllm_frontend_flags,
+)
 from services.bench.router_huge import bench_huge_prompts
 from services.bench.router_load import (
     BODY,
@@ -79,7 +94,6 @@ from services.bench.router_load import (
 )
 from services.config import ControlPlaneSettings
 from services.control_plane.local_redis import LocalRedisServer, free_port
-from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
 from services.supervision import ChildProcess
 
@@ -131,6 +145,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "generated tiny checkpoint's tokenizer), beside pdserve's own front end",
     )
     parser.add_argument(
+        "--vllm-api-server",
+        action="store_true",
+        help="also measure vLLM's own API server (python -m vllm.entrypoints.openai.api_server "
+        "on the generated tiny checkpoint; slow to start): its process's own CPU per request, "
+        "beside pdserve's front ends (frontend_comparison)",
+    )
+    parser.add_argument(
         "--huge-prompt-mb",
         type=float,
         default=None,
@@ -158,8 +179,9 @@ async def _bench_pdserve(
     frontend: list[str] | None = None,
     engine_client: str | None = None,
 ) -> dict[str, Any]:
-    """``frontend``: the router flags of vLLM's front end (:func:`_vllm_frontend_flags`); the
-    stubs then draw from that tokenizer's vocabulary. ``engine_client``: the router's gRPC
+    """``frontend``: router flags over the tiny checkpoint's tokenizer (pdserve's own front end
+    or vLLM's: :mod:`services.bench.router_frontends`); the stubs then draw from its
+    vocabulary. ``engine_client``: the router's gRPC
     client of the engines (``PDSERVE_ROUTER_ENGINE_GRPC__CLIENT``; its default when None)."""
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
     vocab = ["--stub-vocab-size", str(TINY_VOCAB)] if frontend else []
@@ -189,7 +211,12 @@ async def _bench_pdserve(
         assert router.announced is not None
         url = str(router.announced["url"])
         await wait_http(f"{url}/health", service=router)
-        target = Target(f"{url}/v1/completions", router=[router], stubs=services[:2])
+        target = Target(
+            f"{url}/v1/completions",
+            router=[router],
+            stubs=services[:2],
+            chat_url=f"{url}/v1/chat/completions",
+        )
         return {
             "router_workers": workers,
             **await measure(target, instant, args, placement, log_dir),
@@ -255,13 +282,20 @@ async def _run(
             for n in counts
         }
         pdserve = by_workers[str(counts[0])]
-        vllm_frontend = (
-            await _bench_pdserve(
-                args, settings, instant, placement, log_dir, 1, _vllm_frontend_flags(log_dir)
+        fronts: dict[str, dict[str, Any]] = {}
+        if args.vllm_frontend or args.vllm_api_server:
+            model = tiny_model(log_dir)
+            fronts["pdserve"] = await _bench_pdserve(
+                args, settings, instant, placement, log_dir, 1, own_frontend_flags(model)
             )
-            if args.vllm_frontend
-            else None
-        )
+            if args.vllm_frontend:
+                fronts["vllm_frontend"] = await _bench_pdserve(
+                    args, settings, instant, placement, log_dir, 1, vllm_frontend_flags(model)
+                )
+            if args.vllm_api_server:
+                fronts["vllm_api_server"] = await bench_vllm_api_server(
+                    args, model, instant, placement, log_dir
+                )
         grpcio_client = (
             await _bench_pdserve(
                 args, settings, instant, placement, log_dir, engine_client="grpcio"
@@ -298,16 +332,22 @@ async def _run(
             "load_average_after": load_average(),
             "pinning": placement.describe(),
         },
-        "request": {"endpoint": "/v1/completions", "max_tokens": MAX_TOKENS, "stream": False},
+        "request": {
+            "endpoint": "/v1/completions",
+            "max_tokens": MAX_TOKENS,
+            "stream": False,
+            "chat": "/v1/chat/completions, the same prompt as one user message (not through "
+            "vllm-router: its stubs serve completions only)",
+        },
         "load_generator": generator,
         "pdserve": pdserve,
         **({"pdserve_by_workers": _by_workers(by_workers)} if len(by_workers) > 1 else {}),
         **(
             {
-                "pdserve_vllm_frontend": vllm_frontend,
-                "frontend_comparison": _frontend_comparison(pdserve, vllm_frontend),
+                **{RESULT_KEYS[name]: result for name, result in fronts.items()},
+                "frontend_comparison": frontend_comparison(fronts),
             }
-            if vllm_frontend is not None
+            if fronts
             else {}
         ),
         **(
@@ -324,33 +364,12 @@ async def _run(
     }
 
 
-TINY_VOCAB = 384
-"""The generated tiny checkpoint's vocabulary (``pdserve make-tiny-model``)."""
-
-
-def _vllm_frontend_flags(log_dir: Path) -> list[str]:
-    """Router flags of vLLM's front end over a tiny checkpoint generated in ``log_dir``,
-    serving the stub engines' model."""
-    model = make_tiny_model(log_dir / "tiny-model")
-    return [
-        "--frontend", "vllm", "--tokenizer", str(model), "--served-model-name", "stub",
-        "--frontend-arg=--max-model-len=512",
-    ]  # fmt: skip
-
-
-def _frontend_comparison(pdserve: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
-    """Router CPU per request and best rate of the two front ends, and their ratios."""
-    cpu = (pdserve["router_cpu_ms_per_request"], vllm["router_cpu_ms_per_request"])
-    rps = (pdserve["max_sustained_rps"], vllm["max_sustained_rps"])
-    return {
-        "router_cpu_ms_per_request": {"pdserve": cpu[0], "vllm_frontend": cpu[1]},
-        "router_cpu_ratio": cpu[1] / cpu[0] if cpu[0] and cpu[1] else None,
-        "max_sustained_rps": {"pdserve": rps[0], "vllm_frontend": rps[1]},
-        "router_cpu_ms_per_extra_token": {
-            "pdserve": _per_token(pdserve),
-            "vllm_frontend": _per_token(vllm),
-        },
-    }
+RESULT_KEYS = {
+    "pdserve": "pdserve_tiny_tokenizer",
+    "vllm_frontend": "pdserve_vllm_frontend",
+    "vllm_api_server": "vllm_api_server",
+}
+"""The JSON key of each front end's full result (``frontend_comparison``'s columns)."""
 
 
 def _client_comparison(h2grpc: dict[str, Any], grpcio: dict[str, Any]) -> dict[str, Any]:

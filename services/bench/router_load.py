@@ -3,9 +3,10 @@
 A :class:`Target` is a URL and the processes whose CPU is charged to it. :func:`measure` runs
 the windows the benchmark reports for one router: the baseline (the same client against the
 instant server) and the same through the router one at a time (``added_latency_ms``), the load
-levels (``load``, ``max_sustained_rps``) and the streamed windows (``streamed``). Each window is
-a closed loop of :mod:`services.bench.loadgen` processes, with the CPU of the router, the stubs
-and the load processes read from ``/proc`` over it. :func:`start_instant` and
+levels (``load``, ``max_sustained_rps``), the streamed windows (``streamed``) and, for a router
+that serves chat, a chat window (``chat``). Each window is a closed loop of
+:mod:`services.bench.loadgen` processes, with the CPU of the router, the stubs and the load
+processes read from ``/proc`` over it. :func:`start_instant` and
 :func:`load_generator_figures` give the instant server and the load generator's own ceiling.
 """
 
@@ -35,13 +36,18 @@ STREAMED_CONCURRENCY = 8
 """Connections of the streamed-request windows (``streamed``)."""
 
 
-def request_body(max_tokens: int, stream: bool = False) -> str:
-    """The JSON body of the bench's completion request."""
-    fields = {"model": "stub", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+def request_body(max_tokens: int, stream: bool = False, chat: bool = False) -> str:
+    """The JSON body of the bench's completion request (with ``chat``: the chat completion
+    of one user message holding the same prompt). ``ignore_eos``: a real model (vLLM's own
+    API server's) answers exactly ``max_tokens`` tokens, as the stub engines do."""
+    fields: dict[str, Any] = {"model": "stub", "max_tokens": max_tokens, "temperature": 0}
+    fields |= {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+    fields["ignore_eos"] = True
     return json.dumps({**fields, "stream": True} if stream else fields)
 
 
 BODY = request_body(MAX_TOKENS)
+CHAT_BODY = request_body(MAX_TOKENS, chat=True)
 SPAWN_MARGIN_S = 1.0
 """Load processes start this long before their window (Python start-up) and warm up in it."""
 
@@ -70,6 +76,20 @@ class Target:
     url: str
     router: Sequence[ChildProcess]
     stubs: Sequence[ChildProcess] = ()
+    chat_url: str | None = None
+    """The chat completions URL, when the router serves chat (``chat`` figures)."""
+    router_children: bool = True
+    """Whether the router's descendant processes are charged to it (its workers). False for
+    vLLM's own API server, whose engine runs in a child (``EngineCore``): the process alone is
+    its front end, and the children's CPU is reported as the stubs'."""
+
+    def pids(self) -> tuple[list[int], list[int]]:
+        """``(the router's pids, the stubs' pids)``, live now."""
+        stubs = [pid for service in self.stubs for pid in descendants(service.pid)]
+        if self.router_children:
+            return [pid for s in self.router for pid in descendants(s.pid)], stubs
+        below = [pid for s in self.router for pid in descendants(s.pid)[1:]]
+        return [s.pid for s in self.router], stubs + below
 
 
 def _percentiles_us(samples: Sequence[int]) -> dict[str, float]:
@@ -85,9 +105,11 @@ async def _load(
     placement: Placement,
     log_dir: Path,
     body: str = BODY,
+    url: str | None = None,
 ) -> dict[str, Any]:
     """One closed-loop window of ``connections`` connections over up to ``--load-processes``
-    load processes; CPU of the router, the stubs and the load processes over the window."""
+    load processes (to ``url``, the target's by default); CPU of the router, the stubs and the
+    load processes over the window."""
     processes = max(1, min(args.load_processes, connections))
     shares = [connections // processes + (i < connections % processes) for i in range(processes)]
     start_at = time.time() + SPAWN_MARGIN_S + min(1.0, duration_s / 3)
@@ -97,7 +119,7 @@ async def _load(
             f"loadgen-{i}",
             [
                 sys.executable, "-m", "services.bench.loadgen", "run",
-                target.url, body, str(share), repr(start_at), repr(stop_at),
+                url or target.url, body, str(share), repr(start_at), repr(stop_at),
             ],
             log_dir,
             cores=placement.others,
@@ -108,8 +130,7 @@ async def _load(
     outputs = [asyncio.ensure_future(g.communicate()) for g in generators]
     try:
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        router_pids = [pid for service in target.router for pid in descendants(service.pid)]
-        stub_pids = [pid for service in target.stubs for pid in descendants(service.pid)]
+        router_pids, stub_pids = target.pids()
         load_pids = [g.pid for g in generators]
         before = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
         await asyncio.sleep(max(0.0, stop_at - time.time()))
@@ -168,6 +189,7 @@ async def measure(
     clean = [entry for entry in load if entry["errors"] == 0]
     best = max(clean, key=lambda entry: entry["requests_per_s"]) if clean else None
     streamed = await _streamed(target, args, placement, log_dir)
+    chat = await _chat(target, best or (load[-1] if load else None), args, placement, log_dir)
     return {
         "baseline_latency_ms": _percentiles_us(baseline),
         "router_latency_ms": _percentiles_us(routed),
@@ -179,6 +201,43 @@ async def measure(
         "max_sustained_rps": best["requests_per_s"] if best else 0.0,
         "best_concurrency": best["concurrency"] if best else None,
         **({"streamed": streamed} if streamed is not None else {}),
+        **({"chat": chat} if chat is not None else {}),
+    }
+
+
+async def _chat(
+    target: Target,
+    level: dict[str, Any] | None,
+    args: argparse.Namespace,
+    placement: Placement,
+    log_dir: Path,
+) -> dict[str, Any] | None:
+    """Router CPU per non-streamed chat completion (:data:`CHAT_BODY`: the same prompt as one
+    user message, through the model's chat template), a window at the concurrency of
+    ``level`` (the best completions level), beside that level's completions figure."""
+    if target.chat_url is None or level is None:
+        return None
+    entry = await _load(
+        target, level["concurrency"], args.duration_s, args, placement, log_dir,
+        CHAT_BODY, target.chat_url,
+    )  # fmt: skip
+    entry.pop("_latencies_us")
+    chat_cpu = entry["router_cpu_ms_per_request"]
+    completions_cpu = level["router_cpu_ms_per_request"]
+    return {
+        "concurrency": entry["concurrency"],
+        "router_cpu_ms_per_request": chat_cpu,
+        "completions_router_cpu_ms_per_request": completions_cpu,
+        "chat_over_completions": chat_cpu / completions_cpu
+        if chat_cpu and completions_cpu
+        else None,
+        "requests_per_s": entry["requests_per_s"],
+        "errors": entry["errors"],
+        "first_error": entry["first_error"],
+        "p50_ms": entry["p50_ms"],
+        "p99_ms": entry["p99_ms"],
+        "stub_cpu_ms_per_request": entry["stub_cpu_ms_per_request"],
+        "load_generator_cpu_ms_per_request": entry["load_generator_cpu_ms_per_request"],
     }
 
 
@@ -258,11 +317,16 @@ async def load_generator_figures(
 
 
 async def wait_http(
-    url: str, method: str = "GET", body: Any = None, *, service: ChildProcess | None = None
+    url: str,
+    method: str = "GET",
+    body: Any = None,
+    *,
+    service: ChildProcess | None = None,
+    timeout_s: float = START_TIMEOUT_S,
 ) -> None:
-    """Until ``url`` answers 200; fails at once, with the end of its log, if ``service``
-    exits first."""
-    deadline = time.monotonic() + START_TIMEOUT_S
+    """Until ``url`` answers 200 (up to ``timeout_s``); fails at once, with the end of its log,
+    if ``service`` exits first."""
+    deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if service is not None and service.returncode is not None:
@@ -277,4 +341,4 @@ async def wait_http(
                     return
             await asyncio.sleep(0.2)
     tail = f"; the end of its stderr:\n{service.log_tail()}" if service is not None else ""
-    raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S}s{tail}")
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s}s{tail}")

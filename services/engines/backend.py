@@ -268,6 +268,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     """Prompt tokens whose KV was found in the engine's prefix cache (not recomputed)."""
+    cache_write_tokens: int = 0
+    """Prompt tokens this request computed and wrote to the engine's prefix cache: its full
+    prompt blocks not already cached (vLLM's ``num_cache_creation_tokens``); 0 without one."""
 
 
 @dataclass(frozen=True)

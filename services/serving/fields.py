@@ -244,6 +244,7 @@ def usage_to_proto(usage: Usage) -> types_pb2.Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         cached_tokens=usage.cached_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
     )
 
 
@@ -252,6 +253,7 @@ def usage_from_proto(message: types_pb2.Usage) -> Usage:
         prompt_tokens=message.prompt_tokens,
         completion_tokens=message.completion_tokens,
         cached_tokens=message.cached_tokens,
+        cache_write_tokens=message.cache_write_tokens,
     )
 
 

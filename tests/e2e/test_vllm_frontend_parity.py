@@ -222,11 +222,6 @@ UNSTABLE_KEYS = frozenset(
 """Per-answer ids and times (and a stream event's number: how tokens group into events is
 timing, see :func:`streamed`); the config hash in ``system_fingerprint``; ``root`` (a path)."""
 
-KNOWN_DIFFERENCES = frozenset({"cache_write_tokens"})
-"""Fields pdserve does not fill as vLLM's server does, each a known gap: the Responses API's
-``usage.input_tokens_details.cache_write_tokens`` is the engine's count of prompt tokens
-written to its prefix cache, which pdserve's engine protocol does not carry (0 here)."""
-
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -329,10 +324,8 @@ def same(vllm: Any, ours: Any, where: str = "") -> None:
     """Equal JSON but for :data:`UNSTABLE_KEYS`; floats within 1e-3."""
     if isinstance(vllm, dict):
         assert isinstance(ours, dict), where
-        for key in KNOWN_DIFFERENCES & set(vllm):
-            assert ours.get(key) == 0, (where, key)
-        keys = set(vllm) - UNSTABLE_KEYS - KNOWN_DIFFERENCES
-        theirs = set(ours) - UNSTABLE_KEYS - KNOWN_DIFFERENCES
+        keys = set(vllm) - UNSTABLE_KEYS
+        theirs = set(ours) - UNSTABLE_KEYS
         assert keys == theirs, (where, sorted(keys ^ theirs))
         for key in keys:
             same(vllm[key], ours[key], f"{where}.{key}")

@@ -147,6 +147,7 @@ def usage(request: EngineRequest) -> Usage:
         prompt_tokens=len(request.prompt),
         completion_tokens=len(request.output),
         cached_tokens=request.cached_tokens,
+        cache_write_tokens=request.cache_write_tokens,
     )
 
 

@@ -117,6 +117,9 @@ class EngineRequest:
     prompt_logprobs_sent: bool = False
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    cache_write_tokens: int = 0
+    """Prompt tokens this request computed into full blocks the prefix cache took (vLLM's
+    ``num_cache_creation_tokens``: full prompt blocks less the cached ones)."""
     choice: int = 0
     """The choice this sequence is (a fork's; tags its deltas)."""
     forks: tuple[Fork, ...] = ()

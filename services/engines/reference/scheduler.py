@@ -319,6 +319,9 @@ class Scheduler:
             if request.pending_tokens == 0:
                 if not request.output and self.prefix_cache is not None:
                     self.prefix_cache.insert(request.prompt, request.block_ids)
+                    # vLLM's count: the prompt's full blocks, less those found cached.
+                    full = len(request.prompt) // self.limits.block_size * self.limits.block_size
+                    request.cache_write_tokens = max(0, full - request.cached_tokens)
                 token, logprobs, more = self._rules.next_token(request, rows[-1])
                 self._on_token(request, token, logprobs, more)
 

@@ -363,7 +363,12 @@ class VllmBackend(EngineBackend):
             text=completion.text,
             kv_handle=handle,
             finish_reason=None if handle is not None else (reason or FinishReason.LENGTH),
-            usage=Usage(len(prompt_token_ids), 1, int(final.num_cached_tokens or 0)),
+            usage=Usage(
+                len(prompt_token_ids),
+                1,
+                int(final.num_cached_tokens or 0),
+                int(final.num_cache_creation_tokens or 0),
+            ),
             prefill_s=time.monotonic() - started,
             logprobs=firsts[-1] if firsts else None,
             prompt_logprobs=prompt_logprobs,
@@ -405,7 +410,13 @@ class VllmBackend(EngineBackend):
                 text=completion.text,
                 finish_reason=reason,
                 error=error_message(request) if reason is FinishReason.ERROR else None,
-                usage=Usage(len(request.prompt_token_ids), produced) if reason else None,
+                usage=Usage(
+                    len(request.prompt_token_ids),
+                    produced,
+                    cache_write_tokens=int(output.num_cache_creation_tokens or 0),
+                )
+                if reason
+                else None,
                 logprobs=output_logprobs(
                     completion.token_ids, completion.logprobs, sampling.logprobs
                 ),

@@ -245,6 +245,7 @@ class EngineCalls:
             )
         if local_first_leg and delta.usage is not None:
             info.cached_tokens = delta.usage.cached_tokens
+            info.cache_write_tokens = delta.usage.cache_write_tokens
         return Step(
             delta.token_ids, delta.text, delta.finish_reason, delta.logprobs, delta.prompt_logprobs
         )

@@ -215,6 +215,7 @@ class Executor:
             if not continuing:
                 self._metrics.execution_path_by(str(info.path)).inc()
                 info.cached_tokens = result.usage.cached_tokens
+                info.cache_write_tokens = result.usage.cache_write_tokens
                 self.calls.observe_ttft(request, info)
             first = Step(
                 (result.first_token_id,),

@@ -202,6 +202,7 @@ class _ForkedRun:
             info.decode_engine = self._decode_slot.engine_id
             info.prompt_tokens = result.usage.prompt_tokens
             info.cached_tokens = result.usage.cached_tokens
+            info.cache_write_tokens = result.usage.cache_write_tokens
             info.completion_tokens = 1
             finish = reason
             if reason is None and result.kv_handle is not None:

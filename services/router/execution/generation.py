@@ -59,6 +59,8 @@ class RunInfo:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    """Prompt tokens the prefill (or local) engine wrote to its prefix cache (Usage)."""
     engine_wait_s: float = 0.0
     migrations: int = 0
     """Times the request moved to another engine pair mid-stream

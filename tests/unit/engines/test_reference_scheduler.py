@@ -15,6 +15,7 @@ from services.engines.backend import (
     PrefillResult,
     SamplingParams,
     TokenDelta,
+    Usage,
 )
 from services.engines.errors import EngineOverloaded, InvalidRequest
 from services.engines.reference.messages import HoldKV, LeaseEnded, PullDone, PullKV, ReleaseKV
@@ -146,7 +147,8 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     prompt = list(range(10))  # blocks of 4: two full blocks, then 2 tokens
     first = ListSink()
     scheduler.submit("a", "generate", prompt, SamplingParams(max_tokens=2), first)
-    assert run_to_end(scheduler, first).usage.cached_tokens == 0  # type: ignore[union-attr]
+    # Its two full blocks were computed and cached: 8 tokens written (vLLM's count).
+    assert run_to_end(scheduler, first).usage == Usage(10, 2, 0, 8)
     cache = scheduler.prefix_cache
     assert cache is not None and cache.num_cached == 2
     # Cached blocks nobody uses count as free.
@@ -157,11 +159,12 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     assert step is not None and step.chunks[0].num_cached == 8  # only the 3 new tokens
     scheduler.complete_step(step, logits_for(65, 1))
     scheduler.deliver_all()
-    assert run_to_end(scheduler, again).usage.cached_tokens == 8  # type: ignore[union-attr]
+    assert run_to_end(scheduler, again).usage == Usage(11, 2, 8, 0)  # nothing new to write
     # A prompt of exactly two blocks reuses one (its last token is always computed).
     exact = ListSink()
     scheduler.submit("c", "generate", prompt[:8], SamplingParams(max_tokens=1), exact)
-    assert run_to_end(scheduler, exact).usage.cached_tokens == 4  # type: ignore[union-attr]
+    # (its recomputed last block counts as written, as vLLM counts it: full blocks - cached)
+    assert run_to_end(scheduler, exact).usage == Usage(8, 1, 4, 4)
     # Filling the pool evicts the unused cached blocks instead of refusing.
     big = ListSink()
     scheduler.submit("d", "generate", list(range(100, 160)), SamplingParams(max_tokens=4), big)

@@ -64,6 +64,7 @@ class FakeEngine(EngineConnector):
     stalled_calls_closed: list[str] = field(default_factory=list)
     """Request ids whose stalled call the caller gave up on (cancelled or closed)."""
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
     first_output_id: int = 100
     """Token ``i`` (from the decode's first) has id ``first_output_id + i``."""
     prefills: list[str] = field(default_factory=list)
@@ -93,7 +94,7 @@ class FakeEngine(EngineConnector):
             raise self.prefill_error
         if self.stall_prefill:
             await self._stall(request_id)
-        usage = Usage(len(prompt_token_ids), 1, self.cached_tokens)
+        usage = Usage(len(prompt_token_ids), 1, self.cached_tokens, self.cache_write_tokens)
         finished = sampling.max_tokens == 1
         handle = (
             None
@@ -172,7 +173,12 @@ class FakeEngine(EngineConnector):
             if stop is not None:
                 piece = piece[: len(piece) - (len(text) - text.index(stop))]
             usage = (
-                Usage(len(request.prompt_token_ids), index + 1, self.cached_tokens)
+                Usage(
+                    len(request.prompt_token_ids),
+                    index + 1,
+                    self.cached_tokens,
+                    self.cache_write_tokens,
+                )
                 if last
                 else None
             )

@@ -124,6 +124,36 @@ async def test_text_is_vllms_detokenization_of_the_engines_tokens(
     assert sample(rt, "pdserve_router_request_generation_tokens_sum") == 4
 
 
+async def test_responses_usage_reports_the_prefill_engines_cache_counts(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    """``/v1/responses``' ``usage.input_tokens_details`` is vLLM's server's: the prompt tokens
+    the prefill engine found cached (``cached_tokens``) and wrote to its prefix cache
+    (``cache_write_tokens``, vLLM's ``num_cache_creation_tokens``), carried in the engine
+    protocol's ``Usage``; plain and streamed (the ``response.completed`` event)."""
+    factory.engines["p0"] = FakeEngine(
+        "p0", first_output_id=FIRST_ID, cached_tokens=16, cache_write_tokens=32
+    )
+    rt = pd_runtime(factory, model_dir)
+    body = {"model": MODEL, "input": "hello there", "max_output_tokens": 4, "temperature": 0}
+    async with served(rt) as client:
+        answer = await client.post("/v1/responses", json=body)
+        streamed = await client.post("/v1/responses", json={**body, "stream": True})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-pdserve-prefill-engine"] == "p0"
+    details = answer.json()["usage"]["input_tokens_details"]
+    assert (details["cached_tokens"], details["cache_write_tokens"]) == (16, 32)
+    assert streamed.status_code == 200, streamed.text
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    (completed,) = [event for event in events if event["type"] == "response.completed"]
+    details = completed["response"]["usage"]["input_tokens_details"]
+    assert (details["cached_tokens"], details["cache_write_tokens"]) == (16, 32)
+
+
 async def test_a_stop_string_found_by_vllms_detokenizer_ends_the_run(
     factory: FakeFactory, model_dir: Path
 ) -> None:

@@ -162,7 +162,7 @@ def test_a_continuations_output_in_prompt_round_trips_and_is_bounded_by_the_prom
 
 
 def test_prefill_result_round_trips_with_and_without_handle() -> None:
-    usage = Usage(prompt_tokens=5, completion_tokens=1, cached_tokens=2)
+    usage = Usage(prompt_tokens=5, completion_tokens=1, cached_tokens=2, cache_write_tokens=3)
     held = PrefillResult("req-1", 42, "x", HANDLE, None, usage, prefill_s=0.25, queue_s=0.5)
     done = PrefillResult("req-2", 7, "", None, FinishReason.LENGTH, usage)
     for result in (held, done):

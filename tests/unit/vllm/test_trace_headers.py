@@ -57,7 +57,11 @@ class RecordingAsyncLLM:
             token_ids=[5], text=" x", finish_reason="length", logprobs=None
         )
         yield SimpleNamespace(
-            outputs=[completion], prompt_logprobs=None, num_cached_tokens=0, kv_transfer_params=None
+            outputs=[completion],
+            prompt_logprobs=None,
+            num_cached_tokens=0,
+            num_cache_creation_tokens=0,
+            kv_transfer_params=None,
         )
 
 

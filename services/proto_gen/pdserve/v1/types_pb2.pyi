@@ -316,20 +316,27 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_tokens: _builtins.int
     """Prompt tokens served from the engine's prefix cache."""
+    cache_write_tokens: _builtins.int
+    """Prompt tokens this request computed and wrote to the engine's prefix cache (full blocks
+    not already cached: vLLM's PrefillStats.num_cache_creation_tokens, the Responses API's
+    usage.input_tokens_details.cache_write_tokens). 0 without a prefix cache.
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        cache_write_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_write_tokens", b"cache_write_tokens", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -316,6 +316,7 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                         num_prompt_tokens=info.prompt_tokens,
                         num_computed_tokens=info.prompt_tokens - info.cached_tokens,
                         num_cached_tokens=info.cached_tokens,
+                        num_cache_creation_tokens=info.cache_write_tokens,
                     )
                     if params.prompt_logprobs is not None and chunk.prompt_logprobs:
                         ids, values, ranks = _logprob_rows(chunk.prompt_logprobs)
