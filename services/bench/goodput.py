@@ -268,9 +268,7 @@ async def _open_loop(
     prompt = [rng.randrange(32, 256) for _ in range(args.input_tokens)]
     # Idle connections expire before the router's keep-alive (uvicorn: 5 s) closes them, so a
     # request never races a server-side close (an httpx ReadError, not the router's doing).
-    limits = httpx.Limits(
-        max_connections=1000, max_keepalive_connections=200, keepalive_expiry=2.0
-    )
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=stack.router, limits=limits) as client:
         begin = time.perf_counter()
         sampler = asyncio.create_task(_sample_engines(stack, begin)) if sample else None
