@@ -60,6 +60,28 @@ def test_a_repeated_prefix_lands_where_the_engine_reports_it_cached(pd: UpSystem
     assert len(engines) == 2  # both prefill engines served requests
 
 
+def test_kv_events_place_a_repeated_prefix_without_waiting_for_a_heartbeat(pd: UpSystem) -> None:
+    """Issue 31 end to end: the prefill engine's KV-cache events (its real ZMQ publisher) reach
+    the router, whose next choice for the same prefix is that engine, by its events (reason
+    ``cached``), with no heartbeat in between."""
+    received = "pdserve_router_kv_events_received_total"
+    decided = "pdserve_router_placement_decisions_total"
+    shared = "Events, not heartbeats, tell the router which blocks each engine holds now. " * 5
+    before = pd.metric(received)
+    engine, cached = complete(pd, shared + "Where did the first one go?")
+    assert cached == 0
+    deadline = time.monotonic() + 60
+    while pd.metric(received) <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pd.metric(received) > before
+    by_events = pd.metric(decided, pool="prefill", reason="cached")
+    again, cached = complete(pd, shared + "And the second?")
+    assert again == engine
+    assert cached > 0
+    assert pd.metric(decided, pool="prefill", reason="cached") == by_events + 1
+    assert pd.metric("pdserve_router_kv_events_stale_engines") == 0
+
+
 BLOCK = 16
 """The reference engine's default block size."""
 METRICS_BOUND_S = 60.0

@@ -289,7 +289,11 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
                 best, best_score = [(slot, cached)], score
             elif score == best_score:
                 best.append((slot, cached))
-        chosen, cached = best[next(self._tie_breakers[stage]) % len(best)]
+        # Only a tie turns the rotation: a clear winner must not shift whom the next tie goes
+        # to (alternating cached and new prompts would otherwise send every new one to the
+        # same engine).
+        tied = len(best) > 1
+        chosen, cached = best[next(self._tie_breakers[stage]) % len(best)] if tied else best[0]
         self.reason = "cached" if cached else "load"
         return chosen
 

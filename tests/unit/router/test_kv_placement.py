@@ -144,3 +144,18 @@ def test_without_kv_events_setting_no_index_is_built():
     assert rt.kv_events is None
     rt = runtime(policy="round_robin")
     assert rt.kv_events is None
+
+
+def test_new_prompts_between_cached_ones_still_rotate_over_tied_engines():
+    """A clear winner does not turn the tie rotation: prompts held by p2, each followed by a
+    prompt no engine holds, send the new ones to p1 and p2 in turn."""
+    rt, index = setup(evented("p1", PREFILL), evented("p2", PREFILL), evented("d", DECODE))
+    holds(rt, index, "p2", 8)
+    fresh: list[str] = []
+    for offset in range(4):
+        cached = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+        assert cached.prefill is not None and cached.prefill.engine_id == "p2"
+        new = rt.scheduler.plan("tiny", PromptInfo(tuple(range(100 + offset, 140 + offset))))
+        assert new.prefill is not None
+        fresh.append(new.prefill.engine_id)
+    assert sorted(fresh) == ["p1", "p1", "p2", "p2"]
