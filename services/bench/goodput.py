@@ -17,6 +17,14 @@ client). Goodput: requests per second that met them (arrivals within the measure
   lengths): SLO attainment, engine-seconds (the engines ``endpoints.json`` lists, sampled every
   0.5 s) and lost requests.
 
+- **fidelity** (``--fidelity``): a 1P1D simulated stack measured as ``pdserve profile``
+  measures a real one (:mod:`services.bench.profile`: TTFT of single prompts of
+  ``--fidelity-input-lengths``; ITL of ``--fidelity-batches`` concurrent streams at
+  ``--fidelity-contexts``), each point beside the profile's own figure (a prefill of that
+  prompt alone; a decode step of that batch at that context): the ratio and the largest
+  deviation. The router, gRPC and client time are in the measured figures, not in the
+  profile's.
+
 ``client`` figures say whether the load generator kept up: how late requests were sent
 against their schedule (p99), in the same run.
 """
@@ -36,7 +44,9 @@ from typing import Any
 
 import httpx
 
+from services.bench.profile import Sweep, measure_itl, measure_ttft
 from services.bench.soak import percentiles_ms, wait_endpoints
+from services.engines.sim.profile import load_profile
 from services.supervision import DetachedProcess
 
 SAMPLE_S = 0.5
@@ -57,7 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill", type=int, default=3, help="step: the fixed pools' size")
     parser.add_argument("--max-decode", type=int, default=3)
     parser.add_argument("--planner-interval-s", type=float, default=2.0)
-    parser.add_argument("--no-sweep", action="store_true", help="only the step workload")
+    parser.add_argument("--no-sweep", action="store_true", help="no rate sweep")
+    parser.add_argument(
+        "--fidelity", action="store_true", help="measured TTFT/ITL against the profile's"
+    )
+    parser.add_argument("--fidelity-input-lengths", default="1024,4096,8192")
+    parser.add_argument("--fidelity-batches", default="1,8,32")
+    parser.add_argument("--fidelity-contexts", default="512,2048")
     parser.add_argument("--plot", type=Path, default=None, help="write goodput vs rate (PNG)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -106,6 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         root: Path = args.work_dir or Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-goodput-"))
         )
+        if args.fidelity:
+            result["fidelity"] = _fidelity(args, root)
         if not args.no_sweep:
             result["sweep"] = _sweep(args, slo, root)
             if args.plot is not None:
@@ -122,6 +140,62 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         "itl_ms", "step", "max_prefill", "max_decode", "planner_interval_s", "seed",
     )  # fmt: skip
     return {key: getattr(args, key) for key in keys}
+
+
+def _fidelity(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    profile = load_profile(str(args.profile))
+    sweep = Sweep(
+        input_lengths=_ints(args.fidelity_input_lengths),
+        batches=_ints(args.fidelity_batches),
+        contexts=_ints(args.fidelity_contexts),
+        output_tokens=32,
+        repeats=3,
+    )
+    stack = _start(args, root / "fidelity", 1, 1)
+    try:
+
+        async def measure() -> tuple[list[Any], list[Any]]:
+            async with httpx.AsyncClient(base_url=stack.router) as client:
+                vocab = 256  # the router's byte tokenizer (sim engines load no model)
+                ttft = await measure_ttft(client, stack.model, sweep, vocab)
+                itl = await measure_itl(client, stack.model, sweep, vocab)
+                return ttft, itl
+
+        ttft, itl = asyncio.run(measure())
+    finally:
+        stack.up.stop()
+    rows = [
+        _versus("ttft", {"input_tokens": p.input_tokens}, p.ms, profile.prefill_ms(p.input_tokens))
+        for p in ttft
+    ] + [
+        _versus(
+            "itl",
+            {"batch": p.batch, "context_tokens": p.context_tokens},
+            p.ms,
+            profile.decode_step_ms(p.batch, p.batch * p.context_tokens),
+        )
+        for p in itl
+    ]
+    return {
+        "points": rows,
+        "max_deviation": max(abs(row["ratio"] - 1) for row in rows),
+        "within_10_percent": sum(abs(row["ratio"] - 1) <= 0.10 for row in rows),
+        "of": len(rows),
+    }
+
+
+def _versus(kind: str, point: dict[str, int], measured: float, expected: float) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        **point,
+        "measured_ms": round(measured, 3),
+        "profile_ms": round(expected, 3),
+        "ratio": round(measured / expected, 4),
+    }
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in str(text).split(",") if part)
 
 
 def _layouts(engines: int) -> list[tuple[str, int, int]]:

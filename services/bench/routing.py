@@ -21,10 +21,12 @@ a prompt that a request finished before it was sent already had: what a schedule
 every cache, with no evictions, could find cached: the oracle); **prefill cached share**:
 ``usage.prompt_tokens_details.cached_tokens`` summed over requests / reusable tokens;
 **prefill tokens computed** (prompt tokens minus cached ones); **KV bytes moved per request**
-(the engines' ``pdserve_kv_transfer_bytes_total``, delta over the run) and the **decode cached
-share** it implies (1 - moved / the bytes of the reusable tokens, the KV bytes per token read
-from the model's config); TTFT p50/p99 (streamed, from the client). ``comparison`` puts each
-setting's shares beside ``approximate``'s.
+(the engines' ``pdserve_kv_transfer_bytes_total``, delta over the run, over every request);
+**local runs** (requests the decode engine ran alone because it held the prompt: conditional
+disaggregation, nothing moved) and, over the requests whose KV did move, the **decode cached
+share** the bytes imply (the reusable tokens the decode engine did not need moved; the KV bytes
+per token from the model's config); TTFT p50/p99 (streamed, from the client). ``comparison``
+puts each setting's shares beside ``approximate``'s.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class Turn:
     ttft_s: float | None = None
     prefill_engine: str | None = None
     decode_engine: str | None = None
+    path: str | None = None
+    """``x-pdserve-execution-path``: ``disaggregated``, or ``local`` (the decode engine ran it
+    alone: it held the prompt, so nothing moved)."""
     error: str | None = None
 
 
@@ -273,6 +278,7 @@ async def _complete(
         ) as reply:
             turn.prefill_engine = reply.headers.get("x-pdserve-prefill-engine")
             turn.decode_engine = reply.headers.get("x-pdserve-decode-engine")
+            turn.path = reply.headers.get("x-pdserve-execution-path")
             if reply.status_code != 200:
                 turn.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
                 return
@@ -327,11 +333,16 @@ def _summarize(
     reusable = sum(turn.reusable_tokens for turn in done)
     cached = sum(min(turn.cached_tokens, turn.prompt_tokens) for turn in done)
     prompt = sum(turn.prompt_tokens for turn in done)
+    moved_to = [turn for turn in done if turn.path == "disaggregated"]
+    moved_reusable = sum(turn.reusable_tokens for turn in moved_to)
     decode_share = None
-    if bytes_per_token and reusable:
-        # Every prompt token the decode engine lacks moves once; what it holds does not.
+    if bytes_per_token and moved_reusable:
+        # Of the requests whose KV moved: every prompt token their decode engine lacked moved
+        # once, what it held did not (an estimate from the bytes; a partial last block moves
+        # too, so a decode engine holding everything reusable scores about 1).
         lacking = moved_bytes / bytes_per_token
-        decode_share = round(max(0.0, 1 - max(0.0, lacking - (prompt - reusable)) / reusable), 4)
+        fresh = sum(turn.prompt_tokens for turn in moved_to) - moved_reusable
+        decode_share = round(min(1.0, max(0.0, 1 - max(0.0, lacking - fresh) / moved_reusable)), 4)
     errors = [turn.error for turn in turns if not turn.ok]
     return {
         "requests": len(turns),
@@ -345,6 +356,7 @@ def _summarize(
         "prefill_tokens_computed": prompt - cached,
         "kv_bytes_moved_per_request": round(moved_bytes / len(done)) if done else None,
         "decode_cached_share": decode_share,
+        "local_runs": sum(turn.path == "local" for turn in done),
         "ttft_ms": percentiles_ms([t.ttft_s for t in done if t.ttft_s is not None]),
         "prefill_engines": sorted({t.prefill_engine for t in done if t.prefill_engine}),
         "decode_engines": sorted({t.decode_engine for t in done if t.decode_engine}),

@@ -39,15 +39,18 @@ def test_conversations_share_system_prompts_and_extend_each_turn() -> None:
 
 def test_summary_shares() -> None:
     turns = [
-        Turn(prompt_tokens=40, reusable_tokens=0, ok=True, cached_tokens=0, ttft_s=0.1),
-        Turn(prompt_tokens=60, reusable_tokens=32, ok=True, cached_tokens=16, ttft_s=0.2),
-        Turn(prompt_tokens=60, reusable_tokens=32, ok=False, error="HTTP 503"),
+        Turn(40, 0, ok=True, cached_tokens=0, ttft_s=0.1, path="disaggregated"),
+        Turn(60, 32, ok=True, cached_tokens=16, ttft_s=0.2, path="disaggregated"),
+        Turn(60, 32, ok=False, error="HTTP 503"),
+        Turn(50, 48, ok=True, cached_tokens=48, ttft_s=0.1, path="local"),
     ]
-    # 100 prompt tokens done, 32 reusable; 68 + 16 tokens moved: the decode lacked 16 of 32.
+    # 150 prompt tokens done, 80 reusable. The two disaggregated requests: 100 prompt tokens, 32
+    # reusable; 68 + 16 tokens moved: their decode engines lacked 16 of the 32.
     figures = _summarize(turns, moved_bytes=84 * 10.0, bytes_per_token=10.0, elapsed_s=1.0)
-    assert figures["requests"] == 3 and figures["errors"] == 1
+    assert figures["requests"] == 4 and figures["errors"] == 1
+    assert figures["local_runs"] == 1
     assert figures["first_errors"] == ["HTTP 503"]
-    assert figures["prefill_cached_share"] == 0.5
-    assert figures["prefill_tokens_computed"] == 84
+    assert figures["prefill_cached_share"] == 0.8  # (16 + 48) / 80
+    assert figures["prefill_tokens_computed"] == 150 - 64
     assert figures["decode_cached_share"] == 0.5
-    assert figures["kv_bytes_moved_per_request"] == 420
+    assert figures["kv_bytes_moved_per_request"] == 280  # 840 bytes over 3 requests done
