@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-blocks", type=int, default=None, help="engines' KV blocks (cache pressure)"
     )
+    parser.add_argument("--dtype", default=None, help="engines' dtype (default: the engine's)")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every engine (repeatable; e.g. --engine-arg=--enforce-eager)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
@@ -133,8 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _workload_figures(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
-        "engine", "conversations", "turns", "system_prompts", "system_tokens", "user_tokens",
-        "reply_tokens", "max_tokens", "rate", "block_size", "kv_blocks", "prefill_replicas",
+        "engine", "dtype", "engine_arg", "conversations", "turns", "system_prompts",
+        "system_tokens", "user_tokens", "reply_tokens", "max_tokens", "rate", "block_size", "kv_blocks", "prefill_replicas",
         "decode_replicas", "seed",
     )  # fmt: skip
     return {key: getattr(args, key) for key in keys}
@@ -145,6 +153,7 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
     engine_args = (
         *engine_args,
         *((f"--num-kv-blocks={args.kv_blocks}",) if args.kv_blocks else ()),
+        *args.engine_arg,
     )
     work_dir.mkdir(parents=True, exist_ok=True)
     up = DetachedProcess.pdserve_up(
@@ -159,6 +168,7 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         str(workers),
         "--block-size",
         str(args.block_size),
+        *(["--dtype", args.dtype] if args.dtype else []),
         *(["--model", str(args.model)] if args.model is not None else []),
         *(f"--router-arg={arg}" for arg in router_args),
         *(f"--engine-arg={arg}" for arg in engine_args),
@@ -174,7 +184,8 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         elapsed = time.perf_counter() - started
         moved = _kv_bytes(metrics) - moved_before
         model_dir = args.model or work_dir / "tiny-model"
-        return _summarize(turns, moved, _kv_bytes_per_token(model_dir, args.engine), elapsed)
+        per_token = _kv_bytes_per_token(model_dir, args.engine, args.dtype)
+        return _summarize(turns, moved, per_token, elapsed)
     finally:
         up.stop()
 
@@ -312,16 +323,17 @@ def _kv_bytes(urls: list[str]) -> float:
     return total
 
 
-def _kv_bytes_per_token(model_dir: Path, engine: str) -> float | None:
-    """K and V of one token over every layer, from the checkpoint's ``config.json`` (float32
-    on the reference engine; the config's dtype on vLLM)."""
+def _kv_bytes_per_token(model_dir: Path, engine: str, dtype: str | None) -> float | None:
+    """K and V of one token over every layer, from the checkpoint's ``config.json``, in
+    ``dtype`` (default: float32 on the reference engine, the config's dtype on vLLM)."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dtype = "float32" if engine == "reference" else str(config.get("torch_dtype", "bfloat16"))
+    if dtype is None:
+        dtype = "float32" if engine == "reference" else str(config.get("torch_dtype", "bfloat16"))
     element = 4 if dtype == "float32" else 2
     return float(2 * config["num_hidden_layers"] * heads * head_dim * element)
 
