@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _workload_figures(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
         "engine", "dtype", "engine_arg", "conversations", "turns", "system_prompts",
-        "system_tokens", "user_tokens", "reply_tokens", "max_tokens", "rate", "block_size", "kv_blocks", "prefill_replicas",
-        "decode_replicas", "seed",
+        "system_tokens", "user_tokens", "reply_tokens", "max_tokens", "rate", "block_size",
+        "kv_blocks", "prefill_replicas", "decode_replicas", "seed",
     )  # fmt: skip
     return {key: getattr(args, key) for key in keys}
 
