@@ -7,15 +7,16 @@ router URL, ``--metrics-port 0``, the sim engines' ``--sim-profile`` as its prof
 decided at least once (``pdserve_planner_decisions_total``), each pool is brought to
 ``pdserve_planner_desired_replicas{pool}``:
 
-- **up**: a new engine (the next free ``<role>-<n>`` name, the same flags as the others) is
-  started, and kept once READY: it registers, pre-warms its handshakes and joins the router's
-  pool like any engine; ``endpoints.json`` is rewritten;
+- **up**: the missing engines (the next free ``<role>-<n>`` names, the same flags as the
+  others) are started together, each kept once READY: it registers, pre-warms its
+  handshakes and joins the router's pool like any engine; ``endpoints.json`` is rewritten;
 - **down**: the newest engine of the pool is released: SIGTERM, so its host drains (new
   requests refused, so the router places them elsewhere; those in flight finish; KV held for
   consumers released) and deregisters, within ``--scale-down-timeout-s``, after which what is
   left is killed (said on stderr).
 
-One change at a time per pool, the next poll sees the result. The planner's own stabilization
+Both pools are resized at once; a pool goes down one engine a poll, and the next poll sees
+the result of the last change. The planner's own stabilization
 bounds how often a pool goes down. A planner that exits (or whose figures cannot be read)
 changes nothing: the pools keep the engines they have, and a line says so once.
 """
@@ -106,11 +107,15 @@ async def autoscale(
             unreadable = False
             if not view.decided:
                 continue
-            for pool in POOLS:
-                if pool in view.desired:
-                    await _resize(
+            await asyncio.gather(
+                *(
+                    _resize(
                         kept, pool, view.desired[pool], children, new_engine, scale_down_timeout_s
                     )
+                    for pool in POOLS
+                    if pool in view.desired
+                )
+            )
 
 
 async def _resize(
@@ -123,25 +128,13 @@ async def _resize(
 ) -> None:
     running = [child for child in children if child.role == pool]
     if desired > len(running):
-        index = 1 + max((_index(child.name) for child in running), default=-1)
-        engine = new_engine(pool, index)
-        print(f"pdserve up: autoscale: {pool} {len(running)} -> {len(running) + 1} "
-              f"(planner wants {desired}): starting {engine.name}", flush=True)  # fmt: skip
-        children.append(engine)
-        await engine.start()
-        try:
-            await engine.wait_ready(kept.ready_timeout_s)
-        except (ChildExited, TimeoutError) as exc:
-            print(
-                f"pdserve up: autoscale: {engine.name} did not become READY ({exc}); "
-                f"see {engine.log_path}",
-                file=sys.stderr,
-                flush=True,
-            )
-            await engine.kill()
-            children.remove(engine)
-            return
-        kept.keep(engine)
+        first = 1 + max((_index(child.name) for child in running), default=-1)
+        engines = [new_engine(pool, first + n) for n in range(desired - len(running))]
+        names = ", ".join(engine.name for engine in engines)
+        print(f"pdserve up: autoscale: {pool} {len(running)} -> {desired} "
+              f"(planner wants {desired}): starting {names}", flush=True)  # fmt: skip
+        children.extend(engines)
+        await asyncio.gather(*(_start(kept, engine, children) for engine in engines))
         kept.changed()
     elif desired < len(running) and len(running) > 1:
         engine = max(running, key=lambda child: _index(child.name))
@@ -157,6 +150,25 @@ async def _resize(
                 flush=True,
             )
         kept.changed()
+
+
+async def _start(kept: KeptEngines, engine: ChildProcess, children: list[ChildProcess]) -> None:
+    """Start ``engine`` and keep it once READY; one that does not get there is killed and
+    dropped (said on stderr)."""
+    await engine.start()
+    try:
+        await engine.wait_ready(kept.ready_timeout_s)
+    except (ChildExited, TimeoutError) as exc:
+        print(
+            f"pdserve up: autoscale: {engine.name} did not become READY ({exc}); "
+            f"see {engine.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
+        await engine.kill()
+        children.remove(engine)
+        return
+    kept.keep(engine)
 
 
 def _index(name: str) -> int:
