@@ -14,8 +14,9 @@ client). Goodput: requests per second that met them (arrivals within the measure
 - **step** (``--step RATE:SECONDS,...``): a load that steps up and down, against fixed pools
   at ``--max-prefill`` / ``--max-decode`` and against ``pdserve up --autoscale`` (starting at
   one engine a pool, the planner bounded by the same maxima, planning for the same SLOs and
-  lengths): SLO attainment, engine-seconds (the engines ``endpoints.json`` lists, sampled every
-  0.5 s) and lost requests.
+  lengths, at ``--planner-headroom`` of the SLOs: the planner sizes for mean latencies, the
+  attainment counts each request): SLO attainment, engine-seconds (the engines
+  ``endpoints.json`` lists, sampled every 0.5 s) and lost requests.
 
 - **fidelity** (``--fidelity``): a 1P1D simulated stack measured as ``pdserve profile``
   measures a real one (:mod:`services.bench.profile`: TTFT of single prompts of
@@ -67,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill", type=int, default=3, help="step: the fixed pools' size")
     parser.add_argument("--max-decode", type=int, default=3)
     parser.add_argument("--planner-interval-s", type=float, default=2.0)
+    parser.add_argument(
+        "--planner-headroom",
+        type=float,
+        default=0.5,
+        help="the planner sizes for this fraction of the SLOs (it sizes for the mean; the "
+        "attainment counts every request)",
+    )
+    parser.add_argument("--planner-stabilization", type=int, default=5, help="intervals")
     parser.add_argument("--no-sweep", action="store_true", help="no rate sweep")
     parser.add_argument(
         "--fidelity", action="store_true", help="measured TTFT/ITL against the profile's"
@@ -137,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
         "profile", "engines", "rates", "duration_s", "input_tokens", "output_tokens", "ttft_ms",
-        "itl_ms", "step", "max_prefill", "max_decode", "planner_interval_s", "seed",
+        "itl_ms", "step", "max_prefill", "max_decode", "planner_interval_s", "planner_headroom",
+        "planner_stabilization", "seed",
     )  # fmt: skip
     return {key: getattr(args, key) for key in keys}
 
@@ -248,14 +258,14 @@ def _step(args: argparse.Namespace, slo: Slo, root: Path) -> dict[str, Any]:
         phases.append((float(rate), float(seconds)))
     total_s = sum(seconds for _, seconds in phases)
     planner = [
-        f"--ttft-ms={args.ttft_ms}",
-        f"--itl-ms={args.itl_ms}",
+        f"--ttft-ms={args.ttft_ms * args.planner_headroom}",
+        f"--itl-ms={args.itl_ms * args.planner_headroom}",
         f"--interval-s={args.planner_interval_s}",
         f"--input-tokens={args.input_tokens}",
         f"--output-tokens={args.output_tokens}",
         f"--prefill-max={args.max_prefill}",
         f"--decode-max={args.max_decode}",
-        "--stabilization-intervals=3",
+        f"--stabilization-intervals={args.planner_stabilization}",
     ]
     runs: dict[str, Any] = {}
     for name, prefill, decode, extra in (
