@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -46,6 +45,7 @@ from services.bench.soak import (
     percentiles_ms,
     wait_endpoints,
 )
+from services.bench.sse import StreamFailed, completion_events
 from services.supervision import DetachedProcess
 
 FAULTS = ("stop-decode", "kill-decode", "kill-prefill")
@@ -259,19 +259,14 @@ async def _stream(
     }
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body, timeout=None) as reply:
-        if reply.status_code != 200:
-            outcome.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+        try:
+            async for event in completion_events(reply):
+                if event.get("usage"):
+                    tokens = int(event["usage"]["completion_tokens"])
+                    outcome.migrations = int(event["usage"].get("pdserve_migrations", 0))
+        except StreamFailed as exc:
+            outcome.error = str(exc)
             return
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                outcome.error = str(event["error"])[:300]
-                return
-            if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
-                outcome.migrations = int(event["usage"].get("pdserve_migrations", 0))
     outcome.ok = tokens == max_tokens
     if not outcome.ok:
         outcome.error = f"{tokens} of {max_tokens} tokens"

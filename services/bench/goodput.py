@@ -47,6 +47,7 @@ import httpx
 
 from services.bench.profile import Sweep, measure_itl, measure_ttft
 from services.bench.soak import percentiles_ms, wait_endpoints
+from services.bench.sse import StreamFailed, completion_events
 from services.engines.sim.profile import load_profile
 from services.supervision import DetachedProcess
 
@@ -408,22 +409,16 @@ async def _stream(
         async with client.stream(
             "POST", "/v1/completions", json=body, timeout=args.request_timeout_s
         ) as reply:
-            if reply.status_code != 200:
-                outcome.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
-                return
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    outcome.error = str(event["error"])[:200]
-                    return
+            async for event in completion_events(reply):
                 for choice in event.get("choices", []):
                     if choice.get("text"):
                         now = time.perf_counter()
                         first = first if first is not None else now
                         last = now
                         outcome.tokens += 1
+    except StreamFailed as exc:
+        outcome.error = str(exc)
+        return
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return

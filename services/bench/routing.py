@@ -46,6 +46,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench.soak import percentiles_ms, wait_endpoints
+from services.bench.sse import StreamFailed, completion_events
 from services.supervision import DetachedProcess
 
 SETTINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -290,16 +291,7 @@ async def _complete(
             turn.prefill_engine = reply.headers.get("x-pdserve-prefill-engine")
             turn.decode_engine = reply.headers.get("x-pdserve-decode-engine")
             turn.path = reply.headers.get("x-pdserve-execution-path")
-            if reply.status_code != 200:
-                turn.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
-                return
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    turn.error = str(event["error"])[:300]
-                    return
+            async for event in completion_events(reply):
                 if turn.ttft_s is None and any(c.get("text") for c in event.get("choices", [])):
                     turn.ttft_s = time.perf_counter() - sent
                 usage = event.get("usage")
@@ -307,6 +299,8 @@ async def _complete(
                     details = usage.get("prompt_tokens_details") or {}
                     turn.cached_tokens = int(details.get("cached_tokens") or 0)
                     turn.ok = True
+    except StreamFailed as exc:
+        turn.error = str(exc)
     except httpx.HTTPError as exc:
         turn.error = f"{type(exc).__name__}: {exc}"
     if not turn.ok and turn.error is None:
