@@ -172,6 +172,8 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         *(["--dtype", args.dtype] if args.dtype else []),
         *(["--model", str(args.model)] if args.model is not None else []),
         *(f"--router-arg={arg}" for arg in router_args),
+        # vLLM's front end reports cached tokens only with this flag (as vLLM's server).
+        *(["--frontend-arg=--enable-prompt-tokens-details"] if args.engine == "vllm" else []),
         *(f"--engine-arg={arg}" for arg in engine_args),
     )
     try:
