@@ -21,7 +21,9 @@ waited for (bounded by ``--stop-timeout-s``); whatever is left of a child's proc
 (rank processes included) is then killed, and the embedded Redis stopped. An engine that exits
 on its own is reported with the tail of its log and restarted after a back-off (unless
 ``--no-restart``; a crash loop ends its restarts with an error: :mod:`services.cli.up_supervise`);
-the router exiting stops everything with exit status 1. The children are
+the router exiting stops everything with exit status 1. ``--autoscale`` also runs ``pdserve
+planner`` over the router and starts or drains engines to its pool sizes
+(:mod:`services.cli.up_autoscale`). The children are
 :class:`~services.supervision.ChildProcess` objects.
 """
 

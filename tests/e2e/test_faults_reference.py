@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -398,12 +399,14 @@ async def test_a_decode_rank_stalled_mid_stream_ends_its_streams_within_the_idle
     for name in ("decode-0", "decode-1", "prefill-0"):
         await wait_pool_full(stack.engine(name)["grpc"])
     # The router may still hold decode-0's load from a heartbeat sent during the stall (busy),
-    # so it gets requests again once the next heartbeat says otherwise: poll, bounded.
+    # so it gets requests again once the next heartbeat says otherwise: poll, bounded. Each
+    # round's prompts are new: a prompt decode-1 already served is placed there again by its
+    # KV events (the decode engine holding the prompt wins), which would never reach decode-0.
     deadline = time.monotonic() + LEASE_TTL_S + 5
     async with client_of(stack) as client:
-        while True:
+        for round_ in itertools.count():
             again = await asyncio.gather(
-                *(stream(client, f"after the decode stall {i} " * 3, 8) for i in range(4))
+                *(stream(client, f"after the decode stall {round_}.{i} " * 3, 8) for i in range(4))
             )
             assert all(r.ok for r in again), [r.error for r in again]
             if any(r.decode_engine == "decode-0" for r in again):
