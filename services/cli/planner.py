@@ -1,7 +1,8 @@
 """``pdserve planner``: the prefill:decode planner's decisions, published and printed.
 
 It reads the router's ``/metrics`` every interval and says how many engines each pool needs
-for ``--ttft-ms`` and ``--itl-ms``; it does not start or stop engines. Settings come from
+for ``--ttft-ms`` and ``--itl-ms``; it does not start or stop engines (``pdserve up
+--autoscale`` and the chart's autoscalers act on what it publishes). Settings come from
 ``PDSERVE_PLANNER_...`` (:class:`services.planner.config.PlannerSettings`); flags override
 them. The planner's modules are imported only when it runs.
 """

@@ -1,8 +1,9 @@
 """``pdserve planner``'s loop: read the router's figures every interval, plan, publish, print.
 
-It decides and publishes; it does not start or stop engines (acting, locally or through
-Kubernetes, is the next part of issue 32). A planner that dies changes nothing: the pools keep
-the engines they have.
+It decides and publishes; it does not start or stop engines: ``pdserve up --autoscale``
+(:mod:`services.cli.up_autoscale`) acts on its figures locally, KEDA or an HPA through the
+chart on Kubernetes. A planner that dies changes nothing: the pools keep the engines they
+have.
 """
 
 from __future__ import annotations
