@@ -326,9 +326,14 @@ def _start(
         *layout, *(extra or []),
     )  # fmt: skip
     stack = _Stack(up, work_dir)
-    endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
-    stack.router = str(endpoints["router"])
-    stack.model = str(httpx.get(f"{stack.router}/v1/models", timeout=30).json()["data"][0]["id"])
+    try:
+        endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
+        stack.router = str(endpoints["router"])
+        reply = httpx.get(f"{stack.router}/v1/models", timeout=30)
+        stack.model = str(reply.json()["data"][0]["id"])
+    except BaseException:
+        up.stop()  # a stack that never became ready is not left running
+        raise
     return stack
 
 
