@@ -208,11 +208,12 @@ class KVEventPublisher:
     def _send(self, seq: int, batch: EventBatch) -> None:
         payload = encode_batch(batch)
         seq_bytes = seq.to_bytes(8, "big")
-        self._pub.send_multipart((self._topic, seq_bytes, payload))
         self._buffer.append((seq, payload))
+        # Counted before the frame goes out, so whoever received it sees the count.
         self.metrics.batches.inc()
         for event in batch.events:
             self.metrics.events.labels(type=type(event).__name__).inc()
+        self._pub.send_multipart((self._topic, seq_bytes, payload))
 
     def _serve_replays(self) -> None:
         while self._replay.poll(0):
@@ -223,12 +224,13 @@ class KVEventPublisher:
                 continue
             identity, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            # Counted before the answer goes out, so whoever got the end marker sees the count.
+            self.metrics.replays.labels(outcome="served").inc()
             for seq, payload in self._buffer:
                 if seq >= start_seq:
                     frame = (identity, b"", self._topic, seq.to_bytes(8, "big"), payload)
                     self._replay.send_multipart(frame)
             self._replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
-            self.metrics.replays.labels(outcome="served").inc()
 
 
 def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> str:
