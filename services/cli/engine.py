@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="vllm: no compiled graphs (faster start)"
     )
     engine.add_argument(
+        "--start-method",
+        choices=("fork", "spawn"),
+        help="vllm: how vLLM starts its engine core and workers: fork (default: from this "
+        "host, which has vLLM loaded; on CPUs vLLM itself would spawn them, each importing vLLM "
+        "afresh) or spawn",
+    )
+    engine.add_argument(
         "--otlp-traces-endpoint",
         metavar="URL",
         help="vllm: send vLLM's OpenTelemetry request spans there (children of the trace "
@@ -165,6 +172,15 @@ def build_settings(args: argparse.Namespace, tool: ToolSettings) -> EngineServic
     )
 
 
+def host_start_method(engine: str, flag: str | None) -> str | None:
+    """vLLM's engine core and workers are forked from this host unless ``--start-method``
+    says otherwise (the host has vLLM loaded and runs no torch kernel before it starts them:
+    docs/vllm.md); other engines take no start method."""
+    if flag is not None or engine != "vllm":
+        return flag
+    return "fork"
+
+
 def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
     try:
         settings = build_settings(args, tool)
@@ -183,6 +199,7 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             max_model_len=args.max_model_len,
             kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
             enforce_eager=args.enforce_eager,
+            start_method=host_start_method(args.engine, args.start_method),
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             transfer_mode=args.transfer_mode,
             kv_events=args.kv_events,

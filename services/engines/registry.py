@@ -56,6 +56,9 @@ class EngineOptions:
     """vLLM only: the KV cache size (default: vLLM's on GPUs, 1 GiB on CPUs)."""
     enforce_eager: bool = False
     """vLLM only: no compiled graphs (faster start, slower steps)."""
+    start_method: str | None = None
+    """vLLM only: ``fork`` or ``spawn`` for vLLM's engine core and workers (default: vLLM's
+    choice; ``pdserve prefill|decode`` asks for ``fork``)."""
     otlp_traces_endpoint: str | None = None
     """vLLM only: where vLLM exports its OpenTelemetry request spans (default: no tracing)."""
     transfer_mode: str | None = None
@@ -97,6 +100,7 @@ def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
         "--max-model-len": options.max_model_len,
         "--kv-cache-gib": options.kv_cache_bytes,
         "--enforce-eager": options.enforce_eager or None,
+        "--start-method": options.start_method,
         "--otlp-traces-endpoint": options.otlp_traces_endpoint,
         "--transfer-mode": options.transfer_mode,
     }
@@ -150,6 +154,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         enforce_eager=options.enforce_eager,
         otlp_traces_endpoint=options.otlp_traces_endpoint,
         kv_events=options.kv_events,
+        start_method=options.start_method,
         **({"dtype": options.dtype} if options.dtype is not None else {}),
         **(
             {"transfer_mode": layouts.TransferMode(options.transfer_mode)}

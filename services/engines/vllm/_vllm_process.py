@@ -17,16 +17,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def log_through_vllm() -> None:
+def log_through_vllm(*, inherited: bool = False) -> None:
     """pdserve's loggers in vLLM's processes write where vLLM's do.
 
     vLLM configures only its own ``vllm`` logger in EngineCore and worker processes, so
     pdserve's messages there (publication, pre-warm, invalidation) would be dropped by the
-    unconfigured root logger. Done once, at import, only when nothing configured ``services``.
+    unconfigured root logger. Done once, at import, only when nothing configured ``services``;
+    and in every process forked from an engine host (``inherited``, from pdserve's vLLM plugin),
+    which inherited the host's configuration (its root handler, at WARNING by default) instead.
     """
     ours = logging.getLogger("services")
-    if ours.handlers or logging.getLogger().handlers:
+    if not inherited and (ours.handlers or logging.getLogger().handlers):
         return
+    ours.handlers.clear()
     theirs = logging.getLogger("vllm")
     for handler in theirs.handlers:
         ours.addHandler(handler)

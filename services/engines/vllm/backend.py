@@ -56,6 +56,7 @@ from services.engines.vllm.contracts import decide_model_runner
 from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
 from services.engines.vllm.options import (
     DEFAULT_CPU_KV_CACHE_BYTES,
+    START_METHOD_ENV,
     VllmEngineOptions,
     connector_settings,
     describe_model,
@@ -243,14 +244,25 @@ class VllmBackend(EngineBackend):
         # AsyncLLM tolerates construction off-loop: its output handler then starts lazily, and
         # is started here, back on the loop, as AsyncLLM does when constructed on one.
         try:
-            engine = await asyncio.to_thread(
-                modules.async_llm.AsyncLLM.from_engine_args, args, stat_loggers=[_LoadRecorder]
-            )
+            engine = await asyncio.to_thread(self._start_async_llm, modules, args, [_LoadRecorder])
         except Exception as exc:  # vLLM raises many types at start-up; all are fatal here
             raise EngineFailed(f"vLLM failed to start: {exc}") from exc
         engine._run_output_handler()
         self._engine = engine
         self._registration = registration
+
+    def _start_async_llm(self, modules: _VllmModules, args: Any, stat_loggers: list[Any]) -> Any:
+        """vLLM's ``AsyncLLM.from_engine_args`` in its two steps, with the start method of its
+        engine core and workers (``VllmEngineOptions.start_method``) set between them: building
+        the config is where vLLM's CPU platform sets ``spawn``."""
+        vllm_config = args.create_engine_config()
+        if self.options.start_method is not None:
+            os.environ[START_METHOD_ENV] = self.options.start_method
+        logger.info(
+            "vLLM starts its engine core and workers by %s",
+            os.environ.get(START_METHOD_ENV, "fork (vLLM's default)"),
+        )
+        return modules.async_llm.AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
 
     def _kv_events_args(self, modules: _VllmModules) -> dict[str, Any]:
         """vLLM publishes KV events (with prefix caching, which they describe) when asked."""

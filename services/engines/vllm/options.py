@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from services.control_plane.wire import (
     KV_LAYOUT_HNC,
@@ -36,6 +36,9 @@ GPU_BLOCK_SIZE = 16
 CPU_BLOCK_SIZE = 128
 """vLLM's default block size on CPUs (its CPU attention needs a multiple of 32)."""
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+StartMethod = Literal["fork", "spawn"]
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+"""Where vLLM reads the start method of its processes (``vllm.utils.system_utils``)."""
 _CONNECTOR_CLASS = {
     TransferMode.PUSH: "PdservePushConnector",
     TransferMode.PULL: "PdservePullConnector",
@@ -75,6 +78,12 @@ class VllmEngineOptions:
     ``None``: no tracing, and the trace context a request carries is not handed to vLLM."""
     kv_events: bool = True
     """Have vLLM publish its KV-cache events (:func:`kv_events_config`; prefix caching on)."""
+    start_method: StartMethod | None = None
+    """How vLLM starts its engine core and workers; ``None``: vLLM's choice (``spawn`` on CPUs,
+    ``fork`` on GPUs unless a GPU runtime is already initialized). pdserve's engine host asks
+    for ``fork`` (``pdserve prefill|decode --start-method``, docs/vllm.md): it has vLLM loaded
+    and has run no torch kernel, so there is no OpenMP pool for a child to inherit broken. A
+    process that may have run one (a test process that made a model) must not fork."""
 
     def served_model_name(self) -> str:
         return self.model_name or Path(self.model_dir).resolve().name

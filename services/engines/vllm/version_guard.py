@@ -63,6 +63,9 @@ ENGINE_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.sample.logits_processor.builtin", "process_dict_updates"),
     ("vllm.v1.kv_cache_interface", "FullAttentionSpec"),
     ("vllm.envs", "VLLM_PP_LAYER_PARTITION"),  # None unless set: present all the same
+    ("vllm.engine.arg_utils", "AsyncEngineArgs.create_engine_config"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.from_vllm_config"),
+    ("vllm.utils.system_utils", "get_mp_context"),  # reads VLLM_WORKER_MULTIPROC_METHOD
 )
 """What the vLLM engine (connector, worker extension, model-runner patch) uses."""
 

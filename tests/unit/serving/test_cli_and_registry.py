@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.cli.engine import build_settings
+from services.cli.engine import build_settings, host_start_method
 from services.cli.main import build_parser, main
 from services.cli.settings import resolve
 from services.engines.registry import (
@@ -98,12 +98,19 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
         transfer_mode="pull",
         kv_lease_s=7,
         enforce_eager=True,
+        start_method="spawn",
         otlp_traces_endpoint="http://collector:4317",
     )
     backend = create_backend("vllm", flags)
     assert isinstance(backend, VllmBackend)
     assert backend.options.transfer_mode == "pull" and backend.options.kv_lease_s == 7
-    assert backend.options.enforce_eager
+    assert backend.options.enforce_eager and backend.options.start_method == "spawn"
+    assert build_parser().parse_args(["prefill", "--start-method", "fork"]).start_method == "fork"
+    assert host_start_method("vllm", None) == "fork"  # the host forks unless told
+    assert host_start_method("vllm", "spawn") == "spawn"
+    assert host_start_method("reference", None) is None
+    with pytest.raises(EngineOptionsError, match="does not take --start-method"):
+        create_backend("reference", EngineOptions(model_dir=model, start_method="fork"))
     assert backend.options.otlp_traces_endpoint == "http://collector:4317"
     with pytest.raises(EngineOptionsError, match="does not take --otlp-traces-endpoint"):
         create_backend("stub", EngineOptions(otlp_traces_endpoint="http://collector:4317"))
