@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from services.lifetime import parent_death_preexec
+from services.lifetime import parent_death_preexec, ports_to_bind_later
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,10 @@ def find_redis_server() -> Path:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that was free a moment ago, for redis-server to bind
+    (:func:`~services.lifetime.ports_to_bind_later`: not one the kernel hands out meanwhile)."""
+    (port,) = ports_to_bind_later(1, "127.0.0.1")
+    return port
 
 
 class LocalRedisServer:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "[::]", "::"})
 
 
@@ -17,17 +15,3 @@ def advertised(endpoint: str, host: str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{scheme}://{host}:{port}"
-
-
-def free_tcp_ports(count: int, host: str = "") -> tuple[int, ...]:
-    """``count`` distinct TCP ports free on ``host`` (every interface by default) right now,
-    for a process that binds them later (vLLM binds its publisher in its engine core): held
-    together while chosen, so they differ; another process may still take one before then."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return tuple(int(sock.getsockname()[1]) for sock in sockets)
-    finally:
-        for sock in sockets:
-            sock.close()

@@ -1,7 +1,8 @@
 """Process lifetime rules every pdserve process follows, whatever layer starts it: nothing a
 process starts outlives it, and a stop ends within its bound
 (:mod:`~services.lifetime.parent_death`); a fixed port taken by another process is refused
-before anything starts (:mod:`~services.lifetime.ports`). No import from the rest
+before anything starts, and a port chosen for a later bind is one the kernel does not hand out
+meanwhile (:mod:`~services.lifetime.ports`). No import from the rest
 of ``services``: Redis, Prometheus, engine ranks, vLLM's engine core and ``pdserve up``'s
 children all use it."""
 
@@ -11,7 +12,7 @@ from services.lifetime.parent_death import (
     exit_with_parent,
     parent_death_preexec,
 )
-from services.lifetime.ports import PortTaken, check_free
+from services.lifetime.ports import PortTaken, check_free, ports_to_bind_later
 
 __all__ = [
     "WATCH_PARENT_ENV",
@@ -20,4 +21,5 @@ __all__ = [
     "end_stop_within",
     "exit_with_parent",
     "parent_death_preexec",
+    "ports_to_bind_later",
 ]

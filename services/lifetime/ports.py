@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +21,68 @@ from pathlib import Path
 _PROC = Path("/proc")
 _LISTEN = "0A"
 """``st`` of a listening socket in ``/proc/net/tcp``."""
+
+
+_EPHEMERAL_RANGE = _PROC / "sys" / "net" / "ipv4" / "ip_local_port_range"
+LOWEST_CHOSEN_PORT = 10000
+"""The lowest port :func:`ports_to_bind_later` chooses (below: well-known services)."""
+_DEFAULT_EPHEMERAL = (32768, 60999)
+"""Linux's default ephemeral range, where ``/proc`` does not say."""
+
+
+def ports_to_bind_later(count: int, host: str = "") -> tuple[int, ...]:
+    """``count`` distinct TCP ports free on ``host`` (every interface by default) now, for a
+    process that binds them later (vLLM's engine core binds its KV-event publisher; rank 0 of a
+    reference engine listens for its group's rendezvous).
+
+    Chosen at random *below the kernel's ephemeral range*: a port from that range (what binding
+    port 0 hands out) is handed out again, to the next process that binds port 0 or to the
+    source of any outgoing connection, the moment it is released, and once was before vLLM
+    bound it ("Address already in use" while a test suite ran two stacks). Below the range only
+    another process choosing the same way can take one in between: each is checked free (bound
+    with ``SO_REUSEADDR``), and all are held together while chosen, so they differ."""
+    low, _ = _ephemeral_range()
+    if low - LOWEST_CHOSEN_PORT < 4 * count:  # a machine whose ephemeral range starts low
+        return _kernel_chosen(count, host)
+    rng = random.SystemRandom()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(64 * count):
+            if len(held) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, rng.randrange(LOWEST_CHOSEN_PORT, low)))
+            except OSError:
+                sock.close()
+                continue
+            held.append(sock)
+        if len(held) < count:
+            return _kernel_chosen(count, host)
+        return tuple(int(sock.getsockname()[1]) for sock in held)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    with contextlib.suppress(OSError, ValueError):
+        low, high = _EPHEMERAL_RANGE.read_text().split()
+        return int(low), int(high)
+    return _DEFAULT_EPHEMERAL
+
+
+def _kernel_chosen(count: int, host: str) -> tuple[int, ...]:
+    """Ports from the kernel (port 0), held together while chosen."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return tuple(int(sock.getsockname()[1]) for sock in sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class PortTaken(Exception):

@@ -14,7 +14,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
@@ -25,16 +24,10 @@ from services.engines.errors import EngineFailed
 from services.engines.reference.messages import HostCommand, RankEvent, RankFatal, RankReady
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.rank import RankSetup, rank_main
+from services.lifetime import ports_to_bind_later
 from services.topology.ranges import RankKey
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RankGroup:
@@ -62,7 +55,8 @@ class RankGroup:
     def spawn(self) -> None:
         """Start every rank process (returns at once; :meth:`wait_ready` waits for them)."""
         ctx = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        (port,) = ports_to_bind_later(1, "127.0.0.1")
+        init_method = f"tcp://127.0.0.1:{port}"
         for rank in self.ranks:
             parent, child = ctx.Pipe()
             setup = RankSetup(

@@ -76,9 +76,8 @@ from services.engines.vllm.request_mapping import (
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
 from services.engines.vllm.version_guard import ENGINE_SYMBOLS, VllmVersionMismatch, check_vllm
 from services.engines.vllm.worker_extension import RELEASE_HELD_KV, WORKER_EXTENSION
-from services.kv_events.endpoints import free_tcp_ports
 from services.kv_transfer.metrics import KVTransferMetrics
-from services.lifetime import WATCH_PARENT_ENV
+from services.lifetime import WATCH_PARENT_ENV, ports_to_bind_later
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ class VllmBackend(EngineBackend):
         self._description = describe_model(options)
         self._kv_events: dict[str, Any] | None = None
         if options.kv_events:
-            self._kv_events = kv_events_config(*free_tcp_ports(2))
+            self._kv_events = kv_events_config(*ports_to_bind_later(2))
             self._description = dataclasses.replace(
                 self._description,
                 kv_events_endpoint=self._kv_events["endpoint"],

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.lifetime import PortTaken, check_free
+from services.lifetime import PortTaken, check_free, ports_to_bind_later
+from services.lifetime import ports as lifetime_ports
 from tests.e2e.up_system import process_tree, wait_all_gone
 
 pytestmark = pytest.mark.integration
@@ -124,3 +125,20 @@ def test_a_taken_port_is_refused_naming_its_holder() -> None:
     started = time.monotonic()
     check_free([("router", "127.0.0.1", port)])  # free again
     assert time.monotonic() - started < BOUND_S
+
+
+def test_ports_chosen_for_a_later_bind_are_distinct_free_and_below_the_ephemeral_range(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = ports_to_bind_later(8, "127.0.0.1")
+    assert len(set(ports)) == 8
+    assert all(lifetime_ports.LOWEST_CHOSEN_PORT <= port < low for port in ports)
+    for port in ports:  # each one binds now
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    # A machine whose ephemeral range leaves no room below it: the kernel's choice instead.
+    squeezed = tmp_path / "ip_local_port_range"
+    squeezed.write_text(f"{lifetime_ports.LOWEST_CHOSEN_PORT + 3}\t60999\n")
+    monkeypatch.setattr(lifetime_ports, "_EPHEMERAL_RANGE", squeezed)
+    assert len(set(ports_to_bind_later(2, "127.0.0.1"))) == 2

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from services.kv_events.endpoints import advertised, free_tcp_ports
+from services.kv_events.endpoints import advertised
 from services.kv_events.events import (
     END_OF_REPLAY_SEQ,
     AllBlocksCleared,
@@ -22,6 +22,7 @@ from services.kv_events.events import (
     decode_batch,
 )
 from services.kv_events.publisher import KVEventPublisher, PublisherMetrics
+from services.lifetime import ports_to_bind_later
 
 WAIT_MS = 10_000
 
@@ -251,5 +252,5 @@ def test_bound_endpoints_and_their_advertised_form() -> None:
         pub.close()
     assert advertised("tcp://0.0.0.0:5", "::1") == "tcp://[::1]:5"
     assert advertised("tcp://10.0.0.2:5", "engine-7") == "tcp://10.0.0.2:5"
-    first, second = free_tcp_ports(2)
+    first, second = ports_to_bind_later(2)
     assert first != second
