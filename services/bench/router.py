@@ -32,7 +32,10 @@ Figures, per system:
 - ``streamed``: router CPU per streamed request at two ``max_tokens`` (``--streamed-tokens``,
   default 4 and 64; the stubs stream one message or event per token for both systems), and
   their difference per token, ``router_cpu_ms_per_extra_token``: what one more streamed token
-  costs the router. A window in which no request completed has no per-request figures (null).
+  costs the router. A window that completed no request and failed none is run again twice as
+  long, up to three windows in all (``window_s`` of an entry is how long the reported one
+  lasted: on a loaded machine a short window may end before any request does); one that
+  still completed none has no per-request figures (null).
 
 The load generator is :mod:`services.bench.loadgen` (raw HTTP/1.1, ``--load-processes``
 processes), the same for both systems. Its own ceiling against an instant server and its CPU

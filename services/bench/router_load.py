@@ -97,6 +97,12 @@ def _percentiles_us(samples: Sequence[int]) -> dict[str, float]:
     return {"p50_ms": p50 / 1e3, "p99_ms": p99 / 1e3}
 
 
+WINDOW_ATTEMPTS = 3
+"""Windows of a measurement that completed no request (and failed none) are run again, each
+twice as long as the one before, up to this many in all: a window shorter than one request on a
+loaded machine gives no per-request figure."""
+
+
 async def _load(
     target: Target,
     connections: int,
@@ -106,6 +112,28 @@ async def _load(
     log_dir: Path,
     body: str = BODY,
     url: str | None = None,
+) -> dict[str, Any]:
+    """One closed-loop window of ``connections`` connections (see :func:`_window`); one that
+    completed no request and failed none is run again twice as long (:data:`WINDOW_ATTEMPTS`),
+    and ``window_s`` says how long the reported one lasted."""
+    for attempt in range(WINDOW_ATTEMPTS):
+        window_s = duration_s * 2**attempt
+        entry = await _window(target, connections, window_s, args, placement, log_dir, body, url)
+        entry["window_s"] = window_s
+        if entry["_latencies_us"] or entry["errors"]:
+            break
+    return entry
+
+
+async def _window(
+    target: Target,
+    connections: int,
+    duration_s: float,
+    args: argparse.Namespace,
+    placement: Placement,
+    log_dir: Path,
+    body: str,
+    url: str | None,
 ) -> dict[str, Any]:
     """One closed-loop window of ``connections`` connections over up to ``--load-processes``
     load processes (to ``url``, the target's by default); CPU of the router, the stubs and the

@@ -44,8 +44,8 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
             "--json",
             "--concurrency",
             "1,4",
-            # Windows of 1 s with streams of 16 tokens: at 0.5 s and 64 tokens, a loaded
-            # machine once completed no stream in a window (no per-request figure then).
+            # Windows of 1 s with streams of 16 tokens; a window that completed nothing (a
+            # loaded machine) is run again twice as long (window_s).
             "--duration-s",
             "1",
             "--latency-s",
