@@ -25,7 +25,8 @@ vLLM's V2 runner keys its noise by position).
 
 Text: an engine releases text lagging its tokens (an incomplete UTF-8 character, a possible
 stop-string prefix), and a continuation's engine knows nothing of the tokens before its prompt's
-end. So from the first continuation on, the router detokenizes the request's whole output itself
+end. So from the first continuation on (except on engines whose text is context-free,
+:data:`CONTEXT_FREE_TEXT`), the router detokenizes the request's whole output itself
 (:class:`~services.tokenization.output_text.OutputText`, the engines' own rule, with the
 router's tokenizer, the one that tokenized the prompt): text the broken leg still held is
 released, stop strings that straddle the join are found, and what the client receives is what
@@ -70,6 +71,11 @@ ENDS_BEFORE_INCOMPLETE = frozenset({"vllm"})
 """Engine kinds whose text ends before a trailing incomplete UTF-8 character (vLLM's
 detokenizer never releases one); the others release it, as ``U+FFFD``, when the request ends.
 A continued request's text, which the router detokenizes, ends as its last engine's would."""
+CONTEXT_FREE_TEXT = frozenset({"stub", "sim"})
+"""Engine kinds whose text for a token depends on that token alone (the synthetic engines'
+``" t<id>"``): a continuation on them keeps the engines' text. The router's tokenizer could not
+reproduce it (their ids run past its vocabulary: a drained sim engine's request once failed
+there instead of migrating)."""
 
 _MIGRATABLE = ENGINE_FAULTS | {"engine_overloaded", "engine_draining", "request_cancelled"}
 
@@ -118,6 +124,7 @@ class Progress:
         self.legs = 1
         self.end_releases_incomplete = True
         """Whether the text ends with a trailing incomplete character (see :meth:`decode_on`)."""
+        self._engine_kind: str | None = None
 
     @property
     def continuing(self) -> bool:
@@ -127,6 +134,8 @@ class Progress:
     def next_leg(self, tokenizer: Tokenizer) -> None:
         """Start a continuation of what was produced so far."""
         self.legs += 1
+        if self._engine_kind in CONTEXT_FREE_TEXT:
+            return  # the engines' text stays exact across the join
         if self._text is None and self.generated:
             # Replaying the tokens marks released what the engines released (the same rule).
             self._text = OutputText(
@@ -190,7 +199,8 @@ class Progress:
 
     def decode_on(self, engine_kind: str) -> None:
         """The current leg decodes on an engine of ``engine_kind``: the request's text ends by
-        that engine's rule."""
+        that engine's rule (and keeps that engine's text where it is context-free)."""
+        self._engine_kind = engine_kind
         self.end_releases_incomplete = engine_kind not in ENDS_BEFORE_INCOMPLETE
 
 
