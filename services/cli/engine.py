@@ -79,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--start-method",
         choices=("fork", "spawn"),
-        help="vllm: how vLLM starts its engine core and workers: fork (default: from this "
-        "host, which has vLLM loaded; on CPUs vLLM itself would spawn them, each importing vLLM "
-        "afresh) or spawn",
+        help="vllm, reference: how vLLM's engine core and workers or the reference engine's "
+        "ranks start: fork (default: from this host, which has their modules loaded; spawned, "
+        "each imports vLLM or torch afresh) or spawn",
     )
     engine.add_argument(
         "--otlp-traces-endpoint",
@@ -172,11 +172,16 @@ def build_settings(args: argparse.Namespace, tool: ToolSettings) -> EngineServic
     )
 
 
+FORKING_ENGINES = frozenset({"vllm", "reference"})
+"""Engines whose processes this host forks unless ``--start-method`` says otherwise."""
+
+
 def host_start_method(engine: str, flag: str | None) -> str | None:
-    """vLLM's engine core and workers are forked from this host unless ``--start-method``
-    says otherwise (the host has vLLM loaded and runs no torch kernel before it starts them:
-    docs/vllm.md); other engines take no start method."""
-    if flag is not None or engine != "vllm":
+    """vLLM's engine core and workers and the reference engine's ranks are forked from this
+    host unless ``--start-method`` says otherwise: the host has their modules loaded and runs
+    no multi-threaded torch kernel (docs/vllm.md, ``ReferenceEngineOptions.start_method``);
+    the synthetic engines take no start method."""
+    if flag is not None or engine not in FORKING_ENGINES:
         return flag
     return "fork"
 

@@ -57,8 +57,9 @@ class EngineOptions:
     enforce_eager: bool = False
     """vLLM only: no compiled graphs (faster start, slower steps)."""
     start_method: str | None = None
-    """vLLM only: ``fork`` or ``spawn`` for vLLM's engine core and workers (default: vLLM's
-    choice; ``pdserve prefill|decode`` asks for ``fork``)."""
+    """vLLM and reference: ``fork`` or ``spawn`` for vLLM's engine core and workers or the
+    reference engine's rank processes (default: vLLM's choice, the reference engine's
+    ``spawn``; ``pdserve prefill|decode`` asks for ``fork``)."""
     otlp_traces_endpoint: str | None = None
     """vLLM only: where vLLM exports its OpenTelemetry request spans (default: no tracing)."""
     transfer_mode: str | None = None
@@ -95,12 +96,18 @@ def _need_model(options: EngineOptions, engine: str) -> Path:
     return options.model_dir
 
 
+def _refuse_process_engine_only(options: EngineOptions, engine: str) -> None:
+    """The synthetic engines (stub, sim) start no processes of their own."""
+    if options.start_method is not None:
+        raise EngineOptionsError(f"the {engine} engine does not take --start-method")
+    _refuse_vllm_only(options, engine)
+
+
 def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
     vllm_only = {
         "--max-model-len": options.max_model_len,
         "--kv-cache-gib": options.kv_cache_bytes,
         "--enforce-eager": options.enforce_eager or None,
-        "--start-method": options.start_method,
         "--otlp-traces-endpoint": options.otlp_traces_endpoint,
         "--transfer-mode": options.transfer_mode,
     }
@@ -127,6 +134,7 @@ def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBac
         kv_events=options.kv_events,
         **options.overrides(),
         **({"dtype": options.dtype} if options.dtype is not None else {}),
+        **({"start_method": options.start_method} if options.start_method is not None else {}),
     )
     backend: EngineBackend = backend_module.ReferenceBackend(engine_options, registry=registry)
     return backend
@@ -170,7 +178,7 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
 def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     from services.engines.stub import StubBackend, StubOptions  # noqa: PLC0415
 
-    _refuse_vllm_only(options, "stub")
+    _refuse_process_engine_only(options, "stub")
 
     stub_options = StubOptions(
         pp_size=options.pp_size,
@@ -198,7 +206,7 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     if options.stub_token_delay_s or options.stub_vocab_size is not None:
         raise EngineOptionsError("the sim engine takes its pace and vocabulary from its profile")
     vllm_only = dataclasses.replace(options, sim_profile=None)
-    _refuse_vllm_only(vllm_only, "sim")
+    _refuse_process_engine_only(vllm_only, "sim")
     profile = load_profile(options.sim_profile or DEFAULT_PROFILE)
     # A profile of another layout would simulate a different GPU engine than the one it says.
     check_layout(profile, SideLayout(pp_size=options.pp_size, tp_size=options.tp_size))

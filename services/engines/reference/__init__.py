@@ -10,7 +10,7 @@ Runtime (start at ``backend``):
 - ``outputs``: ``TokenRules`` (next token, finish rules) and the results a sequence returns;
 - ``kv_handoff``: the held handle, the pull command, a failed pull's error, a lease's outcome;
 - ``sampling``: seeded sampling and incremental detokenization with stop strings;
-- ``executor``: the rank processes (spawn, broadcast, events, death detection);
+- ``executor``: the rank processes (start, broadcast, events, death detection);
 - ``rank``: one ``(pp_rank, tp_rank)`` process (gloo, shard, KV pool, NIXL, handshake);
 - ``messages``: what host and ranks tell each other; ``metrics``: host counters, rank relay.
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
@@ -103,8 +104,11 @@ class ReferenceBackend(EngineBackend):
         self, options: ReferenceEngineOptions, *, registry: CollectorRegistry | None = None
     ) -> None:
         """Reads the config and tokenizer and checks the layout (``ModelConfigError``,
-        ``ShardingError``, ``CheckpointError``); starts nothing."""
+        ``ShardingError``, ``CheckpointError``); starts nothing. With ``start_method="fork"``
+        this process's torch work runs on one thread from here on (see the option)."""
         self.options = options
+        if options.start_method == "fork":
+            torch.set_num_threads(1)
         self.config = ModelConfig.from_directory(options.model_dir)
         self.layout = options.validate(self.config)
         for rank in self.layout.shards:
@@ -233,7 +237,7 @@ class ReferenceBackend(EngineBackend):
         )
 
     def _start_ranks(self, group: RankGroup) -> None:
-        group.spawn()
+        group.start()
         group.wait_ready(self.options.start_timeout_s)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:

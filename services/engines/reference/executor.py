@@ -1,10 +1,12 @@
-"""The host's handle on an engine's rank processes: spawn, broadcast, events, death, stop.
+"""The host's handle on an engine's rank processes: start, broadcast, events, death, stop.
 
-:class:`RankGroup` spawns one process per ``(pp_rank, tp_rank)`` (``spawn`` context: no forked
-torch or NIXL state), each with a duplex pipe. Commands go to every rank in the same order;
-events come back from any rank. A rank that exits is noticed through its process sentinel in
-the same ``wait`` that reads events, so a dead rank surfaces as :class:`EngineFailed` within one
-wait, never as a hang. Only the engine loop's thread uses a group.
+:class:`RankGroup` starts one process per ``(pp_rank, tp_rank)``, each with a duplex pipe, by the
+options' ``start_method``: ``spawn`` (a fresh interpreter) or ``fork`` (a copy of the host, which
+has no NIXL agent and, when it forks, no OpenMP pool: ``ReferenceEngineOptions.start_method``).
+Commands go to every rank in the same order; events come back from any rank. A rank that exits is
+noticed through its process sentinel in the same ``wait`` that reads events, so a dead rank surfaces
+as :class:`EngineFailed` within one wait, never as a hang. Only the engine loop's thread uses a
+group.
 """
 
 from __future__ import annotations
@@ -52,9 +54,13 @@ class RankGroup:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def spawn(self) -> None:
+    def start(self) -> None:
         """Start every rank process (returns at once; :meth:`wait_ready` waits for them)."""
-        ctx = multiprocessing.get_context("spawn")
+        ctx = (
+            multiprocessing.get_context("fork")
+            if self.options.start_method == "fork"
+            else multiprocessing.get_context("spawn")
+        )
         (port,) = ports_to_bind_later(1, "127.0.0.1")
         init_method = f"tcp://127.0.0.1:{port}"
         for rank in self.ranks:

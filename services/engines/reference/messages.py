@@ -2,7 +2,7 @@
 
 The host (:mod:`~services.engines.reference.executor`) sends every rank the same commands in
 the same order over its pipe; ranks answer with the events below. Both ends are this engine's
-own processes (spawned by the host, never reachable from outside), so the frozen dataclasses
+own processes (started by the host, never reachable from outside), so the frozen dataclasses
 travel pickled by :mod:`multiprocessing`; nothing here crosses a trust boundary.
 
 Host -> every rank:

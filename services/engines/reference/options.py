@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from services.engines.errors import ModelConfigError
 from services.engines.reference.config import ModelConfig, ModelDtype
@@ -63,6 +64,14 @@ class ReferenceEngineOptions:
     """A rank that has not exited this long after being asked is killed."""
     metrics_interval_s: float = 1.0
     """How often each rank relays its KV-transfer metrics to the host process."""
+    start_method: Literal["fork", "spawn"] = "spawn"
+    """How the rank processes start. ``spawn`` (the default) imports torch, NIXL and the rank's
+    modules afresh in each (about 3.5 s of CPU per rank); ``fork`` copies the host, which has
+    them imported already. pdserve's engine host asks for ``fork`` (``pdserve prefill|decode
+    --start-method``): the backend then keeps the host's own torch work (sampling) to one
+    thread, so no OpenMP pool exists for a rank to inherit broken (a rank forked after its
+    parent ran a parallel torch op can hang in its first one). A process that may already have
+    run one (a test process that made a model) must not ask for ``fork``."""
     nixl: NixlConfig = field(default_factory=NixlConfig)
 
     @property

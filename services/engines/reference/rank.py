@@ -1,13 +1,13 @@
 """One ``(pp_rank, tp_rank)`` of a reference engine, in its own process.
 
-:func:`rank_main` is the spawned process's entry point. The rank joins the engine's gloo
-process group (PP activations go point to point between stages, the TP all-reduce runs in a
-sub-group per stage), loads only its shard, keeps its layers' and heads' KV in a
+:func:`rank_main` is the rank process's entry point (forked or spawned by the host). The rank joins
+the engine's gloo process group (PP activations go point to point between stages, the TP all-reduce
+runs in a sub-group per stage), loads only its shard, keeps its layers' and heads' KV in a
 :class:`KVBlockPool` registered with its own NIXL agent, publishes its handshake record for
 ``(engine id, generation, pp_rank, tp_rank)`` and then serves the host's commands
-(:mod:`~services.engines.reference.messages`) in the order they come. After the control plane
-lost the registration, :class:`Republish` publishes the same record (same agent, same memory)
-under the new generation.
+(:mod:`~services.engines.reference.messages`) in the order they come. After the control plane lost
+the registration, :class:`Republish` publishes the same record (same agent, same memory) under the
+new generation.
 
 The pool's own allocator is not used to hand out blocks: the host's scheduler owns block
 allocation for the whole engine (ids are the same on every rank), so at start the rank takes one
@@ -95,7 +95,7 @@ DIST_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class RankSetup:
-    """Everything a rank process needs (pickled to the spawned process)."""
+    """Everything a rank process needs (pickled to a spawned process)."""
 
     options: ReferenceEngineOptions
     rank: RankKey

@@ -108,9 +108,13 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
     assert build_parser().parse_args(["prefill", "--start-method", "fork"]).start_method == "fork"
     assert host_start_method("vllm", None) == "fork"  # the host forks unless told
     assert host_start_method("vllm", "spawn") == "spawn"
-    assert host_start_method("reference", None) is None
+    assert host_start_method("reference", None) == "fork"  # its ranks too
+    assert host_start_method("stub", None) is None and host_start_method("sim", None) is None
+    # spawn: a backend asked to fork keeps this process's torch on one thread from then on
+    reference = create_backend("reference", EngineOptions(model_dir=model, start_method="spawn"))
+    assert reference.options.start_method == "spawn"  # type: ignore[attr-defined]
     with pytest.raises(EngineOptionsError, match="does not take --start-method"):
-        create_backend("reference", EngineOptions(model_dir=model, start_method="fork"))
+        create_backend("stub", EngineOptions(start_method="fork"))
     assert backend.options.otlp_traces_endpoint == "http://collector:4317"
     with pytest.raises(EngineOptionsError, match="does not take --otlp-traces-endpoint"):
         create_backend("stub", EngineOptions(otlp_traces_endpoint="http://collector:4317"))
