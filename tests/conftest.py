@@ -28,6 +28,17 @@ settings.register_profile(
 settings.load_profile("pdserve")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Torch's work in a test process stays on one thread, so no OpenMP pool ever exists here
+    and the engines a test builds in-process may fork their processes as engine hosts do
+    (tests/forked_engines.py): a process forked after its parent ran a parallel torch op can
+    hang in its first one (libgomp is not fork-safe). Two test workers share two cores, so one
+    thread each is also what the machine has."""
+    import torch  # noqa: PLC0415 - configured before any test imports it
+
+    torch.set_num_threads(1)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How ``make test`` shares the machine between its pytest workers (pytest-xdist,

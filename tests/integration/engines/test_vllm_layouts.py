@@ -50,6 +50,7 @@ from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import TransferMode
 from services.engines.vllm.options import VllmEngineOptions
 from services.kv_events.events import BlockStored, KVEvent
+from tests.forked_engines import default_warning_filters
 from tests.integration.kv_event_client import EventClient
 
 pytestmark = [
@@ -117,15 +118,24 @@ async def vllm_engine(
         dtype="float32",
         kv_cache_bytes=KV_CACHE_BYTES,
         enforce_eager=True,  # compiling the graphs costs minutes here and moves no KV
+        start_method="fork",  # as engine hosts do: tests/forked_engines.py
     )
     backend = VllmBackend(options, registry=CollectorRegistry())
     # vLLM's processes copy this environment when they start: set only while this one does.
     if layer_partition is not None:
         os.environ["VLLM_PP_LAYER_PARTITION"] = layer_partition
     try:
-        async with registered_engine(
-            settings, backend, engine_id=engine_id, role=role, ready_timeout_s=READY_TIMEOUT_S
-        ) as engine:
+        async with contextlib.AsyncExitStack() as stack:
+            with default_warning_filters():  # the filters vLLM's forked processes keep
+                engine = await stack.enter_async_context(
+                    registered_engine(
+                        settings,
+                        backend,
+                        engine_id=engine_id,
+                        role=role,
+                        ready_timeout_s=READY_TIMEOUT_S,
+                    )
+                )
             os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
             yield engine
     finally:
