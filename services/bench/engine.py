@@ -28,6 +28,10 @@ from :class:`VllmTransferExporter` once both engines have been stepped past the 
 Colocated prompts differ from the disaggregated ones: vLLM's prefix cache would otherwise find
 the transferred KV.
 
+The engines' processes (reference ranks, vLLM's engine core and workers) are forked from this
+process, as from an engine host (``ReferenceEngineOptions.start_method``): :func:`run` keeps its
+torch work on one thread first, so no OpenMP pool exists for them to inherit.
+
 ``--layouts 1x1:1x1,2x1:2x1,...`` (:mod:`services.bench.engine_layouts`) runs the TTFT figures
 for several prefill/decode layouts in one run, PP=1 -> PP=1 first, one engine pair at a time,
 and reports each layout's transfers per request, descriptors per transfer and transfer time,
@@ -46,7 +50,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Final
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from services.bench.engine_layouts import BASELINE, Layouts, layout_rows, parse_layouts
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         layouts = _checked_layouts(args)
     except BenchArgumentError as exc:
         raise SystemExit(f"pdserve bench engine: {exc}") from None
+    torch.set_num_threads(1)  # before the model is made: the engines' processes are forked
     return asyncio.run(_run(args, layouts))
 
 
@@ -264,6 +271,7 @@ def _reference_backend(
         num_kv_blocks=1024,
         block_size=16,
         max_batch_tokens=4096,
+        start_method=START_METHOD,
     )
     return ReferenceBackend(options, registry=CollectorRegistry())
 
@@ -278,9 +286,13 @@ def _vllm_backend(model_dir: Path, pp: int, tp: int, args: argparse.Namespace) -
         dtype=VLLM_DTYPE,
         kv_cache_bytes=QUICK_VLLM_KV_CACHE_BYTES if args.quick else None,
         enforce_eager=bool(args.enforce_eager),
+        start_method=START_METHOD,
     )
     return VllmBackend(options, registry=CollectorRegistry())
 
+
+START_METHOD: Final = "fork"
+"""How the engines' processes start (see the module docstring)."""
 
 READY_TIMEOUT_S = {"reference": 60.0, "vllm": 600.0}
 """A vLLM engine compiles its model at start: minutes on a small machine."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from services.bench import engine
+from tests.forked_engines import default_warning_filters
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +31,16 @@ def vllm_in_process(test: Callable[[], None]) -> Callable[[], None]:
     return test
 
 
+def run_bench(args: argparse.Namespace) -> dict[str, object]:
+    """The bench, its engines' processes forked with Python's default warning filters."""
+    with default_warning_filters():
+        return engine.run(args)
+
+
 def test_quick_engine_bench_reports_throughput_and_kv_share() -> None:
     parser = argparse.ArgumentParser()
     engine.add_arguments(parser)
-    result = engine.run(parser.parse_args(["--quick"]))
+    result = run_bench(parser.parse_args(["--quick"]))
     json.dumps(result)
     assert result["benchmark"] == "engine"
     for family in ("prefill_tokens_per_s", "decode_tokens_per_s"):
@@ -54,7 +61,7 @@ def test_quick_vllm_bench_times_the_push_transfers_of_both_stages() -> None:
     parser = argparse.ArgumentParser()
     engine.add_arguments(parser)
     argv = ["--quick", "--engine", "vllm", "--pp", "2", "--enforce-eager"]
-    result = engine.run(parser.parse_args(argv))
+    result = run_bench(parser.parse_args(argv))
     json.dumps(result)
     assert result["engine"] == "vllm" and result["transfer_mode"] == "push"
     assert result["enforce_eager"] is True
@@ -75,7 +82,7 @@ def test_quick_vllm_bench_compares_pull_layouts_in_one_run() -> None:
     parser = argparse.ArgumentParser()
     engine.add_arguments(parser)
     argv = ["--quick", "--engine", "vllm", "--transfer-mode", "pull", "--enforce-eager"]
-    result = engine.run(parser.parse_args([*argv, "--layouts", "2x1:2x1"]))
+    result = run_bench(parser.parse_args([*argv, "--layouts", "2x1:2x1"]))
     json.dumps(result)
     assert result["transfer_mode"] == "pull" and result["baseline"] == "1x1:1x1"
     assert "decode_tokens_per_s" not in result  # --layouts reports transfers only
