@@ -279,6 +279,12 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.kv_parents_adopted = Counter(
+            "pdserve_router_kv_parents_adopted_total",
+            "Stored blocks whose parent the KV-event index had never seen (cached before this "
+            "router subscribed), found in a prompt this router sent the engine.",
+            registry=r,
+        )
         self.kv_events_stale = Counter(
             "pdserve_router_kv_events_stale_total",
             "Engines whose KV-event stream became incomplete (placed by load only until it "

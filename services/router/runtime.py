@@ -72,6 +72,7 @@ class RouterRuntime:
                 max_blocks_total=settings.kv_index_blocks_total,
                 on_evicted=lambda bound: metrics.kv_index_evictions.labels(bound=bound).inc(),
                 on_dropped=lambda reason: metrics.kv_events_dropped.labels(reason=reason).inc(),
+                on_adopted=metrics.kv_parents_adopted.inc,
             )
             feed = KVEventFeed(
                 index,

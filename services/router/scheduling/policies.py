@@ -302,7 +302,11 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
 
     def routed(self, slot: EngineSlot, prompt: PromptInfo) -> None:
         if self._events is not None and self._publishes(slot):
-            return  # its events will say what it stored
+            # Its events will say what it stored; the prompt names the parents they may name
+            # that this router never saw stored (KVIndex.sent).
+            keys = prompt.block_keys(slot.record.model, slot.record.block_size)
+            self._events.sent(slot, prompt.token_ids, keys)
+            return
         hashes = prompt.block_hashes(slot.record.block_size)
         if slot.load.prefix_cache_reported:
             self._reported.add(slot, hashes)

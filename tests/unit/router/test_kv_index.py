@@ -202,3 +202,74 @@ def test_the_feed_marks_stale_once_per_episode_logs_once_and_a_lost_stream_drops
     assert sample(rt, "pdserve_router_kv_events_dropped_total", reason="malformed") == 1
     warnings = [r for r in caplog.records if "placed by load only" in r.getMessage()]
     assert len(warnings) == 1
+
+
+# -- parents cached before the subscription (adopted from prompts this router sent) -----------
+
+SYSTEM = list(range(500, 512))
+"""A 3-block prefix the engine cached before the router subscribed (no events seen for it)."""
+
+
+def test_a_parent_cached_before_the_subscription_is_adopted_from_a_prompt_sent_there():
+    rt, index = rt_with(evented("p"))
+    slot = rt.pool.get("p")
+    turn = [*SYSTEM, 1, 2, 3, 4, 5, 6, 7, 8]  # the prefix, then two new blocks
+    policy = rt.scheduler._policy
+    policy.routed(slot, PromptInfo(tuple(turn)))  # what the scheduler calls on sending it
+    # The engine stores only the new blocks, chained to its hash of the prefix's last block.
+    index.apply(slot, batch(stored([0xB1, 0xB2], turn[12:], parent=0xA3)))
+    assert sample(rt, "pdserve_router_kv_parents_adopted_total") == 1
+    assert sample(rt, "pdserve_router_kv_events_dropped_total", reason="unknown_parent") == 0
+    assert index.matched(slot, keys(turn)) == 5  # the inferred prefix and the stored blocks
+    assert len(index) == 5
+    # The adopted hash chains later events and its removal applies.
+    index.apply(slot, batch(stored([0xC1], [9, 9, 9, 9], parent=0xA3)))
+    assert index.matched(slot, keys([*SYSTEM, 9, 9, 9, 9])) == 4
+    index.apply(slot, batch(BlockRemoved((0xA3,))))
+    assert index.matched(slot, keys(turn)) == 2  # the inferred first two blocks remain
+
+
+def test_an_inferred_block_gives_way_to_its_hash_and_leaves_with_a_clear():
+    rt, index = rt_with(evented("p"))
+    slot = rt.pool.get("p")
+    turn = [*SYSTEM, 1, 2, 3, 4]
+    index.sent(slot, turn, keys(turn))
+    index.apply(slot, batch(stored([0xB1], turn[12:], parent=0xA3)))
+    assert len(index) == 4  # two inferred, the adopted parent, the stored block
+    # The engine stores the prefix again under its hashes (recomputed after an eviction the
+    # router could not see): one entry per block, not two.
+    index.apply(slot, batch(stored([0xA1, 0xA2], SYSTEM[:8])))
+    assert len(index) == 4 and index.matched(slot, keys(turn)) == 4
+    index.apply(slot, batch(BlockRemoved((0xA1,))))
+    assert index.matched(slot, keys(turn)) == 0
+    index.apply(slot, batch(AllBlocksCleared()))
+    assert len(index) == 0
+
+
+def test_only_a_prompt_sent_to_that_engine_for_its_model_and_adapter_is_adopted():
+    rt, index = rt_with(evented("p"), evented("q"))
+    p, q = rt.pool.get("p"), rt.pool.get("q")
+    turn = [*SYSTEM, 1, 2, 3, 4]
+    index.sent(q, turn, keys(turn))  # sent to another engine
+    index.sent(p, turn, keys(turn, lora="sql"))  # for another adapter
+    index.sent(p, turn, keys(turn, model="other"))  # for another model
+    index.apply(p, batch(stored([0xB1], turn[12:], parent=0xA3)))
+    assert len(index) == 0
+    assert sample(rt, "pdserve_router_kv_events_dropped_total", reason="unknown_parent") == 1
+    # The same adapter's prompt is found.
+    index.apply(p, batch(stored([0xB1], turn[12:], parent=0xA3, lora="sql")))
+    assert index.matched(p, keys(turn, lora="sql")) == 4
+
+
+def test_prompts_past_the_token_bound_are_forgotten():
+    index = KVIndex(max_blocks_per_engine=100, max_blocks_total=100, sent_tokens_per_engine=40)
+    rt, _ = rt_with(evented("a"))
+    a = rt.pool.get("a")
+    index.track(a)
+    old = [*SYSTEM, 1, 2, 3, 4]
+    index.sent(a, old, keys(old))
+    for n in range(3):  # 48 tokens more: the oldest prompt goes
+        newer = [n] * 16
+        index.sent(a, newer, keys(newer))
+    index.apply(a, batch(stored([0xB1], old[12:], parent=0xA3)))
+    assert len(index) == 0
