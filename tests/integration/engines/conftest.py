@@ -2,9 +2,10 @@
 
 :func:`running_engine` builds a :class:`ReferenceBackend` and runs it through
 :func:`~services.engines.standalone.registered_engine` (registered, heartbeated, started and
-READY as the engine service would have it; stopped and deregistered afterwards). Engines are
-slow to start on two cores (a few seconds per rank), so test modules share them through
-module-scoped fixtures.
+READY as the engine service would have it; stopped and deregistered afterwards). Their ranks are
+forked, as an engine host forks them (tests/forked_engines.py); engines are still slow to start
+on two cores (about a second per rank), so test modules share them through module-scoped
+fixtures.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from services.engines.reference.sampling import make_generator, sample_token, to
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.standalone import registered_engine
 from services.topology import EngineLayout
+from tests.forked_engines import default_warning_filters
 
 BLOCK_SIZE = 4
 READY_TIMEOUT_S = 60.0
@@ -72,7 +74,12 @@ async def running_engine(
     **options: object,
 ) -> AsyncIterator[ReferenceBackend]:
     """A started, READY reference engine (see the module docstring)."""
-    values: dict[str, object] = {"num_kv_blocks": 64, "block_size": BLOCK_SIZE, **options}
+    values: dict[str, object] = {
+        "num_kv_blocks": 64,
+        "block_size": BLOCK_SIZE,
+        "start_method": "fork",  # as engine hosts do: tests/forked_engines.py
+        **options,
+    }
     backend = ReferenceBackend(
         ReferenceEngineOptions(
             model_dir=model_dir,
@@ -83,9 +90,17 @@ async def running_engine(
         ),
         registry=CollectorRegistry(),
     )
-    async with registered_engine(
-        settings, backend, engine_id=engine_id, role=role, ready_timeout_s=READY_TIMEOUT_S
-    ) as engine:
+    async with contextlib.AsyncExitStack() as stack:
+        with default_warning_filters():  # the filters the forked ranks keep
+            engine = await stack.enter_async_context(
+                registered_engine(
+                    settings,
+                    backend,
+                    engine_id=engine_id,
+                    role=role,
+                    ready_timeout_s=READY_TIMEOUT_S,
+                )
+            )
         yield engine
 
 
