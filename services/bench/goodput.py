@@ -44,7 +44,7 @@ import math
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,7 @@ class _Stack:
     work_dir: Path
     router: str = ""
     model: str = ""
+    max_model_len: int = 0
     samples: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -187,20 +188,25 @@ def _fidelity(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         stack.up.stop()
     # The same TTFT points on instant engines behind the same router: the path's own cost
     # (router, gRPC, engine hosts, client), which the profile (a GPU's time) does not hold.
+    # A prompt beyond the stub's context is measured at the longest that fits it.
     stub = _start(args, root / "fidelity-stub", 1, 1, engine="stub")
     try:
+        fits = {n: min(n, stub.max_model_len - 1) if stub.max_model_len else n
+                for n in sweep.input_lengths}  # fmt: skip
+        stub_sweep = replace(sweep, input_lengths=tuple(sorted(set(fits.values()))))
 
         async def measure_overhead() -> list[TtftPoint]:
             async with httpx.AsyncClient(base_url=stub.router) as client:
-                return await measure_ttft(client, stub.model, sweep, vocab)
+                return await measure_ttft(client, stub.model, stub_sweep, vocab)
 
-        overhead = {p.input_tokens: p.ms for p in asyncio.run(measure_overhead())}
+        by_length = {p.input_tokens: p.ms for p in asyncio.run(measure_overhead())}
+        overhead = {n: by_length[fits[n]] for n in sweep.input_lengths}
     finally:
         stub.up.stop()
     rows = [
         _versus(
             "ttft",
-            {"input_tokens": p.input_tokens},
+            {"input_tokens": p.input_tokens, "overhead_at_tokens": fits[p.input_tokens]},
             p.ms,
             profile.prefill_ms(p.input_tokens),
             overhead[p.input_tokens],
@@ -388,7 +394,9 @@ def _start(
         endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
         stack.router = str(endpoints["router"])
         reply = httpx.get(f"{stack.router}/v1/models", timeout=30)
-        stack.model = str(reply.json()["data"][0]["id"])
+        served = reply.json()["data"][0]
+        stack.model = str(served["id"])
+        stack.max_model_len = int(served.get("max_model_len") or 0)
     except BaseException:
         up.stop()  # a stack that never became ready is not left running
         raise
