@@ -10,20 +10,24 @@ streaming client (:func:`services.bench.soak.stream_completion`):
 - TTFT against input length: for each ``--input-lengths`` prompt, ``--repeats`` requests of
   that many token ids, one at a time (nothing else in flight), ``max_tokens`` 1; the median;
 - ITL against batch and context: for each ``--contexts`` prompt length and ``--batches`` size,
-  that many concurrent streams of ``--output-tokens`` tokens each; a stream's mean gap is
-  ``(last token - first token) / (tokens - 1)``, the point is the mean over the streams, at the
-  context of the middle of the decode (prompt + output/2).
+  that many concurrent streams of ``--output-tokens`` tokens each; the point is the mean gap
+  between tokens in the window where every stream decodes (latest second token to earliest
+  last one: :mod:`services.bench.itl_window`), at the streams' mean context there, with the
+  batch that decoded there (time-weighted; the fit uses it). The streams' prompts are
+  prefilled over several steps, so the output is doubled (up to ``--max-output-tokens``) until
+  the window holds ``min_window_gaps`` gaps of every stream.
 
 It fits the format's coefficients by least squares with every coefficient non-negative (each
 subset of the terms is solved and the best fit kept): prefill ``a + b*T + c*T^2`` to the TTFT
-points, decode ``d + e*B + f*B*C`` to the ITL points. The fit is of what a client sees through
-the router (router and gRPC time included, and in a disaggregated layout the KV hand-off of
-the first token's path), so no ``kv_transfer`` is written: a simulated fleet with this profile
-reproduces the measured TTFT without adding a transfer of its own. The KV geometry the control
-plane does not hold (head size, vocabulary, KV dtype) comes from the model's ``config.json``
-(``--model-config``); the scheduler limits are not measured (``--max-num-batched-tokens``,
-``--max-num-seqs``: the engine's settings). Prompts are distinct token ids (a different first
-token for every request), so no prompt is a prefix-cache hit of another.
+points, decode ``d + e*B + f*B*C`` to the ITL points (``B`` the effective batch). The fit is of
+what a client sees through the router (router and gRPC time included, and in a disaggregated
+layout the KV hand-off of the first token's path), so no ``kv_transfer`` is written: a
+simulated fleet with this profile reproduces the measured TTFT without adding a transfer of its
+own. The KV geometry the control plane does not hold (head size, vocabulary, KV dtype) comes
+from the model's ``config.json`` (``--model-config``); the scheduler limits are not measured
+(``--max-num-batched-tokens``, ``--max-num-seqs``: the engine's settings). Prompts are distinct
+token ids (a different first token for every request), so no prompt is a prefix-cache hit of
+another.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from services.bench.itl_window import itl_window, token_times
 from services.bench.soak import Outcome, stream_completion
 from services.config import ControlPlaneSettings
 from services.control_plane import EngineView, RedisControlPlane
@@ -69,7 +74,12 @@ class Sweep:
     batches: tuple[int, ...] = (1, 4, 16)
     contexts: tuple[int, ...] = (128, 1024)
     output_tokens: int = 32
+    """Tokens each ITL stream generates at first (doubled until the window is long enough)."""
     repeats: int = 3
+    max_output_tokens: int = 1024
+    """The most tokens an ITL stream is doubled to."""
+    min_window_gaps: int = 16
+    """Gaps of every stream the window where all decode must hold."""
 
 
 @dataclass(frozen=True)
@@ -193,26 +203,47 @@ async def measure_ttft(
 
 
 async def measure_itl(
-    client: httpx.AsyncClient, model: str, sweep: Sweep, vocab_size: int
+    client: httpx.AsyncClient,
+    model: str,
+    sweep: Sweep,
+    vocab_size: int,
+    *,
+    output_tokens: Callable[[int, int], int] | None = None,
 ) -> list[ItlPoint]:
-    """The mean gap between tokens of each batch of concurrent streams at each context."""
+    """The mean gap between tokens of each batch of concurrent streams at each context, over
+    the window where every stream decodes (:mod:`services.bench.itl_window`), with the batch
+    that decoded there. Each stream generates ``output_tokens(context, batch)`` tokens when
+    given; otherwise ``sweep.output_tokens``, doubled (up to ``sweep.max_output_tokens``) until
+    the window holds ``sweep.min_window_gaps`` gaps of every stream."""
     points = []
     salt = itertools.count(1_000_000)
     for context in sweep.contexts:
         for batch in sweep.batches:
-            prompts = [prompt_ids(context, next(salt), vocab_size) for _ in range(batch)]
-            outcomes = await asyncio.gather(
-                *(_stream(client, model, prompt, sweep.output_tokens) for prompt in prompts)
-            )
-            gaps = [_mean_gap_ms(outcome) for outcome in outcomes]
-            measured = [gap for gap in gaps if gap is not None]
-            if not measured:
-                raise ProfileError(f"no stream of batch {batch} at {context} tokens had 2 tokens")
+            tokens = output_tokens(context, batch) if output_tokens else sweep.output_tokens
+            while True:
+                prompts = [prompt_ids(context, next(salt), vocab_size) for _ in range(batch)]
+                outcomes = await asyncio.gather(
+                    *(_stream(client, model, prompt, tokens) for prompt in prompts)
+                )
+                window = itl_window([token_times(outcome) for outcome in outcomes])
+                enough = (
+                    window is not None
+                    and window.all_decoding
+                    and window.gaps >= sweep.min_window_gaps
+                )
+                if enough or output_tokens or tokens * 2 > sweep.max_output_tokens:
+                    break
+                tokens *= 2
+            if window is None:
+                raise ProfileError(f"no stream of batch {batch} at {context} tokens had 3 tokens")
             points.append(
                 ItlPoint(
                     batch=batch,
-                    context_tokens=context + sweep.output_tokens // 2,
-                    ms=round(statistics.fmean(measured), 3),
+                    context_tokens=context + round(window.mean_generated),
+                    ms=round(window.ms, 3),
+                    effective_batch=round(window.effective_batch, 2),
+                    output_tokens=tokens,
+                    window_gaps=window.gaps if window.all_decoding else 0,
                 )
             )
     return points
@@ -225,12 +256,6 @@ async def _stream(
     if not outcome.ok:
         raise ProfileError(f"a measured request failed: {outcome.error}")
     return outcome
-
-
-def _mean_gap_ms(outcome: Outcome) -> float | None:
-    if outcome.tokens < 2 or not outcome.itls_s:
-        return None
-    return sum(outcome.itls_s) / (outcome.tokens - 1) * 1000
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], values: Sequence[float]) -> list[float]:
@@ -294,7 +319,7 @@ def build_profile(
         [(1.0, p.input_tokens, p.input_tokens**2) for p in ttft], [p.ms for p in ttft]
     )
     d, e, f = fit_nonnegative(
-        [(1.0, p.batch, p.batch * p.context_tokens) for p in itl], [p.ms for p in itl]
+        [(1.0, p.decoding, p.decoding * p.context_tokens) for p in itl], [p.ms for p in itl]
     )
     layout: dict[str, Any] = {
         "engine_kind": fleet.engine_kind,
@@ -306,8 +331,8 @@ def build_profile(
     figures = "; ".join(
         [
             "TTFT ms by input tokens: " + ", ".join(f"{p.input_tokens} -> {p.ms:g}" for p in ttft),
-            "ITL ms by (batch, context tokens): "
-            + ", ".join(f"({p.batch}, {p.context_tokens}) -> {p.ms:g}" for p in itl),
+            "ITL ms by (batch decoding, context tokens): "
+            + ", ".join(f"({p.decoding:g}, {p.context_tokens}) -> {p.ms:g}" for p in itl),
             f"KV capacity {fleet.num_blocks} blocks of {fleet.block_size} tokens",
         ]
     )
@@ -349,7 +374,7 @@ def build_profile(
         "layout": layout,
         "measured": {
             "ttft": [p.model_dump() for p in ttft],
-            "itl": [p.model_dump() for p in itl],
+            "itl": [p.model_dump(exclude_none=True) for p in itl],
         },
     }
     return parse_profile(data, origin=f"pdserve profile {name}")
@@ -374,6 +399,9 @@ async def profile_layout(
             f"prompts of {too_long} tokens and {sweep.output_tokens} generated do not fit the "
             f"engines' context of {fleet.max_model_len}"
         )
+    if fleet.max_model_len:
+        room = fleet.max_model_len - max(sweep.contexts)
+        sweep = replace(sweep, max_output_tokens=max(min(sweep.max_output_tokens, room), 1))
     limits = httpx.Limits(max_connections=max(sweep.batches) + 1)
     async with httpx.AsyncClient(base_url=router_url, limits=limits) as client:
         # One request first: connections, caches and lazy start-up are not measured.
@@ -392,6 +420,18 @@ async def profile_layout(
     )
 
 
+def _window_note(item: ItlPoint) -> str:
+    if item.output_tokens is None:
+        return ""
+    note = (
+        f"; {item.output_tokens} tokens a stream, {item.window_gaps} gaps where all decode, "
+        f"batch {item.decoding:g}"
+    )
+    if not item.window_gaps:
+        note += " (never all decoding at the cap: --max-output-tokens)"
+    return note
+
+
 def summary(profile: SimProfile) -> str:
     """What ``pdserve profile`` prints after writing the file."""
     lines = [f"profile {profile.name}: {profile.model.name} on {profile.layout}"]
@@ -402,10 +442,10 @@ def summary(profile: SimProfile) -> str:
                 f"  TTFT {point.input_tokens:>6} tokens: {point.ms:9.2f} ms (fit {fitted:.2f})"
             )
         for item in profile.measured.itl:
-            fitted = profile.decode_step_ms(item.batch, item.batch * item.context_tokens)
+            fitted = profile.decode_step_ms(item.decoding, item.decoding * item.context_tokens)
             lines.append(
                 f"  ITL batch {item.batch:>3} at {item.context_tokens:>6} tokens: "
-                f"{item.ms:7.2f} ms (fit {fitted:.2f})"
+                f"{item.ms:7.2f} ms (fit {fitted:.2f}){_window_note(item)}"
             )
     lines.append(
         f"  KV: {profile.kv_cache.num_blocks} blocks of {profile.kv_cache.block_size} tokens"

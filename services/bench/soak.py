@@ -83,6 +83,9 @@ class Outcome:
     """One request as the client saw it."""
 
     ok: bool
+    sent_at: float | None = None
+    """``time.perf_counter()`` when the request was sent (a stream's token times are this plus
+    the TTFT plus the gaps)."""
     ttft_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -259,7 +262,7 @@ async def _stream(
         "ignore_eos": True,
     }
     sent = time.perf_counter()
-    outcome = Outcome(ok=False)
+    outcome = Outcome(ok=False, sent_at=sent)
     last: float | None = None
     finished = done = False
     async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as reply:

@@ -68,7 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt lengths of the ITL sweep's streams (default 128,1024)",
     )
     parser.add_argument(
-        "--output-tokens", type=int, default=32, help="tokens each ITL stream generates"
+        "--output-tokens",
+        type=int,
+        default=32,
+        help="tokens each ITL stream generates at first (doubled until the window where every "
+        "stream decodes holds 16 gaps of each)",
+    )
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=1024,
+        help="the most tokens an ITL stream is doubled to (and the engines' context allows)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="requests per TTFT point")
     parser.add_argument(
@@ -109,6 +119,7 @@ def run(args: argparse.Namespace, control_plane: ControlPlaneSettings) -> int:
         contexts=args.contexts,
         output_tokens=args.output_tokens,
         repeats=args.repeats,
+        max_output_tokens=max(args.max_output_tokens, args.output_tokens),
     )
     try:
         geometry = read_model_geometry(args.model_config)

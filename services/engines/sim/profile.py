@@ -178,9 +178,22 @@ class TtftPoint(_Frozen):
 
 class ItlPoint(_Frozen):
     batch: int = Field(ge=1)
+    """Concurrent streams started together."""
     context_tokens: int = Field(ge=0)
-    """Context tokens of each stream at the middle of its decode."""
+    """Context tokens of each stream at the middle of the measured window."""
     ms: float = Field(ge=0)
+    effective_batch: float | None = Field(default=None, ge=0)
+    """Streams decoding over the measured window, time-weighted (``batch`` when every stream
+    decoded through it; absent in files measured before it was recorded: ``batch``)."""
+    output_tokens: int | None = Field(default=None, ge=1)
+    """Tokens each stream generated."""
+    window_gaps: int | None = Field(default=None, ge=0)
+    """The fewest gaps between tokens any stream had in the measured window."""
+
+    @property
+    def decoding(self) -> float:
+        """The batch the point was measured at: ``effective_batch``, else ``batch``."""
+        return self.batch if self.effective_batch is None else self.effective_batch
 
 
 class Measured(_Frozen):
@@ -243,8 +256,9 @@ class SimProfile(_Frozen):
             return 0.0
         return self.step_ms(prefill_chunks=((0, num_tokens),))
 
-    def decode_step_ms(self, batch: int, context_tokens: int) -> float:
-        """A decode step of ``batch`` sequences holding ``context_tokens`` in all."""
+    def decode_step_ms(self, batch: float, context_tokens: float) -> float:
+        """A decode step of ``batch`` sequences holding ``context_tokens`` in all (a fractional
+        batch: a measured mean)."""
         if batch <= 0:
             return 0.0
         return self.step_ms(decode_batch=batch, decode_context_tokens=context_tokens)
@@ -253,8 +267,8 @@ class SimProfile(_Frozen):
         self,
         *,
         prefill_chunks: Iterable[tuple[int, int]] = (),
-        decode_batch: int = 0,
-        decode_context_tokens: int = 0,
+        decode_batch: float = 0,
+        decode_context_tokens: float = 0,
     ) -> float:
         """One step: prefill chunks ``(tokens computed before, tokens now)`` and
         ``decode_batch`` decode tokens over ``decode_context_tokens`` of context; 0 when

@@ -1,8 +1,21 @@
-"""``pdserve bench goodput``'s layouts, SLO test and figures."""
+"""``pdserve bench goodput``'s layouts, SLO test, figures and fidelity rows."""
 
 from __future__ import annotations
 
-from services.bench.goodput import Outcome, Slo, _figures, _layouts
+from pathlib import Path
+
+import pytest
+
+from services.bench.goodput import (
+    Outcome,
+    Slo,
+    _figures,
+    _layouts,
+    _plot,
+    _versus,
+    fidelity_output_tokens,
+)
+from services.engines.sim.profile import load_profile
 
 
 def test_layouts_are_every_split_and_colocated() -> None:
@@ -30,3 +43,33 @@ def test_goodput_counts_requests_meeting_the_slos_per_second_of_window() -> None
     assert figures["slo_attainment"] == 0.5
     assert figures["errors"] == 1 and figures["first_errors"] == ["HTTP 503"]
     assert figures["client"]["send_lateness_ms"]["count"] == 4
+
+
+def test_fidelity_streams_are_long_enough_for_a_window_where_all_decode() -> None:
+    profile = load_profile("llama-3.1-8b-h100")
+    alone = fidelity_output_tokens(profile, 512, 1, 16)
+    assert 32 <= alone <= 64
+    # 32 prompts of 2,048 tokens take ~2.3 s to prefill; the first stream decodes meanwhile.
+    stagger_ms = 32 * profile.prefill_ms(2048)
+    crowded = fidelity_output_tokens(profile, 2048, 32, 16)
+    assert crowded * profile.decode_step_ms(1, 2048) > stagger_ms + 16 * 8
+    assert fidelity_output_tokens(profile, profile.model.max_model_len - 10, 32, 16) == 10
+
+
+def test_a_fidelity_row_has_the_raw_ratio_and_the_sims_own_beside_it() -> None:
+    row = _versus("ttft", {"input_tokens": 1024}, 47.0, 37.0, 10.0)
+    assert row["ratio"] == pytest.approx(47 / 37, abs=1e-4)
+    assert row["sim_ratio"] == pytest.approx(1.0)
+    assert row["overhead_ms"] == 10.0 and row["input_tokens"] == 1024
+
+
+def test_the_sweep_plot_is_a_png_of_goodput_by_rate_per_layout(tmp_path: Path) -> None:
+    sweep = {
+        "layouts": {
+            "colocated": [{"rate": 2.0, "goodput": 1.5}, {"rate": 4.0, "goodput": 3.0}],
+            "1P1D": [{"rate": 2.0, "goodput": 1.6}, {"rate": 4.0, "goodput": 3.4}],
+        }
+    }
+    path = tmp_path / "plots" / "goodput.png"
+    _plot(sweep, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,6 +17,7 @@ from services.bench.profile import (
     fleet_of,
     prompt_ids,
     read_model_geometry,
+    summary,
 )
 from services.cli.main import main
 from services.control_plane.base import EngineView
@@ -99,6 +100,38 @@ def test_the_built_profile_loads_with_its_layout_points_and_fitted_timing() -> N
     assert profile.decode_step_ms(4, 4 * 264) == pytest.approx(3 + 2 + 0.001 * 4 * 264)
     assert profile.measured is not None and profile.measured.ttft == tuple(ttft)
     assert "16 -> 6.6" in profile.source.figures
+
+
+def test_the_decode_fit_uses_the_batch_that_decoded_in_the_window() -> None:
+    # Streams started 32 at a time decoded 13.1 at a time: the fit is of the 13.1.
+    fleet = fleet_of([_view("d0", EngineRole.DECODE)])
+    itl = [
+        ItlPoint(
+            batch=b,
+            context_tokens=c,
+            ms=3 + 0.5 * (b * 0.4 + 0.3) + 0.001 * (b * 0.4 + 0.3) * c,
+            effective_batch=b * 0.4 + 0.3,
+            output_tokens=64,
+            window_gaps=20,
+        )
+        for b in (1, 8, 32)
+        for c in (40, 264)
+    ]
+    profile = build_profile(
+        name="measured",
+        fleet=fleet,
+        geometry=ModelGeometry(head_size=64, vocab_size=384, dtype="float32"),
+        ttft=[TtftPoint(input_tokens=t, ms=5 + 0.1 * t) for t in (16, 64, 256)],
+        itl=itl,
+        router_url="http://router:8000",
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+    )
+    assert (profile.decode.base_ms, profile.decode.per_sequence_ms) == pytest.approx((3, 0.5))
+    assert profile.decode.per_context_token_ms == pytest.approx(0.001)
+    assert profile.measured is not None and profile.measured.itl == tuple(itl)
+    assert "(13.1, 40)" in profile.source.figures
+    assert "batch 13.1" in summary(profile) and "64 tokens a stream" in summary(profile)
 
 
 def test_model_geometry_comes_from_config_json(tmp_path: Path) -> None:

@@ -1,8 +1,18 @@
-"""``pdserve up --autoscale``'s reading of the planner and the planner's command line."""
+"""``pdserve up --autoscale``'s reading of the planner, the planner's command line, and a
+planner that exited or cannot be read changing no pool."""
 
 from __future__ import annotations
 
-from services.cli.up_autoscale import planner_argv_flags, read_planner
+import asyncio
+import socket
+from dataclasses import dataclass
+from typing import cast
+
+import pytest
+
+from services.cli.up_autoscale import autoscale, planner_argv_flags, read_planner
+from services.cli.up_supervise import KeptEngines
+from services.supervision import ChildProcess, RestartPolicy
 
 PLANNER_METRICS = """\
 # HELP pdserve_planner_desired_replicas Engines the planner wants in each pool.
@@ -34,3 +44,71 @@ def test_the_sim_profile_is_the_planners_unless_one_is_named() -> None:
     assert planner_argv_flags("llama", ["--profile", "x.json"]) == ["--profile", "x.json"]
     assert planner_argv_flags("llama", ["--profile=x.json"]) == ["--profile=x.json"]
     assert planner_argv_flags(None, []) == []
+
+
+class _Planner:
+    """A planner child as :func:`autoscale` sees it: running or not, and its metrics URL."""
+
+    def __init__(self, *, running: bool, metrics_url: str = "") -> None:
+        self.running = running
+        self.announced = {"metrics": metrics_url}
+
+    def describe_exit(self) -> str:
+        return "planner exited with status 1"
+
+
+@dataclass
+class _Engine:
+    name: str
+    role: str
+
+
+def _never_started(role: str, index: int) -> ChildProcess:
+    raise AssertionError(f"autoscale started {role}-{index} without a planner decision")
+
+
+def _kept(stop: asyncio.Event) -> KeptEngines:
+    return KeptEngines(stop, policy=RestartPolicy(), ready_timeout_s=1.0, on_change=lambda _: None)
+
+
+async def test_a_planner_that_exited_changes_no_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 32, "a planner that dies changes nothing": the autoscaler ends, the engines stay."""
+    children = [_Engine("prefill-0", "prefill"), _Engine("decode-0", "decode")]
+    before = list(children)
+    await asyncio.wait_for(
+        autoscale(
+            _kept(asyncio.Event()),
+            planner=cast(ChildProcess, _Planner(running=False)),
+            children=cast(list[ChildProcess], children),
+            new_engine=_never_started,
+            poll_s=0.01,
+            scale_down_timeout_s=1.0,
+        ),
+        timeout=5,
+    )
+    assert children == before
+    assert "the pools keep their engines" in capsys.readouterr().err
+
+
+async def test_an_unreadable_planner_holds_the_pools(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}/metrics"
+    children = [_Engine("prefill-0", "prefill"), _Engine("decode-0", "decode")]
+    before = list(children)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, stop.set)
+    await asyncio.wait_for(
+        autoscale(
+            _kept(stop),
+            planner=cast(ChildProcess, _Planner(running=True, metrics_url=url)),
+            children=cast(list[ChildProcess], children),
+            new_engine=_never_started,
+            poll_s=0.02,
+            scale_down_timeout_s=1.0,
+        ),
+        timeout=5,
+    )
+    assert children == before
+    assert capsys.readouterr().out.count("holding, planner unreadable") == 1
