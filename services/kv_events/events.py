@@ -24,8 +24,13 @@ import msgpack
 EngineBlockHash: TypeAlias = int | bytes
 """An engine's hash of one block (vLLM's ``ExternalBlockHash``)."""
 
-MAX_PAYLOAD_BYTES = 8 << 20
-"""One batch's encoded size; larger payloads are refused unread."""
+MAX_PAYLOAD_BYTES = 1 << 20
+"""One batch's encoded size; larger payloads are refused unread. A vLLM step stores at most the
+blocks of the tokens it computed or received: 128K tokens in 16-token blocks encode to about
+0.7 MiB (a token id above 65,535 takes 5 bytes in msgpack, 640 KiB; 8,192 64-bit hashes take
+9 bytes each, 72 KiB; measured 0.59 MiB for ids drawn from a 152K vocabulary), so 1 MiB holds
+any step up to about 180K tokens while keeping what one engine can queue at the router small
+(docs/architecture.md, "Bounds of a subscription")."""
 MAX_EVENTS_PER_BATCH = 4096
 MAX_BLOCKS_PER_EVENT = 8192
 MAX_TOKENS_PER_EVENT = MAX_BLOCKS_PER_EVENT * 64

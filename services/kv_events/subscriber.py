@@ -31,8 +31,23 @@ subscriber); within one subscriber its batches would be dropped as ``duplicate``
 
 Peers are not trusted: frames other than three, a sequence number that is not 8 bytes, and
 payloads that do not decode or are too large are dropped, each counted by ``reason`` through
-``EventSink.dropped``; libzmq refuses frames above :data:`MAX_FRAME_BYTES` (by dropping the
-connection) and queues at most ``rcvhwm`` messages. No vLLM import: only its wire format.
+``EventSink.dropped``. What one engine can make the router hold and compute is bounded:
+
+- libzmq refuses a frame above :data:`MAX_FRAME_BYTES` by closing the connection unread (its
+  monitor reports a plain disconnect: counted as ``stale("disconnected")``, then the reconnect
+  replays or loses the batch), and queues at most :data:`SUB_RCVHWM` messages on the
+  subscription and :data:`REPLAY_RCVHWM` on a replay; a replay is read in rounds (a round
+  the queue could not take whole ends early and the next asks again from the next sequence
+  number), so a long replay needs no deep queue;
+- every message (live or replayed) is charged its payload plus :data:`MESSAGE_COST_BYTES`
+  against a per-engine budget of ``max_bytes_per_s`` (bursts up to ``burst_bytes``); past it
+  messages are dropped (``flood``) and the stream is lost (``stale("flood", lost=True)``) until
+  the budget has refilled whole, so a flooding engine costs the router a bounded share of CPU;
+- a payload above :data:`INLINE_DECODE_BYTES` is decoded in a worker thread, and the loop
+  runs other tasks between any two messages, so no batch holds the router's event loop.
+
+The resulting worst case in bytes is in docs/architecture.md ("Bounds of a subscription").
+No vLLM import: only its wire format.
 """
 
 from __future__ import annotations
@@ -59,10 +74,33 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 1024
 """libzmq's ``MAXMSGSIZE`` on both sockets: a larger frame closes the connection unread (a
 payload between :data:`MAX_PAYLOAD_BYTES` and this is read and dropped as ``oversized``)."""
+SUB_RCVHWM = 64
+"""Messages queued on the subscription at most (libzmq counts messages, not bytes). Past it the
+publisher drops (its own queue first): a gap, which the replay fills."""
+REPLAY_RCVHWM = 64
+"""Replayed messages queued at most. vLLM's ROUTER sends its whole buffer at once and drops
+what the connection cannot take; the rest comes in the next round."""
 MAX_REPLAY_MESSAGES = 200_000
-"""Replayed batches read per request at most (vLLM buffers 10,000 by default)."""
-REPLAY_RCVHWM = 12_000
-"""Replayed batches queued in the replay socket (vLLM keeps 10,000 by default)."""
+"""Replayed batches read per replay at most, all rounds together (vLLM buffers 10,000)."""
+MAX_REPLAY_ROUNDS = 64
+"""Replay requests per replay at most (vLLM's 10,000 batches take about ten)."""
+REPLAY_ROUND_IDLE_S = 0.25
+"""A replay round that brought batches and then nothing for this long lost its tail to a full
+queue (the publisher sends all at once): the next round asks again from the next batch."""
+REDIAL_S = 1.0
+"""How long a disconnected subscription waits for libzmq's own reconnect before it dials again
+(libzmq gives up on a connection that broke the protocol, e.g. with an oversized frame)."""
+MESSAGE_COST_BYTES = 512
+"""What a message costs the budget besides its payload (so empty ones flood too)."""
+MAX_BYTES_PER_S = 2 << 20
+"""One engine's sustained budget: about 350K tokens per second of ``BlockStored`` (an engine
+computes tens of thousands), some 10% of a core to decode."""
+BURST_BYTES = 32 << 20
+"""One engine's burst: a replay of vLLM's 10,000 batches of up to ~3 KiB each, or 32 steps
+of the largest payload."""
+INLINE_DECODE_BYTES = 64 << 10
+"""Payloads up to this size decode on the event loop (well under a millisecond); larger ones
+in a worker thread."""
 _SEQ = 8
 
 
@@ -73,13 +111,14 @@ class EventSink(Protocol):
         """The next batch, in sequence order, each once."""
 
     def dropped(self, reason: str) -> None:
-        """A message was not applied (``frames``, ``seq``, ``duplicate``, or a
+        """A message was not applied (``frames``, ``seq``, ``duplicate``, ``flood``, or a
         :class:`~services.kv_events.events.EventDecodeError` reason)."""
 
     def stale(self, reason: str, *, lost: bool) -> None:
         """The stream is not complete: see the module docstring (``disconnected``, ``gap``,
-        ``no_replay``, ``replay_timeout``; ``endpoint``: an address libzmq cannot parse, and
-        ``failed``: the subscriber itself failed (logged), both for good)."""
+        ``no_replay``, ``replay_timeout``, ``replay_rounds``, ``flood``; ``endpoint``: an
+        address libzmq cannot parse, and ``failed``: the subscriber itself failed (logged),
+        both for good)."""
 
     def resumed(self) -> None:
         """The stream is consistent again after :meth:`stale`."""
@@ -97,8 +136,10 @@ class EventSubscriber:
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
         heartbeat_s: float = 5.0,
-        rcvhwm: int = 1024,
+        rcvhwm: int = SUB_RCVHWM,
         topic: bytes = b"",
+        max_bytes_per_s: float = MAX_BYTES_PER_S,
+        burst_bytes: int = BURST_BYTES,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -114,6 +155,12 @@ class EventSubscriber:
         self._lost = False
         self._task: asyncio.Task[None] | None = None
         self._replaying = asyncio.Lock()
+        self._taking = asyncio.Lock()
+        self._rate = max_bytes_per_s
+        self._burst = float(burst_bytes)
+        self._credit = float(burst_bytes)
+        self._credit_at: float | None = None
+        self._flooded = False
         self.replays = 0
         """Replay requests sent (for tests and logs)."""
 
@@ -146,13 +193,16 @@ class EventSubscriber:
         sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        monitoring = asyncio.get_running_loop().create_task(self._watch(monitor))
+        monitoring = asyncio.get_running_loop().create_task(self._watch(monitor, sub))
         try:
             sub.connect(self._endpoint)
             await self._replay(first=True)
             while True:
                 frames = await sub.recv_multipart()
                 await self._received(frames)
+                # A ready message's future is already done: without this, a flood would never
+                # let the loop run anything else.
+                await asyncio.sleep(0)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EINVAL, zmq.EPROTONOSUPPORT):
                 # An endpoint libzmq cannot parse: this engine's events are never read.
@@ -173,17 +223,22 @@ class EventSubscriber:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _watch(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket) -> None:
         """Connection changes: a disconnect marks the engine stale; the connection after one
         replays what the outage missed."""
         first = True
+        redial: asyncio.Task[None] | None = None
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 if not self._stale:
                     self._stale = True
                     self._sink.stale("disconnected", lost=False)
+                if redial is None or redial.done():
+                    redial = asyncio.get_running_loop().create_task(self._redial(sub))
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if redial is not None:
+                    redial.cancel()
                 if first:
                     first = False
                     continue
@@ -192,6 +247,15 @@ class EventSubscriber:
                     if self._stale and not self._lost:
                         self._stale = False
                         self._sink.resumed()
+
+    async def _redial(self, sub: zmq.asyncio.Socket) -> None:
+        """libzmq reconnects after a lost connection but not after a protocol error (a frame
+        over MAXMSGSIZE among them): still disconnected after a while, connect again."""
+        while True:
+            await asyncio.sleep(REDIAL_S)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disconnect(self._endpoint)
+            sub.connect(self._endpoint)
 
     async def _received(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -211,23 +275,59 @@ class EventSubscriber:
                 # The replay could not reach this message: the events between are gone.
                 self._lose("gap" if self._replay_endpoint else "no_replay")
                 self.next_seq = seq
-        self._take(seq, payload)
+        await self._take(seq, payload)
 
-    def _take(self, seq: int, payload: bytes) -> None:
-        if self.next_seq is not None and seq < self.next_seq:
-            self._sink.dropped("duplicate")
-            return
-        self.next_seq = seq + 1
-        try:
-            batch = decode_batch(payload)
-        except EventDecodeError as exc:
-            self._sink.dropped(exc.reason)
-            return
-        self._sink.apply(seq, batch)
-        if self._lost:
-            self._lost = False
-            self._stale = False
-            self._sink.resumed()
+    async def _take(self, seq: int, payload: bytes) -> bool:
+        """Decode and apply one batch in order; ``False``: over the budget (``flood``)."""
+        async with self._taking:  # a replay and the subscription never interleave a batch
+            if self.next_seq is not None and seq < self.next_seq:
+                self._sink.dropped("duplicate")
+                return True
+            self.next_seq = seq + 1
+            entering = not self._flooded
+            if not self._admit(len(payload)):
+                self._sink.dropped("flood")
+                if entering:
+                    logger.warning(
+                        "KV events of %s: over %d bytes/s, dropped until the budget refills",
+                        self._endpoint,
+                        int(self._rate),
+                    )
+                    self._lose("flood")
+                return False
+            try:
+                if len(payload) > INLINE_DECODE_BYTES:
+                    batch = await asyncio.to_thread(decode_batch, payload)
+                else:
+                    batch = decode_batch(payload)
+            except EventDecodeError as exc:
+                self._sink.dropped(exc.reason)
+                return True
+            self._sink.apply(seq, batch)
+            if self._lost:
+                self._lost = False
+                self._stale = False
+                self._sink.resumed()
+            return True
+
+    def _admit(self, size: int) -> bool:
+        """Charge one message to the budget (a token bucket on the loop's clock). Once over,
+        nothing is admitted until the bucket is full again."""
+        now = asyncio.get_running_loop().time()
+        if self._credit_at is not None:
+            elapsed = max(0.0, now - self._credit_at)
+            self._credit = min(self._burst, self._credit + elapsed * self._rate)
+        self._credit_at = now
+        if self._flooded:
+            if self._credit < self._burst:
+                return False
+            self._flooded = False
+        cost = size + MESSAGE_COST_BYTES
+        if cost > self._credit:
+            self._flooded = True
+            return False
+        self._credit -= cost
+        return True
 
     def _lose(self, reason: str) -> None:
         self._lost = True
@@ -242,46 +342,68 @@ class EventSubscriber:
             await self._replay_locked(first=first, reconnect=reconnect)
 
     async def _replay_locked(self, *, first: bool, reconnect: bool) -> None:
-        start = self.next_seq if self.next_seq is not None else 0
         if not self._replay_endpoint:
             if reconnect and self.next_seq is not None:
                 # A reconnect without replay: whatever was published meanwhile is gone.
                 self._lose("no_replay")
             return
+        budget = MAX_REPLAY_MESSAGES
+        for _ in range(MAX_REPLAY_ROUNDS):
+            if budget <= 0:
+                break
+            start = self.next_seq if self.next_seq is not None else 0
+            read, finished = await self._replay_round(start, first=first, budget=budget)
+            if finished:
+                return
+            if read == 0:
+                if not first:
+                    logger.warning(
+                        "KV events of %s: replay from %d unanswered in %.1f s",
+                        self._endpoint,
+                        start,
+                        self._replay_timeout_s,
+                    )
+                    self._lose("replay_timeout")
+                return
+            budget -= read
+        self._lose("replay_rounds")  # not at the end after MAX_REPLAY_ROUNDS or _MESSAGES
+
+    async def _replay_round(self, start: int, *, first: bool, budget: int) -> tuple[int, bool]:
+        """One replay request from ``start``: the batches read, and whether it ended (the end
+        marker, a loss, the budget) rather than lost its tail to a full queue."""
         self.replays += 1
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        # vLLM's ROUTER sends the whole buffer in one loop and drops what the pipe cannot take:
-        # room for its default buffer, else the replay comes back with a gap (a loss).
         dealer.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        read = 0
         try:
             dealer.connect(self._replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(_SEQ, "big")])
-            for _ in range(MAX_REPLAY_MESSAGES):
-                # A bound on each wait, not on the whole replay (10,000 batches take seconds).
-                if not await dealer.poll(self._replay_timeout_s * 1000):
-                    if not first:
-                        logger.warning(
-                            "KV events of %s: replay from %d unanswered in %.1f s",
-                            self._endpoint,
-                            start,
-                            self._replay_timeout_s,
-                        )
-                        self._lose("replay_timeout")
-                    return
+            for _ in range(budget):
+                # A bound on each wait, not on the whole replay (10,000 batches take seconds);
+                # once batches came, a pause means the publisher dropped the rest.
+                wait_s = self._replay_timeout_s if read == 0 else REPLAY_ROUND_IDLE_S
+                if not await dealer.poll(wait_s * 1000):
+                    return read, read == 0 and first
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != _SEQ:
                     self._sink.dropped("frames")
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_OF_REPLAY_SEQ:
-                    return
+                    return read, True
                 if seq < 0:
                     self._sink.dropped("seq")
                     continue
                 if self.next_seq is not None and seq > self.next_seq:
+                    if read > 0:
+                        return read, False  # dropped in transit: ask again from next_seq
                     self._lose("gap")  # the replay buffer no longer reaches back to it
-                self._take(seq, frames[3])
+                read += 1
+                if not await self._take(seq, frames[3]):
+                    return read, True  # over budget: the rest is lost (counted as flood)
+                await asyncio.sleep(0)
+            return read, False
         finally:
             dealer.close(linger=0)

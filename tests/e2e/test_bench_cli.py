@@ -107,3 +107,45 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
     clients = report["engine_client_comparison"]
     assert set(clients["router_cpu_ms_per_request"]) == {"h2grpc", "grpcio"}
     assert clients["router_cpu_ratio"] > 0
+
+
+def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure() -> None:
+    """A short ``pdserve bench routing`` (issue 31 deliverable 4): the approximate and precise
+    settings, each on its own fresh ``pdserve up`` of reference engines, answer every turn of a
+    few two-turn conversations and report the figures docs/benchmarks.md quotes, with the
+    comparison row. Figures are not judged here (too few requests to mean anything)."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "bench",
+            "routing",
+            "--policies",
+            "approximate,precise",
+            "--router-workers",
+            "1",
+            "--conversations",
+            "3",
+            "--turns",
+            "2",
+            "--system-tokens",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    report = json.loads(result.stdout)
+    assert set(report["settings"]) == {"approximate/workers=1", "precise/workers=1"}
+    for name, figures in report["settings"].items():
+        assert figures["requests"] == 6 and figures["errors"] == 0, (name, figures)
+        # The second turn of each conversation extends its first: reusable tokens exist.
+        assert figures["reusable_tokens"] > 0, figures
+        assert figures["prefill_cached_share"] is not None, figures
+        assert figures["prefill_tokens_computed"] <= figures["prompt_tokens"]
+        assert figures["kv_bytes_moved_per_request"] is not None
+        assert figures["ttft_ms"]["count"] == 6
+    row = report["comparison"]["precise/workers=1"]
+    assert set(row) >= {"prefill_cached_share", "kv_bytes_moved_per_request", "ttft_p50_ms"}

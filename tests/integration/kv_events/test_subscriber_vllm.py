@@ -138,6 +138,26 @@ async def test_a_gap_past_the_replay_buffer_is_a_lost_stream_then_goes_on(
         publisher.shutdown()
 
 
+async def test_a_replay_longer_than_the_replay_queue_comes_whole_in_rounds(
+    publisher: Publisher, context: zmq.asyncio.Context
+) -> None:
+    """vLLM's ROUTER sends its buffer at once and drops what the connection cannot take; the
+    subscriber's replay queue holds only REPLAY_RCVHWM messages, so it asks again from the
+    next batch until the end marker: every batch once, in order, no loss."""
+    publisher.stored(5000)
+    await asyncio.sleep(0.5)
+    sink = RecordingSink()
+    sub = subscriber(publisher.endpoint, publisher.replay_endpoint, sink, context)
+    try:
+        await wait_until(lambda: len(sink.applied) == 5000, "the replayed batches", 120.0)
+        await asyncio.sleep(0.3)
+        assert sink.seqs == list(range(5000))
+        assert sink.events("stale") == []
+        assert sink.drops == []
+    finally:
+        await sub.close()
+
+
 async def test_malformed_payloads_are_counted_and_the_stream_goes_on(
     publisher: Publisher, context: zmq.asyncio.Context
 ) -> None:
