@@ -82,6 +82,8 @@ class EngineSpec:
     """Where the engine publishes KV-cache events (``tcp://host:port``; empty = none)."""
     kv_events_replay_endpoint: str = ""
     """The engine's KV-event replay endpoint (empty = none)."""
+    kv_block_bytes: int = 0
+    """The bytes of one KV block of the whole engine (0 = unknown)."""
 
     def record(
         self, generation: Generation, *, lease_ttl_ms: int, registered_at_ms: int

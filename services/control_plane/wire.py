@@ -130,6 +130,9 @@ class EngineRecord:
     kv_events_replay_endpoint: str = ""
     """The engine's KV-event replay endpoint (ZMQ ROUTER: send a start sequence number, get the
     buffered batches from it on); empty = no replay."""
+    kv_block_bytes: int = 0
+    """The bytes of one KV block of the whole engine (every layer's K and V, every KV head):
+    what a KV transfer moves per block; 0 = unknown."""
 
     @property
     def world_size(self) -> int:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from services.config.control_plane import ControlPlaneSettings
+from services.control_plane.aggregation import DTYPE_BYTES
 from services.control_plane.base import EngineSpec
 from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
 from services.engines.errors import InvalidRequest
@@ -436,6 +437,8 @@ class BackendDescription:
     no events. A backend that publishes binds (or reserves) its ports by :meth:`describe`."""
     kv_events_replay_endpoint: str = ""
     """The KV-event replay endpoint, as bound (same rules)."""
+    kv_block_bytes: int = 0
+    """The bytes of one KV block of the whole engine (:func:`kv_block_bytes`); 0 = unknown."""
 
     def spec(self, engine_id: EngineId, role: EngineRole, endpoint: str) -> EngineSpec:
         """The control-plane spec of an engine with this description (what the host registers):
@@ -448,6 +451,15 @@ class BackendDescription:
             if values[name]:
                 values[name] = advertised(values[name], host)
         return EngineSpec(engine_id=engine_id, role=role, endpoint=endpoint, **values)
+
+
+def kv_block_bytes(
+    *, num_layers: int, num_kv_heads: int, block_size: int, head_size: int, dtype: str
+) -> int:
+    """The bytes of one KV block of a whole engine: K and V of every layer and KV head, in the
+    KV cache's ``dtype`` (0 for a dtype :data:`DTYPE_BYTES` does not know)."""
+    element = DTYPE_BYTES.get(dtype, 0)
+    return 2 * num_layers * num_kv_heads * block_size * head_size * element
 
 
 SPEC_ONLY_FIELDS = frozenset({"engine_id", "role", "endpoint"})

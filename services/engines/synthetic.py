@@ -54,6 +54,8 @@ class SyntheticShape:
     num_kv_blocks: int
     block_size: int
     kv_lease_s: float
+    kv_block_bytes: int = 0
+    """The bytes of one KV block it claims (0 = unknown; the stub claims no KV geometry)."""
 
 
 class SyntheticEngine(EngineBackend, abc.ABC):
@@ -84,6 +86,7 @@ class SyntheticEngine(EngineBackend, abc.ABC):
             max_model_len=shape.max_model_len,
             eos_token_ids=(),
             engine_kind=shape.engine_kind,
+            kv_block_bytes=shape.kv_block_bytes,
         )
 
     async def start(self, registration: EngineRegistration) -> None:

@@ -53,6 +53,8 @@ FALLBACK_REASONS = (
 
 _CACHED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_KV_BYTE_BUCKETS = (0, *(float(4**n * 1024) for n in range(3, 14)))
+"""0, then 64 KiB to 64 GiB by fours (a block of a large model is megabytes)."""
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 """Every ``header`` of ``pdserve_router_trace_context_dropped_total``."""
@@ -267,6 +269,12 @@ class RouterMetrics:
             "Prompt blocks a disaggregated request's decode engine lacks at placement (the "
             "blocks its KV transfer moves; times the engine's block bytes for bytes).",
             _BLOCK_BUCKETS,
+        )
+        self.kv_bytes_moved = self._loop_histogram(
+            "pdserve_router_kv_bytes_moved",
+            "KV bytes a disaggregated request's transfer moves, as placed: the blocks its "
+            "decode engine lacks times the engine's block bytes (engines that publish them).",
+            _KV_BYTE_BUCKETS,
         )
         self.kv_events_received = Counter(
             "pdserve_router_kv_events_received_total",

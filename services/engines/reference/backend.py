@@ -55,6 +55,7 @@ from services.engines.backend import (
     PrefillResult,
     SamplingParams,
     TokenDelta,
+    kv_block_bytes,
 )
 from services.engines.errors import (
     CheckpointError,
@@ -153,6 +154,13 @@ class ReferenceBackend(EngineBackend):
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             kv_events_endpoint=publisher.endpoints.events if publisher else "",
             kv_events_replay_endpoint=publisher.endpoints.replay if publisher else "",
+            kv_block_bytes=kv_block_bytes(
+                num_layers=config.num_hidden_layers,
+                num_kv_heads=config.num_key_value_heads,
+                block_size=self.options.block_size,
+                head_size=config.head_dim,
+                dtype=self.options.dtype,
+            ),
         )
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:

@@ -126,6 +126,7 @@ class SimBackend(SyntheticEngine):
                 num_kv_blocks=num_blocks,
                 block_size=block_size,
                 kv_lease_s=self.options.kv_lease_s,
+                kv_block_bytes=profile.kv_bytes_per_token * block_size,
             )
         )
         self.scheduler = SimScheduler(profile, num_blocks=num_blocks, block_size=block_size)

@@ -18,6 +18,7 @@ from services.control_plane.wire import (
 from services.engines.backend import (
     BackendDescription,
     EngineRegistration,
+    kv_block_bytes,
 )
 from services.engines.errors import (
     ModelConfigError,
@@ -159,6 +160,13 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
         eos_token_ids=eos_ids,
         pp_aware=True,
         engine_kind="vllm",
+        kv_block_bytes=kv_block_bytes(
+            num_layers=layers,
+            num_kv_heads=kv_heads,
+            block_size=options.resolved_block_size(platform),
+            head_size=head_size,
+            dtype=dtype,
+        ),
     )
 
 

@@ -26,7 +26,8 @@ and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
 Every placement is counted in ``pdserve_router_placement_decisions_total{pool, reason}``
 (``prefill`` / ``decode``: the policy's reason; ``local``: the plan's ``local_reason``), with
 the prompt tokens the chosen engines hold (``pdserve_router_cached_tokens{pool}``) and the
-blocks a disaggregated request's decode engine lacks (``pdserve_router_kv_blocks_moved``).
+blocks a disaggregated request's decode engine lacks (``pdserve_router_kv_blocks_moved``, and
+in bytes, ``pdserve_router_kv_bytes_moved``, for engines whose record gives their block bytes).
 
 Health (``services.router.scheduling.health``): engines whose circuit breaker is open are not
 chosen; a request that failed over or migrated also names engines to ``avoid``. When every decode
@@ -163,6 +164,8 @@ class Scheduler:
         self._count("decode", decode_reason, cached * block_size)
         blocks = -(-len(prompt.token_ids) // block_size)
         self._metrics.kv_blocks_moved.observe(blocks - cached)
+        if decode.record.kv_block_bytes:
+            self._metrics.kv_bytes_moved.observe((blocks - cached) * decode.record.kv_block_bytes)
         self._policy.routed(prefill, prompt)
         self._policy.routed(decode, prompt)
         return Plan(decode=decode, prefill=prefill)

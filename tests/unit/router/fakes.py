@@ -232,6 +232,7 @@ def view(
     engine_kind: str = "reference",
     kv_events_endpoint: str = "",
     kv_events_replay_endpoint: str = "",
+    kv_block_bytes: int = 0,
 ) -> EngineView:
     record = EngineRecord(
         engine_id=engine_id,
@@ -252,6 +253,7 @@ def view(
         engine_kind=engine_kind,
         kv_events_endpoint=kv_events_endpoint,
         kv_events_replay_endpoint=kv_events_replay_endpoint,
+        kv_block_bytes=kv_block_bytes,
     )
     status = EngineStatus(engine_id, generation, state, (), 1, 0)
     return EngineView(engine_id, record, status, load or EngineLoad())

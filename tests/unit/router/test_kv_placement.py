@@ -14,11 +14,12 @@ BS = 4
 PROMPT = tuple(range(40))  # 10 full blocks
 
 
-def evented(engine_id, role, *, queue=0):
+def evented(engine_id, role, *, queue=0, block_bytes=0):
     return view(
         engine_id,
         role,
         load=EngineLoad(queue_depth=queue),
+        kv_block_bytes=block_bytes,
         kv_events_endpoint=f"tcp://127.0.0.1:{len(engine_id)}",
         kv_events_replay_endpoint="tcp://127.0.0.1:2",
     )
@@ -50,8 +51,9 @@ def test_prefill_goes_to_the_engine_holding_the_longest_prefix():
         sample(rt, "pdserve_router_placement_decisions_total", pool="prefill", reason="cached") == 3
     )
     assert sample(rt, "pdserve_router_cached_tokens_sum", pool="prefill") == 3 * 8 * BS
-    # The decode engine holds nothing: all 10 blocks move.
+    # The decode engine holds nothing: all 10 blocks move (of unknown bytes: not observed).
     assert sample(rt, "pdserve_router_kv_blocks_moved_sum") == 3 * 10
+    assert sample(rt, "pdserve_router_kv_bytes_moved_count") == 0
     assert sample(rt, "pdserve_router_placement_decisions_total", pool="decode", reason="load") == 3
 
 
@@ -74,7 +76,10 @@ def test_load_outweighs_a_cached_prefix_past_the_weight():
 
 def test_decode_prefers_the_engine_holding_the_prompt_so_fewer_blocks_move():
     rt, index = setup(
-        evented("p", PREFILL), evented("d1", DECODE), evented("d2", DECODE), evented("d3", DECODE)
+        evented("p", PREFILL),
+        evented("d1", DECODE),
+        evented("d2", DECODE, block_bytes=4096),
+        evented("d3", DECODE),
     )
     holds(rt, index, "d2", 6)
     for _ in range(3):
@@ -84,6 +89,7 @@ def test_decode_prefers_the_engine_holding_the_prompt_so_fewer_blocks_move():
         sample(rt, "pdserve_router_placement_decisions_total", pool="decode", reason="cached") == 3
     )
     assert sample(rt, "pdserve_router_kv_blocks_moved_sum") == 3 * (10 - 6)
+    assert sample(rt, "pdserve_router_kv_bytes_moved_sum") == 3 * (10 - 6) * 4096
     assert sample(rt, "pdserve_router_cached_tokens_sum", pool="decode") == 3 * 6 * BS
 
 

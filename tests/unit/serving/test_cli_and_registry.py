@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -121,6 +122,13 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
     description = backend.describe()
     assert (description.pp_size, description.tp_size, description.block_size) == (2, 1, 16)
     assert description.engine_kind == "vllm"
+    # The tiny model's KV block: K and V of every layer and KV head, float32 by default.
+    config = json.loads((model / "config.json").read_text())
+    head = config["head_dim"]
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    assert description.kv_block_bytes == 2 * layers * heads * 16 * head * 4
+    reference_description = reference.describe()
+    assert reference_description.kv_block_bytes == 2 * layers * heads * 16 * head * 4
     with pytest.raises(EngineOptionsError, match="VLLM_PP_LAYER_PARTITION"):
         create_backend("vllm", EngineOptions(model_dir=model, layer_partition=(3, 4)))
 
