@@ -32,7 +32,8 @@ from services.topology import Range
 #      record's max_model_len was added later with a default (0 = unknown), so records
 #      written before it still decode; so were the load's prefix_cache_reported and
 #      cached_block_hashes (a router that predates them refuses such a load record as
-#      malformed: upgrade routers before engines).
+#      malformed: upgrade routers before engines); so was the load's kv_events_seq (-1 when
+#      absent: unknown).
 PROTOCOL_VERSION = 1
 
 MAX_RECORD_BYTES = 4 * 1024 * 1024
@@ -227,6 +228,12 @@ class EngineLoad:
     """The chained hashes of the full blocks the engine's prefix cache holds, most recently
     used first, at most :data:`MAX_REPORTED_BLOCKS` (hash ``i`` covers tokens
     ``[0, (i + 1) * block_size)``, ``services.router.scheduling.policies.prompt_block_hashes``)."""
+    kv_events_seq: int = -1
+    """The sequence number of the last KV-event batch the engine handed to its publisher (sent,
+    or dropped by a full queue), -1 when none yet or unknown (no events, or a publisher the
+    host cannot see: vLLM's lives in its engine core). A router whose subscription stays behind
+    it marks the engine stale (``silent``: docs/architecture.md, "Precise placement from KV
+    events")."""
 
 
 @dataclass(frozen=True)

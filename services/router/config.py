@@ -151,6 +151,11 @@ class RouterSettings(BaseSettings):
     kv_events_heartbeat_s: float = Field(default=5.0, gt=0)
     """ZMTP heartbeat interval on each event subscription; a publisher silent for three
     intervals is disconnected, and its engine stale until it reconnects and replays."""
+    kv_events_silence_s: float | None = Field(default=None, gt=0)
+    """How long the KV-event batch an engine's load record names as its last
+    (``EngineLoad.kv_events_seq``) may go unreceived before the engine is stale as ``silent``
+    (a publisher that stopped sending while its connection lives; entries kept, fresh again
+    once the batch arrives). Unset: three control-plane heartbeat intervals."""
     kv_index_blocks_per_engine: int = Field(default=262_144, ge=1)
     """Blocks the KV-event index keeps per engine (its oldest forgotten past it, counted in
     ``pdserve_router_kv_index_evictions_total``); about 230 bytes each (measured)."""

@@ -79,6 +79,8 @@ class RouterRuntime:
                 metrics,
                 replay_timeout_s=settings.kv_events_replay_timeout_s,
                 heartbeat_s=settings.kv_events_heartbeat_s,
+                silence_s=settings.kv_events_silence_s
+                or 3 * settings.control_plane.heartbeat_interval_s,
             )
             pool.add_listener(feed)
         policy = make_policy(

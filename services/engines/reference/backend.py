@@ -332,6 +332,7 @@ class ReferenceBackend(EngineBackend):
             kv_blocks_total=snap.total_blocks,
             prefix_cache_reported=snap.cached_blocks is not None,
             cached_block_hashes=snap.cached_blocks or (),
+            kv_events_seq=-1 if self._kv_events is None else self._kv_events.next_seq - 1,
         )
 
     async def drain(self, timeout_s: float) -> int:

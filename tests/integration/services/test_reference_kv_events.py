@@ -106,5 +106,7 @@ async def test_a_hosted_reference_engine_publishes_its_prefix_cache_at_its_recor
             assert subscriber.live, "nothing came over the PUB socket"
             # The heartbeat's cached keys and the events name the same blocks.
             assert set(backend.load().cached_block_hashes) == {*keys[0][2:], *keys[1], *keys[2]}
+            # ...and the heartbeat names the last batch published (the router's silence check).
+            assert backend.load().kv_events_seq == max(subscriber.batches)
         finally:
             subscriber.close()

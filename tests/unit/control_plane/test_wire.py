@@ -58,6 +58,14 @@ def test_every_record_kind_round_trips_unchanged() -> None:
         assert decode(encode(record), type(record)) == record
 
 
+def test_a_load_record_without_the_kv_events_seq_decodes_as_unknown() -> None:
+    # Written by an engine that predates the field (docs: -1 = unknown, no silence check).
+    old = {"queue_depth": 1, "running_requests": 2, "kv_blocks_free": 3, "kv_blocks_total": 4}
+    assert decode(_envelope(old), EngineLoad) == EngineLoad(1, 2, 3, 4, kv_events_seq=-1)
+    load = EngineLoad(1, 2, 3, 4, kv_events_seq=41)
+    assert decode(encode(load), EngineLoad).kv_events_seq == 41
+
+
 def test_handshake_ranges_and_bytes_survive_the_trip() -> None:
     record = decode(encode(_handshake()), HandshakeRecord)
     assert record.layers == Range(4, 8)
