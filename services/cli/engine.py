@@ -115,6 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sim: the GPU timing profile, a shipped one's name or a JSON file "
         "(default: llama-3.1-8b-h100)",
     )
+    engine.add_argument(
+        "--sim-time-scale",
+        type=float,
+        metavar="S",
+        help="sim: wall seconds per simulated second (default 1; 2 runs at half speed, for "
+        "more engines or tokens a second than this machine can follow in real time)",
+    )
     service = parser.add_argument_group("service")
     service.add_argument(
         "--listen",
@@ -211,6 +218,7 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             stub_token_delay_s=args.stub_token_delay_s,
             stub_vocab_size=args.stub_vocab_size,
             sim_profile=args.sim_profile,
+            sim_time_scale=args.sim_time_scale,
         )
         registry = CollectorRegistry()
         backend = create_backend(args.engine, options, registry=registry)

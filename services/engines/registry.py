@@ -75,6 +75,9 @@ class EngineOptions:
     sim_profile: str | None = None
     """Sim engine only: a shipped profile's name or a profile file's path (default: the
     shipped ``llama-3.1-8b-h100``)."""
+    sim_time_scale: float | None = None
+    """Sim engine only: wall seconds per simulated second (default 1, real time; 2 runs the
+    profile's GPU at half speed, for a fleet or a token rate this machine cannot follow)."""
 
     def overrides(self) -> dict[str, object]:
         """The KV options that were set, by the field names backends share."""
@@ -120,6 +123,8 @@ def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
 def _refuse_sim_only(options: EngineOptions, engine: str) -> None:
     if options.sim_profile is not None:
         raise EngineOptionsError(f"the {engine} engine does not take --sim-profile")
+    if options.sim_time_scale is not None:
+        raise EngineOptionsError(f"the {engine} engine does not take --sim-time-scale")
 
 
 def _reference(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
@@ -205,7 +210,10 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
         raise EngineOptionsError("the sim engine takes its dtype from its profile (--dtype)")
     if options.stub_token_delay_s or options.stub_vocab_size is not None:
         raise EngineOptionsError("the sim engine takes its pace and vocabulary from its profile")
-    vllm_only = dataclasses.replace(options, sim_profile=None)
+    vllm_only = dataclasses.replace(options, sim_profile=None, sim_time_scale=None)
+    scale = 1.0 if options.sim_time_scale is None else options.sim_time_scale
+    if not scale > 0:
+        raise EngineOptionsError(f"--sim-time-scale must be > 0, got {scale}")
     _refuse_process_engine_only(vllm_only, "sim")
     profile = load_profile(options.sim_profile or DEFAULT_PROFILE)
     # A profile of another layout would simulate a different GPU engine than the one it says.
@@ -216,6 +224,7 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
             pp_size=options.pp_size,
             tp_size=options.tp_size,
             layer_partition=options.layer_partition,
+            time_scale=scale,
             **options.overrides(),  # type: ignore[arg-type]
         )
     )

@@ -159,6 +159,13 @@ def test_the_registry_builds_sim_engines_from_a_profile_and_refuses_other_flags(
     block_bytes = load_profile().kv_bytes_per_token * description.block_size
     assert description.kv_block_bytes == block_bytes
     assert backend.load().kv_blocks_total == 64
+    assert backend.options.time_scale == 1.0
+    slowed = create_backend("sim", EngineOptions(sim_time_scale=2.5))
+    assert isinstance(slowed, SimBackend) and slowed.options.time_scale == 2.5
+    with pytest.raises(EngineOptionsError, match="--sim-time-scale must be > 0"):
+        create_backend("sim", EngineOptions(sim_time_scale=0))
+    with pytest.raises(EngineOptionsError, match="does not take --sim-time-scale"):
+        create_backend("stub", EngineOptions(sim_time_scale=2.0))
     with pytest.raises(SimProfileError, match="unknown sim profile"):
         create_backend("sim", EngineOptions(sim_profile="h999"))
     with pytest.raises(EngineOptionsError, match="--model"):
