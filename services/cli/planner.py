@@ -24,7 +24,8 @@ _FLAGS = (
     "router_url", "router_discovery", "router_metrics_ports", "profile", "prefill_layout",
     "decode_layout", "ttft_ms", "itl_ms", "interval_s", "predictor", "ema_alpha",
     "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min", "decode_max",
-    "stabilization_intervals", "metrics_host", "metrics_port",
+    "stabilization_intervals", "kv_usage_limit", "prefill_queue_limit", "metrics_host",
+    "metrics_port",
 )  # fmt: skip
 
 HELP = (
@@ -77,6 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stabilization-intervals",
         type=int,
         help="a pool goes down only after needing fewer for this many intervals",
+    )
+    parser.add_argument(
+        "--kv-usage-limit",
+        type=float,
+        help="decode pool KV usage (0..1] above which it needs one engine more (default 0.9; "
+        "1: off)",
+    )
+    parser.add_argument(
+        "--prefill-queue-limit",
+        type=float,
+        help="requests waiting per prefill engine above which that pool needs one engine more "
+        "(default: what --ttft-ms allows for the profile's prefill of the mean prompt)",
     )
     parser.add_argument("--metrics-host", help="address of the planner's own /metrics")
     parser.add_argument(

@@ -69,6 +69,14 @@ class PlannerSettings(BaseSettings):
     """Lowest observed/expected ratio applied to the SLOs."""
     correction_max: float = Field(default=3.0, gt=0)
     """Highest observed/expected ratio applied to the SLOs."""
+    kv_usage_limit: float = Field(default=0.9, gt=0, le=1)
+    """The decode pool's KV usage (``1 - free / total`` blocks over its engines, as the router
+    relays them) above which it needs one engine more than it has: past it vLLM preempts
+    running sequences. 1 turns the rule off."""
+    prefill_queue_limit: float | None = Field(default=None, ge=0)
+    """Requests waiting per prefill engine above which that pool needs one engine more than it
+    has; ``None``: what the TTFT SLO allows, ``ttft_ms`` over one prefill of the mean prompt
+    in the profile (at least 1)."""
     scrape_timeout_s: float = Field(default=5.0, gt=0)
     """Bound of one read of the router's ``/metrics``."""
     metrics_host: str = "127.0.0.1"

@@ -12,6 +12,10 @@ whole past), a router whose counters went down restarted and contributes what it
 and a router that left (or did not answer) simply stops contributing. The fleet's total therefore
 never goes down and no router's history lands in one interval. Ready engines are the largest any
 router reports (every router watches the same control plane).
+
+Engines' loads (``pdserve_router_engine_load``) are not added either: every router relays the
+same engine's own reports, so each engine counts once, with the busiest figures any router
+relays for it (:func:`merge_engine_loads`: the routers differ only by a heartbeat in flight).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass
 
 from services.planner.errors import MetricsUnreadable
-from services.planner.observe import RouterSnapshot
+from services.planner.observe import EngineReport, RouterSnapshot
 
 Address = str
 """An IPv4 or IPv6 address of one router pod, as ``getaddrinfo`` gives it."""
@@ -118,7 +122,40 @@ class RouterFleet:
             ready_decode=_largest(s.ready_decode for s in reads.values()),
             prompt_tokens=(total.prompt_tokens, total.prompt_count) if tokens else None,
             generation_tokens=(total.generation_tokens, total.generation_count) if tokens else None,
+            engine_loads=merge_engine_loads(s.engine_loads for s in reads.values()),
         )
+
+
+def merge_engine_loads(
+    views: Iterable[tuple[EngineReport, ...] | None],
+) -> tuple[EngineReport, ...] | None:
+    """One report per ``(engine, role)`` from several routers' ``views`` of the same engines:
+    the largest queue, running count and capacity and the fewest free blocks any router
+    relays (never their sum: it is one engine). ``None`` when no router relays any."""
+    merged: dict[tuple[str, str], EngineReport] = {}
+    relayed = False
+    for view in views:
+        if view is None:
+            continue
+        relayed = True
+        for report in view:
+            key = (report.engine, report.role)
+            known = merged.get(key)
+            merged[key] = report if known is None else _busiest(known, report)
+    if not relayed:
+        return None
+    return tuple(merged[key] for key in sorted(merged))
+
+
+def _busiest(a: EngineReport, b: EngineReport) -> EngineReport:
+    return EngineReport(
+        a.engine,
+        a.role,
+        queue_depth=max(a.queue_depth, b.queue_depth),
+        running_requests=max(a.running_requests, b.running_requests),
+        kv_blocks_free=min(a.kv_blocks_free, b.kv_blocks_free),
+        kv_blocks_total=max(a.kv_blocks_total, b.kv_blocks_total),
+    )
 
 
 def read_fleet(

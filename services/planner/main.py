@@ -65,6 +65,8 @@ def build_planner(settings: PlannerSettings) -> Planner:
         input_tokens=settings.input_tokens,
         output_tokens=settings.output_tokens,
         correction_range=(settings.correction_min, settings.correction_max),
+        kv_usage_limit=settings.kv_usage_limit,
+        prefill_queue_limit=settings.prefill_queue_limit,
     )
 
 
@@ -152,6 +154,7 @@ def publish(metrics: PlannerMetrics, step: PlanStep) -> None:
         metrics.needed_replicas.labels(pool=pool).set(plan.decision.needed)
         metrics.correction.labels(pool=pool).set(plan.correction)
         metrics.decisions.labels(pool=pool, reason=plan.decision.reason).inc()
+        metrics.set_load(pool, plan.load)
     if step.lengths == "flags":
         metrics.lengths_from_settings.inc()
     if step.predicted is not None:

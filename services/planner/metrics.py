@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.planner.decision import REASONS
+from services.planner.observe import PoolLoad
 
 POOLS = ("prefill", "decode")
 
@@ -59,6 +62,20 @@ class PlannerMetrics:
         for pool in POOLS:
             for reason in REASONS:
                 self.decisions.labels(pool=pool, reason=reason)
+        self.queued_requests = Gauge(
+            "pdserve_planner_queued_requests",
+            "Requests waiting in each pool's engines at the last read (the router's relay of "
+            "their queue_depth, summed over the pool); absent when not relayed.",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "pdserve_planner_kv_usage_ratio",
+            "KV blocks in use over the KV blocks of each pool's engines at the last read; "
+            "absent when not relayed or no engine reports KV capacity.",
+            ["pool"],
+            registry=r,
+        )
         self.lengths_from_settings = Counter(
             "pdserve_planner_lengths_from_settings_total",
             "Intervals planned with the mean prompt and generated lengths of the settings "
@@ -66,3 +83,16 @@ class PlannerMetrics:
             "(it exports no token figures, or no request has finished yet).",
             registry=r,
         )
+
+    def set_load(self, pool: str, load: PoolLoad | None) -> None:
+        """``pool``'s engines' queue and KV usage, or no series when the figure is unknown."""
+        usage = None if load is None else load.kv_usage
+        for gauge, value in (
+            (self.queued_requests, None if load is None else load.queue_depth),
+            (self.kv_usage, usage),
+        ):
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(pool)
+            else:
+                gauge.labels(pool=pool).set(value)

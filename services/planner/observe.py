@@ -9,6 +9,14 @@ serve), ``pdserve_router_ttft_seconds`` (every path) and ``pdserve_router_itl_se
 request histograms: an interval's mean input and output lengths are their sums' deltas over
 their counts'). A router without the token histograms (an older one) gives ``None`` lengths:
 the planner then takes them from its settings.
+
+Also read: ``pdserve_router_engine_load{engine, role, kind}``, the load each engine last reported
+through the control plane and the router relays (``kind``: ``queue_depth``,
+``running_requests``, ``kv_blocks_free``, ``kv_blocks_total``): gauges of the moment of the
+read, not interval deltas, kept per engine (:class:`EngineReport`) so that several routers
+relaying the same engine count it once (``fleet.py``), and totalled per pool by
+:func:`pool_load`. A router without the family gives ``None`` (the rules that use it change
+nothing).
 """
 
 from __future__ import annotations
@@ -25,11 +33,69 @@ ITL = "pdserve_router_itl_seconds"
 READY_ENGINES = "pdserve_router_ready_engines"
 PROMPT_TOKENS = "pdserve_router_request_prompt_tokens"
 GENERATION_TOKENS = "pdserve_router_request_generation_tokens"
+ENGINE_LOAD = "pdserve_router_engine_load"
+LOAD_KINDS = ("queue_depth", "running_requests", "kv_blocks_free", "kv_blocks_total")
 _SUMMED = tuple(
     f"{family}_{part}"
     for family in (TTFT, ITL, PROMPT_TOKENS, GENERATION_TOKENS)
     for part in ("sum", "count")
 )
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine's load as a router relays it (a kind the router did not export reads 0, as
+    the engine's own default)."""
+
+    engine: str
+    role: str
+    """``prefill``, ``decode`` or ``both`` (a colocated engine: in neither pool's figures)."""
+    queue_depth: float = 0.0
+    """Requests waiting in the engine's scheduler (not yet running)."""
+    running_requests: float = 0.0
+    kv_blocks_free: float = 0.0
+    kv_blocks_total: float = 0.0
+    """0 when the engine reports no KV capacity."""
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """The load of one pool's engines at the read, totalled over them."""
+
+    engines: int
+    """Engines that reported (at least 1)."""
+    queue_depth: float
+    running_requests: float
+    kv_blocks_free: float
+    kv_blocks_total: float
+
+    @property
+    def kv_usage(self) -> float | None:
+        """``1 - free / total`` over the pool's KV blocks; ``None`` when none reports any."""
+        if self.kv_blocks_total <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.kv_blocks_free / self.kv_blocks_total))
+
+    @property
+    def queue_per_engine(self) -> float:
+        return self.queue_depth / self.engines
+
+
+def pool_load(reports: tuple[EngineReport, ...] | None, role: str) -> PoolLoad | None:
+    """The total of ``role``'s engines in ``reports``; ``None`` when the router relays no
+    engine load (``reports`` is ``None``) or none of that role."""
+    if reports is None:
+        return None
+    pool = [report for report in reports if report.role == role]
+    if not pool:
+        return None
+    return PoolLoad(
+        engines=len(pool),
+        queue_depth=sum(report.queue_depth for report in pool),
+        running_requests=sum(report.running_requests for report in pool),
+        kv_blocks_free=sum(report.kv_blocks_free for report in pool),
+        kv_blocks_total=sum(report.kv_blocks_total for report in pool),
+    )
 
 
 @dataclass(frozen=True)
@@ -48,6 +114,13 @@ class RouterSnapshot:
     """``(sum, count)`` of the prompt-token histogram; ``None`` when the router has none."""
     generation_tokens: tuple[float, float] | None = None
     """``(sum, count)`` of the generated-token histogram; ``None`` as ``prompt_tokens``."""
+    engine_loads: tuple[EngineReport, ...] | None = None
+    """Each engine's relayed load, sorted by engine and role; ``None`` when the router exports
+    no ``pdserve_router_engine_load`` (empty: it does, but has no engine)."""
+
+    def pool_load(self, role: str) -> PoolLoad | None:
+        """``role``'s engines' load at this read (:func:`pool_load`)."""
+        return pool_load(self.engine_loads, role)
 
 
 @dataclass(frozen=True)
@@ -71,11 +144,14 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
     not Prometheus text or lacks the request counter (not a router's)."""
     totals: dict[str, float] = {}
     ready: dict[str, int] = {}
+    loads: dict[tuple[str, str], dict[str, float]] = {}
     found: set[str] = set()
     try:
         for family in text_string_to_metric_families(text):
             if family.name == REQUESTS.removesuffix("_total"):
                 found.add(REQUESTS)  # declared even before the first request
+            elif family.name == ENGINE_LOAD:
+                found.add(ENGINE_LOAD)  # declared even before the first engine
             for sample in family.samples:
                 name = sample.name
                 if name == REQUESTS:
@@ -85,6 +161,9 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
                 elif name == READY_ENGINES:
                     role = sample.labels.get("role", "")
                     ready[role] = int(sample.value)
+                elif name == ENGINE_LOAD and sample.labels.get("kind") in LOAD_KINDS:
+                    key = (sample.labels.get("engine", ""), sample.labels.get("role", ""))
+                    loads.setdefault(key, {})[sample.labels["kind"]] = sample.value
     except ValueError as exc:
         raise MetricsUnreadable(f"router metrics are not Prometheus text: {exc}") from exc
     if REQUESTS not in found:
@@ -100,6 +179,11 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
         ready_decode=ready.get("decode"),
         prompt_tokens=_sum_count(totals, PROMPT_TOKENS),
         generation_tokens=_sum_count(totals, GENERATION_TOKENS),
+        engine_loads=(
+            tuple(EngineReport(e, r, **kinds) for (e, r), kinds in sorted(loads.items()))
+            if ENGINE_LOAD in found
+            else None
+        ),
     )
 
 

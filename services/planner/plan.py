@@ -8,8 +8,9 @@ from typing import Literal
 
 from services.engines.sim.profile import SimProfile
 from services.planner.decision import Bounds, Decision, PoolPlanner
-from services.planner.observe import Interval, RouterSnapshot, interval_between
+from services.planner.observe import Interval, PoolLoad, RouterSnapshot, interval_between
 from services.planner.predictors import LoadPredictor
+from services.planner.pressure import Pressure, allowed_queue, kv_pressure_need, queue_need
 from services.planner.sizing import (
     Load,
     PoolSize,
@@ -33,6 +34,11 @@ class PoolPlan:
     slo_breach: bool = False
     """The interval's observed mean missed the SLO while the profile said the pool was big
     enough: the need was raised to one engine more than the pool has (:func:`breach_need`)."""
+    load: PoolLoad | None = None
+    """The pool's engines' load at the read (``None``: not relayed by the router)."""
+    pressure: Pressure | None = None
+    """The engines' load was past its rule's limit: the need is at least one engine more than
+    the pool has (:mod:`services.planner.pressure`)."""
 
 
 LengthsSource = Literal["router", "flags"]
@@ -69,7 +75,12 @@ class Planner:
         input_tokens: float,
         output_tokens: float,
         correction_range: tuple[float, float] = (0.5, 3.0),
+        kv_usage_limit: float = 0.9,
+        prefill_queue_limit: float | None = None,
     ) -> None:
+        """``kv_usage_limit``: the decode pool's KV usage above which it needs one engine more;
+        ``prefill_queue_limit``: the requests waiting per prefill engine above which that pool
+        does (``None``: what the TTFT SLO allows, :func:`pressure.allowed_queue`)."""
         self.profile = profile
         self.slo = slo
         self.predictor = predictor
@@ -78,6 +89,8 @@ class Planner:
         self.input_tokens = input_tokens
         self.output_tokens = output_tokens
         self.correction_range = correction_range
+        self.kv_usage_limit = kv_usage_limit
+        self.prefill_queue_limit = prefill_queue_limit
         self._last: RouterSnapshot | None = None
         self._breaches = {"prefill": BreachMemory(), "decode": BreachMemory()}
         self._measured_input: float | None = None
@@ -129,21 +142,34 @@ class Planner:
         )
         prefill = prefill_size(self.profile, predicted, self.slo.ttft_ms / prefill_ratio)
         decode = decode_size(self.profile, predicted, self.slo.itl_ms / decode_ratio)
+        prefill_load = snapshot.pool_load("prefill")
+        decode_load = snapshot.pool_load("decode")
+        queue_limit = self.prefill_queue_limit
+        if queue_limit is None:
+            queue_limit = allowed_queue(self.profile, observed.input_tokens, self.slo.ttft_ms)
+        queued = queue_need(prefill_load, snapshot.ready_prefill, queue_limit)
+        kv_full = kv_pressure_need(decode_load, snapshot.ready_decode, self.kv_usage_limit)
         prefill_need, prefill_breach = self._checked(
             "prefill", prefill.replicas, interval, interval.ttft_ms, self.slo.ttft_ms,
-            snapshot.ready_prefill, predicted.rate_rps,
+            snapshot.ready_prefill, predicted.rate_rps, queued,
         )  # fmt: skip
         decode_need, decode_breach = self._checked(
             "decode", decode.replicas, interval, interval.itl_ms, self.slo.itl_ms,
-            snapshot.ready_decode, predicted.rate_rps,
+            snapshot.ready_decode, predicted.rate_rps, kv_full,
         )  # fmt: skip
         return PlanStep(
             interval,
             predicted,
-            PoolPlan(self.prefill.decide(prefill_need), prefill_ratio, prefill, prefill_breach),
-            PoolPlan(self.decode.decide(decode_need), decode_ratio, decode, decode_breach),
+            PoolPlan(
+                self.prefill.decide(prefill_need), prefill_ratio, prefill, prefill_breach,
+                prefill_load, None if queued is None else "queue",
+            ),
+            PoolPlan(
+                self.decode.decide(decode_need), decode_ratio, decode, decode_breach,
+                decode_load, None if kv_full is None else "kv_pressure",
+            ),
             "router" if measured else "flags",
-        )
+        )  # fmt: skip
 
     def _checked(
         self,
@@ -154,14 +180,18 @@ class Planner:
         slo_ms: float,
         ready: int | None,
         predicted_rps: float,
+        pressure_need: int | None,
     ) -> tuple[int, bool]:
-        """``sized`` after the SLO check (:func:`breach_need`) and the pool's memory of the
-        sizes that missed it (:class:`BreachMemory`)."""
+        """``sized`` after the SLO check (:func:`breach_need`), the engines' load
+        (``pressure_need``: a floor, :mod:`services.planner.pressure`) and the pool's memory
+        of the sizes that missed the SLO (:class:`BreachMemory`)."""
         memory = self._breaches[pool]
         memory.tick()
         need, breach = breach_need(sized, observed_ms, slo_ms, ready)
         if breach and ready is not None:
             memory.record(ready, interval.rate_rps)
+        if pressure_need is not None:
+            need = max(need, pressure_need)
         return memory.floor(need, predicted_rps), breach
 
     def _hold(self) -> PlanStep:
@@ -247,6 +277,12 @@ def step_record(step: PlanStep) -> dict[str, object]:
             pool["slo_reachable"] = plan.size.slo_reachable
         if plan.slo_breach:
             pool["slo_breach"] = True
+        if plan.load is not None:
+            pool["queue_depth"] = round(plan.load.queue_depth)
+            pool["running_requests"] = round(plan.load.running_requests)
+            pool["kv_usage"] = _round(plan.load.kv_usage)
+        if plan.pressure is not None:
+            pool["pressure"] = plan.pressure
         record[name] = pool
     return record
 

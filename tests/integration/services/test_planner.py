@@ -127,16 +127,22 @@ async def test_planner_publishes_a_desired_count_per_pool_within_bounds(
         for pool in BOUNDS:
             assert record[pool]["reason"] != "no_metrics", record
             assert "tokens_per_s_per_engine" in record[pool]
+            # The engines' load, as the router relays it, is read for each pool.
+            assert record[pool]["queue_depth"] == 0, record
 
     desired: dict[str, float] = {}
     decisions: dict[tuple[str, str], float] = {}
+    queued: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name == "pdserve_planner_desired_replicas":
                 desired[sample.labels["pool"]] = sample.value
+            elif sample.name == "pdserve_planner_queued_requests":
+                queued[sample.labels["pool"]] = sample.value
             elif sample.name == "pdserve_planner_decisions_total":
                 decisions[(sample.labels["pool"], sample.labels["reason"])] = sample.value
     assert set(desired) == set(BOUNDS)
+    assert queued == {"prefill": 0, "decode": 0}
     for pool, (low, high) in BOUNDS.items():
         assert low <= desired[pool] <= high
         counted = sum(v for (p, r), v in decisions.items() if p == pool and r != "no_metrics")

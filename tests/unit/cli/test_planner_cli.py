@@ -40,3 +40,15 @@ def test_a_minimum_above_the_maximum_is_refused() -> None:
     args = build_parser().parse_args(["planner", "--decode-min", "5", "--decode-max", "4"])
     with pytest.raises(ValidationError, match="decode_min"):
         build_settings(args)
+
+
+def test_the_engine_load_limits_are_flags() -> None:
+    default = build_settings(build_parser().parse_args(["planner"]))
+    assert (default.kv_usage_limit, default.prefill_queue_limit) == (0.9, None)
+    args = build_parser().parse_args(
+        ["planner", "--kv-usage-limit", "0.8", "--prefill-queue-limit", "4"]
+    )
+    settings = build_settings(args)
+    assert (settings.kv_usage_limit, settings.prefill_queue_limit) == (0.8, 4)
+    with pytest.raises(ValidationError, match="kv_usage_limit"):
+        build_settings(build_parser().parse_args(["planner", "--kv-usage-limit", "1.5"]))

@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -18,7 +19,7 @@ from services.planner.config import PlannerSettings
 from services.planner.errors import MetricsUnreadable
 from services.planner.fleet import RouterFleet, read_fleet, resolve_addresses
 from services.planner.main import router_reader
-from services.planner.observe import RouterSnapshot, interval_between
+from services.planner.observe import EngineReport, RouterSnapshot, interval_between
 
 
 def snap(
@@ -210,3 +211,32 @@ def test_the_dns_reader_reads_each_worker_port_of_a_router_pod() -> None:
 def test_worker_ports_need_dns_discovery() -> None:
     with pytest.raises(ValueError, match="router_metrics_ports needs router_discovery='dns'"):
         PlannerSettings(router_metrics_ports=[9300])
+
+
+def test_an_engine_relayed_by_two_routers_counts_once() -> None:
+    def relaying(requests: float, *reports: EngineReport) -> RouterSnapshot:
+        return replace(snap(requests, ready=2), engine_loads=reports)
+
+    d0 = EngineReport("decode-0", "decode", 1, 30, 100, 1000)
+    d1 = EngineReport("decode-1", "decode", 0, 20, 300, 1000)
+    p0 = EngineReport("prefill-0", "prefill", 4, 1, 800, 1000)
+    # Router b read decode-0 one heartbeat later: one more queued, fewer blocks free.
+    d0_later = EngineReport("decode-0", "decode", 2, 30, 60, 1000)
+    fleet = RouterFleet()
+    fleet.add({"a": relaying(0, d0, d1, p0), "b": relaying(0, d0_later, d1, p0)}, 0.0)
+    merged = fleet.add({"a": relaying(5, d0, d1, p0), "b": relaying(5, d0_later, d1, p0)}, 1.0)
+    assert merged.engine_loads is not None and len(merged.engine_loads) == 3
+    decode = merged.pool_load("decode")
+    prefill = merged.pool_load("prefill")
+    assert decode is not None and prefill is not None
+    assert (decode.engines, decode.queue_depth, decode.running_requests) == (2, 2, 50)
+    assert (decode.kv_blocks_free, decode.kv_blocks_total) == (360, 2000)  # not 4000
+    assert (prefill.engines, prefill.queue_depth) == (1, 4)  # not 8
+
+
+def test_engine_loads_are_none_only_when_no_router_relays_them() -> None:
+    d0 = EngineReport("decode-0", "decode", 0, 1, 10, 100)
+    fleet = RouterFleet()
+    assert fleet.add({"a": snap(0), "b": snap(0)}, 0.0).engine_loads is None
+    mixed = fleet.add({"a": snap(1), "b": replace(snap(1), engine_loads=(d0,))}, 1.0)
+    assert mixed.engine_loads == (d0,)

@@ -110,3 +110,51 @@ def test_a_router_without_token_figures_gives_no_lengths() -> None:
     interval = interval_between(before, after)
     assert interval is not None and interval.rate_rps == 2
     assert (interval.input_tokens, interval.output_tokens) == (None, None)
+
+
+def _relay(metrics: RouterMetrics, engine: str, role: str, load: tuple[int, int, int, int]) -> None:
+    """An engine's load as the router relays it (``EnginePool._export_load``): queue depth,
+    running requests, KV blocks free and total."""
+    kinds = ("queue_depth", "running_requests", "kv_blocks_free", "kv_blocks_total")
+    for kind, value in zip(kinds, load, strict=True):
+        metrics.engine_load.labels(engine=engine, role=role, kind=kind).set(value)
+
+
+def test_engines_loads_are_read_per_engine_and_totalled_per_pool() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    _relay(metrics, "prefill-0", "prefill", (3, 2, 900, 1000))
+    _relay(metrics, "prefill-1", "prefill", (5, 2, 1000, 1000))
+    _relay(metrics, "decode-0", "decode", (0, 40, 50, 1000))
+    _relay(metrics, "decode-1", "decode", (1, 60, 150, 1000))
+    _relay(metrics, "both-0", "both", (9, 9, 0, 1000))  # colocated: in neither pool
+    snapshot = parse_router_metrics(_text(metrics), at_s=0.0)
+    assert snapshot.engine_loads is not None and len(snapshot.engine_loads) == 5
+    prefill = snapshot.pool_load("prefill")
+    assert prefill is not None
+    assert (prefill.engines, prefill.queue_depth, prefill.running_requests) == (2, 8, 4)
+    assert prefill.queue_per_engine == 4
+    assert prefill.kv_usage == pytest.approx(0.05)
+    decode = snapshot.pool_load("decode")
+    assert decode is not None
+    assert (decode.kv_blocks_free, decode.kv_blocks_total) == (200, 2000)
+    assert decode.kv_usage == pytest.approx(0.9)
+
+
+def test_a_router_without_engine_loads_gives_none() -> None:
+    bare = RouterMetrics(CollectorRegistry())  # the family is declared, no engine yet
+    snapshot = parse_router_metrics(_text(bare), at_s=0.0)
+    assert snapshot.engine_loads == ()
+    assert snapshot.pool_load("decode") is None
+    older = parse_router_metrics(
+        "# TYPE pdserve_router_requests_total counter\n"
+        'pdserve_router_requests_total{endpoint="completions",outcome="ok"} 3\n',
+        at_s=0.0,
+    )
+    assert older.engine_loads is None and older.pool_load("prefill") is None
+
+
+def test_engines_without_kv_capacity_give_no_kv_usage() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    _relay(metrics, "decode-0", "decode", (2, 1, 0, 0))  # the engine reports no KV blocks
+    decode = parse_router_metrics(_text(metrics), at_s=0.0).pool_load("decode")
+    assert decode is not None and decode.kv_usage is None and decode.queue_depth == 2
