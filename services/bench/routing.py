@@ -22,9 +22,9 @@ a prompt that a request finished before it was sent already had: what a schedule
 every cache, with no evictions, could find cached: the never-evict bound); **prefill cached
 share**: ``usage.prompt_tokens_details.cached_tokens`` summed over requests / reusable tokens;
 **cached share of the live oracle** (the bench follows every engine's KV events itself and
-records, at each send, the longest prefix any prefill engine holds, and any engine at all;
-capped per request: :func:`live_shares`, ``services.bench.routing_oracle``), with the oracle's
-per-engine health (batches applied, losses);
+records, at each send, the longest prefix any engine holds, and any prefill engine; capped per
+request: :func:`live_shares`, ``services.bench.routing_oracle``), with the oracle's per-engine
+health (batches applied, losses);
 **prefill tokens computed** (prompt tokens minus cached ones); **KV bytes moved per request**
 (the engines' ``pdserve_kv_transfer_bytes_total``, delta over the run, over every request);
 **local runs** (requests the decode engine ran alone because it held the prompt: conditional
@@ -378,9 +378,12 @@ def live_shares(done: list[Turn]) -> dict[str, Any]:
     """The cached tokens against the live oracle, over the requests that finished. Each
     request counts at most its oracle's tokens (**capped per request**): a request that found
     more than the oracle said at its send (a block stored meanwhile) does not make up for
-    another that missed. ``cached_share_of_live_oracle`` is over the best engine of the
-    prefill pool, ``..._any_engine`` over the best engine at all (decode engines too);
-    ``..._uncapped`` is plain cached over prefill-pool oracle tokens; ``cached_above_live_oracle``
+    another that missed. ``cached_share_of_live_oracle`` is over the best engine at all: a
+    request the router runs on a decode engine alone (conditional disaggregation) finds that
+    engine's cache, so every engine's cache is what a scheduler could have used;
+    ``cached_share_of_live_prefill_oracle`` is over the best engine of the prefill pool (the
+    bound of a scheduler that always disaggregates; a local run can beat it, capped);
+    ``..._uncapped`` is plain cached over the live oracle's tokens; ``cached_above_live_oracle``
     counts the requests that found more than any engine held at their send."""
     sampled = [(turn, turn.live) for turn in done if turn.live is not None]
     if not sampled:
@@ -394,14 +397,14 @@ def live_shares(done: list[Turn]) -> dict[str, Any]:
         found = sum(min(cached(turn), o) for (turn, _), o in zip(sampled, oracle, strict=True))
         return round(found / total, 4) if total else None
 
-    prefill = [live.prefill_tokens for _, live in sampled]
     anywhere = [live.any_tokens for _, live in sampled]
-    total = sum(prefill)
+    prefill = [live.prefill_tokens for _, live in sampled]
+    total = sum(anywhere)
     return {
         "live_oracle_tokens": total,
-        "live_oracle_any_engine_tokens": sum(anywhere),
-        "cached_share_of_live_oracle": share(prefill),
-        "cached_share_of_live_oracle_any_engine": share(anywhere),
+        "live_prefill_oracle_tokens": sum(prefill),
+        "cached_share_of_live_oracle": share(anywhere),
+        "cached_share_of_live_prefill_oracle": share(prefill),
         "cached_share_of_live_oracle_uncapped": (
             round(sum(cached(turn) for turn, _ in sampled) / total, 4) if total else None
         ),
@@ -422,6 +425,7 @@ def _comparison(results: dict[str, Any]) -> dict[str, Any]:
             for key in (
                 "prefill_cached_share",
                 "cached_share_of_live_oracle",
+                "cached_share_of_live_prefill_oracle",
                 "decode_cached_share",
                 "kv_bytes_moved_per_request",
                 "prefill_tokens_computed",

@@ -119,10 +119,10 @@ def test_shares_of_the_live_oracle_are_capped_per_request() -> None:
         Turn(60, 0, None, ok=True),  # no sample: left out
     ]
     shares = live_shares(done)
-    assert shares["live_oracle_tokens"] == 80
-    assert shares["live_oracle_any_engine_tokens"] == 112
-    assert shares["cached_share_of_live_oracle"] == 0.6  # (32 + 16 + 0) / 80
-    assert shares["cached_share_of_live_oracle_any_engine"] == 0.5714  # (32 + 32 + 0) / 112
-    assert shares["cached_share_of_live_oracle_uncapped"] == 1.0  # 80 / 80
+    assert shares["live_oracle_tokens"] == 112
+    assert shares["live_prefill_oracle_tokens"] == 80
+    assert shares["cached_share_of_live_oracle"] == 0.5714  # (32 + 32 + 0) / 112
+    assert shares["cached_share_of_live_prefill_oracle"] == 0.6  # (32 + 16 + 0) / 80
+    assert shares["cached_share_of_live_oracle_uncapped"] == 0.7143  # 80 / 112
     assert shares["cached_above_live_oracle"] == 1
     assert live_shares([Turn(10, 0, None, ok=True)])["cached_share_of_live_oracle"] is None
