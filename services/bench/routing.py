@@ -12,14 +12,19 @@ Settings (``--policies``; each on a fresh ``pdserve up`` with ``--prefill-replic
 ``--decode-replicas`` engines, per router worker count of ``--router-workers``):
 
 - ``round_robin``: the router's ``round_robin`` policy;
-- ``approximate``: ``prefix_aware`` with engines that publish no KV events (what the router
-  sent, and the reference engine's heartbeat report of its cache);
+- ``approximate``: ``prefix_aware`` with a router that does not follow the KV events
+  (``pdserve router --no-kv-events``: what the router sent, and the reference engine's
+  heartbeat report of its cache); the engines still publish them, for the live oracle;
 - ``precise``: ``prefix_aware`` over the engines' KV-cache events.
 
 Figures per setting (JSON): requests and errors; **reusable** prompt tokens (the full blocks of
 a prompt that a request finished before it was sent already had: what a scheduler that knew
-every cache, with no evictions, could find cached: the oracle); **prefill cached share**:
-``usage.prompt_tokens_details.cached_tokens`` summed over requests / reusable tokens;
+every cache, with no evictions, could find cached: the never-evict bound); **prefill cached
+share**: ``usage.prompt_tokens_details.cached_tokens`` summed over requests / reusable tokens;
+**cached share of the live oracle** (the bench follows every engine's KV events itself and
+records, at each send, the longest prefix any engine holds, and any prefill engine; capped per
+request: :func:`live_shares`, ``services.bench.routing_oracle``), with the oracle's per-engine
+health (batches applied, losses);
 **prefill tokens computed** (prompt tokens minus cached ones); **KV bytes moved per request**
 (the engines' ``pdserve_kv_transfer_bytes_total``, delta over the run, over every request);
 **local runs** (requests the decode engine ran alone because it held the prompt: conditional
@@ -45,13 +50,21 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.bench.routing_oracle import (
+    LiveOracle,
+    LiveSample,
+    NeverEvictOracle,
+    follow_engines,
+)
 from services.bench.soak import percentiles_ms, wait_endpoints
 from services.bench.sse import StreamFailed, completion_events
+from services.config import ControlPlaneSettings, RedisSettings
 from services.supervision import DetachedProcess
 
 SETTINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "round_robin": (("--policy=round_robin",), ()),
-    "approximate": (("--policy=prefix_aware",), ("--no-kv-events",)),
+    # Engines publish (the live oracle reads them); the router does not follow them.
+    "approximate": (("--policy=prefix_aware", "--no-kv-events"), ()),
     "precise": (("--policy=prefix_aware",), ()),
 }
 """Setting -> (router arguments, engine arguments)."""
@@ -100,6 +113,9 @@ class Turn:
 
     prompt_tokens: int
     reusable_tokens: int
+    """The never-evict oracle's (:class:`NeverEvictOracle`)."""
+    live: LiveSample | None = None
+    """The live oracle's, at the send (:class:`LiveOracle`)."""
     ok: bool = False
     cached_tokens: int = 0
     ttft_s: float | None = None
@@ -183,12 +199,18 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         metrics = [str(url) for name, url in endpoints["metrics"].items() if name != "router"]
         moved_before = _kv_bytes(metrics)
         started = time.perf_counter()
-        turns = asyncio.run(_load(args, router, model))
+        control_plane = ControlPlaneSettings(
+            redis=RedisSettings(url=str(endpoints["redis"])),
+            namespace=str(endpoints["namespace"]),
+        )
+        turns, oracle_health = asyncio.run(_load(args, router, model, control_plane))
         elapsed = time.perf_counter() - started
         moved = _kv_bytes(metrics) - moved_before
         model_dir = args.model or work_dir / "tiny-model"
         per_token = _kv_bytes_per_token(model_dir, args.engine, args.dtype)
-        return _summarize(turns, moved, per_token, elapsed)
+        figures = _summarize(turns, moved, per_token, elapsed)
+        figures["live_oracle_engines"] = oracle_health
+        return figures
     finally:
         up.stop()
 
@@ -209,39 +231,19 @@ def _conversations(args: argparse.Namespace) -> list[Conversation]:
     ]
 
 
-class _Oracle:
-    """The chained block keys of every prompt that has finished: a prompt's reusable tokens
-    are its leading full blocks found here (as an engine counts cached tokens: never the
-    prompt's last token)."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.known: set[int] = set()
-
-    def _keys(self, prompt: list[int]) -> list[int]:
-        keys, previous = [], 0
-        size = self.block_size
-        for start in range(0, len(prompt) - size + 1, size):
-            previous = hash((previous, tuple(prompt[start : start + size])))
-            keys.append(previous)
-        return keys
-
-    def reusable(self, prompt: list[int]) -> int:
-        found = 0
-        for key in self._keys(prompt):
-            if key not in self.known:
-                break
-            found += 1
-        limit = (len(prompt) - 1) // self.block_size
-        return min(found, limit) * self.block_size
-
-    def finished(self, prompt: list[int]) -> None:
-        self.known.update(self._keys(prompt))
+async def _load(
+    args: argparse.Namespace, router: str, model: str, control_plane: ControlPlaneSettings
+) -> tuple[list[Turn], dict[str, object]]:
+    async with follow_engines(control_plane) as live:
+        turns = await _conversations_through(args, router, model, live)
+        return turns, live.health()
 
 
-async def _load(args: argparse.Namespace, router: str, model: str) -> list[Turn]:
+async def _conversations_through(
+    args: argparse.Namespace, router: str, model: str, live: LiveOracle
+) -> list[Turn]:
     conversations = _conversations(args)
-    oracle = _Oracle(args.block_size)
+    oracle = NeverEvictOracle(args.block_size)
     turns: list[Turn] = []
     rng = random.Random(args.seed + 1)
     # Idle connections expire before the router's keep-alive (uvicorn: 5 s) closes them.
@@ -255,7 +257,7 @@ async def _load(args: argparse.Namespace, router: str, model: str) -> list[Turn]
             prompt = list(conversation.system)
             for user, reply in conversation.messages:
                 prompt += user
-                turn = Turn(len(prompt), oracle.reusable(prompt))
+                turn = Turn(len(prompt), oracle.reusable(prompt), live.at_send(prompt))
                 turns.append(turn)
                 await _complete(client, model, prompt, args, turn)
                 oracle.finished(prompt)
@@ -365,9 +367,48 @@ def _summarize(
         "kv_bytes_moved_per_request": round(moved_bytes / len(done)) if done else None,
         "decode_cached_share": decode_share,
         "local_runs": sum(turn.path == "local" for turn in done),
+        **live_shares(done),
         "ttft_ms": percentiles_ms([t.ttft_s for t in done if t.ttft_s is not None]),
         "prefill_engines": sorted({t.prefill_engine for t in done if t.prefill_engine}),
         "decode_engines": sorted({t.decode_engine for t in done if t.decode_engine}),
+    }
+
+
+def live_shares(done: list[Turn]) -> dict[str, Any]:
+    """The cached tokens against the live oracle, over the requests that finished. Each
+    request counts at most its oracle's tokens (**capped per request**): a request that found
+    more than the oracle said at its send (a block stored meanwhile) does not make up for
+    another that missed. ``cached_share_of_live_oracle`` is over the best engine at all: a
+    request the router runs on a decode engine alone (conditional disaggregation) finds that
+    engine's cache, so every engine's cache is what a scheduler could have used;
+    ``cached_share_of_live_prefill_oracle`` is over the best engine of the prefill pool (the
+    bound of a scheduler that always disaggregates; a local run can beat it, capped);
+    ``..._uncapped`` is plain cached over the live oracle's tokens; ``cached_above_live_oracle``
+    counts the requests that found more than any engine held at their send."""
+    sampled = [(turn, turn.live) for turn in done if turn.live is not None]
+    if not sampled:
+        return {"live_oracle_tokens": None, "cached_share_of_live_oracle": None}
+
+    def cached(turn: Turn) -> int:
+        return min(turn.cached_tokens, turn.prompt_tokens)
+
+    def share(oracle: list[int]) -> float | None:
+        total = sum(oracle)
+        found = sum(min(cached(turn), o) for (turn, _), o in zip(sampled, oracle, strict=True))
+        return round(found / total, 4) if total else None
+
+    anywhere = [live.any_tokens for _, live in sampled]
+    prefill = [live.prefill_tokens for _, live in sampled]
+    total = sum(anywhere)
+    return {
+        "live_oracle_tokens": total,
+        "live_prefill_oracle_tokens": sum(prefill),
+        "cached_share_of_live_oracle": share(anywhere),
+        "cached_share_of_live_prefill_oracle": share(prefill),
+        "cached_share_of_live_oracle_uncapped": (
+            round(sum(cached(turn) for turn, _ in sampled) / total, 4) if total else None
+        ),
+        "cached_above_live_oracle": sum(cached(turn) > live.any_tokens for turn, live in sampled),
     }
 
 
@@ -383,6 +424,8 @@ def _comparison(results: dict[str, Any]) -> dict[str, Any]:
             key: {"this": figures.get(key), "approximate": baseline.get(key)}
             for key in (
                 "prefill_cached_share",
+                "cached_share_of_live_oracle",
+                "cached_share_of_live_prefill_oracle",
                 "decode_cached_share",
                 "kv_bytes_moved_per_request",
                 "prefill_tokens_computed",

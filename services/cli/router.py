@@ -59,6 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no disaggregation: every request runs on a decode engine alone",
     )
     parser.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not follow the engines' KV-cache events: prefix_aware places by what it sent "
+        "and what engines report (PDSERVE_ROUTER_KV_EVENTS=false)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         help="router processes sharing the port (SO_REUSEPORT; default 1)",
@@ -77,6 +86,7 @@ def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSetti
     names = (
         "host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated",
         "workers", "worker_metrics_port", "frontend", "frontend_args", "served_model_name",
+        "kv_events",
     )  # fmt: skip
     for name in names:
         value = getattr(args, name, None)

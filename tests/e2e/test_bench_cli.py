@@ -147,5 +147,17 @@ def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure() -> N
         assert figures["prefill_tokens_computed"] <= figures["prompt_tokens"]
         assert figures["kv_bytes_moved_per_request"] is not None
         assert figures["ttft_ms"]["count"] == 6
+        # The live oracle followed all four engines (in both settings: the approximate one
+        # turns the events off in the router only) and saw the first turns' blocks.
+        engines = figures["live_oracle_engines"]
+        assert len(engines) == 4 and all(e["batches"] > 0 for e in engines.values()), engines
+        assert not any(e["problems"] for e in engines.values()), engines
+        assert figures["live_oracle_tokens"] > 0, figures
+        assert figures["cached_share_of_live_oracle"] is not None, figures
     row = report["comparison"]["precise/workers=1"]
-    assert set(row) >= {"prefill_cached_share", "kv_bytes_moved_per_request", "ttft_p50_ms"}
+    assert set(row) >= {
+        "prefill_cached_share",
+        "cached_share_of_live_oracle",
+        "kv_bytes_moved_per_request",
+        "ttft_p50_ms",
+    }

@@ -1,10 +1,18 @@
-"""``pdserve bench routing``'s workload and figures: the oracle's reusable tokens, the shares."""
+"""``pdserve bench routing``'s workload and figures: both oracles' tokens, the shares."""
 
 from __future__ import annotations
 
 import argparse
 
-from services.bench.routing import Turn, _conversations, _Oracle, _summarize, add_arguments
+from services.bench.routing import Turn, _conversations, _summarize, add_arguments, live_shares
+from services.bench.routing_oracle import (
+    EngineCache,
+    LiveOracle,
+    LiveSample,
+    NeverEvictOracle,
+)
+from services.control_plane.wire import EngineRole
+from services.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -14,7 +22,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_the_oracle_counts_leading_full_blocks_a_finished_prompt_shared() -> None:
-    oracle = _Oracle(block_size=4)
+    oracle = NeverEvictOracle(block_size=4)
     first = list(range(10))  # two full blocks and a partial one
     assert oracle.reusable(first) == 0
     oracle.finished(first)
@@ -54,3 +62,67 @@ def test_summary_shares() -> None:
     assert figures["prefill_tokens_computed"] == 150 - 64
     assert figures["decode_cached_share"] == 0.5
     assert figures["kv_bytes_moved_per_request"] == 280  # 840 bytes over 3 requests done
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> EventBatch:
+    return EventBatch(0.0, (BlockStored(tuple(hashes), parent, tuple(tokens), 4),))
+
+
+def test_the_live_oracle_follows_each_engines_stores_and_evictions() -> None:
+    prefill = EngineCache("p0", EngineRole.PREFILL, block_size=4)
+    decode = EngineCache("d0", EngineRole.DECODE, block_size=4)
+    oracle = LiveOracle([prefill, decode])
+    prompt = list(range(13))  # three full blocks and one token
+    assert oracle.at_send(prompt) == LiveSample(0, 0)
+    # The prefill engine stores blocks 0-1, then block 2 chained on its hash of block 1.
+    prefill.apply(0, _stored([100, 101], None, list(range(8))))
+    prefill.apply(1, _stored([102], 101, list(range(8, 12))))
+    assert oracle.at_send(prompt) == LiveSample(12, 12)
+    # Never the prompt's last token: a prompt of exactly three held blocks finds two.
+    assert oracle.at_send(list(range(12))) == LiveSample(8, 8)
+    # The decode engine holds the whole prompt's blocks; the prefill engine evicts block 1,
+    # which ends its prefix at block 0 although it still holds block 2.
+    decode.apply(0, _stored([7, 8, 9], None, list(range(12))))
+    prefill.apply(2, EventBatch(0.0, (BlockRemoved((101,)),)))
+    assert oracle.at_send(prompt) == LiveSample(4, 12)
+    # Other tokens in block 0: nothing anywhere.
+    assert oracle.at_send([99, *range(1, 13)]) == LiveSample(0, 0)
+    decode.apply(1, EventBatch(0.0, (AllBlocksCleared(),)))
+    assert oracle.at_send(prompt) == LiveSample(4, 4)
+
+
+def test_the_live_oracle_drops_what_it_cannot_chain_and_an_engine_it_lost() -> None:
+    cache = EngineCache("p0", EngineRole.PREFILL, block_size=4)
+    oracle = LiveOracle([cache])
+    cache.apply(0, _stored([5], 404, list(range(4))))  # a parent it never saw stored
+    cache.apply(1, EventBatch(0.0, (BlockStored((6,), None, tuple(range(8)), 8),)))
+    assert oracle.at_send(list(range(9))) == LiveSample(0, 0)
+    cache.apply(2, _stored([1, 2], None, list(range(8))))
+    assert oracle.at_send(list(range(9))) == LiveSample(8, 8)
+    cache.stale("gap", lost=True)  # removals may be gone: forget everything
+    assert oracle.at_send(list(range(9))) == LiveSample(0, 0)
+    assert oracle.health()["p0"]["problems"] == {
+        "unknown_parent": 1,
+        "block_size": 1,
+        "lost:gap": 1,
+    }
+
+
+def test_shares_of_the_live_oracle_are_capped_per_request() -> None:
+    done = [
+        # Found all the prefill pool held.
+        Turn(60, 48, LiveSample(32, 32), ok=True, cached_tokens=32),
+        # Found more than the oracle said at its send (a block stored meanwhile): counts 16.
+        Turn(60, 48, LiveSample(16, 32), ok=True, cached_tokens=48),
+        # Missed what the prefill pool held; a decode engine held more.
+        Turn(60, 48, LiveSample(32, 48), ok=True, cached_tokens=0),
+        Turn(60, 0, None, ok=True),  # no sample: left out
+    ]
+    shares = live_shares(done)
+    assert shares["live_oracle_tokens"] == 112
+    assert shares["live_prefill_oracle_tokens"] == 80
+    assert shares["cached_share_of_live_oracle"] == 0.5714  # (32 + 32 + 0) / 112
+    assert shares["cached_share_of_live_prefill_oracle"] == 0.6  # (32 + 16 + 0) / 80
+    assert shares["cached_share_of_live_oracle_uncapped"] == 0.7143  # 80 / 112
+    assert shares["cached_above_live_oracle"] == 1
+    assert live_shares([Turn(10, 0, None, ok=True)])["cached_share_of_live_oracle"] is None
