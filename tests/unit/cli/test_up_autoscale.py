@@ -4,7 +4,6 @@ planner that exited or cannot be read changing no pool."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass
 from typing import cast
 
@@ -84,31 +83,45 @@ async def test_a_planner_that_exited_changes_no_pool(capsys: pytest.CaptureFixtu
             poll_s=0.01,
             scale_down_timeout_s=1.0,
         ),
-        timeout=5,
+        timeout=60,  # it returns at once; the bound is only against a hang
     )
     assert children == before
     assert "the pools keep their engines" in capsys.readouterr().err
 
 
 async def test_an_unreadable_planner_holds_the_pools(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}/metrics"
+    """A planner whose metrics port takes connections and answers nothing HTTP: every read
+    fails, the pools keep their engines, and the hold is said once. The stop comes after the
+    third read, not after a time, so a loaded machine reads as often as a quiet one."""
+    stop = asyncio.Event()
+    reads = 0
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal reads
+        reads += 1
+        if reads >= 3:
+            stop.set()
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
     children = [_Engine("prefill-0", "prefill"), _Engine("decode-0", "decode")]
     before = list(children)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.call_later(0.3, stop.set)
-    await asyncio.wait_for(
-        autoscale(
-            _kept(stop),
-            planner=cast(ChildProcess, _Planner(running=True, metrics_url=url)),
-            children=cast(list[ChildProcess], children),
-            new_engine=_never_started,
-            poll_s=0.02,
-            scale_down_timeout_s=1.0,
-        ),
-        timeout=5,
-    )
+    async with server:
+        await asyncio.wait_for(
+            autoscale(
+                _kept(stop),
+                planner=cast(
+                    ChildProcess,
+                    _Planner(running=True, metrics_url=f"http://127.0.0.1:{port}/metrics"),
+                ),
+                children=cast(list[ChildProcess], children),
+                new_engine=_never_started,
+                poll_s=0.02,
+                scale_down_timeout_s=1.0,
+            ),
+            timeout=120,
+        )
+    assert reads >= 3
     assert children == before
     assert capsys.readouterr().out.count("holding, planner unreadable") == 1
