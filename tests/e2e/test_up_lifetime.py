@@ -25,7 +25,7 @@ import pytest
 
 from services.cli.engine import STOP_OVERRUN_S
 from services.serving.ready import pdserve_argv
-from tests.e2e.faults.probes import wait_until
+from tests.e2e.faults.probes import rank_pids, wait_until
 from tests.e2e.up_system import UpSystem, process_tree, still_running, wait_all_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.destructive]
@@ -63,8 +63,11 @@ def test_a_host_stops_within_its_bound_with_redis_hung_and_nothing_outlives_up(
     running = commands(tree)
     for part in ("redis-server", "main prefill", "main decode", "main router"):
         assert any(part in command for command in running), (part, running)
-    # Ranks: two prefill stages and one decode rank.
-    assert sum("multiprocessing.spawn" in command for command in running) >= 3, running
+    # Ranks (the hosts' children, forked): two prefill stages and one decode rank.
+    engines = system.endpoints["engines"]
+    ranks = {name: rank_pids(int(engines[name]["pid"])) for name in ("prefill-0", "decode-0")}
+    assert [len(ranks["prefill-0"]), len(ranks["decode-0"])] == [2, 1], (ranks, running)
+    assert set(ranks["prefill-0"] + ranks["decode-0"]) <= set(still_running(tree)), ranks
 
     redis = next(pid for pid, command in still_running(tree).items() if "redis-server" in command)
     prefill = int(system.endpoints["engines"]["prefill-0"]["pid"])
