@@ -51,31 +51,18 @@ from services.kv_events.events import (
     EngineBlockHash,
     EventBatch,
 )
+from services.kv_events.keys import BlockKey, block_keys, chain
 from services.kv_events.subscriber import EventSubscriber
 
 logger = logging.getLogger(__name__)
 
-BlockKey = int
-"""A block's whole prefix's token ids, chained (:func:`prompt_keys`)."""
-
 ROOT: BlockKey = 0
-"""The key a prompt's first block chains on."""
-
-
-def chain(previous: BlockKey, block: Sequence[int]) -> BlockKey:
-    """The key of ``block`` after the block keyed ``previous`` (a hash of ints: the same in
-    every process)."""
-    return hash((previous, tuple(block)))
+"""The key a prompt's first block chains on (one model: no model or adapter to tell apart)."""
 
 
 def prompt_keys(prompt: Sequence[int], block_size: int) -> list[BlockKey]:
     """Keys of the full blocks of ``prompt``: key ``i`` covers ``[0, (i + 1) * block_size)``."""
-    keys: list[BlockKey] = []
-    previous = ROOT
-    for start in range(0, len(prompt) - block_size + 1, block_size):
-        previous = chain(previous, prompt[start : start + block_size])
-        keys.append(previous)
-    return keys
+    return block_keys(prompt, block_size, ROOT)
 
 
 def countable_blocks(prompt_tokens: int, block_size: int) -> int:

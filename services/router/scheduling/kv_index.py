@@ -34,7 +34,6 @@ Synchronous, on the event loop; no I/O.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,33 +46,10 @@ from services.kv_events.events import (
     EngineBlockHash,
     EventBatch,
 )
+from services.kv_events.keys import BlockKey, block_keys, chain, chain_root
 from services.router.scheduling.pool import EngineSlot
 
-BlockKey = int
-"""pdserve's key of a block: its whole prefix's token ids, chained (:func:`block_keys`)."""
-
-
-def chain_root(model: str, lora_name: str | None = None) -> BlockKey:
-    """The key the first block chains on: the model and the LoRA adapter (a stable digest,
-    not Python's ``hash`` of a string, which differs per process)."""
-    digest = hashlib.blake2b(f"{model}\0{lora_name or ''}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def chain(previous: BlockKey, block: Sequence[int]) -> BlockKey:
-    """The key of ``block`` after the block keyed ``previous``. Python's hash of a tuple of
-    ints is the same in every process."""
-    return hash((previous, tuple(block)))
-
-
-def block_keys(token_ids: Sequence[int], block_size: int, root: BlockKey) -> list[BlockKey]:
-    """Keys of the full blocks of ``token_ids``: key ``i`` covers ``[0, (i + 1) * block_size)``."""
-    keys: list[BlockKey] = []
-    previous = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        previous = chain(previous, token_ids[start : start + block_size])
-        keys.append(previous)
-    return keys
+__all__ = ["BlockKey", "KVIndex", "block_keys", "chain", "chain_root"]
 
 
 class _Inferred(NamedTuple):
