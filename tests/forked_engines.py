@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TypeVar
+
+from services.config import ControlPlaneSettings
+from services.control_plane.wire import EngineRole
+from services.engines.backend import EngineBackend
+from services.engines.standalone import registered_engine
+
+B = TypeVar("B", bound=EngineBackend)
 
 
 @contextlib.contextmanager
@@ -25,3 +33,28 @@ def default_warning_filters() -> Iterator[None]:
             warnings.simplefilter("ignore", category)
         warnings.simplefilter("ignore", ResourceWarning)
         yield
+
+
+@contextlib.asynccontextmanager
+async def registered_forking(
+    settings: ControlPlaneSettings,
+    backend: B,
+    *,
+    engine_id: str,
+    role: EngineRole,
+    ready_timeout_s: float,
+) -> AsyncIterator[B]:
+    """:func:`~services.engines.standalone.registered_engine`, its start (where the engine
+    forks its processes) under :func:`default_warning_filters`."""
+    async with contextlib.AsyncExitStack() as stack:
+        with default_warning_filters():
+            engine = await stack.enter_async_context(
+                registered_engine(
+                    settings,
+                    backend,
+                    engine_id=engine_id,
+                    role=role,
+                    ready_timeout_s=ready_timeout_s,
+                )
+            )
+        yield engine

@@ -31,9 +31,8 @@ from services.engines.reference.local_group import LocalShardGroup
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.sampling import make_generator, sample_token, token_generator
 from services.engines.reference.tiny_model import make_tiny_model
-from services.engines.standalone import registered_engine
 from services.topology import EngineLayout
-from tests.forked_engines import default_warning_filters
+from tests.forked_engines import registered_forking
 
 BLOCK_SIZE = 4
 READY_TIMEOUT_S = 60.0
@@ -90,17 +89,9 @@ async def running_engine(
         ),
         registry=CollectorRegistry(),
     )
-    async with contextlib.AsyncExitStack() as stack:
-        with default_warning_filters():  # the filters the forked ranks keep
-            engine = await stack.enter_async_context(
-                registered_engine(
-                    settings,
-                    backend,
-                    engine_id=engine_id,
-                    role=role,
-                    ready_timeout_s=READY_TIMEOUT_S,
-                )
-            )
+    async with registered_forking(
+        settings, backend, engine_id=engine_id, role=role, ready_timeout_s=READY_TIMEOUT_S
+    ) as engine:
         yield engine
 
 

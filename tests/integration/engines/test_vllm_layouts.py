@@ -45,12 +45,12 @@ from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.errors import KVTransferFailed
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
-from services.engines.standalone import STANDALONE_ENDPOINT, registered_engine
+from services.engines.standalone import STANDALONE_ENDPOINT
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import TransferMode
 from services.engines.vllm.options import VllmEngineOptions
 from services.kv_events.events import BlockStored, KVEvent
-from tests.forked_engines import default_warning_filters
+from tests.forked_engines import registered_forking
 from tests.integration.kv_event_client import EventClient
 
 pytestmark = [
@@ -125,17 +125,9 @@ async def vllm_engine(
     if layer_partition is not None:
         os.environ["VLLM_PP_LAYER_PARTITION"] = layer_partition
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            with default_warning_filters():  # the filters vLLM's forked processes keep
-                engine = await stack.enter_async_context(
-                    registered_engine(
-                        settings,
-                        backend,
-                        engine_id=engine_id,
-                        role=role,
-                        ready_timeout_s=READY_TIMEOUT_S,
-                    )
-                )
+        async with registered_forking(
+            settings, backend, engine_id=engine_id, role=role, ready_timeout_s=READY_TIMEOUT_S
+        ) as engine:
             os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
             yield engine
     finally:
