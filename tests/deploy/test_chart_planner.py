@@ -88,6 +88,8 @@ def test_the_planner_deployment_carries_the_values_as_flags(chart: helm.Chart) -
         inputTokens=2048,
         outputTokens=128,
         stabilizationIntervals=4,
+        kvUsageLimit=0.85,
+        prefillQueueLimit=3,
         metricsPort=9500,
         prefill={"minReplicas": 2, "maxReplicas": 6},
         decode={"minReplicas": 1, "maxReplicas": 12},
@@ -114,6 +116,8 @@ def test_the_planner_deployment_carries_the_values_as_flags(chart: helm.Chart) -
         "--decode-min": "1",
         "--decode-max": "12",
         "--stabilization-intervals": "4",
+        "--kv-usage-limit": "0.85",
+        "--prefill-queue-limit": "3",
         "--metrics-host": "0.0.0.0",
         "--metrics-port": "9500",
     }
@@ -144,7 +148,12 @@ def test_the_rendered_planner_command_is_one_the_planner_accepts(chart: helm.Cha
     assert settings.router_url == "http://demo-pdserve-router-pods:8000"
     assert settings.router_discovery == "dns"
     assert settings.metrics_host == "0.0.0.0"
+    # The engines' own figures: the chart's defaults are the planner's.
+    assert settings.kv_usage_limit == 0.9 and settings.prefill_queue_limit is None
     build_planner(settings)  # the shipped profile name resolves and loads
+    limited = planner_values(kvUsageLimit=1, prefillQueueLimit=0.5)
+    settings = build_settings(build_parser().parse_args(planner_args(render(chart, limited))))
+    assert (settings.kv_usage_limit, settings.prefill_queue_limit) == (1.0, 0.5)
 
 
 def test_the_planner_reads_each_worker_of_every_router_pod(chart: helm.Chart) -> None:
