@@ -1,14 +1,23 @@
 """The suite's time budget, at the end of every run (issue 34): the 20 slowest items (set-up,
 call and tear-down of one test together, as a module-scoped stack's start lands on its first
-test) and the total per module, slowest first, and a warning when the run passed
-:data:`BUDGET_S` (CI gives ``make test`` 90 minutes on a loaded machine; the suite must stay
-well inside it). Loaded from ``tests/conftest.py``."""
+test) and the total per module, slowest first, with the CPU each module used, and a warning
+when the run passed :data:`BUDGET_S` (CI gives ``make test`` 90 minutes on a loaded machine;
+the suite must stay well inside it). Loaded from ``tests/conftest.py``.
+
+CPU is the figure that does not move with the machine's load or with what the other worker
+runs beside: each phase of an item (set-up, call, tear-down) carries, in its report's
+``user_properties``, the CPU seconds its test process and every process it started and
+reaped used since the last phase ended (``getrusage`` of ``RUSAGE_SELF`` and
+``RUSAGE_CHILDREN``: a process counts once reaped, with the descendants it reaped; one that
+outlives its parent unreaped counts nowhere)."""
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 from _pytest.terminal import TerminalReporter
@@ -19,15 +28,38 @@ BUDGET_S = float(os.environ.get("PDSERVE_TEST_BUDGET_S", str(45 * 60)))
 SLOWEST = 20
 
 _item_s: dict[str, float] = defaultdict(float)
+_module_cpu_s: dict[str, float] = defaultdict(float)
 _started = [time.monotonic()]
+_last_cpu_s = [0.0]
+CPU_PROPERTY = "cpu_s"
+
+
+def _cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _started[0] = time.monotonic()
+    _last_cpu_s[0] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    now = _cpu_s()
+    report.user_properties.append((CPU_PROPERTY, now - _last_cpu_s[0]))
+    _last_cpu_s[0] = now
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _item_s[_without_group(report.nodeid)] += report.duration
+    nodeid = _without_group(report.nodeid)
+    _item_s[nodeid] += report.duration
+    for name, value in report.user_properties:
+        if name == CPU_PROPERTY:
+            _module_cpu_s[nodeid.split("::", 1)[0]] += float(value)
 
 
 def _without_group(nodeid: str) -> str:
@@ -51,10 +83,14 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     write(f"the {SLOWEST} slowest items (set-up + call + tear-down):")
     for nodeid, seconds in sorted(_item_s.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         write(f"  {seconds:8.1f}s  {nodeid}")
-    write("per module, slowest first (a module runs in one worker):")
+    cpu_total = sum(_module_cpu_s.values())
+    write(
+        f"per module, slowest first (a module runs in one worker; CPU: its test process and "
+        f"what it started, {cpu_total:.0f} s in all):"
+    )
     for module, seconds in sorted(by_module.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
-            write(f"  {seconds:8.1f}s  {module}")
+            write(f"  {seconds:8.1f}s  {_module_cpu_s.get(module, 0.0):8.1f}s CPU  {module}")
     if elapsed > BUDGET_S:
         write(
             f"WARNING: this run took {elapsed / 60:.1f} min, past the suite's budget of "

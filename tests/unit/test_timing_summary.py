@@ -26,6 +26,11 @@ def test_the_summary_lists_slow_items_and_modules_and_warns_past_the_budget(
         "import time\n\nimport pytest\n\n\n@pytest.mark.xdist_group('g')\n"
         "def test_b():\n    time.sleep(1.1)\n"
     )
+    (tmp_path / "test_c.py").write_text(  # CPU in a process it starts: counted once reaped
+        "import subprocess, sys\n\ndef test_burns():\n    subprocess.run([sys.executable, '-c', "
+        "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 1.2: pass'],"
+        " check=True)\n"
+    )
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.timing", "-p", "no:cacheprovider",
          "-q", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path),
@@ -41,9 +46,20 @@ def test_the_summary_lists_slow_items_and_modules_and_warns_past_the_budget(
     assert run.returncode == 0, out + run.stderr
     slowest = out.split("slowest items")[1].split("per module")[0].splitlines()[1:]
     assert "@" not in "".join(slowest), out  # no pytest-xdist group suffix
-    assert "test_b.py::test_b" in slowest[0] and "test_a.py::test_slow" in slowest[1], out
-    modules = out.split("per module, slowest first")[1].splitlines()[1:]
-    assert "test_b.py" in modules[0], out  # 1.1 s; test_a.py (0.3 s) is under the 1 s floor
+    order = [line.split()[-1].rsplit("/", 1)[-1] for line in slowest if line.strip()]
+    assert order.index("test_b.py::test_b") < order.index("test_a.py::test_slow"), out
+    modules = [
+        line for line in out.split("per module, slowest first")[1].splitlines()[1:]
+        if line.strip().endswith(".py")
+    ]  # fmt: skip
+    listed = {line.split()[-1].rsplit("/", 1)[-1]: line.split() for line in modules if line}
+    # test_a.py (0.3 s) is under the 1 s floor; the others are listed, slowest first.
+    assert set(listed) == {"test_b.py", "test_c.py"}, out
+    walls = [float(line.split()[0].rstrip("s")) for line in modules if line]
+    assert walls == sorted(walls, reverse=True), out
+    # wall, CPU, "CPU", module: the sleeping test used next to none, the burning one its 1.2 s.
+    assert float(listed["test_b.py"][1].rstrip("s")) < 0.5, out
+    assert float(listed["test_c.py"][1].rstrip("s")) >= 1.2, out
     assert "past the suite's budget of 0 min" in out, out
     header = next(line for line in out.splitlines() if "time budget:" in line)
     assert ("2 workers side by side" in header) == (workers == "2"), header
