@@ -15,8 +15,9 @@ client). Goodput: requests per second that met them (arrivals within the measure
   at ``--max-prefill`` / ``--max-decode`` and against ``pdserve up --autoscale`` (starting at
   one engine a pool, the planner bounded by the same maxima, planning for the same SLOs and
   lengths, at ``--planner-headroom`` of the SLOs: the planner sizes for mean latencies, the
-  attainment counts each request): SLO attainment, engine-seconds (the engines
-  ``endpoints.json`` lists, sampled every 0.5 s) and lost requests.
+  attainment counts each request): SLO attainment, engine-seconds (the engine processes
+  ``pdserve up`` runs, from their start to their exit, sampled every 0.5 s: an engine that is
+  starting or draining holds its GPU too) and lost requests.
 
 - **fidelity** (``--fidelity``): a 1P1D simulated stack measured as ``pdserve profile``
   measures a real one (:mod:`services.bench.profile`: TTFT of single prompts of
@@ -46,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import random
 import tempfile
@@ -57,6 +57,7 @@ from typing import Any
 
 import httpx
 
+from services.bench.procs import children_with_arg
 from services.bench.profile import Sweep, measure_itl, measure_ttft
 from services.bench.soak import percentiles_ms, wait_endpoints
 from services.bench.sse import StreamFailed, completion_events
@@ -487,11 +488,9 @@ async def _sample_engines(stack: _Stack, begin: float) -> None:
 
 
 def _engine_count(stack: _Stack) -> int:
-    try:
-        endpoints = json.loads((stack.work_dir / "endpoints.json").read_text())
-    except (OSError, ValueError):
-        return stack.samples[-1][1] if stack.samples else 0
-    return len(endpoints.get("engines", {}))
+    """Engine hosts ``pdserve up`` runs now: started, READY or draining (an engine holds its
+    GPU from its start to its exit, whether or not it serves)."""
+    return len(children_with_arg(stack.up.pid, "--engine-id"))
 
 
 async def _stream(

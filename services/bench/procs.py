@@ -29,6 +29,24 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
+def children_with_arg(pid: int, arg: str) -> list[int]:
+    """The live processes whose parent is ``pid`` and whose command line holds ``arg``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is None or int(fields[1]) != pid:
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if arg.encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every live process below it."""
     children: dict[int, list[int]] = {}

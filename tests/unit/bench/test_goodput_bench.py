@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from services.bench.goodput import (
     _versus,
     fidelity_output_tokens,
 )
+from services.bench.procs import children_with_arg
 from services.engines.sim.profile import load_profile
 
 
@@ -73,3 +77,19 @@ def test_the_sweep_plot_is_a_png_of_goodput_by_rate_per_layout(tmp_path: Path) -
     path = tmp_path / "plots" / "goodput.png"
     _plot(sweep, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_engine_processes_are_counted_from_their_command_line() -> None:
+    """``bench goodput``'s engine-seconds count ``pdserve up``'s children that are engine hosts
+    (``--engine-id`` in their command line) from start to exit, and nothing else."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    engine = subprocess.Popen([*sleep, "--engine-id", "decode-0"])
+    other = subprocess.Popen([*sleep, "--engine-idx"])
+    try:
+        found = children_with_arg(os.getpid(), "--engine-id")
+        assert engine.pid in found and other.pid not in found
+    finally:
+        for child in (engine, other):
+            child.kill()
+            child.wait()
+    assert engine.pid not in children_with_arg(os.getpid(), "--engine-id")
