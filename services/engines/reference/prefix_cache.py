@@ -7,6 +7,11 @@ cached block is never written again (a request writes its new tokens after its p
 its own blocks). The cache holds one reference on every cached block (in the scheduler's
 :class:`~services.kv_transfer.allocator.BlockAllocator`); a cached block no request uses is
 *evictable*: it counts as free and is evicted least recently used first when blocks run out.
+Within one prompt the tail is older than the head (as vLLM frees a request's blocks in reverse
+order, so that its tail blocks are evicted first): every use of a prompt's blocks (a match, an
+insert) refreshes them last block first, so a cache under pressure shortens a cached prefix
+from its end instead of breaking it at its first block, which would leave the rest unreachable
+(a hit needs every block before it).
 
 At most ``len(prompt) - 1`` tokens are served from the cache: the last prompt token is always
 computed, because its logits give the first token. Requests that want prompt logprobs bypass
@@ -76,19 +81,28 @@ class PrefixCache:
         """The cached blocks of ``prompt``'s longest cached prefix (at most ``len - 1``
         tokens), each with one more reference for the caller (who frees them like its own)."""
         self.queries += 1
+        found = self._leading_blocks(block_keys(prompt, self._block_size, len(prompt) - 1))
+        if found:
+            self.hits += 1
+            self._allocator.incref(found)
+            self._refresh(found)
+        return found
+
+    def _leading_blocks(self, keys: Sequence[int]) -> list[int]:
+        """The cached blocks of ``keys`` up to the first one not cached."""
         found: list[int] = []
-        for key in block_keys(prompt, self._block_size, len(prompt) - 1):
+        for key in keys:
             block = self._blocks.get(key)
             if block is None:
                 break
             found.append(block)
-        if found:
-            self.hits += 1
-            self.version += 1
-            self._allocator.incref(found)
-            for block in found:
-                self._keys.move_to_end(block)
         return found
+
+    def _refresh(self, blocks: Sequence[int]) -> None:
+        """Most recently used now, the first block most of all (see the module docstring)."""
+        for block in reversed(blocks):
+            self._keys.move_to_end(block)
+        self.version += 1
 
     def allocate(self, count: int) -> list[int]:
         """``count`` blocks with one owner each, evicting least recently used cached blocks
@@ -122,8 +136,10 @@ class PrefixCache:
             run.append(index)
         self._stored(prompt, keys, run)
         if added:
-            self.version += 1
             self._allocator.incref(added)
+        cached = self._leading_blocks(keys)
+        if cached:
+            self._refresh(cached)
 
     def reset(self) -> bool:
         """Drop every cached block (vLLM's ``reset_prefix_cache``); ``False``, and nothing

@@ -44,8 +44,29 @@ def test_evicted_blocks_are_block_removed_by_their_keys() -> None:
     keys = block_keys(prompt, SIZE, len(prompt))
     prefix.take_events()
     prefix.allocate(3)  # one free block: the two least recently used cached ones go
-    assert prefix.take_events() == [BlockRemoved(tuple(keys))]
+    assert prefix.take_events() == [BlockRemoved(tuple(reversed(keys)))]  # the tail first
     assert prefix.num_cached == 0
+
+
+def test_pressure_shortens_a_cached_prefix_from_its_end() -> None:
+    """As vLLM evicts a request's tail blocks first: what is left of a prefix under pressure
+    is still a hit. Evicting its first block instead would leave every other block cached
+    and unreachable (a hit needs each block before it)."""
+    prefix = cache(blocks=6)
+    prompt = list(range(17))  # four full blocks
+    blocks = prefix.allocate(4)
+    prefix.insert(prompt, blocks)
+    prefix._allocator.free(blocks)
+    keys = block_keys(prompt, SIZE, len(prompt))
+    prefix.take_events()
+    other = prefix.allocate(3)  # two free blocks: one cached block goes, the last
+    assert prefix.take_events() == [BlockRemoved((keys[3],))]
+    hit = prefix.match(prompt)
+    assert hit == blocks[:3]
+    prefix._allocator.free([*hit, *other])
+    # A hit refreshes the prefix head first as well: the next eviction again takes its tail.
+    prefix.allocate(6)
+    assert prefix.take_events() == [BlockRemoved((keys[2], keys[1], keys[0]))]
 
 
 def test_reset_clears_everything_only_when_no_request_uses_a_cached_block() -> None:
