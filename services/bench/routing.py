@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import tempfile
@@ -105,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
+    parser.add_argument(
+        "--turns-out",
+        type=Path,
+        default=None,
+        help="folder for one JSON line per request of each setting (<policy>-<workers>.jsonl): "
+        "its tokens, cached tokens, the live oracle per engine at its send, its engines, path",
+    )
 
 
 @dataclass
@@ -125,6 +133,9 @@ class Turn:
     """``x-pdserve-execution-path``: ``disaggregated``, or ``local`` (the decode engine ran it
     alone: it held the prompt, so nothing moved)."""
     error: str | None = None
+    conversation: int = 0
+    """Which conversation and which of its turns (0 first)."""
+    index: int = 0
 
 
 @dataclass
@@ -210,9 +221,18 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         per_token = _kv_bytes_per_token(model_dir, args.engine, args.dtype)
         figures = _summarize(turns, moved, per_token, elapsed)
         figures["live_oracle_engines"] = oracle_health
+        if args.turns_out is not None:
+            _write_turns(args.turns_out / f"{policy}-{workers}.jsonl", turns)
         return figures
     finally:
         up.stop()
+
+
+def _write_turns(path: Path, turns: list[Turn]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for turn in turns:
+            out.write(json.dumps(dataclasses.asdict(turn)) + "\n")
 
 
 def _conversations(args: argparse.Namespace) -> list[Conversation]:
@@ -252,12 +272,13 @@ async def _conversations_through(
     )
     async with httpx.AsyncClient(base_url=router, limits=limits) as client:
 
-        async def chat(conversation: Conversation, delay_s: float) -> None:
+        async def chat(number: int, conversation: Conversation, delay_s: float) -> None:
             await asyncio.sleep(delay_s)
             prompt = list(conversation.system)
-            for user, reply in conversation.messages:
+            for index, (user, reply) in enumerate(conversation.messages):
                 prompt += user
                 turn = Turn(len(prompt), oracle.reusable(prompt), live.at_send(prompt))
+                turn.conversation, turn.index = number, index
                 turns.append(turn)
                 await _complete(client, model, prompt, args, turn)
                 oracle.finished(prompt)
@@ -267,7 +288,12 @@ async def _conversations_through(
         for _ in conversations:
             delays.append(at)
             at += rng.expovariate(args.rate)
-        await asyncio.gather(*(chat(c, d) for c, d in zip(conversations, delays, strict=True)))
+        await asyncio.gather(
+            *(
+                chat(number, c, d)
+                for number, (c, d) in enumerate(zip(conversations, delays, strict=True))
+            )
+        )
     return turns
 
 

@@ -37,7 +37,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq.asyncio
 
@@ -183,6 +183,8 @@ class LiveSample:
 
     prefill_tokens: int
     any_tokens: int
+    by_engine: dict[str, int] = field(default_factory=dict, compare=False)
+    """Each engine's tokens (its name in the control plane)."""
 
 
 class LiveOracle:
@@ -193,17 +195,18 @@ class LiveOracle:
 
     def at_send(self, prompt: Sequence[int]) -> LiveSample:
         prefill = everywhere = 0
+        by_engine: dict[str, int] = {}
         keys_by_size: dict[int, list[BlockKey]] = {}
         for cache in self.caches:
             size = cache.block_size
             if size not in keys_by_size:
                 keys_by_size[size] = prompt_keys(prompt, size)
             blocks = min(cache.matched(keys_by_size[size]), countable_blocks(len(prompt), size))
-            tokens = blocks * size
+            tokens = by_engine[cache.name] = blocks * size
             everywhere = max(everywhere, tokens)
             if cache.prefill:
                 prefill = max(prefill, tokens)
-        return LiveSample(prefill, everywhere)
+        return LiveSample(prefill, everywhere, by_engine)
 
     def health(self) -> dict[str, object]:
         """Per engine: batches applied, blocks held now, and what went wrong (by reason)."""

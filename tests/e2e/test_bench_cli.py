@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
     assert clients["router_cpu_ratio"] > 0
 
 
-def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure() -> None:
+def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure(tmp_path: Path) -> None:
     """A short ``pdserve bench routing`` (issue 31 deliverable 4): the approximate and precise
     settings, each on its own fresh ``pdserve up`` of reference engines, answer every turn of a
     few two-turn conversations and report the figures docs/benchmarks.md quotes, with the
@@ -131,6 +132,8 @@ def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure() -> N
             "2",
             "--system-tokens",
             "64",
+            "--turns-out",
+            str(tmp_path),
         ],
         capture_output=True,
         text=True,
@@ -154,6 +157,17 @@ def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure() -> N
         assert not any(e["problems"] for e in engines.values()), engines
         assert figures["live_oracle_tokens"] > 0, figures
         assert figures["cached_share_of_live_oracle"] is not None, figures
+    # One line per request of each setting: where it went beside what each engine held.
+    for setting in ("approximate-1", "precise-1"):
+        lines = (tmp_path / f"{setting}.jsonl").read_text().splitlines()
+        turns = [json.loads(line) for line in lines]
+        assert sorted((t["conversation"], t["index"]) for t in turns) == [
+            (c, i) for c in range(3) for i in range(2)
+        ]
+        for turn in turns:
+            assert turn["ok"] and turn["decode_engine"], turn
+            assert len(turn["live"]["by_engine"]) == 4, turn
+            assert turn["live"]["any_tokens"] == max(turn["live"]["by_engine"].values()), turn
     row = report["comparison"]["precise/workers=1"]
     assert set(row) >= {
         "prefill_cached_share",
