@@ -424,7 +424,8 @@ class VllmBackend(EngineBackend):
                 usage=Usage(
                     len(request.prompt_token_ids),
                     produced,
-                    cache_write_tokens=int(output.num_cache_creation_tokens or 0),
+                    int(output.num_cached_tokens or 0),
+                    int(output.num_cache_creation_tokens or 0),
                 )
                 if reason
                 else None,

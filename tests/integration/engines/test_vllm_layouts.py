@@ -42,7 +42,7 @@ from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
+from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams, Usage
 from services.engines.errors import KVTransferFailed
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.engines.standalone import STANDALONE_ENDPOINT
@@ -163,6 +163,17 @@ async def colocated(engine: VllmBackend, tokens: tuple[int, ...]) -> tuple[int, 
         assert delta.error is None, delta.error
         out.extend(delta.token_ids)
     return tuple(out)
+
+
+async def local_usage(engine: VllmBackend, tokens: tuple[int, ...]) -> Usage:
+    """A local run's (decode without a handle: the router's ``local`` path) final usage."""
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    usage = None
+    async for delta in engine.decode(DecodeRequest(f"loc-{uuid.uuid4().hex}", tokens, sampling)):
+        assert delta.error is None, delta.error
+        usage = delta.usage or usage
+    assert usage is not None, "no usage on the last delta"
+    return usage
 
 
 async def disaggregated(
@@ -306,6 +317,17 @@ async def test_vllm_publishes_kv_events_at_the_endpoints_in_its_record(
     finally:
         client.close()
         context.destroy(linger=0)
+
+
+async def test_a_local_run_reports_the_prefix_it_found_cached(prefill_pp2: VllmBackend) -> None:
+    """Issue 31: a request the router runs on one engine alone reports vLLM's cached tokens
+    (``usage.prompt_tokens_details.cached_tokens`` comes from here); it reported 0, so every
+    local run on vLLM read as a cache miss."""
+    tokens = prompt(3 * BLOCK_SIZE + 7, 990)
+    first = await local_usage(prefill_pp2, tokens)
+    assert (first.prompt_tokens, first.cached_tokens) == (len(tokens), 0)
+    again = await local_usage(prefill_pp2, tokens)
+    assert (again.prompt_tokens, again.cached_tokens) == (len(tokens), 3 * BLOCK_SIZE)
 
 
 class TestDecodeTP2:
