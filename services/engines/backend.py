@@ -326,6 +326,10 @@ class TokenDelta:
     """Set with ``FinishReason.ERROR``: what went wrong, for the client."""
     kv_transfer_s: float | None = None
     """On the first delta of a disaggregated request: time spent pulling the KV."""
+    cached_tokens: int | None = None
+    """On the first delta of a local request (no KV handle): prompt tokens found in the
+    engine's prefix cache (the last delta's ``usage`` says it again; a streamed answer's
+    front end needs it from its first chunk)."""
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per id of ``token_ids``, when ``sampling.logprobs`` is set."""
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()

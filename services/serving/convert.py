@@ -181,7 +181,7 @@ def idle_timeout_from_proto(message: decode_pb2.DecodeRequest) -> float:
 
 def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
     """Several consecutive steps as one: ids and text joined; the finish, usage and error of
-    the last; the KV transfer time of the first that has one."""
+    the last; the KV transfer time and the cached tokens of the first that has one."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
@@ -192,6 +192,7 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
         usage=last.usage,
         error=last.error,
         kv_transfer_s=next((d.kv_transfer_s for d in deltas if d.kv_transfer_s is not None), None),
+        cached_tokens=next((d.cached_tokens for d in deltas if d.cached_tokens is not None), None),
         logprobs=tuple(entry for delta in deltas for entry in delta.logprobs),
         prompt_logprobs=tuple(entry for delta in deltas for entry in delta.prompt_logprobs),
         choice=last.choice,
@@ -281,6 +282,8 @@ def delta_to_proto(delta: TokenDelta) -> decode_pb2.DecodeChunk:
         chunk.usage.CopyFrom(usage_to_proto(delta.usage))
     if delta.kv_transfer_s is not None:
         chunk.kv_transfer_s = delta.kv_transfer_s
+    if delta.cached_tokens is not None:
+        chunk.cached_tokens = delta.cached_tokens
     if delta.choice:
         chunk.choice = delta.choice
     return chunk
@@ -297,6 +300,7 @@ def delta_from_proto(chunk: decode_pb2.DecodeChunk) -> TokenDelta:
         usage=usage_from_proto(chunk.usage) if chunk.HasField("usage") else None,
         error=chunk.error or None,
         kv_transfer_s=chunk.kv_transfer_s if chunk.HasField("kv_transfer_s") else None,
+        cached_tokens=chunk.cached_tokens if chunk.HasField("cached_tokens") else None,
         logprobs=tuple(map(logprobs_from_proto, logprobs)) if logprobs else (),
         prompt_logprobs=tuple(map(logprobs_from_proto, prompt_logprobs)) if prompt_logprobs else (),
         choice=chunk.choice,

@@ -349,3 +349,62 @@ def test_refused_as_vllm_or_naming_what_pdserve_lacks(system: UpSystem) -> None:
     )
     assert ignored.status_code == 200, ignored.text
     assert json.loads(ignored.text)["usage"]["completion_tokens"] == 2
+
+
+@pytest.fixture(scope="module")
+def local_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
+    """A router with vLLM's front end on the same engines that runs a prompt the decode engine
+    holds there alone (the default ``local_cached_fraction``), reporting cached tokens."""
+    router, announced = start_router(
+        system,
+        "--tokenizer", str(model_dir), "--frontend", "vllm",
+        "--frontend-arg=--enable-prompt-tokens-details",
+    )  # fmt: skip
+    try:
+        url = str(announced["url"])
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the third router never saw the engines"
+            time.sleep(0.2)
+        yield url
+    finally:
+        router.terminate()
+        router.wait(timeout=60)
+        if router.stdout is not None:
+            router.stdout.close()
+
+
+def test_a_local_run_reports_its_cached_tokens_streamed_and_not(local_router: str) -> None:
+    """Issue 31: a prompt the decode engine holds runs there alone, and the answer's
+    ``usage.prompt_tokens_details.cached_tokens`` says what it found, streamed too. vLLM's
+    front end takes cached tokens from a request's first output; a local run's came only with
+    its last delta, so every local run read 0."""
+    prompt = " ".join(f"w{i}" for i in range(60))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    first = post(local_router, "/v1/completions", body)
+    assert first.status_code == 200, first.text
+    prompt_tokens = first.json()["usage"]["prompt_tokens"]
+    # The decode engine's KV events reach the router within moments: until they have, the
+    # repeat is disaggregated again.
+    deadline = time.monotonic() + 60
+    while True:
+        whole = post(local_router, "/v1/completions", body)
+        if whole.headers["x-pdserve-execution-path"] == "local":
+            break
+        assert time.monotonic() < deadline, "no repeat ran on the decode engine alone"
+        time.sleep(0.5)
+    cached = whole.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert prompt_tokens // 2 <= cached < prompt_tokens, whole.json()["usage"]
+    streamed = post(
+        local_router,
+        "/v1/completions",
+        {**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert streamed.headers["x-pdserve-execution-path"] == "local", streamed.headers
+    events = [
+        json.loads(line[len("data: ") :])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    usage = events[-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == cached, usage

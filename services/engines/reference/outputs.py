@@ -159,14 +159,19 @@ def token_delta(
     logprobs: tuple[TokenLogprobs, ...] = (),
 ) -> TokenDelta:
     """A decoding sequence's next delta (its KV transfer time and prompt logprobs on the
-    first; usage on the last)."""
+    first, and a local request's cached tokens; usage on the last)."""
     kv_s, request.kv_transfer_s = request.kv_transfer_s, None
+    cached = None
+    if request.kind != "remote" and not request.cached_tokens_sent:
+        request.cached_tokens_sent = True
+        cached = request.cached_tokens
     return TokenDelta(
         token_ids,
         text,
         finish,
         usage(request) if finish is not None else None,
         kv_transfer_s=kv_s,
+        cached_tokens=cached,
         logprobs=logprobs,
         prompt_logprobs=take_prompt_logprobs(request),
         choice=request.choice,

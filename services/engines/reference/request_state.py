@@ -117,6 +117,8 @@ class EngineRequest:
     prompt_logprobs_sent: bool = False
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    cached_tokens_sent: bool = False
+    """A local request's first delta said ``cached_tokens`` (:func:`~.outputs.token_delta`)."""
     cache_write_tokens: int = 0
     """Prompt tokens this request computed into full blocks the prefix cache took (vLLM's
     ``num_cache_creation_tokens``: full prompt blocks less the cached ones)."""

@@ -429,6 +429,11 @@ class VllmBackend(EngineBackend):
                 )
                 if reason
                 else None,
+                cached_tokens=(
+                    int(output.num_cached_tokens or 0)
+                    if first and request.kv_handle is None
+                    else None
+                ),
                 logprobs=output_logprobs(
                     completion.token_ids, completion.logprobs, sampling.logprobs
                 ),

@@ -243,6 +243,8 @@ class EngineCalls:
                 f"{delta.error or 'no reason given'}",
                 code="decode_failed",
             )
+        if local_first_leg and delta.cached_tokens is not None:
+            info.cached_tokens = delta.cached_tokens  # before the first chunk is answered
         if local_first_leg and delta.usage is not None:
             info.cached_tokens = delta.usage.cached_tokens
             info.cache_write_tokens = delta.usage.cache_write_tokens

@@ -166,13 +166,17 @@ async def colocated(engine: VllmBackend, tokens: tuple[int, ...]) -> tuple[int, 
 
 
 async def local_usage(engine: VllmBackend, tokens: tuple[int, ...]) -> Usage:
-    """A local run's (decode without a handle: the router's ``local`` path) final usage."""
+    """A local run's (decode without a handle: the router's ``local`` path) final usage, after
+    checking that its first delta, and only that one, said the same cached tokens."""
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    usage = None
-    async for delta in engine.decode(DecodeRequest(f"loc-{uuid.uuid4().hex}", tokens, sampling)):
-        assert delta.error is None, delta.error
-        usage = delta.usage or usage
+    deltas = [
+        delta
+        async for delta in engine.decode(DecodeRequest(f"loc-{uuid.uuid4().hex}", tokens, sampling))
+    ]
+    assert all(delta.error is None for delta in deltas), deltas
+    usage = deltas[-1].usage
     assert usage is not None, "no usage on the last delta"
+    assert [d.cached_tokens for d in deltas] == [usage.cached_tokens] + [None] * (len(deltas) - 1)
     return usage
 
 

@@ -153,6 +153,9 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     assert cache is not None and cache.num_cached == 2
     # Cached blocks nobody uses count as free.
     assert scheduler.free_blocks() == 16 and scheduler.allocator.free_count == 14
+    # A local request's first delta says what it found cached (streamed front ends answer
+    # with it from their first chunk), once; the first request found nothing.
+    assert [d.cached_tokens for d in first.items if isinstance(d, TokenDelta)] == [0, None]
     again = ListSink()
     scheduler.submit("b", "generate", [*prompt, 99], SamplingParams(max_tokens=2), again)
     step = scheduler.schedule()
@@ -160,6 +163,7 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     scheduler.complete_step(step, logits_for(65, 1))
     scheduler.deliver_all()
     assert run_to_end(scheduler, again).usage == Usage(11, 2, 8, 0)  # nothing new to write
+    assert [d.cached_tokens for d in again.items if isinstance(d, TokenDelta)] == [8, None]
     # A prompt of exactly two blocks reuses one (its last token is always computed).
     exact = ListSink()
     scheduler.submit("c", "generate", prompt[:8], SamplingParams(max_tokens=1), exact)

@@ -203,6 +203,8 @@ def test_deltas_round_trip() -> None:
     usage = Usage(prompt_tokens=3, completion_tokens=4)
     deltas = [
         TokenDelta((1, 2), "ab", kv_transfer_s=0.01),
+        TokenDelta((7,), "g", cached_tokens=96),
+        TokenDelta((8,), "h", cached_tokens=0),  # none found: 0, not absent
         TokenDelta((3,), "c"),
         TokenDelta((), "", FinishReason.STOP, usage),
         TokenDelta((), "", FinishReason.ERROR, usage, error="rank 1 died"),
@@ -210,6 +212,16 @@ def test_deltas_round_trip() -> None:
     for delta in deltas:
         wire = decode_pb2.DecodeChunk.FromString(convert.delta_to_proto(delta).SerializeToString())
         assert convert.delta_from_proto(wire) == delta
+
+
+def test_merged_deltas_keep_the_first_deltas_cached_tokens() -> None:
+    """DecodeOnce merges a run's steps: a local run's cached tokens (on its first delta) and the
+    last delta's usage both survive."""
+    usage = Usage(prompt_tokens=100, completion_tokens=2, cached_tokens=96)
+    merged = convert.merge_deltas(
+        [TokenDelta((1,), "a", cached_tokens=96), TokenDelta((2,), "b", FinishReason.LENGTH, usage)]
+    )
+    assert (merged.cached_tokens, merged.usage, merged.token_ids) == (96, usage, (1, 2))
 
 
 def test_unknown_finish_reason_reads_as_error() -> None:

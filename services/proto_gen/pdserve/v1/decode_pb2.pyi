@@ -117,6 +117,7 @@ class DecodeChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text completed by these tokens (may lag the ids)."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -126,6 +127,11 @@ class DecodeChunk(_message.Message):
     """On the first chunk of a disaggregated request: seconds spent pulling the KV."""
     choice: _builtins.int
     """With forks: the choice these tokens belong to (each fork's last chunk has its finish)."""
+    cached_tokens: _builtins.int
+    """On the first chunk of a local request (no kv_handle): the prompt tokens this engine found
+    in its prefix cache (usage.cached_tokens says it again on the last chunk), so a caller
+    that reports them before the request ends (a streamed answer) has them from the start.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -152,13 +158,19 @@ class DecodeChunk(_message.Message):
         logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
         choice: _builtins.int = ...,
+        cached_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "kv_transfer_s", b"kv_transfer_s", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_kv_transfer_s", b"_kv_transfer_s", "cached_tokens", b"cached_tokens", "kv_transfer_s", b"kv_transfer_s", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s", "choice", b"choice", "error", b"error", "finish_reason", b"finish_reason", "kv_transfer_s", b"kv_transfer_s", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_kv_transfer_s", b"_kv_transfer_s", "cached_tokens", b"cached_tokens", "choice", b"choice", "error", b"error", "finish_reason", b"finish_reason", "kv_transfer_s", b"kv_transfer_s", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cached_tokens: _TypeAlias = _typing.Literal["cached_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_tokens: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens"]  # noqa: Y015
     _WhichOneofReturnType__kv_transfer_s: _TypeAlias = _typing.Literal["kv_transfer_s"]  # noqa: Y015
     _WhichOneofArgType__kv_transfer_s: _TypeAlias = _typing.Literal["_kv_transfer_s", b"_kv_transfer_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_tokens) -> _WhichOneofReturnType__cached_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_transfer_s) -> _WhichOneofReturnType__kv_transfer_s | None: ...
 
 Global___DecodeChunk: _TypeAlias = DecodeChunk  # noqa: Y015
