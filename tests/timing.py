@@ -9,7 +9,9 @@ runs beside: each phase of an item (set-up, call, tear-down) carries, in its rep
 ``user_properties``, the CPU seconds its test process and every process it started and
 reaped used since the last phase ended (``getrusage`` of ``RUSAGE_SELF`` and
 ``RUSAGE_CHILDREN``: a process counts once reaped, with the descendants it reaped; one that
-outlives its parent unreaped counts nowhere)."""
+outlives its parent unreaped counts nowhere). A worker's last tear-down also stops the
+session-scoped stacks (``tests/e2e/conftest.py``), whose processes served several modules: its
+CPU is shown on a line of its own, not charged to the module that happened to run last."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import os
 import resource
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 from _pytest.terminal import TerminalReporter
@@ -31,7 +34,10 @@ _item_s: dict[str, float] = defaultdict(float)
 _module_cpu_s: dict[str, float] = defaultdict(float)
 _started = [time.monotonic()]
 _last_cpu_s = [0.0]
+_session_cpu_s = [0.0]
+_last_item = [False]
 CPU_PROPERTY = "cpu_s"
+SESSION_CPU_PROPERTY = "session_teardown_cpu_s"
 
 
 def _cpu_s() -> float:
@@ -45,12 +51,22 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _last_cpu_s[0] = _cpu_s()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _last_item[0] = nextitem is None  # this tear-down ends the session's fixtures too
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     now = _cpu_s()
-    report.user_properties.append((CPU_PROPERTY, now - _last_cpu_s[0]))
+    last = call.when == "teardown" and _last_item[0]
+    report.user_properties.append(
+        (SESSION_CPU_PROPERTY if last else CPU_PROPERTY, now - _last_cpu_s[0])
+    )
     _last_cpu_s[0] = now
 
 
@@ -59,7 +75,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _item_s[nodeid] += report.duration
     for name, value in report.user_properties:
         if name == CPU_PROPERTY:
-            _module_cpu_s[nodeid.split("::", 1)[0]] += float(value)
+            _module_cpu_s[nodeid.split("::", 1)[0]] += float(str(value))
+        elif name == SESSION_CPU_PROPERTY:
+            _session_cpu_s[0] += float(str(value))
 
 
 def _without_group(nodeid: str) -> str:
@@ -83,7 +101,7 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     write(f"the {SLOWEST} slowest items (set-up + call + tear-down):")
     for nodeid, seconds in sorted(_item_s.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         write(f"  {seconds:8.1f}s  {nodeid}")
-    cpu_total = sum(_module_cpu_s.values())
+    cpu_total = sum(_module_cpu_s.values()) + _session_cpu_s[0]
     write(
         f"per module, slowest first (a module runs in one worker; CPU: its test process and "
         f"what it started, {cpu_total:.0f} s in all):"
@@ -91,6 +109,11 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     for module, seconds in sorted(by_module.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
             write(f"  {seconds:8.1f}s  {_module_cpu_s.get(module, 0.0):8.1f}s CPU  {module}")
+    if _session_cpu_s[0]:
+        write(
+            f"  {'':9s}  {_session_cpu_s[0]:8.1f}s CPU  (each worker's last tear-down: the "
+            "session-scoped stacks, reaped there)"
+        )
     if elapsed > BUDGET_S:
         write(
             f"WARNING: this run took {elapsed / 60:.1f} min, past the suite's budget of "

@@ -24,7 +24,13 @@ def test_the_summary_lists_slow_items_and_modules_and_warns_past_the_budget(
     )
     (tmp_path / "test_b.py").write_text(  # a group: pytest-xdist's loadgroup marks its ids
         "import time\n\nimport pytest\n\n\n@pytest.mark.xdist_group('g')\n"
-        "def test_b():\n    time.sleep(1.1)\n"
+        "def test_b(shared):\n    time.sleep(1.1)\n"
+    )
+    (tmp_path / "conftest.py").write_text(  # a session stack: its CPU comes at the very end
+        "import subprocess, sys\n\nimport pytest\n\n\n@pytest.fixture(scope='session')\n"
+        "def shared():\n    yield\n    subprocess.run([sys.executable, '-c', "
+        "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.8: pass'],"
+        " check=True)\n"
     )
     (tmp_path / "test_c.py").write_text(  # CPU in a process it starts: counted once reaped
         "import subprocess, sys\n\ndef test_burns():\n    subprocess.run([sys.executable, '-c', "
@@ -60,6 +66,9 @@ def test_the_summary_lists_slow_items_and_modules_and_warns_past_the_budget(
     # wall, CPU, "CPU", module: the sleeping test used next to none, the burning one its 1.2 s.
     assert float(listed["test_b.py"][1].rstrip("s")) < 0.5, out
     assert float(listed["test_c.py"][1].rstrip("s")) >= 1.2, out
+    # The session fixture's tear-down is not charged to a module: a line of its own.
+    session = next(line for line in out.splitlines() if "last tear-down" in line)
+    assert float(session.split()[0].rstrip("s")) >= 0.8, out
     assert "past the suite's budget of 0 min" in out, out
     header = next(line for line in out.splitlines() if "time budget:" in line)
     assert ("2 workers side by side" in header) == (workers == "2"), header
