@@ -23,7 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.engines.reference.tiny_model import make_tiny_model
-from tests.e2e.up_system import UpSystem, start_router
+from tests.e2e.up_system import UpSystem, healthy_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -123,21 +123,10 @@ def system(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
 @pytest.fixture(scope="module")
 def pdserve_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
     """A router with pdserve's own front end on the same engines."""
-    router, announced = start_router(
+    with healthy_router(
         system, "--tokenizer", str(model_dir), env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"}
-    )
-    try:
-        url = str(announced["url"])
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "the second router never saw the engines"
-            time.sleep(0.2)
+    ) as url:
         yield url
-    finally:
-        router.terminate()
-        router.wait(timeout=60)
-        if router.stdout is not None:
-            router.stdout.close()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -355,23 +344,12 @@ def test_refused_as_vllm_or_naming_what_pdserve_lacks(system: UpSystem) -> None:
 def local_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
     """A router with vLLM's front end on the same engines that runs a prompt the decode engine
     holds there alone (the default ``local_cached_fraction``), reporting cached tokens."""
-    router, announced = start_router(
+    with healthy_router(
         system,
         "--tokenizer", str(model_dir), "--frontend", "vllm",
         "--frontend-arg=--enable-prompt-tokens-details",
-    )  # fmt: skip
-    try:
-        url = str(announced["url"])
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "the third router never saw the engines"
-            time.sleep(0.2)
+    ) as url:  # fmt: skip
         yield url
-    finally:
-        router.terminate()
-        router.wait(timeout=60)
-        if router.stdout is not None:
-            router.stdout.close()
 
 
 def test_a_local_run_reports_its_cached_tokens_streamed_and_not(local_router: str) -> None:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,27 @@ def start_router(
             return router, announced
     router.wait(timeout=60)
     raise AssertionError(f"no PDSERVE_READY line (pdserve router exited {router.returncode})")
+
+
+@contextlib.contextmanager
+def healthy_router(
+    system: UpSystem, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """:func:`start_router`, until its ``/health`` answers 200 (it saw the engines READY):
+    its URL; stopped (SIGTERM) at exit."""
+    router, announced = start_router(system, *flags, env=env)
+    try:
+        url = str(announced["url"])
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, f"the router at {url} never saw the engines"
+            time.sleep(0.2)
+        yield url
+    finally:
+        router.terminate()
+        router.wait(timeout=60)
+        if router.stdout is not None:
+            router.stdout.close()
 
 
 def no_processes_left(pids: list[int]) -> list[int]:
