@@ -11,7 +11,8 @@ reaped used since the last phase ended (``getrusage`` of ``RUSAGE_SELF`` and
 ``RUSAGE_CHILDREN``: a process counts once reaped, with the descendants it reaped; one that
 outlives its parent unreaped counts nowhere). A worker's last tear-down also stops the
 session-scoped stacks (``tests/e2e/conftest.py``), whose processes served several modules: its
-CPU is shown on a line of its own, not charged to the module that happened to run last."""
+CPU (with that of the last module's own fixtures, which end there too) is shown on a line of
+its own, not charged to the module that happened to run last."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     if _session_cpu_s[0]:
         write(
             f"  {'':9s}  {_session_cpu_s[0]:8.1f}s CPU  (each worker's last tear-down: the "
-            "session-scoped stacks, reaped there)"
+            "session-scoped stacks and its last module's, reaped there)"
         )
     if elapsed > BUDGET_S:
         write(
