@@ -124,6 +124,36 @@ class EngineRequestFailed(RouterError):
         self.retryable = retryable
 
 
+CLIENT_DISCONNECTED = "client_disconnected"
+"""The outcome of a request whose client hung up before its answer ended."""
+
+OUTCOME_OF_STATUS: Mapping[int, str] = MappingProxyType(
+    {
+        error.status_code: error.code
+        for error in (
+            InvalidRequestError,
+            AuthenticationError,
+            ModelNotFound,
+            RequestTooLarge,
+            TooManyRequests,
+            RouterError,
+        )
+    }
+)
+"""An HTTP error status -> the ``outcome`` its router error counts under, for an answer whose
+error the router did not raise itself (vLLM's front end validating a request, say). Statuses
+that several router errors share (502, 503: engine errors by reason) are not guessed."""
+
+
+def outcome_of_status(status: int) -> str:
+    """The ``outcome`` label of an answer with HTTP ``status`` whose error code is not known:
+    ``ok`` below 400, the router error of that status (:data:`OUTCOME_OF_STATUS`), else
+    ``http_<status>``."""
+    if status < 400:
+        return "ok"
+    return OUTCOME_OF_STATUS.get(status, f"http_{status}")
+
+
 @dataclass(frozen=True)
 class EngineErrorRule:
     """How one class of engine-call exception is answered: the router error's ``code``, its

@@ -23,6 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem, healthy_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -287,6 +288,47 @@ def test_endpoints_clients_call(system: UpSystem) -> None:
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["output_tokens"] == 6
     assert response.headers["x-pdserve-execution-path"] == "disaggregated"
+
+
+def test_a_client_hanging_up_mid_stream_is_counted_and_cancels_the_decode(
+    system: UpSystem,
+) -> None:
+    """Over uvicorn and real engines: the router counts ``client_disconnected`` (not ``ok``,
+    vLLM's answer being a 200) and the decode engine's call ends cancelled."""
+    decode_metrics = system.endpoints["metrics"]["decode-0"]
+    cancelled_before = metric(decode_metrics, "pdserve_engine_requests_total", outcome="CANCELLED")
+    router_metrics = f"{system.url}/metrics"
+    disconnects_before = metric(
+        router_metrics, "pdserve_router_requests_total", outcome="client_disconnected"
+    )
+    body = {
+        "model": MODEL,
+        "prompt": "The client goes away after a few tokens of this long answer",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = 0
+    with (
+        httpx.Client(base_url=system.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["x-pdserve-execution-path"] == "disaggregated"
+        for line in response.iter_lines():
+            events += line.startswith("data: {")
+            if events == 3:
+                break  # leaving both blocks closes the connection mid-stream
+    assert events == 3
+    deadline = time.monotonic() + 60
+    while (
+        metric(router_metrics, "pdserve_router_requests_total", outcome="client_disconnected")
+        <= disconnects_before
+        or metric(decode_metrics, "pdserve_engine_requests_total", outcome="CANCELLED")
+        <= cancelled_before
+    ):
+        assert time.monotonic() < deadline, "the hang-up was not counted, or not cancelled"
+        time.sleep(0.1)
 
 
 def test_n_forks_on_reference_engines(system: UpSystem) -> None:

@@ -10,11 +10,14 @@ and vLLM's own server are the e2e tests' (``test_vllm_frontend*.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +27,7 @@ from vllm.sampling_params import StructuredOutputsParams
 
 from services.cli.main import main as cli_main
 from services.control_plane.wire import EngineRecord, EngineRole
+from services.engines.backend import PrefillResult
 from services.engines.errors import EngineFailed
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.trace_context import TraceContext
@@ -381,5 +385,132 @@ async def test_a_body_over_the_bound_is_413_on_every_post(
         assert "(4096 bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)" in error["message"]
     assert within.status_code == 200, within.text
     # Counted as the generation requests they are (the tokenize request is not one).
-    refused = sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="413")
+    refused = sample(
+        rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="request_too_large"
+    )
     assert refused == 2
+
+
+def outcomes(rt: RouterRuntime, endpoint: str = "/v1/completions") -> dict[str, float]:
+    """``pdserve_router_requests_total`` of ``endpoint`` by outcome (those counted)."""
+    counted: dict[str, float] = {}
+    for family in rt.metrics.registry.collect():
+        for metric in family.samples:
+            if (
+                metric.name == "pdserve_router_requests_total"
+                and metric.labels["endpoint"] == endpoint
+            ):
+                counted[metric.labels["outcome"]] = metric.value
+    return counted
+
+
+async def test_requests_count_under_pdserves_outcomes_not_http_statuses(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    """The alert on server errors (PdserveRouterServerErrors) tells client errors by outcome:
+    a request vLLM's front end refuses counts ``invalid_request``, not ``400``; an error
+    mid-stream (a 200 answer) counts its code, not ``ok``."""
+    rt = pd_runtime(factory, model_dir, max_migrations=0, local_fallback=False)
+    factory.connect(rt.pool.slots()[1].record)
+    decode = factory.engines["d0"]
+    decode.fail_decode_after = 2
+    decode.delta_delay_s = 0.05  # each token its own event before the failure (none merged)
+    async with served(rt) as client:
+        refused = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 0}
+        )
+        unknown = await client.post(
+            "/v1/completions", json={"model": "no-such-model", "prompt": "hi", "max_tokens": 2}
+        )
+        broken = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True},
+        )
+    assert refused.status_code == 400, refused.text
+    assert unknown.status_code == 404, unknown.text
+    assert broken.status_code == 200, broken.text
+    assert 'data: {"error"' in broken.text  # after the first token: the stream carries it
+    assert outcomes(rt) == {"invalid_request": 1, "model_not_found": 1, "decode_failed": 1}
+
+
+async def raw_post(
+    rt: RouterRuntime, body: dict[str, object], hang_up: asyncio.Event
+) -> list[dict[str, object]]:
+    """POST ``body`` to the vLLM front end's /v1/completions as raw ASGI: the client hangs up
+    (``http.disconnect``) once ``hang_up`` is set. Returns what the app sent."""
+    app = create_app(rt.settings, runtime=rt)
+    sent: list[dict[str, object]] = []
+    delivered = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"router"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+    async with app.router.lifespan_context(app):
+        await asyncio.wait_for(app(scope, receive, send), 30)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_hanging_up_is_counted_and_cancels_the_engine_call(
+    model_dir: Path, stream: bool
+) -> None:
+    """The client leaves while the prefill engine works: the call is cancelled (no decode
+    starts) and the request counts ``client_disconnected``, as pdserve's own front end counts
+    it (vLLM's front end answers it 200, or not at all)."""
+    factory = StalledPrefillFactory()
+    rt = pd_runtime(factory, model_dir)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream}
+
+    await raw_post(rt, body, hang_up=factory.prefill_called)
+
+    prefill = factory.engines["p0"]
+    assert prefill.stalled_calls_closed == prefill.prefills and len(prefill.prefills) == 1
+    assert not factory.engines["d0"].decodes
+    assert outcomes(rt) == {"client_disconnected": 1}
+
+
+@dataclasses.dataclass
+class StalledPrefill(FakeEngine):
+    """A prefill that never answers and says when it was called."""
+
+    called: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    stall_prefill: bool = True
+
+    async def prefill(self, request_id: str, *args: Any, **kwargs: Any) -> PrefillResult:
+        self.called.set()
+        return await super().prefill(request_id, *args, **kwargs)
+
+
+class StalledPrefillFactory(WordFactory):
+    """Every engine's prefill stalls; ``prefill_called`` is set by the first prefill call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefill_called = asyncio.Event()
+
+    def connect(self, record: EngineRecord) -> EngineConnector:
+        engine = StalledPrefill(record.engine_id, called=self.prefill_called)
+        return self.engines.setdefault(record.engine_id, engine)

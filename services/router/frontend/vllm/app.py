@@ -19,10 +19,14 @@ from fastapi import FastAPI
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
-from services.router.errors import RequestTooLarge
+from services.router.errors import CLIENT_DISCONNECTED, RequestTooLarge, outcome_of_status
 from services.router.execution.generation import RunInfo
 from services.router.frontend.vllm.config import Frontend
-from services.router.frontend.vllm.engine_client import RUN_INFOS, PdserveEngineClient
+from services.router.frontend.vllm.engine_client import (
+    REQUEST_RUNS,
+    HttpRequestRuns,
+    PdserveEngineClient,
+)
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
@@ -87,8 +91,9 @@ class PdserveHeaders:
     ``x-pdserve-execution-path`` and ``x-pdserve-migrations`` of the run (the first
     choice's); a stream whose first event is an error (no engine, every prefill failed:
     nothing was generated) is answered as that error with its status, as a non-streamed
-    request is; it counts the request and its latency in the router's metrics. Every POST's
-    body is bounded by ``max_request_body_bytes`` (413), as in pdserve's own front end."""
+    request is; it counts the request and its latency in the router's metrics, under the
+    outcome pdserve's own front end counts (:func:`_outcome`). Every POST's body is bounded by
+    ``max_request_body_bytes`` (413), as in pdserve's own front end."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
@@ -105,15 +110,30 @@ class PdserveHeaders:
             await app(scope, receive, send)
             return
         arrival_s = time.perf_counter()
-        infos: list[RunInfo] = []
-        token = RUN_INFOS.set(infos)
+        runs = HttpRequestRuns()
+        infos = runs.infos
+        token = REQUEST_RUNS.set(runs)
         held: Message | None = None
         pending: list[Message] = []
         replaced = False
         status = 500
+        error_status: int | None = None  # of an error event in a 200 stream
+        ended = False  # the app sent its answer's last part
+        disconnected = False  # the client hung up before that
+
+        async def watched_receive() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            if message["type"] == "http.disconnect" and not ended:
+                disconnected = True
+            return message
 
         async def send_held(message: Message) -> None:
-            nonlocal held, replaced, status
+            nonlocal held, replaced, status, error_status, ended
+            if message["type"] == "http.response.body":
+                ended = ended or not message.get("more_body", False)
+                if error_status is None:
+                    error_status = _error_event_status(message.get("body", b""))
             if replaced:
                 return  # the rest of a stream answered as its first event's error
             if message["type"] == "http.response.start":
@@ -141,14 +161,31 @@ class PdserveHeaders:
             pending.clear()
 
         try:
-            await app(scope, receive, send_held)
+            await app(scope, watched_receive, send_held)
         finally:
-            RUN_INFOS.reset(token)
+            REQUEST_RUNS.reset(token)
             if runtime is not None:
-                outcome = "ok" if status < 400 else str(status)
+                outcome = _outcome(runs, status, error_status, disconnected=disconnected)
                 runtime.executor.observe_end(
                     arrival_s, endpoint, outcome, infos[0] if infos else None, _tokens(infos)
                 )
+
+
+def _outcome(
+    runs: HttpRequestRuns, status: int, error_status: int | None, *, disconnected: bool
+) -> str:
+    """The ``outcome`` of ``pdserve_router_requests_total`` for an answer, as pdserve's own
+    front end counts it: ``client_disconnected`` when the client hung up before the answer
+    ended; else the code of the router error it was answered with (before the answer or
+    mid-stream); else by its HTTP status, or by the status of an error event in a 200 stream
+    (an error of vLLM's own code)."""
+    if disconnected:
+        return CLIENT_DISCONNECTED
+    if runs.error_code is not None:
+        return runs.error_code
+    if status < 400 and error_status is not None:
+        return outcome_of_status(error_status)
+    return outcome_of_status(status)
 
 
 def _tokens(infos: list[RunInfo]) -> tuple[int, int] | None:
@@ -241,13 +278,22 @@ def _start(status: int, headers: list[tuple[bytes, bytes]], infos: list[RunInfo]
 
 def _leading_error(start: Message, body: bytes) -> tuple[int, bytes] | None:
     """``(status, JSON envelope)`` when a 200 event stream opens with vLLM's error event."""
-    if start["status"] != 200 or not body.startswith(b'data: {"error"'):
+    if start["status"] != 200:
+        return None
+    status = _error_event_status(body)
+    if status is None:
+        return None
+    event = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0])
+    return status, json.dumps(event).encode()
+
+
+def _error_event_status(body: bytes) -> int | None:
+    """The HTTP status of vLLM's error event when ``body`` (a stream's part) opens with one."""
+    if not body.startswith(b'data: {"error"'):
         return None
     try:
         event = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0])
         code = int(event["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return None
-    if not 400 <= code <= 599:
-        return None
-    return code, json.dumps(event).encode()
+    return code if 400 <= code <= 599 else None

@@ -17,9 +17,10 @@ vLLM's ``OutputProcessor`` detokenizes, applies stop strings, builds logprobs an
 (:mod:`services.router.execution.fork`). Engines also get the stop strings (so a non-streamed
 request stops where the text does); the router's detokenizer decides where the text ends.
 
-Each generation's :class:`~services.router.execution.generation.RunInfo` is appended to the list in
-:data:`RUN_INFOS` when the caller set one (the HTTP middleware that writes the
-``x-pdserve-*`` headers and counts the request).
+Each generation's :class:`~services.router.execution.generation.RunInfo`, and the code of a
+router error it answers with, go to the :class:`HttpRequestRuns` in :data:`REQUEST_RUNS` when
+the caller set one (the HTTP middleware that writes the ``x-pdserve-*`` headers and counts the
+request).
 """
 
 from __future__ import annotations
@@ -58,10 +59,21 @@ from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
 
-RUN_INFOS: contextvars.ContextVar[list[RunInfo] | None] = contextvars.ContextVar(
-    "pdserve_run_infos", default=None
+
+@dataclasses.dataclass
+class HttpRequestRuns:
+    """What the runs of one HTTP request left for its answer's headers and metrics."""
+
+    infos: list[RunInfo] = dataclasses.field(default_factory=list)
+    """Each choice's run, in the order they started."""
+    error_code: str | None = None
+    """The code of the first router error the request was answered with (its ``outcome``)."""
+
+
+REQUEST_RUNS: contextvars.ContextVar[HttpRequestRuns | None] = contextvars.ContextVar(
+    "pdserve_request_runs", default=None
 )
-"""Where :meth:`PdserveEngineClient.generate` leaves the run info of each choice it runs."""
+"""Where :meth:`PdserveEngineClient.generate` leaves the runs of the HTTP request it serves."""
 
 SEED_MASK = 2**63 - 1
 """pdserve's engines take a 64-bit unsigned seed; vLLM's is any Python int."""
@@ -126,7 +138,11 @@ def structured_outputs_json(constraint: Any) -> str:
 
 def vllm_error(error: RouterError) -> Exception:
     """The vLLM exception vLLM's serving classes answer as ``error`` would be answered:
-    a 400 names its parameter; every other status is kept."""
+    a 400 names its parameter; every other status is kept. The request's
+    :data:`REQUEST_RUNS` keeps ``error``'s code, the request's ``outcome``."""
+    runs = REQUEST_RUNS.get()
+    if runs is not None and runs.error_code is None:
+        runs.error_code = error.code
     translated: Exception
     if isinstance(error, InvalidRequestError):
         translated = VLLMValidationError(error.message, parameter=error.param)
@@ -256,9 +272,9 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
         for index, (child, child_parent) in enumerate(children):
             self._outputs.add_request(child, prompt_text, child_parent, index, queue)
         infos = [RunInfo() for _ in children]
-        collected = RUN_INFOS.get()
-        if collected is not None:
-            collected.extend(infos)
+        runs = REQUEST_RUNS.get()
+        if runs is not None:
+            runs.infos.extend(infos)
         streams: list[ChunkStream] = list(
             forked_runs(self.runtime, generations, infos)
             or [
