@@ -514,3 +514,51 @@ class StalledPrefillFactory(WordFactory):
     def connect(self, record: EngineRecord) -> EngineConnector:
         engine = StalledPrefill(record.engine_id, called=self.prefill_called)
         return self.engines.setdefault(record.engine_id, engine)
+
+
+async def test_a_stream_that_migrated_says_so_in_its_usage(
+    factory: FakeFactory, model_dir: Path
+) -> None:
+    """decode-0 fails after two tokens; the run goes on from another decode engine. A header
+    sent with the first token cannot say so: the stream's usage does, as pdserve's own front
+    end says it (``usage.pdserve_migrations``)."""
+    rt = prepared(
+        factory,
+        ("p0", EngineRole.PREFILL),
+        ("d0", EngineRole.DECODE),
+        ("d1", EngineRole.DECODE),
+        frontend="vllm",
+        tokenizer=str(model_dir),
+        served_model_name=MODEL,
+        policy="round_robin",
+    )
+    for slot in rt.pool.slots():
+        factory.connect(slot.record)
+    for engine in ("d0", "d1"):
+        factory.engines[engine].delta_delay_s = 0.05  # each token its own event
+    factory.engines["d0"].fail_decode_after = 2
+    factory.engines["d1"].fail_decode_after = 2
+    body = {
+        "model": MODEL,
+        "prompt": "hi",
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with served(rt) as client:
+        answer = await client.post("/v1/completions", json=body)
+        factory.engines["d0"].fail_decode_after = factory.engines["d1"].fail_decode_after = None
+        plain = await client.post("/v1/completions", json=body)
+    events = [
+        json.loads(line[len("data: ") :])
+        for line in answer.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert answer.status_code == 200, answer.text
+    assert "error" not in events[-1], events[-1]
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 6
+    migrations = sample(rt, "pdserve_router_migrations_total", reason="decode_failed")
+    assert usage["pdserve_migrations"] == migrations >= 1
+    assert '"pdserve_migrations"' not in plain.text

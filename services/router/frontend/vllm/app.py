@@ -141,7 +141,7 @@ class PdserveHeaders:
                 status = message["status"]
                 return
             if held is None:
-                await send(message)
+                await send(_with_migrations(message, infos))
                 return
             pending.append(message)
             started = bool(infos) and infos[0].path is not None
@@ -157,7 +157,7 @@ class PdserveHeaders:
                 return
             await send(_start(start["status"], list(start.get("headers", [])), infos))
             for part in pending:
-                await send(part)
+                await send(_with_migrations(part, infos))
             pending.clear()
 
         try:
@@ -186,6 +186,22 @@ def _outcome(
     if status < 400 and error_status is not None:
         return outcome_of_status(error_status)
     return outcome_of_status(status)
+
+
+def _with_migrations(message: Message, infos: list[RunInfo]) -> Message:
+    """``message`` with ``usage.pdserve_migrations`` when it is a stream's usage event and
+    the runs migrated, as pdserve's own front end says it (a migration after the response
+    started is in no header)."""
+    migrations = sum(info.migrations for info in infos)
+    body = message.get("body", b"")
+    if not migrations or not body.startswith(b"data: {") or b'"usage":{' not in body:
+        return message
+    event = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0])
+    if not isinstance(event.get("usage"), dict):
+        return message
+    event["usage"]["pdserve_migrations"] = migrations
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return {**message, "body": b"data: " + data.encode() + b"\n\n"}
 
 
 def _tokens(infos: list[RunInfo]) -> tuple[int, int] | None:
