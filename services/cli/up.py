@@ -398,16 +398,18 @@ def _router_child(
         *(["--tokenizer", str(model)] if model is not None else []),
         *(["--colocated"] if args.colocated else []),
         *(["--workers", str(args.router_workers)] if args.router_workers != 1 else []),
-        *_frontend_argv(args),
+        *_frontend_argv(args, model),
         *args.router_arg,
     )
     return ChildProcess("router", argv, logs / "router.log", role="router", env=secrets)
 
 
-def _frontend_argv(args: argparse.Namespace) -> list[str]:
-    """The router's front end: vLLM's with vLLM engines unless ``--frontend`` says otherwise;
-    its context is the engines' (their ``--max-model-len``)."""
-    frontend = args.frontend or ("vllm" if args.engine == "vllm" else "pdserve")
+def _frontend_argv(args: argparse.Namespace, model: Path | None) -> list[str]:
+    """The router's front end: vLLM's for every engine that serves a checkpoint (its
+    tokenizer and chat template are vLLM's to read), pdserve's own for the engines that load
+    none (stub, sim: the byte tokenizer), unless ``--frontend`` says otherwise; its context is
+    the engines' (their ``--max-model-len``)."""
+    frontend = args.frontend or ("pdserve" if model is None else "vllm")
     if frontend != "vllm":
         return []
     flags = list(args.frontend_arg)

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--frontend",
         choices=("pdserve", "vllm"),
         default=None,
-        help="the router's OpenAI front end (default: vllm with --engine vllm, else pdserve)",
+        help="the router's OpenAI front end (default: vllm, vLLM's own serving code, for every "
+        "engine that serves a checkpoint; pdserve for --engine stub and sim)",
     )
     parser.add_argument(
         "--frontend-arg",

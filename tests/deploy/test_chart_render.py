@@ -246,8 +246,9 @@ def test_values_schema_is_shipped_not_ignored() -> None:
         assert loaded.schema["additionalProperties"] is False
 
 
-def test_router_front_end_follows_the_decode_engine_unless_set(chart: helm.Chart) -> None:
-    """vLLM decode engines: vLLM's front end with its flags; reference engines: pdserve's."""
+def test_router_front_end_is_vllms_unless_set(chart: helm.Chart) -> None:
+    """vLLM's front end with its flags, with vLLM and with reference engines; pdserve's own
+    when asked."""
 
     def router_args(values: dict[str, Any]) -> list[str]:
         found = find(render(chart, values), "Deployment", "-router")
@@ -257,9 +258,10 @@ def test_router_front_end_follows_the_decode_engine_unless_set(chart: helm.Chart
     assert args[args.index("--frontend") + 1] == "vllm"
     assert "--frontend-arg=--tool-call-parser=hermes" in args
     cpu = load_values(CHART_DIR / "examples" / "reference-cpu.yaml")
-    assert "--frontend" not in router_args(cpu)
-    forced = router_args({**cpu, "router": {**cpu.get("router", {}), "frontend": "vllm"}})
-    assert forced[forced.index("--frontend") + 1] == "vllm"
+    reference = router_args(cpu)
+    assert reference[reference.index("--frontend") + 1] == "vllm"
+    own = router_args({**cpu, "router": {**cpu.get("router", {}), "frontend": "pdserve"}})
+    assert "--frontend" not in own
     assert "--frontend" not in router_args({"router": {"frontend": "pdserve"}})
 
 

@@ -47,6 +47,7 @@ def reference_pd(
         tiny_model_dir,
         "--prefill-replicas",
         "2",
+        "--frontend-arg=--enable-prompt-tokens-details",  # usage's cached tokens, as vLLM's
         env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2", "PDSERVE_ROUTER_POLICY": "prefix_aware"},
     )
 

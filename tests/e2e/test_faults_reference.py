@@ -10,8 +10,8 @@ run in file order and each leaves the stack in a known state for the next:
    its requests time out and run locally on the decode engines (counted) or fail explicitly;
    once resumed, the router's aborts free its pool and it serves disaggregated again;
 3. decode-0's rank stopped mid-stream longer than the router's idle bound
-   (``DECODE_IDLE_TIMEOUT_S``): its streams end with an ``engine_timeout`` error event
-   (counted); once resumed, its pool is full again and it serves;
+   (``DECODE_IDLE_TIMEOUT_S``): its streams end with an error event (504, counted
+   ``engine_timeout``); once resumed, its pool is full again and it serves;
 4. kill -9 of decode-0's rank mid-stream: its streams end with an error event, decode-1 serves;
 5. kill -9 of prefill-0's rank under load: requests are retried/run locally or fail explicitly;
 6. prefill-0 restarted under the same id: a new generation, the old KV handle refused;
@@ -382,7 +382,9 @@ async def test_a_decode_rank_stalled_mid_stream_ends_its_streams_within_the_idle
     on_stalled = [r for r in results if r.decode_engine == "decode-0"]
     assert on_stalled
     for r in on_stalled:
-        assert not r.ok and r.error and "engine_timeout" in r.error, r.error
+        # vLLM's error event (the front end with a checkpoint): the router's words, status 504.
+        assert not r.ok and r.error and "sent no next token within" in r.error, r.error
+        assert "504" in r.error, r.error
         assert r.ended_at - stopped_at < DECODE_IDLE_TIMEOUT_S + FAULT_BOUND_S
     assert all(r.ok for r in results if r.decode_engine == "decode-1")
     idle = (
@@ -394,6 +396,9 @@ async def test_a_decode_rank_stalled_mid_stream_ends_its_streams_within_the_idle
         lambda: router_errors(stack) - errors_before >= len(on_stalled),
         5,
         f"router counts the {len(on_stalled)} timed-out stream(s)",
+    )
+    assert router_metric(stack, "pdserve_router_requests_total", outcome="engine_timeout") >= len(
+        on_stalled
     )
     # Resumed: the cancelled streams and the aborts reached decode-0, its pool is full again.
     for name in ("decode-0", "decode-1", "prefill-0"):

@@ -79,19 +79,19 @@ def test_vllm_client_defaults_are_accepted(pd: UpSystem) -> None:
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
-def test_unimplemented_extension_is_a_400_naming_it(pd: UpSystem) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "use_beam_search": True}
+def test_a_sampling_field_the_engines_cannot_carry_is_a_400_naming_it(pd: UpSystem) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "bad_words": ["fox"]}
     response = httpx.post(f"{pd.url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "use_beam_search"
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "bad_words"
 
 
 def test_parameter_the_engine_cannot_honour_names_parameter_and_engine(pd: UpSystem) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "skip_special_tokens": False}
+    body = {"model": MODEL, "prompt": PROMPT, "structured_outputs": {"choice": ["yes", "no"]}}
     response = httpx.post(f"{pd.url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 400
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "skip_special_tokens"
+    assert error["param"] == "structured_outputs"
     assert "reference engine" in error["message"]
 
 
@@ -242,14 +242,13 @@ def test_n_forks_from_one_prefill_and_one_kv_transfer(
         "max_tokens": 12,
         "extra_body": {"ignore_eos": True},
     }
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        _texts(client, stream, n=3, temperature=0, **common)  # as vLLM's server
     pulls = _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count")
     forked = pd.metric("pdserve_router_choices_total", path="forked")
-    greedy = _texts(client, stream, n=3, temperature=0, **common)
+    seeded = _texts(client, stream, n=3, temperature=1.0, seed=11, **common)
     assert _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count") == pulls + 1
     assert pd.metric("pdserve_router_choices_total", path="forked") == forked + 1
-    single = _texts(client, stream, temperature=0, **common)
-    assert greedy == single * 3  # three equal greedy choices, equal to one request's
-    seeded = _texts(client, stream, n=3, temperature=1.0, seed=11, **common)
     assert _texts(client, stream, n=3, temperature=1.0, seed=11, **common) == seeded
     assert len(set(seeded)) > 1
     # Choice i samples as a request seeded with seed + i (vLLM's rule, and the per-choice path).
@@ -263,10 +262,10 @@ def test_chat_logprobs_and_n(client: openai.OpenAI) -> None:
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=4,
         n=2,
-        temperature=0,
+        temperature=1.0,  # n > 1 greedy is a 400, as vLLM's server; top_k=1 samples greedily
         logprobs=True,
         top_logprobs=3,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "top_k": 1},
     )
     assert [c.index for c in response.choices] == [0, 1]
     assert response.choices[0].message.content == response.choices[1].message.content
@@ -293,7 +292,7 @@ def test_echo_logprobs_equal_transformers(client: openai.OpenAI, model_dir: Path
     assert choice.logprobs is not None
     got = choice.logprobs.token_logprobs
     assert got[0] is None and len(got) == len(ids)
-    assert completion.usage.completion_tokens == 0
+    assert completion.usage.completion_tokens == 1  # vLLM's server runs (and counts) one
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)

@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem
-from tests.e2e.vllm_handoff import RELEASED, completion, on_engine, token_prompt
+from tests.e2e.vllm_handoff import RELEASED, completion_ids, on_engine_ids, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
@@ -96,20 +96,22 @@ def test_repeated_prompts_at_block_multiples_pull_only_what_the_decode_lacks(
     holds a pulled prompt's full blocks, so a repeated request pulls only the blocks past the
     hit (one read per request while a block is missing), and a prompt it holds whole pulls
     nothing: its producer is only notified and frees at once, counted as a release. Every
-    answer equals the decode engine's own greedy run of the prompt."""
+    answer's tokens equal the decode engine's own greedy run of the prompt."""
     decode = pd.endpoints["engines"]["decode-0"]
     decode_metrics, prefill_urls = (
         pd.endpoints["metrics"]["decode-0"],
         [url for name, url in pd.endpoints["metrics"].items() if name.startswith("prefill")],
     )
     repeated = [token_prompt(n, 29_100 + n) for n in (BLOCK, 2 * BLOCK, BLOCK + 1, BLOCK // 2)]
-    want = [on_engine(decode["grpc"], tokens, 4) for tokens in repeated]
+    want = [on_engine_ids(decode["grpc"], tokens, 4) for tokens in repeated]
     client = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="unused", max_retries=0)
 
-    def send(tokens: list[int]) -> str:
-        text, _finish, _count, path = completion(client, tokens, 4)
+    def send(tokens: list[int]) -> tuple[int, ...]:
+        """The answer's token ids (its text after a prompt of arbitrary tokens holds prompt
+        text with vLLM's detokenizer, as vLLM's server's does)."""
+        ids, path = completion_ids(client, tokens, 4)
         assert path == "disaggregated"
-        return text
+        return ids
 
     def counters() -> tuple[float, float]:
         return (
