@@ -132,8 +132,8 @@ class PdserveHeaders:
             nonlocal held, replaced, status, error_status, ended
             if message["type"] == "http.response.body":
                 ended = ended or not message.get("more_body", False)
-                if error_status is None:
-                    error_status = _error_event_status(message.get("body", b""))
+                event = None if error_status else _error_event(message.get("body", b""))
+                error_status = event[0] if event else error_status
             if replaced:
                 return  # the rest of a stream answered as its first event's error
             if message["type"] == "http.response.start":
@@ -294,17 +294,12 @@ def _start(status: int, headers: list[tuple[bytes, bytes]], infos: list[RunInfo]
 
 def _leading_error(start: Message, body: bytes) -> tuple[int, bytes] | None:
     """``(status, JSON envelope)`` when a 200 event stream opens with vLLM's error event."""
-    if start["status"] != 200:
-        return None
-    status = _error_event_status(body)
-    if status is None:
-        return None
-    event = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0])
-    return status, json.dumps(event).encode()
+    error = _error_event(body) if start["status"] == 200 else None
+    return None if error is None else (error[0], json.dumps(error[1]).encode())
 
 
-def _error_event_status(body: bytes) -> int | None:
-    """The HTTP status of vLLM's error event when ``body`` (a stream's part) opens with one."""
+def _error_event(body: bytes) -> tuple[int, dict[str, Any]] | None:
+    """``(HTTP status, event)`` when ``body`` (a stream's part) opens with vLLM's error event."""
     if not body.startswith(b'data: {"error"'):
         return None
     try:
@@ -312,4 +307,4 @@ def _error_event_status(body: bytes) -> int | None:
         code = int(event["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return None
-    return code if 400 <= code <= 599 else None
+    return (code, event) if 400 <= code <= 599 else None
