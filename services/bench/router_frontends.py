@@ -55,7 +55,7 @@ def tiny_model(log_dir: Path) -> Path:
 
 def own_frontend_flags(model: Path) -> list[str]:
     """Router flags of pdserve's own front end over the tiny checkpoint's tokenizer."""
-    return ["--tokenizer", str(model)]
+    return ["--tokenizer", str(model), "--frontend", "pdserve"]
 
 
 def vllm_frontend_flags(model: Path) -> list[str]:

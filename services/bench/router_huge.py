@@ -63,8 +63,9 @@ async def bench_huge_prompts(
                 )
             )
         router_argv = pdserve_argv(
-            "router", *cp, "--port", "0", "--policy", "least_loaded", "--tokenizer", str(model)
-        )
+            "router", *cp, "--port", "0", "--policy", "least_loaded",
+            "--tokenizer", str(model), "--frontend", "pdserve",  # the tokenizing pool measured
+        )  # fmt: skip
         router = await start(
             "huge-router",
             router_argv,

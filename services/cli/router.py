@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--frontend",
         choices=get_args(FrontendName),
-        help="OpenAI front end: pdserve's own (default) or vLLM's serving classes over PD",
+        help="OpenAI front end: vLLM's serving classes over PD, pdserve's own, or auto "
+        "(the default): vllm with --tokenizer, pdserve with the byte-level tokenizer",
     )
     parser.add_argument(
         "--frontend-arg",
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
     except ValidationError as exc:
         print(f"pdserve router: invalid settings: {exc}")
         return 2
-    if settings.frontend == "vllm":
+    if settings.frontend_in_use == "vllm":
         try:  # one message naming what is missing, before anything starts
             check_vllm(FRONTEND_SYMBOLS)
         except VllmVersionMismatch as exc:

@@ -411,7 +411,7 @@ def _frontend_argv(args: argparse.Namespace, model: Path | None) -> list[str]:
     the engines' (their ``--max-model-len``)."""
     frontend = args.frontend or ("pdserve" if model is None else "vllm")
     if frontend != "vllm":
-        return []
+        return ["--frontend", frontend]
     flags = list(args.frontend_arg)
     for index, arg in enumerate(args.engine_arg):
         if arg.startswith("--max-model-len="):

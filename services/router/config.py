@@ -13,7 +13,7 @@ from services.serving.tls import ClientTLS
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
 GrpcClientName = Literal["h2", "grpcio"]
-FrontendName = Literal["pdserve", "vllm"]
+FrontendName = Literal["auto", "pdserve", "vllm"]
 
 
 class EngineGrpcSettings(BaseModel):
@@ -86,11 +86,12 @@ class RouterSettings(BaseSettings):
     tokenizer: Path | None = None
     """Checkpoint folder whose tokenizer (and chat template) the router uses for every model;
     ``None`` = the byte-level fallback tokenizer with the default chat template."""
-    frontend: FrontendName = "pdserve"
-    """Which OpenAI front end answers: ``pdserve`` (the router's own, any tokenizer) or
-    ``vllm`` (vLLM's own serving classes over pdserve's executor: chat templates, tools,
-    reasoning parsers, Responses, tokenize, exactly as vLLM's server; needs ``tokenizer``
-    and vLLM installed)."""
+    frontend: FrontendName = "auto"
+    """Which OpenAI front end answers: ``vllm`` (vLLM's own serving classes over pdserve's
+    executor: chat templates, tools, reasoning parsers, Responses, tokenize, exactly as vLLM's
+    server; needs ``tokenizer`` and vLLM installed), ``pdserve`` (the router's own, any
+    tokenizer: about a third of the CPU per request, no vLLM import) or ``auto``: vllm with a
+    ``tokenizer``, pdserve with the byte-level one (:attr:`frontend_in_use`)."""
     frontend_args: list[str] = Field(default_factory=list)
     """With ``frontend = vllm``: vLLM server flags for the front end (``--chat-template``,
     ``--tool-call-parser``, ``--enable-auto-tool-choice``, ``--reasoning-parser``,
@@ -207,6 +208,13 @@ class RouterSettings(BaseSettings):
     ``outcome="rate_limit_exceeded"``."""
     log_level: str = "WARNING"
     """Python logging level."""
+
+    @property
+    def frontend_in_use(self) -> Literal["pdserve", "vllm"]:
+        """:attr:`frontend` with ``auto`` decided: vllm with a tokenizer, else pdserve."""
+        if self.frontend == "auto":
+            return "pdserve" if self.tokenizer is None else "vllm"
+        return self.frontend
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:

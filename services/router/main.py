@@ -113,7 +113,7 @@ def create_app(
             await built.pool.close()
             await control_plane.close()
 
-    if settings.frontend == "vllm":
+    if settings.frontend_in_use == "vllm":
         return _vllm_app(settings, runtime_context)
 
     @contextlib.asynccontextmanager

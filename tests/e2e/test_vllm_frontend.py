@@ -125,7 +125,9 @@ def system(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
 def pdserve_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
     """A router with pdserve's own front end on the same engines."""
     with healthy_router(
-        system, "--tokenizer", str(model_dir), env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"}
+        system,
+        *("--tokenizer", str(model_dir), "--frontend", "pdserve"),
+        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},
     ) as url:
         yield url
 

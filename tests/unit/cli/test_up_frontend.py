@@ -26,11 +26,12 @@ def test_an_engine_with_a_checkpoint_gets_vllms_front_end(engine: str, tmp_path:
 
 @pytest.mark.parametrize("engine", ["stub", "sim"])
 def test_model_free_engines_get_pdserves_front_end(engine: str) -> None:
-    assert frontend_of("--engine", engine, model=None) == []
+    assert frontend_of("--engine", engine, model=None) == ["--frontend", "pdserve"]
 
 
 def test_the_frontend_flag_decides(tmp_path: Path) -> None:
-    assert frontend_of("--frontend", "pdserve", model=tmp_path) == []
+    # (passed on: the router's own default would pick vLLM's for the checkpoint)
+    assert frontend_of("--frontend", "pdserve", model=tmp_path) == ["--frontend", "pdserve"]
     assert frontend_of("--engine", "stub", "--frontend", "vllm", model=None)[:2] == [
         "--frontend",
         "vllm",

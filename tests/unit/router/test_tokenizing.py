@@ -35,7 +35,8 @@ def huge(chars: int = HUGE_CHARS) -> str:
 
 
 def router(tiny_model: Path, *, context: int = 0, **settings: object) -> RouterRuntime:
-    rt = prepared(FakeFactory(), tokenizer=tiny_model, **settings)
+    # pdserve's own front end (its tokenizing pool), which a real tokenizer does not pick alone
+    rt = prepared(FakeFactory(), tokenizer=tiny_model, frontend="pdserve", **settings)
     for engine_id, role in (("p1", EngineRole.PREFILL), ("d1", EngineRole.DECODE)):
         rt.pool.update(engine_id, view(engine_id, role, max_model_len=context))
     return rt
