@@ -36,12 +36,15 @@ import grpc
 from services.serving.h2grpc import frames
 from services.serving.h2grpc.call import Call
 from services.serving.h2grpc.connection import H2Connection, ProtocolErrorHook
-from services.serving.h2grpc.errors import CallFailed
+from services.serving.h2grpc.errors import CallFailed, NotStarted
 
 DEFAULT_KEEPALIVE_S = 10.0
 DEFAULT_KEEPALIVE_TIMEOUT_S = 5.0
 DEFAULT_SETTINGS_ACK_TIMEOUT_S = 10.0
 """How long a server has to acknowledge the client's SETTINGS (RFC 9113 §6.5.3)."""
+START_ATTEMPTS = 3
+"""Connections a call may wait on for a stream before it fails UNAVAILABLE: a connection that
+goes away (GOAWAY, set aside) while calls wait there hands them to the next one."""
 RECONNECT_BACKOFF_S = 0.1
 RECONNECT_MULTIPLIER = 1.6
 RECONNECT_MAX_BACKOFF_S = 2.0
@@ -201,16 +204,24 @@ class H2GrpcChannel:
         streaming: bool,
     ) -> Call:
         """A call on the current connection (opened when there is none usable); ``fields``:
-        the request's encoded metadata."""
-        connection = self._connection
-        if connection is None or not connection.usable:
-            loop = asyncio.get_running_loop()
-            connection = await self._connect(
-                loop, None if deadline is None else deadline - loop.time()
-            )
-        return await connection.start(
-            path, request, deadline=deadline, streaming=streaming, metadata=fields
-        )
+        the request's encoded metadata. A call whose connection went away while it waited there
+        for a stream (a GOAWAY, or set aside after a refused stream) was never sent: it starts
+        on the channel's current connection, up to :data:`START_ATTEMPTS` connections."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            connection = self._connection
+            if connection is None or not connection.usable:
+                loop = asyncio.get_running_loop()
+                connection = await self._connect(
+                    loop, None if deadline is None else deadline - loop.time()
+                )
+            try:
+                return await connection.start(
+                    path, request, deadline=deadline, streaming=streaming, metadata=fields
+                )
+            except NotStarted:
+                if attempt == START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _connect(
         self, loop: asyncio.AbstractEventLoop, timeout_s: float | None

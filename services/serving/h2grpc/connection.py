@@ -31,7 +31,7 @@ from typing import cast
 import grpc
 
 from services.serving.h2grpc.call import Call
-from services.serving.h2grpc.errors import CallFailed, ProtocolError, Violation
+from services.serving.h2grpc.errors import CallFailed, NotStarted, ProtocolError, Violation
 from services.serving.h2grpc.frames import ErrorCode
 from services.serving.h2grpc.protocol import (
     Breach,
@@ -223,16 +223,13 @@ class H2Connection(asyncio.Protocol):
         :func:`~services.serving.h2grpc.frames.metadata_block`, and its single message; what
         the server's windows do not take yet follows as they open) and return its
         :class:`Call`. Raises
-        :class:`CallFailed` UNAVAILABLE when the connection cannot take it, DEADLINE_EXCEEDED
+        :class:`NotStarted` when the connection cannot take it (nothing was sent), DEADLINE_EXCEEDED
         when ``deadline`` (the loop's clock) passes while it waits for a free stream. The call
         is reset and fails DEADLINE_EXCEEDED when ``deadline`` comes."""
         if not self.protocol.has_room and self.usable:
             await self._wait_for_room(deadline)
         if not self.usable:
-            raise CallFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                self.closed_reason or f"connection to {self.target} is going away",
-            )
+            raise NotStarted(self.closed_reason or f"connection to {self.target} is going away")
         call = Call(self, streaming=streaming)
         timeout_s = None if deadline is None else deadline - self.loop.time()
         self.protocol.open(call, path, payload, timeout_s=timeout_s, metadata=metadata)

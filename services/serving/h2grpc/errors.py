@@ -4,6 +4,8 @@
                         transport's outcome mapped as gRPC does: UNAVAILABLE for a refused or
                         lost connection, DEADLINE_EXCEEDED for the call's own deadline,
                         CANCELLED, RESOURCE_EXHAUSTED for a message over the bound...)
+    └── NotStarted      internal to the channel: UNAVAILABLE before anything of the call
+                        was sent (its connection went away while it waited for a stream)
     ProtocolError       internal: the server broke HTTP/2 or gRPC's framing (RFC 9113 §5.4).
                         Never leaves the package: the connection turns it into a GOAWAY
                         (connection error) or a RST_STREAM (stream error) and its calls'
@@ -30,6 +32,15 @@ class CallFailed(Exception):
         self.code = code
         self.details = details
         self.metadata = metadata
+
+
+class NotStarted(CallFailed):
+    """UNAVAILABLE before anything of the call was sent: its connection stopped taking calls
+    (a GOAWAY, set aside, closed) while the call waited for a stream there. It may start on
+    another connection."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
 class Violation:

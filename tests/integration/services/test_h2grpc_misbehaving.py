@@ -614,3 +614,24 @@ async def sampled(work: Awaitable[T], sample: Callable[[], None]) -> T:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_calls_waiting_for_a_stream_move_on_when_their_connection_is_set_aside() -> None:
+    """One stream at a time (MAX_CONCURRENT_STREAMS 1): the first call is refused, so the
+    channel retries it on a new connection and sets the first aside. The calls that waited
+    there for a stream were never sent: they start on the new connection, not fail
+    UNAVAILABLE "going away" (the full suite saw 20 of 24 calls fail so under load)."""
+    settings = {SettingCodes.MAX_CONCURRENT_STREAMS: 1}
+    async with misbehaving(
+        [misbehaving_h2.refused_stream], settings=settings, count_retries=True
+    ) as stage:
+        server, channel = stage.server, stage.channel
+        async with asyncio.timeout(CALL_BOUND_S):
+            payloads = [b"call %d" % i for i in range(4)]
+            calls = asyncio.gather(
+                *(channel.unary(ECHO, p, timeout_s=CALL_BOUND_S) for p in payloads)
+            )
+            assert await stage.beside(calls) == payloads
+        assert stage.retries == ["refused_stream"]
+        assert server.connections == 2
+        assert stage.counted == []
