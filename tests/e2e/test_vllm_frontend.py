@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.faults.probes import metric
-from tests.e2e.up_system import UpSystem, healthy_router
+from tests.e2e.up_system import UpSystem, hang_up_mid_stream, healthy_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -310,18 +310,8 @@ def test_a_client_hanging_up_mid_stream_is_counted_and_cancels_the_decode(
         "ignore_eos": True,
         "stream": True,
     }
-    events = 0
-    with (
-        httpx.Client(base_url=system.url, timeout=60) as http,
-        http.stream("POST", "/v1/completions", json=body) as response,
-    ):
-        assert response.status_code == 200
-        assert response.headers["x-pdserve-execution-path"] == "disaggregated"
-        for line in response.iter_lines():
-            events += line.startswith("data: {")
-            if events == 3:
-                break  # leaving both blocks closes the connection mid-stream
-    assert events == 3
+    answered = hang_up_mid_stream(system.url, body, events=3)
+    assert answered["x-pdserve-execution-path"] == "disaggregated"
     deadline = time.monotonic() + 60
     while (
         metric(router_metrics, "pdserve_router_requests_total", outcome="client_disconnected")

@@ -145,6 +145,25 @@ def healthy_router(
             router.stdout.close()
 
 
+def hang_up_mid_stream(
+    url: str, body: dict[str, Any], *, events: int, headers: dict[str, str] | None = None
+) -> httpx.Headers:
+    """POST the streamed completion ``body`` to ``url``; the client hangs up (closes the
+    connection) after ``events`` data events. Returns the answer's headers (it was a 200)."""
+    seen = 0
+    with (
+        httpx.Client(base_url=url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == events:
+                break  # leaving both blocks closes the connection mid-stream
+    assert seen == events
+    return response.headers
+
+
 def no_processes_left(pids: list[int]) -> list[int]:
     """The pids (process groups) still alive; empty when everything stopped."""
     alive = []

@@ -38,7 +38,7 @@ import pytest
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.faults.probes import metric, rank_pids
-from tests.e2e.up_system import UpSystem, descendants
+from tests.e2e.up_system import UpSystem, descendants, hang_up_mid_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -149,20 +149,10 @@ def test_client_disconnecting_mid_stream_aborts_on_both_engines_and_frees_blocks
         "ignore_eos": True,
         "stream": True,
     }
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    events = 0
-    with (
-        httpx.Client(base_url=system.url, timeout=60) as client,
-        client.stream("POST", "/v1/completions", json=body, headers=headers) as response,
-    ):
-        assert response.status_code == 200
-        assert response.headers["x-pdserve-execution-path"] != "local"
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                events += 1
-            if events == 3:
-                break  # leaving both blocks closes the connection mid-stream
-    assert events == 3
+    answered = hang_up_mid_stream(
+        system.url, body, events=3, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert answered["x-pdserve-execution-path"] != "local"
 
     deadline = time.monotonic() + 30
     while (

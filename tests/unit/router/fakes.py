@@ -7,9 +7,12 @@ instant, deterministic tokens, and failures on demand.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -286,3 +289,51 @@ def http(rt: RouterRuntime) -> httpx.AsyncClient:
     """An HTTP client of the router app in-process (httpx's ASGI transport)."""
     app = create_app(rt.settings, runtime=rt)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+async def post_then_hang_up(
+    app: Any,
+    body: dict[str, Any],
+    hang_up: asyncio.Event,
+    *,
+    bound_s: float,
+    lifespan: bool = False,
+) -> list[dict[str, Any]]:
+    """POST ``body`` to ``app``'s /v1/completions as raw ASGI, so that the test decides when
+    the client's ``http.disconnect`` arrives: once ``hang_up`` is set. With ``lifespan``, the
+    app's lifespan runs around the call (vLLM's front end builds its state there). Returns
+    what the app sent."""
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"router"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+    async with contextlib.AsyncExitStack() as stack:
+        if lifespan:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        await asyncio.wait_for(app(scope, receive, send), bound_s)
+    return sent

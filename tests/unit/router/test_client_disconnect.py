@@ -19,7 +19,14 @@ from services.engines.backend import DecodeRequest, PrefillResult, SamplingParam
 from services.engines.trace_context import TraceContext
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeEngine, FakeFactory, runtime, sample, view
+from tests.unit.router.fakes import (
+    FakeEngine,
+    FakeFactory,
+    post_then_hang_up,
+    runtime,
+    sample,
+    view,
+)
 
 MODEL = "tiny"
 BOUND_S = 5.0
@@ -87,36 +94,7 @@ async def call_then_hang_up(
 ) -> list[dict[str, Any]]:
     """POST ``body`` to /v1/completions; the client disconnects once ``engine`` is busy."""
     app = create_app(rt.settings, runtime=rt)
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        await engine.started.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"router"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-    }
-    await asyncio.wait_for(app(scope, receive, send), BOUND_S)
-    return sent
+    return await post_then_hang_up(app, body, engine.started, bound_s=BOUND_S)
 
 
 def disconnects(rt: RouterRuntime) -> float:

@@ -44,7 +44,13 @@ from services.router.frontend.vllm.engine_client import engine_sampling
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.connector import EngineConnector
-from tests.unit.router.fakes import FakeEngine, FakeFactory, prepared, sample
+from tests.unit.router.fakes import (
+    FakeEngine,
+    FakeFactory,
+    post_then_hang_up,
+    prepared,
+    sample,
+)
 
 MODEL = "tiny"
 
@@ -433,46 +439,6 @@ async def test_requests_count_under_pdserves_outcomes_not_http_statuses(
     assert outcomes(rt) == {"invalid_request": 1, "model_not_found": 1, "decode_failed": 1}
 
 
-async def raw_post(
-    rt: RouterRuntime, body: dict[str, object], hang_up: asyncio.Event
-) -> list[dict[str, object]]:
-    """POST ``body`` to the vLLM front end's /v1/completions as raw ASGI: the client hangs up
-    (``http.disconnect``) once ``hang_up`` is set. Returns what the app sent."""
-    app = create_app(rt.settings, runtime=rt)
-    sent: list[dict[str, object]] = []
-    delivered = False
-
-    async def receive() -> dict[str, object]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        await hang_up.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, object]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"router"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
-    async with app.router.lifespan_context(app):
-        await asyncio.wait_for(app(scope, receive, send), 30)
-    return sent
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_hanging_up_is_counted_and_cancels_the_engine_call(
     model_dir: Path, stream: bool
@@ -484,7 +450,8 @@ async def test_a_client_hanging_up_is_counted_and_cancels_the_engine_call(
     rt = pd_runtime(factory, model_dir)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream}
 
-    await raw_post(rt, body, hang_up=factory.prefill_called)
+    app = create_app(rt.settings, runtime=rt)
+    await post_then_hang_up(app, body, factory.prefill_called, bound_s=30, lifespan=True)
 
     prefill = factory.engines["p0"]
     assert prefill.stalled_calls_closed == prefill.prefills and len(prefill.prefills) == 1
