@@ -40,12 +40,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference_pd(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[UpSystem]:
-    """Two prefill engines and one decode engine (PP=1, TP=1 each), prefix-aware routing, every
-    request disaggregated (a prompt the decode engine holds is not run there alone)."""
+    """Two prefill engines (PP=2 each: a pipeline's hand-off on every request) and one decode
+    engine (PP=1, TP=1), prefix-aware routing, every request disaggregated (a prompt the decode
+    engine holds is not run there alone)."""
     yield from started(
         tmp_path_factory.mktemp("shared-reference-pd"),
         tiny_model_dir,
         "--prefill-replicas",
+        "2",
+        "--prefill-pp",
         "2",
         "--frontend-arg=--enable-prompt-tokens-details",  # usage's cached tokens, as vLLM's
         env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2", "PDSERVE_ROUTER_POLICY": "prefix_aware"},

@@ -25,8 +25,8 @@ HEARTBEAT_S = 2.0
 
 @pytest.fixture(scope="module")
 def pd(reference_pd: UpSystem) -> UpSystem:
-    """The shared reference PD stack (tests/e2e/conftest.py): two prefill engines, prefix-aware
-    routing, cached prompts still prefilled (no local shortcut)."""
+    """The shared reference PD stack (tests/e2e/conftest.py): two prefill engines (PP=2),
+    prefix-aware routing, cached prompts still prefilled (no local shortcut)."""
     return reference_pd
 
 
@@ -84,6 +84,8 @@ def test_kv_events_place_a_repeated_prefix_without_waiting_for_a_heartbeat(pd: U
 
 BLOCK = 16
 """The reference engine's default block size."""
+PREFILL_PP = 2
+"""The shared PD stack's prefill engines' pipeline stages (tests/e2e/conftest.py)."""
 METRICS_BOUND_S = 60.0
 """How long a rank's relayed counters may lag (each rank sends them every second)."""
 
@@ -94,9 +96,10 @@ def test_repeated_prompts_at_block_multiples_pull_only_what_the_decode_lacks(
     """Issue 29 on the reference engine: prompts of 1x, 2x and 1x + 1 blocks and one shorter
     than a block, sent again and again between fresh ones. The decode engine's prefix cache
     holds a pulled prompt's full blocks, so a repeated request pulls only the blocks past the
-    hit (one read per request while a block is missing), and a prompt it holds whole pulls
-    nothing: its producer is only notified and frees at once, counted as a release. Every
-    answer's tokens equal the decode engine's own greedy run of the prompt."""
+    hit (one pull per request while a block is missing: a read from each producer rank), and a
+    prompt it holds whole pulls nothing: its producer is only notified and frees at once,
+    counted as a release. Every answer's tokens equal the decode engine's own greedy run of the
+    prompt."""
     decode = pd.endpoints["engines"]["decode-0"]
     decode_metrics, prefill_urls = (
         pd.endpoints["metrics"]["decode-0"],
@@ -144,7 +147,8 @@ def test_repeated_prompts_at_block_multiples_pull_only_what_the_decode_lacks(
             assert send(tokens) == expected, (round_, len(tokens))
         send(token_prompt(BLOCK + 3, 29_200 + round_))  # fresh: pulled whole
     # Per round: 1x and 2x pull nothing, 1x + 1 and the short one one block, the fresh one two
-    # blocks: three reads (one producer rank each).
-    target = (released + 2 * rounds, reads + 3 * rounds)
+    # blocks: three pulls, each a read from every producer rank (the prefill engines are PP=2:
+    # each stage holds its layers' KV).
+    target = (released + 2 * rounds, reads + 3 * PREFILL_PP * rounds)
     assert settled(target) == target, f"from {(released, reads)}"
     assert expired() == expired_before

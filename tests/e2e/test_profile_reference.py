@@ -1,6 +1,7 @@
-"""``pdserve profile`` against the shared reference PD stack (two prefill engines and one decode
-engine of the tiny model, tests/e2e/conftest.py): the file it writes is a profile the simulated
-engine's loader reads, of the layout and model it measured, and TTFT grows with the prompt."""
+"""``pdserve profile`` against the shared reference PD stack (two prefill engines of PP=2 and
+one decode engine of the tiny model, tests/e2e/conftest.py): the file it writes is a profile the
+simulated engine's loader reads, of the layout and model it measured, and TTFT grows with the
+prompt."""
 
 from __future__ import annotations
 
@@ -53,11 +54,13 @@ def test_profile_of_the_reference_pd_stack_loads_and_follows_its_measurements(
     assert (profile.model.head_size, profile.model.vocab_size) == (64, 384)
     assert profile.layout is not None
     assert (profile.layout.engine_kind, profile.layout.mode) == ("reference", "disaggregated")
-    assert profile.layout.sides() == {"prefill": SideLayout(), "decode": SideLayout()}
+    assert profile.layout.sides() == {"prefill": SideLayout(pp_size=2), "decode": SideLayout()}
     assert profile.kv_cache.num_blocks > 0 and profile.kv_cache.block_size == 16
     # The checks the planner and the sim engine make accept it for what it measured, only.
     check_model(profile, [MODEL])
-    check_layout(profile, SideLayout(), "prefill")
+    check_layout(profile, SideLayout(pp_size=2), "prefill")
+    with pytest.raises(ValueError, match="PP=1"):
+        check_layout(profile, SideLayout(), "prefill")
     with pytest.raises(ValueError, match="tiny-model"):
         check_model(profile, ["another-model"])
 

@@ -1,42 +1,24 @@
 """The reference engine through the router: PD (prefill PP=2 -> decode) against colocated.
 
-Two ``pdserve up`` systems on the same tiny checkpoint: disaggregated (prefill PP=2, decode
-TP=1; this module's own) and ``--colocated`` (one decode engine serving whole requests; shared,
-tests/e2e/conftest.py). Greedy output must be
-identical, stop strings must end generation without being returned, and a seeded sampled
-request must repeat exactly.
+The two shared ``pdserve up`` systems on the same tiny checkpoint (tests/e2e/conftest.py):
+disaggregated (two prefill engines of PP=2, one decode engine of TP=1, every request
+disaggregated) and ``--colocated`` (one decode engine serving whole requests). Greedy output
+must be identical, stop strings must end generation without being returned, and a seeded
+sampled request must repeat exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 
-from tests.e2e.conftest import SHARED_REFERENCE, started
+from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
 MODEL = "tiny-model"
 PROMPTS = ["Hello, world! How are you", "The prefill reads the whole prompt at once, and"]
-
-
-@pytest.fixture(scope="module")
-def disaggregated(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[UpSystem]:
-    # Every request disaggregated: a repeated prompt would otherwise run locally on the decode
-    # engine (mostly cached), and these tests compare outputs of one path.
-    yield from started(
-        tmp_path_factory.mktemp("up-pd"),
-        tiny_model_dir,
-        "--prefill-pp",
-        "2",
-        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},
-    )
 
 
 def client_of(system: UpSystem) -> openai.OpenAI:
@@ -51,9 +33,9 @@ def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
 
 
 def test_greedy_output_through_pd_equals_colocated(
-    disaggregated: UpSystem, reference_colocated: UpSystem
+    reference_pd: UpSystem, reference_colocated: UpSystem
 ) -> None:
-    pd_client = client_of(disaggregated)
+    pd_client = client_of(reference_pd)
     pd_outputs = []
     for prompt in PROMPTS:
         text, path = greedy(pd_client, prompt)
@@ -66,8 +48,8 @@ def test_greedy_output_through_pd_equals_colocated(
         assert text == expected
 
 
-def test_stop_string_ends_generation_and_is_not_returned(disaggregated: UpSystem) -> None:
-    client = client_of(disaggregated)
+def test_stop_string_ends_generation_and_is_not_returned(reference_pd: UpSystem) -> None:
+    client = client_of(reference_pd)
     full, _ = greedy(client, PROMPTS[0])
     stop = full[3:6]
     assert stop.strip(), f"pick a visible stop string from {full!r}"
@@ -79,8 +61,8 @@ def test_stop_string_ends_generation_and_is_not_returned(disaggregated: UpSystem
     assert choice.text == full[: full.index(stop)]
 
 
-def test_seeded_sampling_repeats_and_chat_works(disaggregated: UpSystem) -> None:
-    client = client_of(disaggregated)
+def test_seeded_sampling_repeats_and_chat_works(reference_pd: UpSystem) -> None:
+    client = client_of(reference_pd)
     messages = [{"role": "user", "content": "Tell me about the decode."}]
     texts = set()
     for _ in range(2):
