@@ -42,7 +42,8 @@ def reference_pd(
 ) -> Iterator[UpSystem]:
     """Two prefill engines (PP=2 each: a pipeline's hand-off on every request) and one decode
     engine (PP=1, TP=1), prefix-aware routing, every request disaggregated (a prompt the decode
-    engine holds is not run there alone)."""
+    engine holds is not run there alone). vLLM's front end (the default with a checkpoint) with
+    usage's cached tokens, the hermes tool parser and request chat templates trusted."""
     yield from started(
         tmp_path_factory.mktemp("shared-reference-pd"),
         tiny_model_dir,
@@ -51,6 +52,9 @@ def reference_pd(
         "--prefill-pp",
         "2",
         "--frontend-arg=--enable-prompt-tokens-details",  # usage's cached tokens, as vLLM's
+        "--frontend-arg=--tool-call-parser=hermes",
+        "--frontend-arg=--enable-auto-tool-choice",
+        "--frontend-arg=--trust-request-chat-template",
         env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2", "PDSERVE_ROUTER_POLICY": "prefix_aware"},
     )
 

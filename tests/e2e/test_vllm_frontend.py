@@ -1,6 +1,6 @@
 """vLLM's own OpenAI front end (``--frontend vllm``) over a reference-engine PD stack.
 
-One ``pdserve up --frontend vllm`` (prefill + decode, reference engines, the hermes tool parser,
+The shared reference PD stack (tests/e2e/conftest.py: vLLM's front end, the hermes tool parser,
 request chat templates trusted) and, on the same control plane, a second router with pdserve's
 own front end: greedy answers of the two are equal (the tokens come from the same engines; the
 text is detokenized by vLLM's code in one and by the engines in the other). Chat templates are
@@ -22,11 +22,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem, hang_up_mid_stream, healthy_router
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
 MODEL = "tiny-model"
 PROMPT = "Hello, world! How are you"
@@ -95,30 +95,13 @@ Today: {{ strftime_now("%Y") }}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("model") / MODEL)
+def system(reference_pd: UpSystem) -> UpSystem:
+    return reference_pd
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[UpSystem]:
-    up = UpSystem(
-        tmp_path_factory.mktemp("up-vllm-frontend"),
-        "--model",
-        str(model_dir),
-        "--port",
-        "0",
-        "--frontend",
-        "vllm",
-        "--frontend-arg=--tool-call-parser=hermes",
-        "--frontend-arg=--enable-auto-tool-choice",
-        "--frontend-arg=--trust-request-chat-template",
-        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},  # always disaggregated
-        scrub_env=True,
-    )
-    try:
-        yield up.wait_ready()
-    finally:
-        assert up.stop() == 0, up.output()
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +154,7 @@ def test_answers_equal_pdserve_front_end_and_carry_pdserve_headers(
         ours, theirs = post(system.url, path, body), post(pdserve_router, path, body)
         assert ours.status_code == theirs.status_code == 200, (body, ours.text, theirs.text)
         assert ours.headers["x-pdserve-execution-path"] == "disaggregated", ours.headers
-        assert ours.headers["x-pdserve-prefill-engine"] == "prefill-0"
+        assert ours.headers["x-pdserve-prefill-engine"] in ("prefill-0", "prefill-1")
         assert ours.headers["x-pdserve-decode-engine"] == "decode-0"
         mine, other = ours.json()["choices"][0], theirs.json()["choices"][0]
         if "message" in mine:
