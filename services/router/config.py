@@ -192,6 +192,13 @@ class RouterSettings(BaseSettings):
     router's choices before one probe request may try it (``services.router.scheduling.health``)."""
     circuit_max_backoff_s: float = Field(default=60.0, gt=0)
     """The back-off doubles after each failed probe, up to this."""
+    http_keep_alive_s: float = Field(default=75.0, gt=0)
+    """How long an idle HTTP/1.1 keep-alive connection stays open. Longer than the idle expiry
+    of the clients that pool connections (httpx and so the ``openai`` SDK: 5 s; aiohttp: 15 s)
+    and of load balancers (60 s is common), so the client retires an idle connection first: a
+    server that closes one as the client reuses it (uvicorn's default, 5 s, equal to httpx's)
+    makes that request fail with no response ("Server disconnected"), a request lost on a
+    loaded router."""
     max_request_body_bytes: int = Field(default=4 * 2**20, ge=1024)
     """The largest generation request body read (4 MiB: a 128k-token context as text or as
     token ids, with room for its JSON; raise it for batched prompts of such contexts); a larger

@@ -159,6 +159,22 @@ def _vllm_app(
     return create_vllm_app(build_frontend(args), runtime_context, ops)
 
 
+def uvicorn_config(app: FastAPI, settings: RouterSettings) -> uvicorn.Config:
+    """How uvicorn serves the router's ``app`` on ``settings.host``:``settings.port``."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        proxy_headers=False,  # nothing reads the client address or scheme: one ASGI layer less
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=settings.http_keep_alive_s,  # type: ignore[arg-type]  # a float works
+        http=CoalescingHttpToolsProtocol,
+    )
+
+
 def reuse_port_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
     """A TCP socket on ``host:port`` with ``SO_REUSEPORT``, listening unless ``listen`` is
     false: several processes bind the same port and the kernel spreads new connections over
@@ -217,18 +233,7 @@ async def serve(
     ``PDSERVE_READY`` payload instead of stdout; with ``parent_pid`` the router also stops
     when that process is gone (a worker whose supervisor was killed)."""
     app = create_app(settings, connectors=connectors)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        proxy_headers=False,  # nothing reads the client address or scheme: one ASGI layer less
-        lifespan="on",
-        timeout_graceful_shutdown=10,
-        http=CoalescingHttpToolsProtocol,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     sockets = [reuse_port_socket(settings.host, settings.port)] if settings.reuse_port else None
     task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:

@@ -1,7 +1,8 @@
 """A real router (uvicorn, real HTTP) in the test's event loop, following a real control plane.
 
 :func:`serving_router` starts :func:`services.router.main.create_app` with the production
-lifespan (Redis control plane, gRPC connectors) on a free port, waits until ``/health`` says
+lifespan (Redis control plane, gRPC connectors) and uvicorn's production settings
+(:func:`services.router.main.uvicorn_config`) on a free port, waits until ``/health`` says
 the router can serve (bounded), and stops it cleanly when the block ends.
 """
 
@@ -15,7 +16,7 @@ import httpx
 import uvicorn
 
 from services.router.config import RouterSettings
-from services.router.main import create_app
+from services.router.main import create_app, uvicorn_config
 
 START_TIMEOUT_S = 30.0
 
@@ -25,15 +26,8 @@ async def serving_router(
     settings: RouterSettings, *, wait_healthy: bool = True
 ) -> AsyncIterator[str]:
     """Yield the router's base URL (``http://127.0.0.1:<port>``)."""
-    config = uvicorn.Config(
-        create_app(settings),
-        host="127.0.0.1",
-        port=0,
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-    )
-    server = uvicorn.Server(config)
+    settings = settings.model_copy(update={"host": "127.0.0.1", "port": 0})
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + START_TIMEOUT_S
