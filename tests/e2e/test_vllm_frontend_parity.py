@@ -94,6 +94,8 @@ MATRIX: list[Row] = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2}),  # 400: greedy n > 1
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 5}),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0.8, "seed": 11}),
+    # Beam search: vLLM's serving layer runs it as one-token requests over the engine client
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True}),
     (
         "/v1/completions",
         {
