@@ -15,9 +15,10 @@ from typing import get_args
 from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings
-from services.engines.vllm.version_guard import FRONTEND_SYMBOLS, VllmVersionMismatch, check_vllm
+from services.engines.vllm.version_guard import VllmVersionMismatch
 from services.router.config import FrontendName, PolicyName, RouterSettings
 from services.router.main import run as serve_router
+from services.router.main import vllm_frontend_args
 from services.router.workers import serve_workers
 
 
@@ -106,8 +107,8 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
         print(f"pdserve router: invalid settings: {exc}")
         return 2
     if settings.frontend_in_use == "vllm":
-        try:  # one message naming what is missing, before anything starts
-            check_vllm(FRONTEND_SYMBOLS)
+        try:  # one message naming what is wrong, before anything starts
+            vllm_frontend_args(settings)  # SystemExit(2) on a flag it refuses, as vllm serve
         except VllmVersionMismatch as exc:
             print(f"pdserve router: {exc}", file=sys.stderr)
             return 2

@@ -8,6 +8,7 @@ control plane) instead. :func:`serve` runs it under uvicorn and prints
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -144,19 +145,25 @@ def _vllm_app(
     runtime_context: Callable[[], contextlib.AbstractAsyncContextManager[RouterRuntime]],
 ) -> FastAPI:
     """vLLM's front end (``services.router.frontend.vllm``) for ``settings.tokenizer``."""
-    check_vllm(FRONTEND_SYMBOLS)  # before the front end's modules import vLLM's
+    args = vllm_frontend_args(settings)
     from services.router.frontend.vllm.app import create_vllm_app  # noqa: PLC0415
-    from services.router.frontend.vllm.config import (  # noqa: PLC0415
-        build_frontend,
-        frontend_args,
-    )
+    from services.router.frontend.vllm.config import build_frontend  # noqa: PLC0415
+
+    return create_vllm_app(build_frontend(args), runtime_context, ops)
+
+
+def vllm_frontend_args(settings: RouterSettings) -> argparse.Namespace:
+    """vLLM's server flags of ``settings``' front end (``SystemExit`` with vLLM's usage
+    message on a flag vLLM or the router refuses; ``VllmVersionMismatch`` on another vLLM)."""
+    check_vllm(FRONTEND_SYMBOLS)  # before the front end's modules import vLLM's
+    from services.router.frontend.vllm.config import frontend_args  # noqa: PLC0415
 
     assert settings.tokenizer is not None  # RouterSettings checks it
     name = settings.served_model_name or settings.tokenizer.resolve().name
     args = frontend_args(settings.tokenizer, name, settings.frontend_args)
     if settings.api_keys:
         args.api_key = [key.get_secret_value() for key in settings.api_keys]
-    return create_vllm_app(build_frontend(args), runtime_context, ops)
+    return args
 
 
 def uvicorn_config(app: FastAPI, settings: RouterSettings) -> uvicorn.Config:

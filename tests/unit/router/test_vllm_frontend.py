@@ -40,6 +40,7 @@ from services.engines.vllm.version_guard import (
 )
 from services.router.errors import InvalidRequestError
 from services.router.frontend.vllm.app import _leading_error
+from services.router.frontend.vllm.config import frontend_args
 from services.router.frontend.vllm.engine_client import engine_sampling
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
@@ -348,6 +349,51 @@ def test_version_guard_names_every_missing_symbol(monkeypatch: pytest.MonkeyPatc
         VllmVersionMismatch, match=r"supports vLLM 0\.32\.0, found 0\.99\.0.*nope:x"
     ):
         check_vllm([("nope", "x")])
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--port=9000", "pdserve router --host/--port"),
+        ("--ssl-keyfile=key.pem", "terminate TLS in front of it"),
+        ("--uvicorn-log-level=debug", "PDSERVE_ROUTER_LOG_LEVEL"),
+        ("--tensor-parallel-size=2", "configures vLLM's engine"),
+        ("--max-num-seqs=4", "configures vLLM's engine"),
+        ("--no-enable-prefix-caching", "configures vLLM's engine"),
+        (
+            '--kv-transfer-config={"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
+            "configures vLLM's engine",
+        ),
+    ],
+)
+def test_a_vllm_server_flag_the_router_would_not_apply_is_refused_naming_where_it_goes(
+    capsys: pytest.CaptureFixture[str], model_dir: Path, flag: str, says: str
+) -> None:
+    """``vllm serve`` takes it; the router would take it and do nothing with it: refused
+    before anything starts, as vLLM refuses a bad flag (exit 2, the usage message)."""
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["router", "--tokenizer", str(model_dir), f"--frontend-arg={flag}"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert flag.split("=", 1)[0] in err and says in err, err
+
+
+def test_the_front_end_flags_and_the_model_config_are_taken(model_dir: Path) -> None:
+    args = frontend_args(
+        model_dir,
+        "tiny",
+        [
+            "--tool-call-parser=hermes",
+            "--enable-auto-tool-choice",
+            "--max-model-len=256",
+            "--chat-template-content-format=openai",
+            "--enable-prompt-tokens-details",
+            "--reasoning-parser=deepseek_r1",
+        ],
+    )
+    assert (args.tool_call_parser, args.enable_auto_tool_choice) == ("hermes", True)
+    assert (args.max_model_len, args.chat_template_content_format) == (256, "openai")
+    assert args.enable_prompt_tokens_details and args.reasoning_parser == "deepseek_r1"
 
 
 def test_router_and_engine_refuse_another_vllm_with_one_message(

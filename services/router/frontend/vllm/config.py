@@ -44,15 +44,118 @@ class Frontend:
         return str(self.args.served_model_name[0])
 
 
+SERVER_FLAGS: dict[str, str] = {
+    **dict.fromkeys(
+        ("host", "port", "uds", "headless", "api_server_count", "grpc", "grpc_port"),
+        "the router's own listener: pdserve router --host/--port, pdserve up --port",
+    ),
+    **dict.fromkeys(
+        (
+            "data_parallel_supervisor_port",
+            "dp_supervisor_probe_interval_s",
+            "dp_supervisor_probe_timeout_s",
+            "dp_supervisor_probe_failure_threshold",
+        ),
+        "vLLM's data-parallel API servers; pdserve's router is one process or several "
+        "(pdserve router --workers)",
+    ),
+    **dict.fromkeys(
+        (
+            "ssl_keyfile",
+            "ssl_certfile",
+            "ssl_ca_certs",
+            "enable_ssl_refresh",
+            "ssl_cert_reqs",
+            "ssl_ciphers",
+        ),
+        "the router serves plain HTTP: terminate TLS in front of it (an ingress)",
+    ),
+    **dict.fromkeys(
+        ("uvicorn_log_level", "disable_uvicorn_access_log", "disable_access_log_for_endpoints"),
+        "the router's logging: PDSERVE_ROUTER_LOG_LEVEL (it writes no access log)",
+    ),
+    **dict.fromkeys(
+        ("h11_max_incomplete_event_size", "h11_max_header_count"),
+        "the router's HTTP parser (httptools) and its body bound: "
+        "PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES",
+    ),
+    "shutdown_timeout": "the router's graceful shutdown (10 s for requests in flight)",
+}
+"""vLLM server flags of what pdserve's router does itself (its listener, TLS, logging,
+HTTP parser), each with where that is set instead."""
+
+ENGINE_GROUPS = frozenset(
+    {
+        "ParallelConfig",
+        "CacheConfig",
+        "SchedulerConfig",
+        "LoadConfig",
+        "OffloadConfig",
+        "CompilationConfig",
+        "KernelConfig",
+        "AttentionConfig",
+        "MambaConfig",
+        "ObservabilityConfig",
+    }
+)
+"""Groups of vLLM's server flags that configure the engine only (the front end builds the
+model config, its structured-outputs and logging config, nothing else: :func:`build_frontend`)."""
+ENGINE_FLAGS = frozenset(
+    {
+        "speculative_config",
+        "kv_transfer_config",
+        "kv_events_config",
+        "ec_transfer_config",
+        "ec_manager_config",
+        "compilation_config",
+        "attention_config",
+        "engram_config",
+        "kernel_config",
+        "additional_config",
+        "aux_output_config",
+        "profiler_config",
+        "optimization_level",
+        "performance_mode",
+        "weight_transfer_config",
+        "watermark_config",
+        "disable_log_stats",
+        "aggregate_engine_logging",
+        "gdn_prefill_backend",
+        "kda_prefill_backend",
+        "kda_decode_backend",
+    }
+)
+"""Engine-only flags outside :data:`ENGINE_GROUPS` (vLLM's ``VllmConfig`` group and its
+top-level options)."""
+
+
 def frontend_args(
     model_dir: Path, served_model_name: str, flags: Sequence[str] = ()
 ) -> argparse.Namespace:
     """vLLM's server flags for ``model_dir`` served as ``served_model_name``, ``flags`` on top
-    (``SystemExit`` with vLLM's usage message on a bad flag, as ``vllm serve``)."""
+    (``SystemExit`` with vLLM's usage message on a bad flag, as ``vllm serve``). A flag
+    ``vllm serve`` takes that the router would not apply (its listener, TLS, an engine's
+    setting: :data:`SERVER_FLAGS`, :data:`ENGINE_GROUPS`, :data:`ENGINE_FLAGS`) is refused the
+    same way, naming where it belongs, never accepted and ignored."""
     parser = make_arg_parser(FlexibleArgumentParser(prog="pdserve router --frontend-arg"))
     args: argparse.Namespace = parser.parse_args(
         ["--model", str(model_dir), "--served-model-name", served_model_name, *flags]
     )
+    # argparse keeps its groups private; vLLM groups its flags by config class
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if getattr(args, action.dest, action.default) == action.default:
+                continue
+            flag = next((o for o in action.option_strings if o.startswith("--")), action.dest)
+            if action.dest in SERVER_FLAGS:
+                parser.error(
+                    f"{flag} is not applied by pdserve's router: {SERVER_FLAGS[action.dest]}"
+                )
+            if group.title in ENGINE_GROUPS or action.dest in ENGINE_FLAGS:
+                parser.error(
+                    f"{flag} configures vLLM's engine, not its front end: give it to the "
+                    "engines (pdserve prefill/decode flags, pdserve up --engine-arg)"
+                )
     validate_parsed_serve_args(args)
     return args
 
