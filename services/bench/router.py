@@ -32,10 +32,13 @@ Figures, per system:
 - ``streamed``: router CPU per streamed request at two ``max_tokens`` (``--streamed-tokens``,
   default 4 and 64; the stubs stream one message or event per token for both systems), and
   their difference per token, ``router_cpu_ms_per_extra_token``: what one more streamed token
-  costs the router. A window that completed no request and failed none is run again twice as
-  long, up to three windows in all (``window_s`` of an entry is how long the reported one
-  lasted: on a loaded machine a short window may end before any request does); one that
-  still completed none has no per-request figures (null).
+  costs the router. A window that completed no request and failed none, or whose CPU
+  readings spanned less than half of it (``cpu_coverage``: the bench woke late on a loaded
+  machine; a reading after the load reads an idle router), is run again twice as long, up to
+  three windows in all (``window_s`` of an entry is how long the reported one lasted: on a
+  loaded machine a short window may end before any request does); one that still completed
+  none, or was still missed, has no per-request figures (null). CPU read over part of a window
+  stands for the whole of it (divided by ``cpu_coverage``).
 
 The load generator is :mod:`services.bench.loadgen` (raw HTTP/1.1, ``--load-processes``
 processes), the same for both systems. Its own ceiling against an instant server and its CPU

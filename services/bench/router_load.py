@@ -98,9 +98,14 @@ def _percentiles_us(samples: Sequence[int]) -> dict[str, float]:
 
 
 WINDOW_ATTEMPTS = 3
-"""Windows of a measurement that completed no request (and failed none) are run again, each
-twice as long as the one before, up to this many in all: a window shorter than one request on a
-loaded machine gives no per-request figure."""
+"""Windows of a measurement that completed no request (and failed none), or whose CPU was read
+over less than :data:`MIN_CPU_COVERAGE` of it, are run again, each twice as long as the one
+before, up to this many in all: a window shorter than one request on a loaded machine gives no
+per-request figure."""
+MIN_CPU_COVERAGE = 0.5
+"""The share of a window that the CPU readings before and after it must span. On a loaded
+machine the bench itself may wake late for its first reading, after the load generators
+stopped: the router, idle by then, read 0 CPU per request."""
 
 
 async def _load(
@@ -114,13 +119,13 @@ async def _load(
     url: str | None = None,
 ) -> dict[str, Any]:
     """One closed-loop window of ``connections`` connections (see :func:`_window`); one that
-    completed no request and failed none is run again twice as long (:data:`WINDOW_ATTEMPTS`),
-    and ``window_s`` says how long the reported one lasted."""
+    completed no request and failed none, or whose CPU readings missed it, is run again twice
+    as long (:data:`WINDOW_ATTEMPTS`), and ``window_s`` says how long the reported one lasted."""
     for attempt in range(WINDOW_ATTEMPTS):
         window_s = duration_s * 2**attempt
         entry = await _window(target, connections, window_s, args, placement, log_dir, body, url)
         entry["window_s"] = window_s
-        if entry["_latencies_us"] or entry["errors"]:
+        if (entry["_latencies_us"] or entry["errors"]) and entry["cpu_coverage"] is not None:
             break
     return entry
 
@@ -157,12 +162,15 @@ async def _window(
     ]  # fmt: skip
     outputs = [asyncio.ensure_future(g.communicate()) for g in generators]
     try:
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        # Scanning /proc for the pids takes long on a loaded machine: before the window.
         router_pids, stub_pids = target.pids()
         load_pids = [g.pid for g in generators]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        read_before = time.time()
         before = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
         await asyncio.sleep(max(0.0, stop_at - time.time()))
         after = (cpu_seconds(router_pids), cpu_seconds(stub_pids), cpu_seconds(load_pids))
+        read_after = time.time()
         results = [json.loads(stdout) for stdout, _ in await asyncio.gather(*outputs)]
     finally:
         for generator in generators:
@@ -171,9 +179,11 @@ async def _window(
     completed = len(latencies)
     errors = sum(result["errors"] for result in results)
     router_s, stub_s, load_s = (b - a for a, b in zip(before, after, strict=True))
-    # No request completed within the window (requests longer than it): no per-request
-    # figure (null in the JSON, never NaN).
-    per_request = 1e3 / completed if completed else None
+    coverage = cpu_coverage(start_at, stop_at, read_before, read_after)
+    # No request completed within the window (requests longer than it), or the CPU readings
+    # missed it: no per-request figure (null in the JSON, never NaN, never a false 0). The
+    # CPU read over part of the window stands for the whole of it.
+    per_request = 1e3 / completed / coverage if completed and coverage is not None else None
     return {
         "concurrency": connections,
         "requests_per_s": completed / duration_s,
@@ -181,12 +191,24 @@ async def _window(
         "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
         **_percentiles_us(latencies),
         "router_cpu_ms_per_request": _per_request(router_s, per_request),
-        "router_cores_used": router_s / duration_s,
+        "router_cores_used": router_s / duration_s / coverage if coverage is not None else None,
         "stub_cpu_ms_per_request": _per_request(stub_s, per_request),
         "load_generator_cpu_ms_per_request": _per_request(load_s, per_request),
         "load_generator_processes": processes,
+        "cpu_coverage": coverage,
         "_latencies_us": latencies,
     }
+
+
+def cpu_coverage(
+    start_at: float, stop_at: float, read_before: float, read_after: float
+) -> float | None:
+    """The share of the window ``[start_at, stop_at]`` that the CPU readings at
+    ``read_before`` and ``read_after`` span, ``None`` below :data:`MIN_CPU_COVERAGE`: the
+    figures would count the idle time after the load (or before it) as the window's."""
+    spanned = min(read_after, stop_at) - max(read_before, start_at)
+    share = spanned / (stop_at - start_at)
+    return round(share, 3) if share >= MIN_CPU_COVERAGE else None
 
 
 def _per_request(cpu_s: float, ms_per_request_second: float | None) -> float | None:
