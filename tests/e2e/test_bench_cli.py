@@ -75,7 +75,7 @@ def test_bench_router_reports_router_cpu_and_the_comparison_keys() -> None:
         figures = report[system]
         assert [level["concurrency"] for level in figures["load"]] == [1, 4]
         assert all(level["errors"] == 0 for level in figures["load"]), figures["load"]
-        assert figures["router_cpu_ms_per_request"] > 0
+        assert figures["router_cpu_ms_per_request"] > 0, (system, figures["load"])
         streamed = figures["streamed"]
         assert streamed["max_tokens"] == [4, 16]
         assert streamed["errors"] == {"4": 0, "16": 0}, streamed["first_error"]
