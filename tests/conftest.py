@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+from services.engines.registry import SyntheticModel, synthetic_model
+from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
 from tests.security.pki import make_pki
 
 pytest_plugins = ["tests.timing"]
@@ -95,6 +97,30 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def other_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An unrelated CA and certificates: trusted by nobody else in the tests."""
     return make_pki(tmp_path_factory.mktemp("other-pki"))
+
+
+def _write_checkpoint(directory: Path, model: SyntheticModel) -> Path:
+    """The synthetic checkpoint the router's front end reads for ``model`` (a stub or sim
+    engine's: its vocabulary and context), written into ``directory/<model name>``."""
+    return write_synthetic_checkpoint(
+        directory / model.name, vocab_size=model.vocab_size, max_model_len=model.max_model_len
+    )
+
+
+@pytest.fixture(scope="session")
+def stub_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic checkpoint of the stub engine's model (``stub``: 32,000 ids, 4,096 tokens
+    of context): the router's ``tokenizer`` for stub engines, with
+    ``served_model_name="stub"``."""
+    return _write_checkpoint(tmp_path_factory.mktemp("stub-checkpoint"), synthetic_model("stub"))
+
+
+@pytest.fixture(scope="session")
+def sim_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic checkpoint of the default sim profile's model (``sim-<profile>``): the
+    router's ``tokenizer`` for sim engines, with ``served_model_name`` the profile's
+    ``served_model``."""
+    return _write_checkpoint(tmp_path_factory.mktemp("sim-checkpoint"), synthetic_model("sim"))
 
 
 @pytest.fixture

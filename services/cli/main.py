@@ -3,7 +3,8 @@
 Subcommands: ``up`` (the system on one machine), ``router`` (the OpenAI-compatible router),
 ``status`` (engines and readiness grids), ``planner`` (pool sizes for the SLOs),
 ``profile`` (a running layout measured into a profile),
-``bench`` (benchmarks printing JSON), ``make-tiny-model`` (a local test checkpoint).
+``bench`` (benchmarks printing JSON), ``make-tiny-model`` (a local test checkpoint),
+``make-synthetic-checkpoint`` (what the router reads for stub and sim engines).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_plane_flags(status_parser)
     status.add_arguments(status_parser)
 
-    up_parser = commands.add_parser("up", help="the whole system on this machine")
+    up_parser = commands.add_parser(
+        "up", help="the whole system on this machine", allow_abbrev=False
+    )
     add_control_plane_flags(up_parser)
     up_args.add_arguments(up_parser)
 
@@ -47,8 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("rest", nargs=argparse.REMAINDER)
 
+    synthetic = commands.add_parser(
+        "make-synthetic-checkpoint",
+        help="write the checkpoint the router reads for stub or sim engines (no weights)",
+    )
+    synthetic.add_argument("directory")
+    synthetic.add_argument("--engine", choices=("stub", "sim"), default="stub")
+    synthetic.add_argument("--sim-profile", help="the sim engines' profile (name or path)")
+
     router_parser = commands.add_parser(
-        "router", help="the OpenAI-compatible router in front of the control plane's engines"
+        "router",
+        help="the OpenAI-compatible router in front of the control plane's engines",
+        allow_abbrev=False,  # --frontend is not --frontend-arg (a vLLM flag's value)
     )
     add_control_plane_flags(router_parser)
     router_cli.add_arguments(router_parser)
@@ -85,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.engines.reference.tiny_model import main_make_tiny_model  # noqa: PLC0415
 
         return main_make_tiny_model(args.rest)
+    if args.command == "make-synthetic-checkpoint":
+        return _make_synthetic_checkpoint(args)
     try:
         settings = resolve(args)
     except ValueError as exc:
@@ -117,3 +132,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _make_synthetic_checkpoint(args: argparse.Namespace) -> int:
+    """Print the checkpoint's folder and the model name to serve it as (``pdserve router
+    --tokenizer DIR --served-model-name NAME``)."""
+    from services.engines.registry import synthetic_model  # noqa: PLC0415
+    from services.tokenization.synthetic_checkpoint import (  # noqa: PLC0415
+        write_synthetic_checkpoint,
+    )
+
+    model = synthetic_model(args.engine, sim_profile=args.sim_profile)
+    path = write_synthetic_checkpoint(
+        args.directory, vocab_size=model.vocab_size, max_model_len=model.max_model_len
+    )
+    print(f"{path} {model.name}")
+    return 0

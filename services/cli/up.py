@@ -6,7 +6,9 @@ prefill`` / ``pdserve decode`` with the chosen PP x TP), then the router (``pdse
 ``--colocated`` starts decode engines only and a router that runs every request on one engine
 (no disaggregation), to compare against. Without ``--model`` the tiny test checkpoint is
 generated into ``<work-dir>/tiny-model`` (no downloads), except for the engines that load no
-model (``--engine stub``; ``--engine sim``, whose ``--sim-profile`` goes to every engine).
+model (``--engine stub``; ``--engine sim``, whose ``--sim-profile`` goes to every engine): for
+them the router's front end reads a synthetic checkpoint of the model they register (their
+vocabulary and context, no weights) written into ``<work-dir>/<model>-checkpoint``.
 
 While it runs: every engine's per-rank readiness grid is printed as it changes; each child's
 output goes to ``<work-dir>/logs/<name>.log``. Once the router's ``/health`` answers 200,
@@ -51,6 +53,7 @@ from services.config import ControlPlaneSettings
 from services.config.control_plane import split_url_password
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
+from services.engines.registry import synthetic_model
 from services.engines.vllm.platform import (
     THREADS_BIND_ENV,
     Platform,
@@ -61,6 +64,7 @@ from services.lifetime import PortTaken, check_free
 from services.observability.local_prometheus import RULES_FILE, LocalPrometheus, PrometheusError
 from services.serving.ready import pdserve_argv
 from services.supervision import ChildProcess, RestartPolicy, RestartTracker, stop_in_order
+from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
 
 PASSWORD_ENV = "PDSERVE_CONTROL_PLANE__REDIS__PASSWORD"
 _STOP_ORDER = ("planner", "router", "decode", "prefill")
@@ -395,30 +399,46 @@ def _router_child(
         args.host,
         "--port",
         str(args.port),
-        *(["--tokenizer", str(model)] if model is not None else []),
+        *_frontend_argv(args, model),
         *(["--colocated"] if args.colocated else []),
         *(["--workers", str(args.router_workers)] if args.router_workers != 1 else []),
-        *_frontend_argv(args, model),
         *args.router_arg,
     )
     return ChildProcess("router", argv, logs / "router.log", role="router", env=secrets)
 
 
 def _frontend_argv(args: argparse.Namespace, model: Path | None) -> list[str]:
-    """The router's front end: vLLM's for every engine that serves a checkpoint (its
-    tokenizer and chat template are vLLM's to read), pdserve's own for the engines that load
-    none (stub, sim: the byte tokenizer), unless ``--frontend`` says otherwise; its context is
-    the engines' (their ``--max-model-len``)."""
-    frontend = args.frontend or ("pdserve" if model is None else "vllm")
-    if frontend != "vllm":
-        return ["--frontend", frontend]
+    """The checkpoint the router's front end (vLLM's) reads, and its vLLM flags: the engines'
+    checkpoint, or for the engines that load none (stub, sim) the synthetic one of the model
+    they register, written into the work folder; the front end's context is the engines'
+    (their ``--max-model-len``)."""
+    served: list[str] = []
+    if model is None:
+        synthetic = synthetic_model(
+            args.engine, sim_profile=args.sim_profile, stub_vocab_size=_stub_vocab(args)
+        )
+        model = write_synthetic_checkpoint(
+            args.work_dir / f"{synthetic.name}-checkpoint",
+            vocab_size=synthetic.vocab_size,
+            max_model_len=synthetic.max_model_len,
+        )
+        served = ["--served-model-name", synthetic.name]
     flags = list(args.frontend_arg)
     for index, arg in enumerate(args.engine_arg):
         if arg.startswith("--max-model-len="):
             flags.append(arg)
         elif arg == "--max-model-len" and index + 1 < len(args.engine_arg):
             flags.append(f"--max-model-len={args.engine_arg[index + 1]}")
-    return ["--frontend", "vllm", *(f"--frontend-arg={flag}" for flag in flags)]
+    return ["--tokenizer", str(model), *served, *(f"--frontend-arg={flag}" for flag in flags)]
+
+
+def _stub_vocab(args: argparse.Namespace) -> int | None:
+    """``--stub-vocab-size`` among the engines' flags (benchmarks set it), else ``None``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--stub-vocab-size", type=int)
+    known, _ = parser.parse_known_args(args.engine_arg)
+    value: int | None = known.stub_vocab_size
+    return value
 
 
 async def _wait_ready(children: list[ChildProcess], stop: asyncio.Event, deadline: float) -> None:

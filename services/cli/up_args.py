@@ -67,18 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra argument for pdserve router (repeatable)",
     )
     parser.add_argument(
-        "--frontend",
-        choices=("pdserve", "vllm"),
-        default=None,
-        help="the router's OpenAI front end (default: vllm, vLLM's own serving code, for every "
-        "engine that serves a checkpoint; pdserve for --engine stub and sim)",
-    )
-    parser.add_argument(
         "--frontend-arg",
         action="append",
         default=[],
         metavar="FLAG",
-        help="a vLLM server flag for the vllm front end (repeatable; e.g. "
+        help="a vLLM server flag for the router's front end (vLLM's; repeatable; e.g. "
         "--frontend-arg=--tool-call-parser=hermes --frontend-arg=--enable-auto-tool-choice)",
     )
     parser.add_argument("--block-size", type=int, default=None, help="engines' KV block size")

@@ -230,6 +230,38 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
     )
 
 
+@dataclass(frozen=True)
+class SyntheticModel:
+    """The model a synthetic engine (stub, sim) registers: what the router's front end serves
+    for it (``services.tokenization.synthetic_checkpoint`` writes its checkpoint)."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+
+
+def synthetic_model(
+    engine: str, *, sim_profile: str | None = None, stub_vocab_size: int | None = None
+) -> SyntheticModel:
+    """The model ``pdserve prefill|decode --engine stub|sim`` with these flags registers."""
+    if engine == "stub":
+        from services.engines.stub.backend import STUB_MODEL, StubOptions  # noqa: PLC0415
+
+        defaults = StubOptions()
+        return SyntheticModel(
+            STUB_MODEL, stub_vocab_size or defaults.vocab_size, defaults.max_model_len
+        )
+    if engine == "sim":
+        from services.engines.sim import load_profile  # noqa: PLC0415
+        from services.engines.sim.profile import DEFAULT_PROFILE  # noqa: PLC0415
+
+        profile = load_profile(sim_profile or DEFAULT_PROFILE)
+        return SyntheticModel(
+            profile.served_model, profile.model.vocab_size, profile.model.max_model_len
+        )
+    raise UnknownEngine(f"{engine!r} is not a synthetic engine (stub, sim)")
+
+
 def _import(module: str, engine: str) -> ModuleType:
     try:
         return importlib.import_module(module)

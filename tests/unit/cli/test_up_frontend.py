@@ -1,38 +1,101 @@
-"""``pdserve up``'s router front end: vLLM's for every engine that serves a checkpoint, pdserve's
-own for the model-free engines (whose byte tokenizer vLLM cannot load), ``--frontend`` first."""
+"""``pdserve up``'s router front end (vLLM's) reads the engines' checkpoint, or for the engines
+that load none (stub, sim) a synthetic checkpoint of the model they register, written into the
+work folder."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from services.cli.main import build_parser
+from services.cli.main import main as cli_main
 from services.cli.up import _frontend_argv
+from services.engines.registry import UnknownEngine, synthetic_model
+from services.engines.sim.profile import DEFAULT_PROFILE, load_profile
+from services.engines.stub.backend import STUB_MODEL, StubOptions
+from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
+from services.tokenization.tokenizer import ByteTokenizer, load_tokenizer
 
 
-def frontend_of(*argv: str, model: Path | None) -> list[str]:
-    return _frontend_argv(build_parser().parse_args(["up", *argv]), model)
+def frontend_of(*argv: str, model: Path | None, work_dir: Path) -> list[str]:
+    args = build_parser().parse_args(["up", "--work-dir", str(work_dir), *argv])
+    return _frontend_argv(args, model)
 
 
 @pytest.mark.parametrize("engine", ["reference", "vllm"])
-def test_an_engine_with_a_checkpoint_gets_vllms_front_end(engine: str, tmp_path: Path) -> None:
+def test_an_engine_with_a_checkpoint_gets_it_read_by_the_front_end(
+    engine: str, tmp_path: Path
+) -> None:
     argv = frontend_of(
-        "--engine", engine, "--engine-arg=--max-model-len=256", "--frontend-arg=--a", model=tmp_path
+        "--engine",
+        engine,
+        "--engine-arg=--max-model-len=256",
+        "--frontend-arg=--a",
+        model=tmp_path,
+        work_dir=tmp_path,
     )
     context = "--frontend-arg=--max-model-len=256"  # the engines' context is the front end's
-    assert argv == ["--frontend", "vllm", "--frontend-arg=--a", context]
+    assert argv == ["--tokenizer", str(tmp_path), "--frontend-arg=--a", context]
 
 
-@pytest.mark.parametrize("engine", ["stub", "sim"])
-def test_model_free_engines_get_pdserves_front_end(engine: str) -> None:
-    assert frontend_of("--engine", engine, model=None) == ["--frontend", "pdserve"]
+def test_stub_engines_get_a_synthetic_checkpoint_of_their_model(tmp_path: Path) -> None:
+    argv = frontend_of("--engine", "stub", model=None, work_dir=tmp_path)
+    folder = Path(argv[argv.index("--tokenizer") + 1])
+    assert folder == (tmp_path / f"{STUB_MODEL}-checkpoint").resolve()
+    assert argv[argv.index("--served-model-name") + 1] == STUB_MODEL
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == StubOptions().vocab_size
+    assert config["max_position_embeddings"] == StubOptions().max_model_len
+    sized = frontend_of(
+        "--engine", "stub", "--engine-arg=--stub-vocab-size=384", model=None, work_dir=tmp_path
+    )
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == 384
+    assert sized[sized.index("--served-model-name") + 1] == STUB_MODEL
 
 
-def test_the_frontend_flag_decides(tmp_path: Path) -> None:
-    # (passed on: the router's own default would pick vLLM's for the checkpoint)
-    assert frontend_of("--frontend", "pdserve", model=tmp_path) == ["--frontend", "pdserve"]
-    assert frontend_of("--engine", "stub", "--frontend", "vllm", model=None)[:2] == [
-        "--frontend",
-        "vllm",
-    ]
+def test_sim_engines_get_the_synthetic_checkpoint_of_their_profile(tmp_path: Path) -> None:
+    profile = load_profile(DEFAULT_PROFILE)
+    argv = frontend_of("--engine", "sim", model=None, work_dir=tmp_path)
+    assert argv[argv.index("--served-model-name") + 1] == profile.served_model
+    config = json.loads(Path(argv[argv.index("--tokenizer") + 1], "config.json").read_text())
+    assert config["vocab_size"] == profile.model.vocab_size
+    assert config["max_position_embeddings"] == profile.model.max_model_len
+    with pytest.raises(UnknownEngine):
+        synthetic_model("reference")
+
+
+def test_the_synthetic_tokenizer_is_the_byte_tokenizer_the_engines_count_in(
+    tmp_path: Path,
+) -> None:
+    """Prompt ids are the UTF-8 bytes after BOS, as the byte tokenizer gives them (through
+    transformers, which vLLM's renderer uses, and through pdserve's loader); the ids past the
+    bytes and specials read as the synthetic engines write them."""
+    folder = write_synthetic_checkpoint(tmp_path / "m", vocab_size=1000, max_model_len=64)
+    text = "Hello, wörld! <s> and </s>"
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    assert hf(text)["input_ids"] == ByteTokenizer().encode(text)
+    assert load_tokenizer(folder).encode(text) == ByteTokenizer().encode(text)
+    assert load_tokenizer(folder).eos_token_ids == {257}
+    assert len(hf) == 1000
+    assert hf.decode([300, 999, 72, 105]) == " t300 t999Hi"
+    rendered = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered == "<s>user: hi\nassistant: yo\nassistant:"
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    write_synthetic_checkpoint(folder, vocab_size=1000, max_model_len=64)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_make_synthetic_checkpoint_prints_the_folder_and_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["make-synthetic-checkpoint", str(tmp_path / "s"), "--engine", "stub"]) == 0
+    folder, name = capsys.readouterr().out.split()
+    assert (Path(folder), name) == ((tmp_path / "s").resolve(), STUB_MODEL)
+    assert (Path(folder) / "tokenizer.json").is_file()
