@@ -2,8 +2,10 @@
 
 Two systems, each a router in front of one instant prefill and one instant decode engine:
 
-- **pdserve**: ``pdserve router`` (subprocess) over the control plane (embedded Redis) and two
-  ``pdserve prefill|decode --engine stub`` engines (gRPC, no model: tokens are instant);
+- **pdserve**: ``pdserve router`` (subprocess; its front end, vLLM's, over the generated tiny
+  checkpoint's tokenizer and chat template) over the control plane (embedded Redis) and two
+  ``pdserve prefill|decode --engine stub`` engines (gRPC, no model: tokens are instant, drawn
+  from the checkpoint's vocabulary);
 - **vllm-router**: ``vllm-router --vllm-pd-disaggregation`` (the Rust router from PyPI, in the
   ``dev`` extra) over two minimal OpenAI-compatible HTTP stubs
   (:func:`services.bench.http_stubs.stub_app`), which answer instantly as a vLLM prefill
@@ -53,12 +55,10 @@ request at the best concurrency, beside the completion's); vllm-router's stubs s
 Optional variants of pdserve's router, measured in the same run over the same stubs:
 ``--grpcio-client`` (grpc.aio as its engine client instead of h2grpc:
 ``pdserve_grpcio_client`` and ``engine_client_comparison``), ``--router-workers`` (several
-worker processes: ``pdserve_by_workers``). Front ends over the tiny checkpoint's tokenizer and
-chat template (:mod:`services.bench.router_frontends`; ``frontend_comparison``, completions and
-chat): ``--vllm-frontend`` (pdserve's router serving vLLM's own front end:
-``pdserve_vllm_frontend``) and ``--vllm-api-server`` (vLLM's own API server on the tiny model:
-``vllm_api_server``), each beside pdserve's own front end over the same tokenizer
-(``pdserve_tiny_tokenizer``).
+worker processes: ``pdserve_by_workers``). ``--vllm-api-server``: vLLM's own API server on the
+tiny model (``vllm_api_server``; :mod:`services.bench.router_frontends`), the front end an
+llm-d user runs, beside pdserve's router over the same tokenizer (``frontend_comparison``,
+completions and chat).
 
 This module starts the two systems and writes the JSON (the side-by-side ``comparison``); the
 windows and their figures are measured by :mod:`services.bench.router_load`.
@@ -83,9 +83,8 @@ from services.bench.router_frontends import (
     TINY_VOCAB,
     bench_vllm_api_server,
     frontend_comparison,
-    own_frontend_flags,
+    frontend_flags,
     tiny_model,
-    vllm_frontend_flags,
 )
 from services.bench.router_huge import bench_huge_prompts
 from services.bench.router_load import (
@@ -145,17 +144,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "h2grpc client (PDSERVE_ROUTER_ENGINE_GRPC__CLIENT=grpcio)",
     )
     parser.add_argument(
-        "--vllm-frontend",
-        action="store_true",
-        help="also measure pdserve's router with vLLM's own front end (--frontend vllm over a "
-        "generated tiny checkpoint's tokenizer), beside pdserve's own front end",
-    )
-    parser.add_argument(
         "--vllm-api-server",
         action="store_true",
         help="also measure vLLM's own API server (python -m vllm.entrypoints.openai.api_server "
         "on the generated tiny checkpoint; slow to start): its process's own CPU per request, "
-        "beside pdserve's front ends (frontend_comparison)",
+        "beside pdserve's router (frontend_comparison)",
     )
     parser.add_argument(
         "--huge-prompt-mb",
@@ -182,15 +175,12 @@ async def _bench_pdserve(
     placement: Placement,
     log_dir: Path,
     workers: int = 1,
-    frontend: list[str] | None = None,
     engine_client: str | None = None,
 ) -> dict[str, Any]:
-    """``frontend``: router flags over the tiny checkpoint's tokenizer (pdserve's own front end
-    or vLLM's: :mod:`services.bench.router_frontends`); the stubs then draw from its
-    vocabulary. ``engine_client``: the router's gRPC
-    client of the engines (``PDSERVE_ROUTER_ENGINE_GRPC__CLIENT``; its default when None)."""
+    """``engine_client``: the router's gRPC client of the engines
+    (``PDSERVE_ROUTER_ENGINE_GRPC__CLIENT``; its default when None)."""
     cp = ["--redis", settings.redis.url, "--namespace", settings.namespace]
-    vocab = ["--stub-vocab-size", str(TINY_VOCAB)] if frontend else []
+    vocab = ["--stub-vocab-size", str(TINY_VOCAB)]
     services: list[ChildProcess] = []
     try:
         for role in ("prefill", "decode"):
@@ -203,7 +193,7 @@ async def _bench_pdserve(
             )
         router_flags = [
             "--port", "0", "--policy", "least_loaded", "--workers", str(workers),
-            *(frontend or []),
+            *frontend_flags(tiny_model(log_dir)),
         ]  # fmt: skip
         router = await start(
             "router",
@@ -289,19 +279,11 @@ async def _run(
         }
         pdserve = by_workers[str(counts[0])]
         fronts: dict[str, dict[str, Any]] = {}
-        if args.vllm_frontend or args.vllm_api_server:
-            model = tiny_model(log_dir)
-            fronts["pdserve"] = await _bench_pdserve(
-                args, settings, instant, placement, log_dir, 1, own_frontend_flags(model)
+        if args.vllm_api_server:
+            fronts["pdserve"] = pdserve
+            fronts["vllm_api_server"] = await bench_vllm_api_server(
+                args, tiny_model(log_dir), instant, placement, log_dir
             )
-            if args.vllm_frontend:
-                fronts["vllm_frontend"] = await _bench_pdserve(
-                    args, settings, instant, placement, log_dir, 1, vllm_frontend_flags(model)
-                )
-            if args.vllm_api_server:
-                fronts["vllm_api_server"] = await bench_vllm_api_server(
-                    args, model, instant, placement, log_dir
-                )
         grpcio_client = (
             await _bench_pdserve(
                 args, settings, instant, placement, log_dir, engine_client="grpcio"
@@ -350,7 +332,7 @@ async def _run(
         **({"pdserve_by_workers": _by_workers(by_workers)} if len(by_workers) > 1 else {}),
         **(
             {
-                **{RESULT_KEYS[name]: result for name, result in fronts.items()},
+                "vllm_api_server": fronts["vllm_api_server"],
                 "frontend_comparison": frontend_comparison(fronts),
             }
             if fronts
@@ -368,14 +350,6 @@ async def _run(
         "vllm_router": reference,
         **({"comparison": _comparison(pdserve, reference)} if "load" in reference else {}),
     }
-
-
-RESULT_KEYS = {
-    "pdserve": "pdserve_tiny_tokenizer",
-    "vllm_frontend": "pdserve_vllm_frontend",
-    "vllm_api_server": "vllm_api_server",
-}
-"""The JSON key of each front end's full result (``frontend_comparison``'s columns)."""
 
 
 def _client_comparison(h2grpc: dict[str, Any], grpcio: dict[str, Any]) -> dict[str, Any]:

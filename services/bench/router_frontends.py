@@ -1,12 +1,10 @@
 """The front-end columns of ``pdserve bench router`` (:mod:`services.bench.router`): the same
-completions and chat requests through three OpenAI front ends over the generated tiny
+completions and chat requests through two OpenAI front ends over the generated tiny
 checkpoint's tokenizer and chat template, and their router CPU per request side by side
 (``frontend_comparison``).
 
-- ``pdserve``: pdserve's router, its own front end (``--tokenizer`` the tiny checkpoint), over
-  the two instant stub engines;
-- ``vllm_frontend``: pdserve's router serving vLLM's own front end (``--frontend vllm``) over the
-  same stubs;
+- ``pdserve``: pdserve's router (vLLM's front end over its executor; ``--tokenizer`` the tiny
+  checkpoint) over the two instant stub engines;
 - ``vllm_api_server``: vLLM's own API server (``python -m vllm.entrypoints.openai.api_server``,
   the front end a user of llm-d or vllm-router runs before each engine) on the tiny checkpoint.
   Its engine runs in a child process (``EngineCore``), so the API server process's own CPU
@@ -14,8 +12,8 @@ checkpoint's tokenizer and chat template, and their router CPU per request side 
   engine is a real (tiny) model, not instant: its rates and latencies are the model's, its CPU
   per request is still the front end's alone.
 
-The stubs of the first two draw their tokens from the checkpoint's vocabulary
-(:data:`TINY_VOCAB`), which both front ends detokenize.
+pdserve's stubs draw their tokens from the checkpoint's vocabulary (:data:`TINY_VOCAB`), which
+its front end detokenizes.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from services.engines.reference.tiny_model import make_tiny_model
 TINY_VOCAB = 384
 """The generated tiny checkpoint's vocabulary (``pdserve make-tiny-model``)."""
 
-COLUMNS = ("pdserve", "vllm_frontend", "vllm_api_server")
+COLUMNS = ("pdserve", "vllm_api_server")
 VLLM_START_TIMEOUT_S = 600.0
 """vLLM's API server starts its engine process and loads the model: minutes on a loaded
 machine."""
@@ -53,15 +51,10 @@ def tiny_model(log_dir: Path) -> Path:
     return model if (model / "config.json").exists() else make_tiny_model(model)
 
 
-def own_frontend_flags(model: Path) -> list[str]:
-    """Router flags of pdserve's own front end over the tiny checkpoint's tokenizer."""
-    return ["--tokenizer", str(model), "--frontend", "pdserve"]
-
-
-def vllm_frontend_flags(model: Path) -> list[str]:
-    """Router flags of vLLM's front end over the tiny checkpoint, serving the stubs' model."""
+def frontend_flags(model: Path) -> list[str]:
+    """Router flags of its front end over the tiny checkpoint, serving the stubs' model."""
     return [
-        "--frontend", "vllm", "--tokenizer", str(model), "--served-model-name", "stub",
+        "--tokenizer", str(model), "--served-model-name", "stub",
         "--frontend-arg=--max-model-len=512",
     ]  # fmt: skip
 
@@ -100,7 +93,7 @@ async def bench_vllm_api_server(
 
 def frontend_comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Router CPU per completion and per chat completion of each measured front end
-    (:data:`COLUMNS`), their ratios to pdserve's own front end's, best rates and CPU per extra
+    (:data:`COLUMNS`), their ratios to pdserve's router's, best rates and CPU per extra
     streamed token."""
 
     def column(pick: Any) -> dict[str, Any]:

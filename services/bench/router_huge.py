@@ -1,6 +1,6 @@
 """``pdserve bench router --huge-prompt-mb N``: do huge prompts hold up small requests?
 
-One pdserve router (its own front end over the generated tiny checkpoint's HF tokenizer) in
+One pdserve router (its front end, vLLM's, over the generated tiny checkpoint's tokenizer) in
 front of a stub prefill and a stub decode engine. One client sends small completions one at a
 time for ``--latency-s`` (the quiet run); then the same again while a second client sends one
 prompt of N MB every second. The figure is the ratio of the small requests' p99 (and p50)
@@ -8,10 +8,10 @@ under the huge prompts to the quiet run's: measured in one run on one machine, i
 an absolute time does not (issue 36's goal: p99 within 2x).
 
 The router runs with ``max_request_body_bytes`` raised to fit the huge body (with the default
-it is refused 413 before it is parsed); the stubs report a 4096-token context, so each huge
-prompt is parsed in the router's pool and refused from its prefix (400), as against a real
-engine. The huge requests' statuses and durations are reported beside the ratio. The huge
-prompts go from a thread of their own, encoded once.
+it is refused 413 before it is parsed); each huge prompt is tokenized by the front end (vLLM's
+renderer, off the event loop) and refused for its length (400), as against a real engine. The
+huge requests' statuses and durations are reported beside the ratio. The huge prompts go from a
+thread of their own, encoded once.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ async def bench_huge_prompts(
             )
         router_argv = pdserve_argv(
             "router", *cp, "--port", "0", "--policy", "least_loaded",
-            "--tokenizer", str(model), "--frontend", "pdserve",  # the tokenizing pool measured
+            "--tokenizer", str(model), "--served-model-name", "stub",
         )  # fmt: skip
         router = await start(
             "huge-router",

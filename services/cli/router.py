@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from services.cli.settings import ToolSettings
 from services.engines.vllm.version_guard import VllmVersionMismatch
-from services.router.config import FrontendName, PolicyName, RouterSettings
+from services.router.config import PolicyName, RouterSettings
 from services.router.main import run as serve_router
 from services.router.main import vllm_frontend_args
 from services.router.workers import serve_workers
@@ -28,25 +28,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         type=Path,
-        help="checkpoint folder with the tokenizer and chat template (default: byte-level)",
-    )
-    parser.add_argument(
-        "--frontend",
-        choices=get_args(FrontendName),
-        help="OpenAI front end: vLLM's serving classes over PD, pdserve's own, or auto "
-        "(the default): vllm with --tokenizer, pdserve with the byte-level tokenizer",
+        help="the checkpoint folder the front end reads (tokenizer, chat template, context; "
+        "pdserve make-synthetic-checkpoint writes one for stub and sim engines); required",
     )
     parser.add_argument(
         "--frontend-arg",
         action="append",
         dest="frontend_args",
         metavar="FLAG",
-        help="a vLLM server flag for --frontend vllm (repeatable; e.g. "
+        help="a vLLM server flag for the front end, vLLM's (repeatable; e.g. "
         "--frontend-arg=--tool-call-parser=hermes)",
     )
     parser.add_argument(
         "--served-model-name",
-        help="--frontend vllm: the model's name (default: the --tokenizer folder's name)",
+        help="the model's name, as its engines register it (default: the --tokenizer "
+        "folder's name)",
     )
     parser.add_argument("--policy", choices=get_args(PolicyName), help="routing policy")
     parser.add_argument(
@@ -87,7 +83,7 @@ def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSetti
     overrides: dict[str, object] = {"control_plane": tools.control_plane}
     names = (
         "host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated",
-        "workers", "worker_metrics_port", "frontend", "frontend_args", "served_model_name",
+        "workers", "worker_metrics_port", "frontend_args", "served_model_name",
         "kv_events",
     )  # fmt: skip
     for name in names:
@@ -106,12 +102,19 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
     except ValidationError as exc:
         print(f"pdserve router: invalid settings: {exc}")
         return 2
-    if settings.frontend_in_use == "vllm":
-        try:  # one message naming what is wrong, before anything starts
-            vllm_frontend_args(settings)  # SystemExit(2) on a flag it refuses, as vllm serve
-        except VllmVersionMismatch as exc:
-            print(f"pdserve router: {exc}", file=sys.stderr)
-            return 2
+    if settings.tokenizer is None:
+        print(
+            "pdserve router: --tokenizer is required: the checkpoint folder of the model the "
+            "engines serve (pdserve make-synthetic-checkpoint writes one for stub and sim "
+            "engines)",
+            file=sys.stderr,
+        )
+        return 2
+    try:  # one message naming what is wrong, before anything starts
+        vllm_frontend_args(settings)  # SystemExit(2) on a flag it refuses, as vllm serve
+    except VllmVersionMismatch as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 2
     if settings.workers > 1:
         return serve_workers(settings)
     serve_router(settings)

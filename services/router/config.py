@@ -13,7 +13,6 @@ from services.serving.tls import ClientTLS
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
 GrpcClientName = Literal["h2", "grpcio"]
-FrontendName = Literal["auto", "pdserve", "vllm"]
 
 
 class EngineGrpcSettings(BaseModel):
@@ -84,20 +83,16 @@ class RouterSettings(BaseSettings):
     """Accepted Bearer keys; empty = no authentication. Compared in constant time, never
     logged."""
     tokenizer: Path | None = None
-    """Checkpoint folder whose tokenizer (and chat template) the router uses for every model;
-    ``None`` = the byte-level fallback tokenizer with the default chat template."""
-    frontend: FrontendName = "auto"
-    """Which OpenAI front end answers: ``vllm`` (vLLM's own serving classes over pdserve's
-    executor: chat templates, tools, reasoning parsers, Responses, tokenize, exactly as vLLM's
-    server; needs ``tokenizer`` and vLLM installed), ``pdserve`` (the router's own, any
-    tokenizer: about a third of the CPU per request, no vLLM import) or ``auto``: vllm with a
-    ``tokenizer``, pdserve with the byte-level one (:attr:`frontend_in_use`)."""
+    """The checkpoint folder the front end (vLLM's OpenAI serving code) reads: the tokenizer,
+    chat template, vocabulary and context of the model the engines serve (for the engines that
+    load no model, the synthetic checkpoint ``pdserve up`` writes); needed to serve
+    (``create_app`` refuses ``None``)."""
     frontend_args: list[str] = Field(default_factory=list)
-    """With ``frontend = vllm``: vLLM server flags for the front end (``--chat-template``,
+    """vLLM server flags for the front end (``--chat-template``,
     ``--tool-call-parser``, ``--enable-auto-tool-choice``, ``--reasoning-parser``,
     ``--max-model-len``...), as ``vllm serve`` takes them."""
     served_model_name: str | None = None
-    """With ``frontend = vllm``: the model's name (the one its engines register); ``None``:
+    """The model's name (the one its engines register); ``None``:
     the ``tokenizer`` folder's name, the engines' default."""
     policy: PolicyName = "prefix_aware"
     """How engines are chosen: ``round_robin``; ``least_loaded`` (the router's in-flight
@@ -205,30 +200,13 @@ class RouterSettings(BaseSettings):
     one is answered 413 before its JSON is parsed (``Content-Length``) or as soon as the bytes
     read pass it (chunked); counted in ``pdserve_router_requests_total`` with
     ``outcome="request_too_large"``."""
-    tokenize_workers: int = Field(default=2, ge=1, le=64)
-    """Threads that tokenize long prompts off the event loop (HF ``tokenizers`` releases the
-    GIL while it encodes a batch): short ones are tokenized on the loop, where a thread hop
-    would cost more than the encoding."""
-    tokenize_queue: int = Field(default=64, ge=1)
-    """Long prompts waiting for or in a tokenizing thread at once, per router process; one more
-    is answered 429, counted in ``pdserve_router_requests_total`` with
-    ``outcome="rate_limit_exceeded"``."""
     log_level: str = "WARNING"
     """Python logging level."""
-
-    @property
-    def frontend_in_use(self) -> Literal["pdserve", "vllm"]:
-        """:attr:`frontend` with ``auto`` decided: vllm with a tokenizer, else pdserve."""
-        if self.frontend == "auto":
-            return "pdserve" if self.tokenizer is None else "vllm"
-        return self.frontend
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:
         if any(not key.get_secret_value() for key in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")
-        if self.frontend == "vllm" and self.tokenizer is None:
-            raise ValueError("frontend vllm needs tokenizer (the checkpoint folder)")
         if self.worker_metrics_port and self.worker_metrics_port + self.workers - 1 > 65535:
             raise ValueError("worker_metrics_port + workers - 1 must be a port (<= 65535)")
         return self

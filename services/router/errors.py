@@ -70,7 +70,7 @@ class RequestTooLarge(RouterError):
     @classmethod
     def of_body(cls, size: int, limit: int) -> RequestTooLarge:
         """The error of a body of ``size`` bytes (or more: it was not read whole) over
-        ``limit`` (both front ends say the same)."""
+        ``limit``."""
         return cls(
             f"the request body ({size} bytes or more) is larger than this server accepts "
             f"({limit} bytes, PDSERVE_ROUTER_MAX_REQUEST_BODY_BYTES)"
@@ -78,7 +78,7 @@ class RequestTooLarge(RouterError):
 
 
 class TooManyRequests(RouterError):
-    """More prompts waiting to be tokenized than ``tokenize_queue`` allows: try again."""
+    """Too many requests at once: try again (the outcome a 429 answer counts under)."""
 
     status_code = 429
     error_type = "rate_limit_error"

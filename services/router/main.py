@@ -26,10 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.engines.vllm.version_guard import FRONTEND_SYMBOLS, check_vllm
 from services.router.config import RouterSettings
-from services.router.frontend.api import generation, ops, v1
-from services.router.frontend.error_handlers import install_error_handlers
-from services.router.frontend.hot_path import HotPathApp
 from services.router.frontend.http_protocol import CoalescingHttpToolsProtocol
+from services.router.frontend.ops import ops
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.connector import ConnectorFactory, GrpcConnectorFactory
@@ -82,8 +80,10 @@ def create_app(
     runtime: RouterRuntime | None = None,
     connectors: ConnectorFactory | None = None,
 ) -> FastAPI:
-    """The router app. With ``runtime``, nothing connects to Redis (the caller feeds the pool);
-    otherwise the lifespan builds one with ``connectors`` (gRPC by default)."""
+    """The router app: vLLM's OpenAI front end (``services.router.frontend.vllm``) for
+    ``settings.tokenizer`` over pdserve's executor. With ``runtime``, nothing connects to Redis
+    (the caller feeds the pool); otherwise the lifespan builds one with ``connectors`` (gRPC by
+    default)."""
 
     @contextlib.asynccontextmanager
     async def runtime_context() -> AsyncIterator[RouterRuntime]:
@@ -109,35 +109,11 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
             await built.executor.close()
-            built.prompts.close()
             await built.close()
             await built.pool.close()
             await control_plane.close()
 
-    if settings.frontend_in_use == "vllm":
-        return _vllm_app(settings, runtime_context)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with runtime_context() as built:
-            app.state.runtime = built
-            yield
-
-    app = HotPathApp(
-        title="pdserve router",
-        version="1",
-        description="OpenAI-compatible front door of pdserve (disaggregated prefill/decode).",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-    )
-    app.include_router(generation)
-    app.include_router(v1)
-    app.include_router(ops)
-    install_error_handlers(app)
-    if runtime is not None:
-        app.state.runtime = runtime
-    return app
+    return _vllm_app(settings, runtime_context)
 
 
 def _vllm_app(
@@ -158,7 +134,8 @@ def vllm_frontend_args(settings: RouterSettings) -> argparse.Namespace:
     check_vllm(FRONTEND_SYMBOLS)  # before the front end's modules import vLLM's
     from services.router.frontend.vllm.config import frontend_args  # noqa: PLC0415
 
-    assert settings.tokenizer is not None  # RouterSettings checks it
+    if settings.tokenizer is None:
+        raise ValueError("the router needs tokenizer: the checkpoint folder its front end reads")
     name = settings.served_model_name or settings.tokenizer.resolve().name
     args = frontend_args(settings.tokenizer, name, settings.frontend_args)
     if settings.api_keys:

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from services.router.config import RouterSettings
 from services.router.execution.executor import Executor
-from services.router.frontend.chat import ChatRenderer
-from services.router.frontend.tokenizing import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.connector import ConnectorFactory
 from services.router.scheduling.health import CircuitBreaker
@@ -26,9 +24,7 @@ class RouterRuntime:
     settings: RouterSettings
     metrics: RouterMetrics
     tokenizer: Tokenizer
-    chat: ChatRenderer
-    prompts: PromptTokenizer
-    """Completion and chat prompts to token ids, long ones off the event loop."""
+    """The checkpoint's tokenizer (a migration's text so far; the front end has vLLM's)."""
     pool: EnginePool
     scheduler: Scheduler
     executor: Executor
@@ -92,15 +88,10 @@ class RouterRuntime:
             decode_cache_weight=settings.decode_cache_weight,
         )
         scheduler = Scheduler(pool, policy, settings, metrics)
-        chat = ChatRenderer(tokenizer)
         return cls(
             settings=settings,
             metrics=metrics,
             tokenizer=tokenizer,
-            chat=chat,
-            prompts=PromptTokenizer(
-                tokenizer, chat, workers=settings.tokenize_workers, queue=settings.tokenize_queue
-            ),
             pool=pool,
             scheduler=scheduler,
             executor=Executor(pool, scheduler, settings, metrics, tokenizer=tokenizer),

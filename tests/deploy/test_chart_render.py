@@ -246,23 +246,22 @@ def test_values_schema_is_shipped_not_ignored() -> None:
         assert loaded.schema["additionalProperties"] is False
 
 
-def test_router_front_end_is_vllms_unless_set(chart: helm.Chart) -> None:
-    """vLLM's front end with its flags, with vLLM and with reference engines; pdserve's own
-    when asked."""
+def test_router_front_end_reads_the_models_checkpoint_with_its_flags(chart: helm.Chart) -> None:
+    """The router's front end (vLLM's) reads ``model.path`` with its vLLM flags, with vLLM and
+    with reference engines; the removed ``router.frontend`` value is refused by the schema."""
 
     def router_args(values: dict[str, Any]) -> list[str]:
         found = find(render(chart, values), "Deployment", "-router")
         return list(container(found.body["spec"]["template"])["args"])
 
     args = router_args({"router": {"frontendArgs": ["--tool-call-parser=hermes"]}})
-    assert args[args.index("--frontend") + 1] == "vllm"
+    assert "--frontend" not in args
     assert "--frontend-arg=--tool-call-parser=hermes" in args
     cpu = load_values(CHART_DIR / "examples" / "reference-cpu.yaml")
     reference = router_args(cpu)
-    assert reference[reference.index("--frontend") + 1] == "vllm"
-    own = router_args({**cpu, "router": {**cpu.get("router", {}), "frontend": "pdserve"}})
-    assert own[own.index("--frontend") + 1] == "pdserve"  # the router's own default is vllm's
-    assert not [arg for arg in own if arg.startswith("--frontend-arg")]
+    assert reference[reference.index("--tokenizer") + 1] == cpu["model"]["path"]
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"router": {"frontend": "pdserve"}})
 
 
 def test_router_workers_share_the_port_and_each_is_scraped_on_its_own(chart: helm.Chart) -> None:

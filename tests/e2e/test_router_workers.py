@@ -83,8 +83,11 @@ def test_workers_spread_requests_over_engines_and_their_metrics_add_up(system: U
 def test_ctrl_c_stops_every_worker_of_pdserve_router(system: UpSystem) -> None:
     """A second ``pdserve router --workers 2`` on the same control plane: it serves, and
     SIGINT to it (what a terminal's Ctrl-C sends) stops both workers and exits 0."""
+    checkpoint = system.work_dir / "stub-checkpoint"  # what pdserve up's router reads
     router, announced = start_router(
-        system, "--workers", "2", env={"PDSERVE_ROUTER_POLICY": "least_loaded"}
+        system,
+        *("--workers", "2", "--tokenizer", str(checkpoint), "--served-model-name", "stub"),
+        env={"PDSERVE_ROUTER_POLICY": "least_loaded"},
     )
     try:
         pids = announced["pids"]

@@ -25,6 +25,7 @@ import pytest
 
 from services.cli.engine import STOP_OVERRUN_S
 from services.serving.ready import pdserve_argv
+from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
 from tests.e2e.faults.probes import rank_pids, wait_until
 from tests.e2e.up_system import UpSystem, process_tree, still_running, wait_all_gone
 
@@ -126,5 +127,9 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert not work_dir.exists(), "it started something (its work folder exists)"
 
 
-def test_router_workers_refuse_a_port_another_process_holds() -> None:
-    refused_on_a_held_port("router", "--redis", "redis://127.0.0.1:1/0", "--workers", "2")
+def test_router_workers_refuse_a_port_another_process_holds(tmp_path: Path) -> None:
+    checkpoint = write_synthetic_checkpoint(tmp_path / "stub", vocab_size=512, max_model_len=64)
+    refused_on_a_held_port(
+        "router", "--redis", "redis://127.0.0.1:1/0", "--workers", "2",
+        "--tokenizer", str(checkpoint),
+    )  # fmt: skip

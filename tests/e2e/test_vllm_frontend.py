@@ -1,9 +1,8 @@
-"""vLLM's own OpenAI front end (``--frontend vllm``) over a reference-engine PD stack.
+"""The router's front end (vLLM's own OpenAI serving code) over a reference-engine PD stack.
 
-The shared reference PD stack (tests/e2e/conftest.py: vLLM's front end, the hermes tool parser,
-request chat templates trusted) and, on the same control plane, a second router with pdserve's
-own front end: greedy answers of the two are equal (the tokens come from the same engines; the
-text is detokenized by vLLM's code in one and by the engines in the other). Chat templates are
+The shared reference PD stack (tests/e2e/conftest.py: the hermes tool parser, request chat
+templates trusted) answers greedy requests as the shared colocated stack does (the same model on
+one engine: what PD must equal), every answer naming its engines. Chat templates are
 checked against ``transformers``' ``apply_chat_template`` (what vLLM's server renders with)
 through ``/tokenize``, with templates written here that use every construct real checkpoints'
 templates use. vLLM's server itself is the yardstick in ``test_vllm_frontend_parity.py``.
@@ -104,17 +103,6 @@ def model_dir(tiny_model_dir: Path) -> Path:
     return tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def pdserve_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
-    """A router with pdserve's own front end on the same engines."""
-    with healthy_router(
-        system,
-        *("--tokenizer", str(model_dir), "--frontend", "pdserve"),
-        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},
-    ) as url:
-        yield url
-
-
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -123,19 +111,12 @@ def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{url}{path}", json=body, timeout=120)
 
 
-def same_text(vllm_text: str, pdserve_text: str) -> None:
-    """Equal, but for the end: vLLM's detokenizer never releases a trailing incomplete UTF-8
-    character, the reference engine's releases it as U+FFFD
-    (``migration.ENDS_BEFORE_INCOMPLETE``)."""
-    assert pdserve_text.startswith(vllm_text), (vllm_text, pdserve_text)
-    assert pdserve_text[len(vllm_text) :] in ("", "\ufffd"), (vllm_text, pdserve_text)
-
-
-def test_answers_equal_pdserve_front_end_and_carry_pdserve_headers(
-    system: UpSystem, pdserve_router: str
+def test_answers_equal_colocated_and_carry_pdserve_headers(
+    system: UpSystem, reference_colocated: UpSystem
 ) -> None:
     """Completions (plain, streamed, logprobs, echo with prompt logprobs, a stop string) and
-    chat: the same greedy text from both front ends; every answer names its engines."""
+    chat: the same greedy text through PD as on one engine; every PD answer names its
+    engines."""
     bodies: list[tuple[str, dict[str, Any]]] = [
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12}),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "logprobs": 2}),
@@ -151,21 +132,19 @@ def test_answers_equal_pdserve_front_end_and_carry_pdserve_headers(
     ]
     for path, fields in bodies:
         body = {"model": MODEL, "temperature": 0, **fields}
-        ours, theirs = post(system.url, path, body), post(pdserve_router, path, body)
+        ours, theirs = post(system.url, path, body), post(reference_colocated.url, path, body)
         assert ours.status_code == theirs.status_code == 200, (body, ours.text, theirs.text)
         assert ours.headers["x-pdserve-execution-path"] == "disaggregated", ours.headers
         assert ours.headers["x-pdserve-prefill-engine"] in ("prefill-0", "prefill-1")
         assert ours.headers["x-pdserve-decode-engine"] == "decode-0"
         mine, other = ours.json()["choices"][0], theirs.json()["choices"][0]
         if "message" in mine:
-            same_text(mine["message"]["content"], other["message"]["content"])
+            assert mine["message"]["content"] == other["message"]["content"], body
         else:
-            same_text(mine["text"], other["text"])
+            assert mine["text"] == other["text"], body
         assert mine["finish_reason"] == other["finish_reason"], body
         if body.get("logprobs"):
-            # (token strings of bytes that split a character are vLLM's: "" where pdserve's
-            # own front end gives "\ufffd"; vLLM's server is the yardstick, see the parity test)
-            assert len(mine["logprobs"]["tokens"]) == len(other["logprobs"]["tokens"])
+            assert mine["logprobs"]["tokens"] == other["logprobs"]["tokens"], body
             assert mine["logprobs"]["token_logprobs"] == pytest.approx(
                 other["logprobs"]["token_logprobs"], abs=1e-4, nan_ok=True
             )
@@ -176,11 +155,11 @@ def test_answers_equal_pdserve_front_end_and_carry_pdserve_headers(
     )
     text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
     whole = post(
-        pdserve_router,
+        reference_colocated.url,
         "/v1/completions",
         {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
     )
-    same_text(text, whole.json()["choices"][0]["text"])
+    assert text == whole.json()["choices"][0]["text"]
 
 
 def test_tokenize_renders_chat_templates_as_transformers(system: UpSystem, model_dir: Path) -> None:
@@ -363,8 +342,7 @@ def local_router(system: UpSystem, model_dir: Path) -> Iterator[str]:
     holds there alone (the default ``local_cached_fraction``), reporting cached tokens."""
     with healthy_router(
         system,
-        "--tokenizer", str(model_dir), "--frontend", "vllm",
-        "--frontend-arg=--enable-prompt-tokens-details",
+        "--tokenizer", str(model_dir), "--frontend-arg=--enable-prompt-tokens-details",
     ) as url:  # fmt: skip
         yield url
 

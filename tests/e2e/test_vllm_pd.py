@@ -33,6 +33,7 @@ from services.engines.reference.tiny_model import make_tiny_model
 from services.serving.ready import pdserve_argv
 from tests.e2e.faults.probes import load_of
 from tests.e2e.test_failover_reference import (
+    Load,
     Stack,
     assert_lost_nothing,
     fault_free_texts,
@@ -902,8 +903,9 @@ class TestPullPP1:
         stack.reference = await fault_free_texts(stack)
         before = stack.router("pdserve_router_migrations_total")
         async with steady_load(system.url, workers=3) as load:
-            await streaming_on(load, "decode-0")
-            os.kill(stack.rank("decode-0"), signal.SIGKILL)
+            core = stack.rank("decode-0")
+            await stopped_mid_stream(load, "decode-0", core)
+            os.kill(core, signal.SIGKILL)
             await finished_after(load, 6)
         assert_lost_nothing(stack, load)
         assert [o for o in load.outcomes if o.decode_engine == "decode-0"], "none on decode-0"
@@ -912,6 +914,26 @@ class TestPullPP1:
             await finished_after(after, 4)
         assert_lost_nothing(stack, after)
         await producer_released_everything(system, stack, "prefill-0")
+
+
+SETTLE_S = 3.0
+"""How long a stopped engine's tokens already made take, at most, to reach the client."""
+
+
+async def stopped_mid_stream(load: Load, engine: str, pid: int) -> None:
+    """``pid`` (``engine``'s EngineCore) stopped (SIGSTOP) while a stream on ``engine`` waits
+    on it: once a stream there is mid-way, the process is stopped; if no request on
+    ``engine`` is still unfinished :data:`SETTLE_S` later (the stream had all its tokens
+    made: a kill now would leave nothing to migrate), it is resumed and the wait begins
+    again. A tiny model makes the 32 tokens of a stream in a fraction of a second, so a kill
+    on a client's third chunk found the stream done as often as not on a loaded machine."""
+    while True:
+        await streaming_on(load, engine)
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(SETTLE_S)
+        if any(o.decode_engine == engine and not o.done for o in load.outcomes):
+            return
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_unsupported_layout_refused_at_start_naming_what_works(

@@ -3,7 +3,9 @@
 :func:`serving_router` starts :func:`services.router.main.create_app` with the production
 lifespan (Redis control plane, gRPC connectors) and uvicorn's production settings
 (:func:`services.router.main.uvicorn_config`) on a free port, waits until ``/health`` says
-the router can serve (bounded), and stops it cleanly when the block ends.
+the router can serve (bounded), and stops it cleanly when the block ends. The router serves
+vLLM's front end, so ``settings`` names its checkpoint (``tokenizer``; the ``stub_checkpoint``
+and ``sim_checkpoint`` fixtures for the synthetic engines) and ``served_model_name``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ async def serving_router(
 ) -> AsyncIterator[str]:
     """Yield the router's base URL (``http://127.0.0.1:<port>``)."""
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": 0})
-    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    # Off the loop: the first app of a process imports vLLM (seconds of CPU), and the engines
+    # the test hosts in this loop must keep their leases meanwhile.
+    app = await asyncio.to_thread(create_app, settings)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + START_TIMEOUT_S

@@ -28,9 +28,13 @@ pytestmark = pytest.mark.integration
 BODY = {"model": "stub", "prompt": [1, 2, 3, 4], "max_tokens": 3}
 
 
-def _router_settings(cp: ControlPlaneSettings, engine_grpc: EngineGrpcSettings) -> RouterSettings:
+def _router_settings(
+    cp: ControlPlaneSettings, engine_grpc: EngineGrpcSettings, checkpoint: Path
+) -> RouterSettings:
     return RouterSettings(
         control_plane=cp,
+        tokenizer=checkpoint,
+        served_model_name="stub",
         engine_grpc=engine_grpc,
         prefill_timeout_s=5,
         decode_timeout_s=5,
@@ -39,7 +43,7 @@ def _router_settings(cp: ControlPlaneSettings, engine_grpc: EngineGrpcSettings) 
 
 
 async def test_router_reaches_mutual_tls_engines_only_with_its_client_certificate(
-    cp_settings: ControlPlaneSettings, pki: Path
+    cp_settings: ControlPlaneSettings, pki: Path, stub_checkpoint: Path
 ) -> None:
     grpc_tls = GrpcServerSettings(
         listen="127.0.0.1:0",
@@ -60,7 +64,7 @@ async def test_router_reaches_mutual_tls_engines_only_with_its_client_certificat
         hosted(engine_settings, StubBackend(), engine_id="decode-tls", role=EngineRole.DECODE),
     ):
         async with (
-            serving_router(_router_settings(cp_settings, trusted)) as url,
+            serving_router(_router_settings(cp_settings, trusted, stub_checkpoint)) as url,
             httpx.AsyncClient(base_url=url, timeout=20) as client,
         ):
             response = await client.post("/v1/completions", json=BODY)
@@ -71,7 +75,7 @@ async def test_router_reaches_mutual_tls_engines_only_with_its_client_certificat
 
         for refused in (no_client_cert, EngineGrpcSettings()):
             async with (
-                serving_router(_router_settings(cp_settings, refused)) as url,
+                serving_router(_router_settings(cp_settings, refused, stub_checkpoint)) as url,
                 httpx.AsyncClient(base_url=url, timeout=30) as client,
             ):
                 response = await client.post("/v1/completions", json=BODY)

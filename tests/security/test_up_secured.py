@@ -4,8 +4,8 @@ One system on the tiny checkpoint against a password-protected Redis, the passwo
 ``--redis`` URL (the discouraged form: ``pdserve up`` must hand it to its children through
 their environment, never their argv), with ``PDSERVE_ROUTER_API_KEYS`` set:
 
-- API keys: a missing or wrong key gets 401 as vLLM's server answers it (the checkpoint is
-  served by vLLM's front end), counted ``invalid_api_key``; ``/health`` and ``/metrics`` stay
+- API keys: a missing or wrong key gets 401 as vLLM's server answers it (the router serves
+  vLLM's front end), counted ``invalid_api_key``; ``/health`` and ``/metrics`` stay
   open (probes and Prometheus scrape without a key; they reveal no secret).
 - A client that disconnects from the router mid-stream: the request is cancelled on the decode
   engine (counted ``CANCELLED``), the router counts ``client_disconnected``, and both engines'
@@ -110,8 +110,8 @@ def test_missing_or_wrong_api_key_gets_401_and_probes_stay_open(system: UpSystem
         )
         models = client.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"})
         for response in (missing, wrong):
-            # vLLM's server's answer (its front end serves the checkpoint; pdserve's own front
-            # end answers the OpenAI envelope: tests/unit/router/test_api.py)
+            # vLLM's server's answer (the router serves vLLM's front end and its --api-key
+            # check), not the OpenAI error envelope
             assert response.status_code == 401, response.text
             assert response.json() == {"error": "Unauthorized"}
             assert WRONG_KEY not in response.text and API_KEY not in response.text

@@ -59,8 +59,17 @@ def test_the_summary_lists_slow_items_and_modules_and_warns_past_the_budget(
         if line.strip().endswith(".py")
     ]  # fmt: skip
     listed = {line.split()[-1].rsplit("/", 1)[-1]: line.split() for line in modules if line}
-    # test_a.py (0.3 s) is under the 1 s floor; the others are listed, slowest first.
-    assert set(listed) == {"test_b.py", "test_c.py"}, out
+    # A module is listed when its items took the 1 s floor or more: test_b.py and test_c.py
+    # always; test_a.py (0.3 s of sleep) only when a loaded machine stretched it past 1 s.
+    item_walls = {
+        line.split()[-1].rsplit("/", 1)[-1]: float(line.split()[0].rstrip("s"))
+        for line in slowest
+        if line.strip()
+    }
+    a_wall = sum(wall for item, wall in item_walls.items() if item.startswith("test_a.py::"))
+    assert set(listed) - {"test_a.py"} == {"test_b.py", "test_c.py"}, out
+    if abs(a_wall - 1.0) > 0.1:  # (the items' walls are shown rounded to 0.1 s)
+        assert ("test_a.py" in listed) == (a_wall > 1.0), out
     walls = [float(line.split()[0].rstrip("s")) for line in modules if line]
     assert walls == sorted(walls, reverse=True), out
     # wall, CPU, "CPU", module: the sleeping test used next to none, the burning one its 1.2 s.

@@ -35,6 +35,8 @@ FRONTEND_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.engine.parallel_sampling", "ParentRequest.get_child_info"),
     ("vllm.v1.outputs", "LogprobsLists"),
     ("vllm.v1.outputs", "LogprobsTensors"),
+    # (whose record of a request's unknown fields frontend/vllm/ignored_fields.py counts)
+    ("vllm.entrypoints.serve.engine.protocol", "OpenAIBaseModel.__log_extra_fields__"),
 )
 """What the router's front end (``services.router.frontend.vllm``) uses."""
 

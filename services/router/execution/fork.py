@@ -6,7 +6,7 @@ one run: one Prefill with ``sampling.n = n`` (the engine samples every choice's 
 choice ``i`` as a request seeded with ``seed + i`` would, vLLM's rule), then one Decode whose
 ``forks`` name the choices the first token did not end: the decode engine pulls the KV once
 and forks one sequence per choice. Otherwise it returns ``None`` and every choice runs as its
-own request (its own prefill and transfer; see :mod:`services.router.frontend.choices`). vLLM
+own request (its own prefill and transfer, with failover and migration). vLLM
 engines take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine requests that would
 each pull the prompt's KV (docs/vllm.md). Which path ran is counted in
 ``pdserve_router_choices_total{path}``.
@@ -47,7 +47,7 @@ _Item = Chunk | BaseException
 
 
 class ChunkStream(Protocol):
-    """One choice's chunks: what :mod:`services.router.frontend.choices` reads (an executor
+    """One choice's chunks: what the front end's engine client reads (an executor
     run, or a :class:`_ChoiceStream` of a forked run)."""
 
     def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...

@@ -1,11 +1,10 @@
 """One generation as the router runs it: the request, the chunks it yields, what the run decided.
 
-:class:`GenerationRequest` is built by a front end (:mod:`services.router.frontend.api`,
-:mod:`services.router.frontend.vllm`) and run by the executor
+:class:`GenerationRequest` is built by the front end's engine client
+(:mod:`services.router.frontend.vllm.engine_client`) and run by the executor
 (:mod:`services.router.execution.executor`), or, for ``n > 1`` on engines that fork, by
 :mod:`services.router.execution.fork`; both yield :class:`Chunk` and fill a :class:`RunInfo`,
-which the front end (:mod:`services.router.frontend.responses`) turns into headers, usage and
-metrics.
+which the front end turns into vLLM's outputs, headers, usage and metrics.
 """
 
 from __future__ import annotations

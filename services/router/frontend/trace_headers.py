@@ -1,9 +1,8 @@
-"""The W3C trace context of an incoming HTTP request, for both front ends.
+"""The W3C trace context of an incoming HTTP request.
 
-pdserve's front end (:mod:`services.router.frontend.api`) reads the request's raw ASGI headers
-(:func:`from_asgi`); vLLM's (:mod:`services.router.frontend.vllm.engine_client`) gets the
+The front end's engine client (:mod:`services.router.frontend.vllm.engine_client`) gets the
 ``trace_headers`` vLLM's serving classes extract for ``EngineClient.generate``
-(:func:`from_vllm`). Either way the context is checked once here, with
+(:func:`from_vllm`). The context is checked once here, with
 :func:`~services.engines.trace_context.parse_trace_context`, and becomes
 ``GenerationRequest.trace``; an invalid ``traceparent`` (or ``tracestate``) is dropped, not
 forwarded, and counted in ``pdserve_router_trace_context_dropped_total{header}``: the request
@@ -12,7 +11,7 @@ itself goes on (a tracing header never makes a 400).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from services.engines.trace_context import (
     TRACEPARENT,
@@ -21,25 +20,6 @@ from services.engines.trace_context import (
     parse_trace_context,
 )
 from services.router.metrics import RouterMetrics
-
-_TRACEPARENT = TRACEPARENT.encode()
-_TRACESTATE = TRACESTATE.encode()
-
-
-def from_asgi(
-    headers: Iterable[tuple[bytes, bytes]], metrics: RouterMetrics
-) -> TraceContext | None:
-    """The trace context of an ASGI request's ``headers`` (``scope["headers"]``: lowercase
-    names, every field line; several ``tracestate`` lines are one list, several
-    ``traceparent`` lines are invalid)."""
-    parents: list[str] = []
-    states: list[str] = []
-    for name, value in headers:
-        if name == _TRACEPARENT:
-            parents.append(value.decode("latin-1"))
-        elif name == _TRACESTATE:
-            states.append(value.decode("latin-1"))
-    return _checked(parents, states, metrics)
 
 
 def from_vllm(headers: Mapping[str, str] | None, metrics: RouterMetrics) -> TraceContext | None:

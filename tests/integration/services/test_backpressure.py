@@ -15,22 +15,27 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, TokenDelta
+from services.engines.registry import synthetic_model
 from services.engines.stub import StubBackend
 from services.engines.stub.backend import StubOptions
 from services.router.config import RouterSettings
 from services.serving.h2grpc.protocol import STREAM_WINDOW
+from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
 from tests.integration.services.conftest import hosted, service_settings
 from tests.security.router_harness import serving_router
 
 pytestmark = pytest.mark.integration
 
-MAX_TOKENS = 1_000_000  # the router's bound on max_tokens
+MAX_TOKENS = 1_000_000
+MAX_MODEL_LEN = 4 * MAX_TOKENS
+"""The engines' context and the router's (its checkpoint's), room for the request."""
 BOUND_S = 180.0
 """Outer bound of the whole test; reaching it fails it."""
 STILL_S = 3.0
@@ -46,7 +51,7 @@ class CountingStub(StubBackend):
     """A stub engine that counts the tokens its decode streams generated."""
 
     def __init__(self) -> None:
-        super().__init__(StubOptions(max_model_len=4 * MAX_TOKENS, num_kv_blocks=1 << 20))
+        super().__init__(StubOptions(max_model_len=MAX_MODEL_LEN, num_kv_blocks=1 << 20))
         self.generated = 0
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
@@ -56,16 +61,26 @@ class CountingStub(StubBackend):
 
 
 async def test_a_client_that_stops_reading_stops_the_engine(
-    cp_settings: ControlPlaneSettings,
+    cp_settings: ControlPlaneSettings, tmp_path: Path
 ) -> None:
     assert 3 * STREAM_WINDOW // 10 < HELD_TOKENS_BOUND
     engine_settings = service_settings(cp_settings)
+    stub = synthetic_model("stub")
+    checkpoint = write_synthetic_checkpoint(
+        tmp_path / stub.name, vocab_size=stub.vocab_size, max_model_len=MAX_MODEL_LEN
+    )
+    router = RouterSettings(
+        control_plane=cp_settings,
+        tokenizer=checkpoint,
+        served_model_name=stub.name,
+        decode_timeout_s=BOUND_S,
+    )
     decode = CountingStub()
     loop = asyncio.get_running_loop()
     async with (
         hosted(engine_settings, StubBackend(), engine_id="prefill-bp", role=EngineRole.PREFILL),
         hosted(engine_settings, decode, engine_id="decode-bp", role=EngineRole.DECODE),
-        serving_router(RouterSettings(control_plane=cp_settings, decode_timeout_s=BOUND_S)) as url,
+        serving_router(router) as url,
         asyncio.timeout(BOUND_S),
     ):
         host, port = url.removeprefix("http://").split(":")

@@ -76,9 +76,16 @@ async def test_planner_publishes_a_desired_count_per_pool_within_bounds(
     cp_settings: ControlPlaneSettings,
     planner_process: list[asyncio.subprocess.Process],
     tmp_path: Path,
+    stub_checkpoint: Path,
 ) -> None:
     settings = service_settings(cp_settings)
-    router = RouterSettings(control_plane=cp_settings, prefill_timeout_s=10, decode_timeout_s=10)
+    router = RouterSettings(
+        control_plane=cp_settings,
+        tokenizer=stub_checkpoint,
+        served_model_name="stub",
+        prefill_timeout_s=10,
+        decode_timeout_s=10,
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_PLANNER_")}
     async with (
         hosted(settings, StubBackend(), engine_id="plan-prefill", role=EngineRole.PREFILL),

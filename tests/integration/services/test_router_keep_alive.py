@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -34,10 +35,15 @@ READ_BOUND_S = 30.0
 
 
 @contextlib.asynccontextmanager
-async def router(cp_settings: ControlPlaneSettings, **update: float) -> AsyncIterator[str]:
-    """A router on stub engines (its URL), ``update`` on its settings."""
+async def router(
+    cp_settings: ControlPlaneSettings, checkpoint: Path, **update: float
+) -> AsyncIterator[str]:
+    """A router on stub engines (its URL), ``update`` on its settings; ``checkpoint`` is the
+    stub model's synthetic one."""
     engine_settings = service_settings(cp_settings)
-    settings = RouterSettings(control_plane=cp_settings, **update)
+    settings = RouterSettings(
+        control_plane=cp_settings, tokenizer=checkpoint, served_model_name="stub", **update
+    )
     async with (
         hosted(engine_settings, StubBackend(), engine_id="prefill-k", role=EngineRole.PREFILL),
         hosted(engine_settings, StubBackend(), engine_id="decode-k", role=EngineRole.DECODE),
@@ -65,11 +71,11 @@ async def _get_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 async def test_a_connection_idle_past_the_clients_expiry_is_still_served(
-    cp_settings: ControlPlaneSettings,
+    cp_settings: ControlPlaneSettings, stub_checkpoint: Path
 ) -> None:
     """Idle for longer than httpx's expiry and uvicorn's default keep-alive (5 s each): with
     the router's default, the same connection still answers the next request."""
-    async with router(cp_settings) as url:
+    async with router(cp_settings, stub_checkpoint) as url:
         reader, writer = await connect(url)
         try:
             assert await _get_health(reader, writer) == b"HTTP/1.1 200 OK"
@@ -80,9 +86,9 @@ async def test_a_connection_idle_past_the_clients_expiry_is_still_served(
 
 
 async def test_an_idle_connection_is_closed_after_the_keep_alive_set(
-    cp_settings: ControlPlaneSettings,
+    cp_settings: ControlPlaneSettings, stub_checkpoint: Path
 ) -> None:
-    async with router(cp_settings, http_keep_alive_s=KEEP_ALIVE_S) as url:
+    async with router(cp_settings, stub_checkpoint, http_keep_alive_s=KEEP_ALIVE_S) as url:
         reader, writer = await connect(url)
         try:
             assert await _get_health(reader, writer) == b"HTTP/1.1 200 OK"

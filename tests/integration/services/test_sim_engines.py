@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,15 +30,21 @@ MAX_TOKENS = 20
 
 
 async def test_a_stream_through_the_router_follows_the_profile(
-    cp_settings: ControlPlaneSettings,
+    cp_settings: ControlPlaneSettings, sim_checkpoint: Path
 ) -> None:
     profile = load_profile()
     prefill, decode = SimBackend(SimOptions(profile)), SimBackend(SimOptions(profile))
     settings = service_settings(cp_settings)
-    router = RouterSettings(control_plane=cp_settings, prefill_timeout_s=10, decode_timeout_s=10)
+    router = RouterSettings(
+        control_plane=cp_settings,
+        tokenizer=sim_checkpoint,
+        served_model_name=profile.served_model,
+        prefill_timeout_s=10,
+        decode_timeout_s=10,
+    )
     body = {
         "model": profile.served_model,
-        "prompt": [1 + i % 250 for i in range(PROMPT_LEN)],  # the router's byte vocabulary
+        "prompt": [1 + i % 250 for i in range(PROMPT_LEN)],  # byte tokens of the checkpoint
         "max_tokens": MAX_TOKENS,
         "stream": True,
     }
@@ -74,7 +81,7 @@ async def test_a_stream_through_the_router_follows_the_profile(
 
 
 async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
-    cp_settings: ControlPlaneSettings,
+    cp_settings: ControlPlaneSettings, sim_checkpoint: Path
 ) -> None:
     """A colocated router on one sim decode engine: a long prompt that arrives while a stream
     decodes is prefilled in the stream's steps (chunked prefill), so one of the stream's steps
@@ -83,7 +90,12 @@ async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
     decode = SimBackend(SimOptions(profile))
     settings = service_settings(cp_settings)
     router = RouterSettings(
-        control_plane=cp_settings, colocated=True, prefill_timeout_s=10, decode_timeout_s=30
+        control_plane=cp_settings,
+        tokenizer=sim_checkpoint,
+        served_model_name=profile.served_model,
+        colocated=True,
+        prefill_timeout_s=10,
+        decode_timeout_s=30,
     )
 
     def body(prompt_len: int, max_tokens: int, *, stream: bool) -> dict[str, object]:

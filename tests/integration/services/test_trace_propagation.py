@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -105,12 +106,17 @@ async def _waited(condition: Callable[[], bool]) -> None:
 
 @pytest.mark.parametrize("client", ["h2", "grpcio"])
 async def test_the_trace_context_of_a_request_reaches_every_engine_call(
-    cp_settings: ControlPlaneSettings, recorder: MetadataRecorder, client: str
+    cp_settings: ControlPlaneSettings,
+    recorder: MetadataRecorder,
+    client: str,
+    stub_checkpoint: Path,
 ) -> None:
     settings = service_settings(cp_settings)
     prefill, decode = RecordingBackend(), RecordingBackend()
     router_settings = RouterSettings(
         control_plane=cp_settings,
+        tokenizer=stub_checkpoint,
+        served_model_name="stub",
         engine_grpc=EngineGrpcSettings(client=client),
         prefill_timeout_s=10,
         decode_timeout_s=10,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import build_parser
-from services.cli.router import build_settings
+from services.cli.router import build_settings, run
 from services.cli.settings import resolve
 from services.router.config import RouterSettings
 
@@ -26,18 +26,15 @@ def test_kv_events_are_followed_unless_turned_off(monkeypatch: pytest.MonkeyPatc
     assert settings_of().kv_events is False
 
 
-def test_the_front_end_is_vllms_with_a_tokenizer_unless_set(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_the_router_needs_the_checkpoint_its_front_end_reads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """``auto`` (the default): vLLM's front end for a checkpoint's tokenizer, as ``pdserve up``
-    and the chart choose; pdserve's own for the byte-level tokenizer; a flag or the environment
-    decides before that."""
-    monkeypatch.delenv("PDSERVE_ROUTER_FRONTEND", raising=False)
-    assert settings_of("--tokenizer", str(tmp_path)).frontend_in_use == "vllm"
-    assert settings_of().frontend_in_use == "pdserve"
-    chosen = settings_of("--tokenizer", str(tmp_path), "--frontend", "pdserve")
-    assert chosen.frontend_in_use == "pdserve"
-    monkeypatch.setenv("PDSERVE_ROUTER_FRONTEND", "pdserve")
-    assert settings_of("--tokenizer", str(tmp_path)).frontend_in_use == "pdserve"
-    with pytest.raises(ValueError, match="frontend vllm needs tokenizer"):
-        settings_of("--frontend", "vllm")
+    """No ``--tokenizer``: one message naming it, before anything starts (there is no other
+    front end to fall back to); the flags reach the settings."""
+    args = build_parser().parse_args(["router"])
+    assert run(args, resolve(args)) == 2
+    assert "--tokenizer is required" in capsys.readouterr().err
+    chosen = settings_of("--tokenizer", str(tmp_path), "--served-model-name", "stub")
+    assert (chosen.tokenizer, chosen.served_model_name) == (tmp_path, "stub")
+    with pytest.raises(SystemExit):
+        settings_of("--frontend", "pdserve")  # the router's own front end is gone

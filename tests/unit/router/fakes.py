@@ -1,21 +1,28 @@
 """A fake engine connector for unit tests of the router's scheduling and HTTP layer.
 
 Real engines are exercised by the integration and e2e tests; this one is a scripted stand-in:
-instant, deterministic tokens, and failures on demand.
+instant, deterministic tokens, and failures on demand. The router app over it is the real one
+(vLLM's front end) reading the synthetic checkpoint (:func:`checkpoint`): token id ``i`` below
+256 is that byte, 256 and 257 are ``<s>`` and ``</s>``, and from 258 on id ``i`` reads
+``" t<i>"``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer
 
 from services.control_plane.base import EngineView
 from services.control_plane.wire import (
@@ -41,6 +48,10 @@ from services.router.main import create_app
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.connector import ConnectorFactory, EngineConnector
+from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
+
+MODEL = "tiny"
+"""The model every fake engine registers (:func:`view`) and the app serves."""
 
 
 def word(token_index: int) -> str:
@@ -225,7 +236,7 @@ def view(
     engine_id: str,
     role: EngineRole,
     *,
-    model: str = "tiny",
+    model: str = MODEL,
     compat_hash: str = "h1",
     block_size: int = 4,
     generation: int = 1,
@@ -262,8 +273,25 @@ def view(
     return EngineView(engine_id, record, status, load or EngineLoad())
 
 
+@functools.cache
+def checkpoint() -> Path:
+    """The synthetic checkpoint (32,000 ids, 4,096 tokens of context) the app reads, written
+    once per process."""
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-fakes-")) / MODEL
+    return write_synthetic_checkpoint(folder, vocab_size=32_000, max_model_len=4096)
+
+
+def text_of(*token_ids: int) -> str:
+    """The text of ``token_ids`` in the synthetic checkpoint's tokenizer: what vLLM's front end
+    answers for them (it detokenizes the engines' ids, not their text)."""
+    tokenizer = Tokenizer.from_file(str(checkpoint() / "tokenizer.json"))
+    return str(tokenizer.decode(list(token_ids)))
+
+
 def runtime(factory: FakeFactory | None = None, **overrides: object) -> RouterRuntime:
-    settings = RouterSettings.model_validate({"policy": "least_loaded", **overrides})
+    settings = RouterSettings.model_validate(
+        {"policy": "least_loaded", "tokenizer": checkpoint(), **overrides}
+    )
     return RouterRuntime.build(
         settings, factory or FakeFactory(), RouterMetrics(CollectorRegistry())
     )
@@ -272,6 +300,16 @@ def runtime(factory: FakeFactory | None = None, **overrides: object) -> RouterRu
 def sample(rt: RouterRuntime, name: str, **labels: str) -> float:
     value = rt.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def outcomes(rt: RouterRuntime, endpoint: str = "/v1/completions") -> dict[str, float]:
+    """``pdserve_router_requests_total`` of ``endpoint`` by outcome (those counted)."""
+    return {
+        metric.labels["outcome"]: metric.value
+        for family in rt.metrics.registry.collect()
+        for metric in family.samples
+        if metric.name == "pdserve_router_requests_total" and metric.labels["endpoint"] == endpoint
+    }
 
 
 def prepared(
@@ -285,10 +323,16 @@ def prepared(
     return rt
 
 
-def http(rt: RouterRuntime) -> httpx.AsyncClient:
-    """An HTTP client of the router app in-process (httpx's ASGI transport)."""
+@contextlib.asynccontextmanager
+async def http(rt: RouterRuntime) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the router app in-process (httpx's ASGI transport), the app's lifespan
+    run around it (vLLM's front end builds its serving state there; httpx's transport runs
+    none)."""
     app = create_app(rt.settings, runtime=rt)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            yield client
 
 
 async def post_then_hang_up(

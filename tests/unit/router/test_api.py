@@ -1,26 +1,37 @@
-"""The router's HTTP layer with the official ``openai`` client, over fake engine connectors.
+"""The router's HTTP layer (vLLM's OpenAI front end over pdserve's executor) with the official
+``openai`` client, over fake engine connectors.
 
 In-process (httpx's ASGI transport) so each case costs milliseconds; the same client against
-real processes is in tests/e2e/test_router*.py.
+real processes is in tests/e2e/test_router*.py. The answers' text is vLLM's detokenization of
+the fakes' token ids with the synthetic checkpoint's tokenizer (ids below 256 are bytes): the
+prefill's token 7 then the decode's 101, 102... read ``"\\x07efg..."``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
+import httpx
 import openai
 import pytest
+from vllm.entrypoints.serve.middleware import authenticate
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded, InvalidRequest, UnknownKVHandle
-from services.router.frontend.protocol import MAX_PROMPT_TOKEN_IDS
+from services.router.main import create_app
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeFactory, http, prepared, sample, view
+from tests.unit.router.fakes import MODEL, FakeFactory, http, prepared, sample, text_of, view
 
-MODEL = "tiny"
+CONTEXT = 4096
+"""The synthetic checkpoint's context (``fakes.checkpoint``)."""
+
+
+FOUR = text_of(7, 101, 102, 103)
+"""The text of a four-token answer: the prefill's token, then the decode's."""
 
 
 @pytest.fixture
@@ -36,11 +47,20 @@ def rt(factory: FakeFactory) -> RouterRuntime:
 
 
 @pytest.fixture
-async def client(rt: RouterRuntime) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with http(rt) as transport:
-        yield openai.AsyncOpenAI(
-            base_url="http://router/v1", api_key="unused", http_client=transport, max_retries=0
-        )
+async def transport(rt: RouterRuntime) -> AsyncIterator[httpx.AsyncClient]:
+    async with http(rt) as client:
+        yield client
+
+
+@pytest.fixture
+def client(transport: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url="http://router/v1", api_key="unused", http_client=transport, max_retries=0
+    )
+
+
+def outcome(rt: RouterRuntime, name: str, endpoint: str = "/v1/completions") -> float:
+    return sample(rt, "pdserve_router_requests_total", endpoint=endpoint, outcome=name)
 
 
 async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, factory, rt):
@@ -48,27 +68,29 @@ async def test_completion_goes_through_a_prefill_and_a_decode_engine(client, fac
         model=MODEL, prompt="hello there", max_tokens=4, temperature=0
     )
     completion = raw.parse()
-    assert completion.choices[0].text == " w0 w1 w2 w3"
+    assert completion.choices[0].text == FOUR
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 4
+    assert completion.usage.prompt_tokens == len("hello there") + 1  # bytes after <s>
     assert raw.headers["x-pdserve-prefill-engine"] in {"p1", "p2"}
     assert raw.headers["x-pdserve-decode-engine"] == "d1"
     assert raw.headers["x-pdserve-execution-path"] == "disaggregated"
     decode = factory.engines["d1"].decodes[-1]
     assert decode.kv_handle is not None and decode.first_token_id == 7
+    assert decode.prompt_token_ids == (256, *b"hello there")
     assert sample(rt, "pdserve_router_execution_path_total", path="disaggregated") == 1
-    assert (
-        sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
-    )
+    assert outcome(rt, "ok") == 1
     prompt_sum = sample(rt, "pdserve_router_request_prompt_tokens_sum")
-    assert prompt_sum == completion.usage.prompt_tokens > 0
+    assert prompt_sum == completion.usage.prompt_tokens
     assert sample(rt, "pdserve_router_request_generation_tokens_sum") == 4
     assert sample(rt, "pdserve_router_request_generation_tokens_count") == 1
 
 
-async def test_token_figures_count_a_prompt_once_and_every_choice(client, rt):
-    """n choices of one prompt (streamed): the prompt's tokens once, every choice's tokens."""
+async def test_token_figures_count_the_prompt_once_per_choice_and_every_choice(client, rt):
+    """n choices of one prompt (streamed): vLLM's front end runs a run per choice, so the
+    router counts the prompt's tokens once per choice (its engines were asked for each), and
+    every choice's tokens; one request observed."""
     stream = await client.completions.create(
         model=MODEL,
         prompt="hello there",
@@ -79,7 +101,7 @@ async def test_token_figures_count_a_prompt_once_and_every_choice(client, rt):
     )
     usage = [chunk.usage async for chunk in stream if chunk.usage is not None][-1]
     assert usage.completion_tokens == 6
-    assert sample(rt, "pdserve_router_request_prompt_tokens_sum") == usage.prompt_tokens
+    assert sample(rt, "pdserve_router_request_prompt_tokens_sum") == 2 * usage.prompt_tokens
     assert sample(rt, "pdserve_router_request_generation_tokens_sum") == 6
     assert sample(rt, "pdserve_router_request_prompt_tokens_count") == 1
 
@@ -88,35 +110,42 @@ async def test_only_a_non_streamed_request_decodes_with_one_unary_call(client, f
     """A non-streamed request's decode is one ``decode_once`` carrying the router's idle bound
     (the engine enforces it); a streamed one streams, one message per step."""
     once = await client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
-    assert once.choices[0].text == " w0 w1 w2 w3"
+    assert once.choices[0].text == FOUR
     stream = await client.completions.create(
         model=MODEL, prompt="hello there", max_tokens=4, stream=True
     )
     text = "".join([chunk.choices[0].text async for chunk in stream])
-    assert text == " w0 w1 w2 w3"
+    assert text == FOUR
     engine = factory.engines["d1"]
     assert len(engine.decodes) == 2 and engine.once == [engine.decodes[0].request_id]
     assert engine.idle_bounds == [rt.settings.decode_idle_timeout_s]
 
 
-async def test_chat_stream_with_usage_ends_with_done(rt):
-    async with http(rt) as transport:
-        response = await transport.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_completion_tokens": 3,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            },
-        )
+async def test_chat_stream_with_usage_ends_with_done(transport):
+    """As vLLM's server streams it: the role in a first chunk of its own, the text, a usage
+    chunk with no choices, ``[DONE]``."""
+    response = await transport.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-pdserve-decode-engine"] == "d1"
     events = [line for line in response.text.split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
-    assert '"role":"assistant"' in events[0]
-    assert '"choices":[]' in events[-2] and '"completion_tokens":3' in events[-2]
-    assert '"cached_tokens":0' in events[-2]
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
+    assert text == text_of(7, 101, 102)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # The chat template's rendering: "<s>user: hi\nassistant:"
+    assert chunks[-1]["usage"]["prompt_tokens"] == 1 + len("user: hi\nassistant:")
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -157,11 +186,10 @@ async def test_continuous_usage_stats_without_include_usage_add_nothing(client):
     assert chunks and all(chunk.usage is None and chunk.choices for chunk in chunks)
 
 
-async def test_fields_vllm_does_not_know_are_ignored_logged_once_and_counted(rt, caplog):
+async def test_fields_vllm_does_not_know_are_ignored(transport, factory):
     """As vLLM's server: ``best_of`` (gone from vLLM's models), a removed guided-decoding field
-    (with a warning that nothing is constrained) and any other unknown field, top level or in
-    ``stream_options``, are ignored; the router counts each and logs each name once."""
-    caplog.set_level(logging.INFO, logger="services.router.frontend.api")
+    (nothing is constrained: not refused by the reference engines, which cannot constrain) and
+    any other unknown field, top level or in ``stream_options``, are ignored."""
     body = {
         "model": MODEL,
         "prompt": "hello there",
@@ -170,34 +198,23 @@ async def test_fields_vllm_does_not_know_are_ignored_logged_once_and_counted(rt,
         "guided_json": {"type": "object"},
         "some_client_field": [1, 2],
     }
-    async with http(rt) as transport:
-        for _ in range(2):
-            plain = await transport.post("/v1/completions", json=body)
-            assert plain.status_code == 200, plain.text
-            assert plain.json()["choices"][0]["text"] == " w0 w1"
-        streamed = await transport.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "stream": True,
-                "stream_options": {"include_usage": True, "future_option": True},
-                "some_client_field": 1,
-            },
-        )
-        assert streamed.status_code == 200, streamed.text
-    counted = {
-        name: sample(rt, "pdserve_router_ignored_fields_total", field=name)
-        for name in ("best_of", "guided_json", "some_client_field", "stream_options.future_option")
-    }
-    assert counted == {
-        "best_of": 2,
-        "guided_json": 2,
-        "some_client_field": 3,
-        "stream_options.future_option": 1,
-    }
-    assert caplog.text.count("'guided_json'") == 1 and "NOT constrained" in caplog.text
-    assert caplog.text.count("'some_client_field'") == 1
+    plain = await transport.post("/v1/completions", json=body)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["choices"][0]["text"] == text_of(7, 101)
+    assert factory.engines["d1"].decodes[-1].sampling.structured_outputs == ""
+    streamed = await transport.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True, "future_option": True},
+            "some_client_field": 1,
+        },
+    )
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.text.endswith("data: [DONE]\n\n")
 
 
 async def test_openai_client_streams_chat(client):
@@ -214,16 +231,19 @@ async def test_openai_client_streams_chat(client):
             text += chunk.choices[0].delta.content or ""
         if chunk.usage is not None:
             usage = chunk.usage
-    assert text == " w0 w1 w2"
+    assert text == text_of(7, 101, 102)
     assert usage is not None and usage.completion_tokens == 3
 
 
-async def test_stop_string_is_passed_to_the_engine_and_not_returned(client):
+async def test_stop_string_is_passed_to_the_engine_and_not_returned(client, factory):
+    """The engine gets the stop string; the router's detokenizer (vLLM's) ends the text there
+    (the fakes never see it: their own text is different)."""
     completion = await client.completions.create(
-        model=MODEL, prompt="count", max_tokens=10, stop=[" w3"]
+        model=MODEL, prompt="count", max_tokens=10, stop=["g"]
     )
-    assert completion.choices[0].text == " w0 w1 w2"
+    assert completion.choices[0].text == text_of(7, 101, 102)
     assert completion.choices[0].finish_reason == "stop"
+    assert factory.engines["d1"].decodes[-1].sampling.stop == ("g",)
 
 
 async def test_a_failed_prefill_is_retried_on_another_engine_and_counted(client, factory, rt):
@@ -233,7 +253,7 @@ async def test_a_failed_prefill_is_retried_on_another_engine_and_counted(client,
         raw = await client.completions.with_raw_response.create(
             model=MODEL, prompt="hello there", max_tokens=2
         )
-        assert raw.parse().choices[0].text == " w0 w1"
+        assert raw.parse().choices[0].text == text_of(7, 101)
         assert raw.headers["x-pdserve-prefill-engine"] == "p2"
     assert factory.engines["p1"].prefills
     assert (
@@ -251,210 +271,321 @@ async def test_when_every_prefill_fails_the_request_falls_back_to_local_and_is_c
     for engine_id in ("p1", "p2"):
         factory.engines[engine_id].prefill_error = EngineOverloaded("queue full")
     raw = await client.completions.with_raw_response.create(model=MODEL, prompt="abc", max_tokens=2)
-    assert raw.parse().choices[0].text == " w0 w1"
+    # Run on the decode engine alone: its tokens from the first (100, 101).
+    assert raw.parse().choices[0].text == text_of(100, 101)
     assert raw.headers["x-pdserve-execution-path"] == "local"
     assert "x-pdserve-prefill-engine" not in raw.headers
+    assert raw.headers["x-pdserve-decode-engine"] == "d1"
     assert factory.engines["d1"].decodes[-1].kv_handle is None
     assert sample(rt, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
     assert sample(rt, "pdserve_router_queue_time_seconds_count") == 1
 
 
-async def test_bad_input_reported_by_the_prefill_engine_is_a_400_and_not_retried(client, factory):
+async def test_bad_input_reported_by_the_prefill_engine_is_a_400_and_not_retried(
+    client, factory, rt
+):
     factory.engines["p1"].prefill_error = InvalidRequest("prompt longer than 512 tokens")
     factory.engines["p2"].prefill_error = InvalidRequest("prompt longer than 512 tokens")
-    with pytest.raises(openai.BadRequestError, match="longer than 512"):
+    with pytest.raises(openai.BadRequestError, match="longer than 512") as caught:
         await client.completions.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert caught.value.body["code"] == 400  # type: ignore[index]  # vLLM's envelope
     assert len(factory.engines["p1"].prefills) + len(factory.engines["p2"].prefills) == 1
+    assert outcome(rt, "invalid_request") == 1
 
 
-async def test_decode_failure_after_streaming_started_ends_with_an_error_event(client, factory, rt):
+async def test_decode_failure_after_streaming_started_ends_with_an_error_event(factory):
+    rt = prepared(factory, ("p1", EngineRole.PREFILL), ("d1", EngineRole.DECODE), max_migrations=0)
+    factory.connect(rt.pool.slots()[1].record)
     factory.engines["d1"].fail_decode_after = 2
-    stream = await client.completions.create(model=MODEL, prompt="abc", max_tokens=8, stream=True)
-    received = []
-    with pytest.raises(openai.APIError, match="rank 0 died"):
-        async for chunk in stream:
-            received.append(chunk.choices[0].text)
-    assert received == [" w0", " w1", " w2"]
-    outcome = sample(
-        rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="decode_failed"
-    )
-    assert outcome == 1
+    factory.engines["d1"].delta_delay_s = 0.05  # each token its own event before the failure
+    async with http(rt) as transport:
+        client = openai.AsyncOpenAI(
+            base_url="http://router/v1", api_key="unused", http_client=transport, max_retries=0
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=8, stream=True
+        )
+        received = []
+        with pytest.raises(openai.APIError, match="rank 0 died"):
+            async for chunk in stream:
+                received.append(chunk.choices[0].text)
+    # The prefill's token came first; what follows is the text before the failure (vLLM's
+    # output collector may still hold the last token when the error replaces it).
+    text = "".join(received)
+    assert received[0] == text_of(7) and text_of(7, 101, 102).startswith(text)
+    assert outcome(rt, "decode_failed") == 1
 
 
-async def test_a_truncated_decode_stream_is_an_error_not_a_short_answer(client, factory):
+async def test_a_truncated_decode_stream_is_an_error_not_a_short_answer(client, factory, rt):
     factory.engines["d1"].truncate_after = 1
     with pytest.raises(openai.APIStatusError, match="without a finish reason") as caught:
         await client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
     assert caught.value.status_code == 502
+    assert caught.value.body["code"] == 502  # type: ignore[index]
+    # Counted once, under the router's code.
+    assert outcome(rt, "decode_truncated") == 1
+    assert sum(outcome(rt, name) for name in ("ok", "internal_error", "bad_gateway")) == 0
+    assert sample(rt, "pdserve_router_e2e_latency_seconds_count", endpoint="/v1/completions") == 1
 
 
-async def test_a_failed_non_streaming_request_is_counted_once(client, factory, rt):
-    factory.engines["d1"].truncate_after = 1
-    with pytest.raises(openai.APIStatusError):
-        await client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
-    endpoint = "/v1/completions"
-    outcome = "decode_truncated"
-    assert sample(rt, "pdserve_router_requests_total", endpoint=endpoint, outcome=outcome) == 1
-    assert sample(rt, "pdserve_router_e2e_latency_seconds_count", endpoint=endpoint) == 1
-
-
-async def test_decode_refusing_the_handle_is_an_error_and_the_held_kv_is_released(client, factory):
+async def test_decode_refusing_the_handle_is_an_error_and_the_held_kv_is_released(
+    client, factory, rt
+):
     factory.engines["d1"].decode_error = UnknownKVHandle("no such handle")
-    with pytest.raises(openai.APIStatusError) as caught:
+    with pytest.raises(openai.APIStatusError, match="no such handle") as caught:
         await client.completions.create(model=MODEL, prompt="abc", max_tokens=4)
     assert caught.value.status_code == 502
-    assert caught.value.body["code"] == "kv_handle_unknown"  # type: ignore[index]
-    prefill = factory.engines["p1"] if factory.engines["p1"].prefills else factory.engines["p2"]
-    await rt_background_settled()
-    assert prefill.aborted == prefill.prefills
-
-
-async def rt_background_settled() -> None:
-    """Let the router's best-effort abort tasks run."""
-    for _ in range(5):
-        await asyncio.sleep(0)
+    assert outcome(rt, "kv_handle_unknown") == 1
+    await rt.executor.calls.close()  # the aborts are sent in the background
+    prefilled = [p for engine in ("p1", "p2") for p in factory.engines[engine].prefills]
+    aborted = [p for engine in ("p1", "p2") for p in factory.engines[engine].aborted]
+    assert prefilled and sorted(aborted) == sorted(prefilled)
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "code", "param"),
+    ("body", "status", "param", "says"),
     [
-        ({"model": "nope", "prompt": "a"}, 404, "model_not_found", "model"),
-        (
-            {"model": MODEL, "prompt": "a", "use_beam_search": True},
-            400,
-            "unsupported_parameter",
-            "use_beam_search",
-        ),
-        # The fakes are reference engines, whose detokenizer always skips special tokens.
-        (
-            {"model": MODEL, "prompt": "a", "skip_special_tokens": False},
-            400,
-            "unsupported_parameter",
-            "skip_special_tokens",
-        ),
-        ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "invalid_request", "temperature"),
-        ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "invalid_request", "max_tokens"),
-        ({"model": MODEL, "prompt": ""}, 400, "invalid_request", "prompt"),
-        ({"model": MODEL, "prompt": [1, 99999]}, 400, "invalid_request", "prompt"),
-        ({"model": MODEL, "prompt": ["a"] * 65}, 400, "unsupported_parameter", "prompt"),
-        ({"prompt": "a"}, 400, "invalid_request", "model"),
-        ({"model": MODEL, "prompt": "a", "stop": ["x"] * 17}, 400, "invalid_request", None),
+        ({"model": "nope", "prompt": "a"}, 404, "model", "The model `nope` does not exist"),
+        ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature", "non-negative"),
+        ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        ({"model": MODEL, "prompt": "a", "max_tokens": CONTEXT + 1}, 400, "max_tokens", "4096"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt", "non-empty"),
+        ({"model": MODEL, "prompt": [1, 99999]}, 400, None, "out of vocabulary"),
+        ({"model": MODEL, "prompt": "a", "n": 2, "temperature": 0}, 400, None, "greedy"),
+        ({"model": MODEL, "prompt": "a", "stop": ["x"] * 17}, 400, "body.stop", "at most 4"),
+        ({"model": MODEL, "prompt": "a", "suffix": "b"}, 400, "suffix", "suffix"),
     ],
 )
-async def test_bad_requests_get_the_openai_error_envelope(rt, body, status, code, param):
-    async with http(rt) as transport:
-        response = await transport.post("/v1/completions", json=body)
+async def test_bad_requests_get_the_openai_error_envelope(rt, transport, body, status, param, says):
+    response = await transport.post("/v1/completions", json=body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code
+    assert error["code"] == status
     assert error["param"] == param
-    assert error["message"]
+    assert says in error["message"]
+    expected = "model_not_found" if status == 404 else "invalid_request"
+    assert outcome(rt, expected) == 1
 
 
 @pytest.mark.parametrize("nested", [False, True])
-async def test_an_over_long_token_id_prompt_gets_the_error_envelope(rt, nested):
-    token_ids = [1] * (MAX_PROMPT_TOKEN_IDS + 1)
+async def test_a_token_id_prompt_over_the_context_gets_the_error_envelope(transport, nested):
+    token_ids = [1] * (CONTEXT + 1)
     body = {"model": MODEL, "prompt": [token_ids] if nested else token_ids}
-    async with http(rt) as transport:
-        response = await transport.post("/v1/completions", json=body)
+    response = await transport.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text[:300]
     error = response.json()["error"]
-    assert error["code"] == "invalid_request"
-    assert error["param"] == "prompt"
-    assert str(MAX_PROMPT_TOKEN_IDS) in error["message"]
+    assert error["code"] == 400
+    assert error["param"] == "input_tokens"
+    assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+    assert f"(parameter=input_tokens, value={CONTEXT + 1})" in error["message"]
 
 
-async def test_routing_and_parsing_errors_use_the_envelope_too(rt):
-    async with http(rt) as transport:
-        missing = await transport.get("/v1/nothing")
-        wrong_method = await transport.get("/v1/completions")
-        not_json = await transport.post(
-            "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
-        )
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+async def test_routing_and_parsing_errors_answer_as_vllms_server(transport):
+    missing = await transport.get("/v1/nothing")
+    wrong_method = await transport.get("/v1/completions")
+    not_json = await transport.post(
+        "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
+    # FastAPI's own answers, as vLLM's server gives them
+    assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
     assert wrong_method.status_code == 405
-    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
-    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+    assert wrong_method.json() == {"detail": "Method Not Allowed"}
+    assert not_json.status_code == 400
+    error = not_json.json()["error"]
+    assert error["code"] == 400 and "JSON decode error" in error["message"]
 
 
-async def test_api_keys_are_required_when_configured(factory):
+async def test_api_keys_are_checked_in_constant_time_against_every_key(factory, monkeypatch):
+    """``api_keys`` become vLLM's ``--api-key``: every ``/v1`` route needs one of them as a
+    Bearer token, compared (as SHA-256 digests) with ``compare_digest`` against every key
+    whichever matches; ``/health`` and ``/metrics`` stay open (probes, Prometheus)."""
+    compared: list[tuple[bytes, bytes]] = []
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return a == b
+
+    monkeypatch.setattr(authenticate, "secrets", SimpleNamespace(compare_digest=compare_digest))
     rt = prepared(factory, ("both", EngineRole.BOTH), api_keys=["secret-1", "secret-2"])
     async with http(rt) as transport:
-        good = openai.AsyncOpenAI(
-            base_url="http://router/v1", api_key="secret-2", http_client=transport, max_retries=0
-        )
-        bad = openai.AsyncOpenAI(
-            base_url="http://router/v1", api_key="wrong", http_client=transport, max_retries=0
-        )
-        completion = await good.completions.create(model=MODEL, prompt="a", max_tokens=1)
-        assert completion.choices[0].text
-        with pytest.raises(openai.AuthenticationError):
-            await bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
+
+        def client(key: str) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(
+                base_url="http://router/v1", api_key=key, http_client=transport, max_retries=0
+            )
+
+        for key in ("secret-1", "secret-2"):
+            compared.clear()
+            completion = await client(key).completions.create(model=MODEL, prompt="a", max_tokens=1)
+            assert completion.choices[0].text == text_of(100)  # run locally on "both"
+            assert len(compared) == 2  # both keys, the match first or not
+        for key in ("wrong", "secret-", "secret-22"):
+            compared.clear()
+            with pytest.raises(openai.AuthenticationError):
+                await client(key).completions.create(model=MODEL, prompt="a", max_tokens=1)
+            assert len(compared) == 2
         missing = await transport.get("/v1/models")
-        assert missing.status_code == 401
-        assert missing.json()["error"]["code"] == "missing_api_key"
+        assert missing.status_code == 401 and missing.json() == {"error": "Unauthorized"}
+        basic = await transport.get("/v1/models", headers={"authorization": "Basic secret-1"})
+        assert basic.status_code == 401
         assert (await transport.get("/health")).status_code == 200
+        assert (await transport.get("/metrics")).status_code == 200
+    # A refused generation request is counted as one.
+    assert outcome(rt, "invalid_api_key") == 3
+    assert outcome(rt, "ok") == 2
 
 
-async def test_generation_routes_check_the_key_then_the_body_as_fastapi_did(factory):
-    """The generation endpoints skip FastAPI's dependency solving (DirectRoute): the key is
-    still checked first, and bodies are refused with the same codes and params."""
+async def test_generation_routes_check_the_key_before_the_body(factory):
     keyed = prepared(factory, ("both", EngineRole.BOTH), api_keys=["k"])
     async with http(keyed) as transport:
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            unkeyed = await transport.post(path, content=b"{nope")
-            assert unkeyed.status_code == 401
-            assert unkeyed.json()["error"]["code"] == "missing_api_key"
-    rt = prepared(FakeFactory(), ("both", EngineRole.BOTH))
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            unkeyed = await transport.post(
+                path, content=b"{nope", headers={"content-type": "application/json"}
+            )
+            assert unkeyed.status_code == 401, path
+            assert unkeyed.json() == {"error": "Unauthorized"}
+            keyed_answer = await transport.post(
+                path,
+                content=b"{nope",
+                headers={"content-type": "application/json", "authorization": "Bearer k"},
+            )
+            assert keyed_answer.status_code == 400, path
+    assert not any(engine.prefills for engine in factory.engines.values())
+
+
+async def test_bodies_are_refused_as_vllms_server_refuses_them(transport):
     good = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    async with http(rt) as transport:
 
-        async def post(content: bytes, content_type: str | None = "application/json") -> dict:
-            headers = {"content-type": content_type} if content_type else {}
-            response = await transport.post("/v1/completions", content=content, headers=headers)
-            assert response.status_code == 400, response.text
-            return response.json()["error"]
-
-        assert (await post(b""))["message"] == "missing required parameter None"
-        assert (await post(b"[1]"))["code"] == "invalid_json"
-        assert (await post(json.dumps(good).encode(), "text/plain"))["code"] == "invalid_json"
-        extra = await transport.post("/v1/completions", json={**good, "bogus": 1})
-        assert extra.status_code == 200, extra.text  # ignored, as vLLM's server does
-        negative = await post(json.dumps({**good, "max_tokens": -1}).encode())
-        assert negative["param"] == "max_tokens"
-        missing = await post(json.dumps({"prompt": "hi"}).encode())
-        assert missing["message"] == "missing required parameter 'model'"
-        ok = await transport.post(
-            "/v1/completions",
-            content=json.dumps(good),
-            headers={"content-type": "application/json; charset=utf-8"},
+    async def refused(content: bytes, content_type: str = "application/json") -> dict[str, Any]:
+        response = await transport.post(
+            "/v1/completions", content=content, headers={"content-type": content_type}
         )
-        assert ok.status_code == 200
-        assert ok.json()["choices"][0]["text"] == " w0 w1"
+        assert response.status_code == 400, response.text
+        error: dict[str, Any] = response.json()["error"]
+        assert error["code"] == 400
+        return error
+
+    assert (await refused(b""))["param"] == "body"
+    assert "valid dictionary" in (await refused(b"[1]"))["message"]
+    assert (
+        "Only 'application/json'"
+        in (await refused(json.dumps(good).encode(), "text/plain"))["message"]
+    )
+    extra = await transport.post("/v1/completions", json={**good, "bogus": 1})
+    assert extra.status_code == 200, extra.text  # ignored, as vLLM's server does
+    negative = await refused(json.dumps({**good, "max_tokens": -1}).encode())
+    assert negative["param"] == "max_tokens"
+    ok = await transport.post(
+        "/v1/completions",
+        content=json.dumps(good),
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["text"] == text_of(7, 101)
 
 
-async def test_health_needs_a_ready_pair_and_models_lists_ready_models(factory):
+async def test_a_request_without_a_model_is_served_by_the_only_model(transport):
+    """vLLM's server takes the model it serves when the request names none."""
+    answer = await transport.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == MODEL
+
+
+async def test_health_needs_a_ready_pair_and_models_lists_the_served_model(factory):
     rt = prepared(factory, ("d1", EngineRole.DECODE))
     async with http(rt) as transport:
         not_ready = await transport.get("/health")
         assert not_ready.status_code == 503
         assert not_ready.json()["error"]["code"] == "not_ready"
         rt.pool.update("p1", view("p1", EngineRole.PREFILL))
-        assert (await transport.get("/health")).status_code == 200
+        ready = await transport.get("/health")
+        assert ready.status_code == 200
+        assert ready.json() == {"status": "ok", "models": [MODEL]}
         listed = await transport.get("/v1/models")
-        assert [m["id"] for m in listed.json()["data"]] == [MODEL]
-        assert listed.json()["data"][0]["max_model_len"] is None  # no engine reported one
-        # As vLLM's server lists it; the smallest of the model's READY engines.
-        rt.pool.update("p1", view("p1", EngineRole.PREFILL, max_model_len=2048))
-        rt.pool.update("d1", view("d1", EngineRole.DECODE, max_model_len=1024))
-        listed = await transport.get("/v1/models")
-    assert listed.json()["data"][0]["max_model_len"] == 1024
+    assert listed.status_code == 200
+    assert [m["id"] for m in listed.json()["data"]] == [MODEL]
+    # As vLLM's server lists it: the checkpoint's context.
+    assert listed.json()["data"][0]["max_model_len"] == CONTEXT
+
+
+async def test_health_is_503_until_the_pool_has_synced(factory):
+    rt = prepared(factory, ("p1", EngineRole.PREFILL), ("d1", EngineRole.DECODE))
+    rt.pool._synced.clear()
+    async with http(rt) as transport:
+        unsynced = await transport.get("/health")
+    assert unsynced.status_code == 503
+    assert "not synced" in unsynced.json()["error"]["message"]
+
+
+async def test_metrics_are_the_routers_registry(transport, rt):
+    await transport.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+    scraped = await transport.get("/metrics")
+    assert scraped.status_code == 200
+    assert scraped.headers["content-type"].startswith("text/plain")
+    line = 'pdserve_router_requests_total{endpoint="/v1/completions",outcome="ok"} 1.0'
+    assert line in scraped.text.splitlines()
+
+
+async def test_no_engine_for_the_request_is_a_503(factory):
+    """The model is served, but no decode engine is READY: 503 (streamed too: nothing was
+    generated), counted under the router's code."""
+    rt = prepared(factory, ("p1", EngineRole.PREFILL), local_fallback=False)
+    async with http(rt) as transport:
+        answer = await transport.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+        )
+        streamed = await transport.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True}
+        )
+    for reply in (answer, streamed):
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["content-type"] == "application/json"
+        error = reply.json()["error"]
+        assert error["code"] == 503
+        assert error["message"] == f"no READY decode engine serves '{MODEL}'"
+    assert outcome(rt, "no_engine_available") == 2
+    assert not factory.engines["p1"].prefills
+
+
+async def test_a_served_model_no_engine_registers_is_a_404(factory):
+    """The checkpoint's model, but the control plane's engines serve another one."""
+    rt = prepared(factory)
+    rt.pool.update("x", view("x", EngineRole.BOTH, model="other"))
+    async with http(rt) as transport:
+        answer = await transport.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+        )
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["message"] == f"the model '{MODEL}' does not exist"
+    assert outcome(rt, "model_not_found") == 1
+
+
+async def test_a_parameter_an_engine_kind_cannot_honour_is_a_400_naming_the_engine(factory):
+    """A kind pdserve does not know gets only the parameters every engine had: the request is
+    refused, never run without the parameter."""
+    rt = prepared(factory, ("p1", EngineRole.PREFILL))
+    rt.pool.update("d1", view("d1", EngineRole.DECODE, engine_kind="future"))
+    async with http(rt) as transport:
+        refused = await transport.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "max_tokens": 2, "presence_penalty": 0.5},
+        )
+        plain = await transport.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+        )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "presence_penalty"
+    assert "engine d1 (future engine)" in error["message"]
+    assert plain.status_code == 200, plain.text
+    assert "d1" not in factory.engines or not factory.engines["d1"].prefills
+    assert outcome(rt, "unsupported_parameter") == 1
 
 
 async def test_max_tokens_one_finishes_at_the_prefill(client, factory):
     completion = await client.completions.create(model=MODEL, prompt="abc", max_tokens=1)
-    assert completion.choices[0].text == " w0"
+    assert completion.choices[0].text == text_of(7)
     assert not factory.engines["d1"].decodes
 
 
@@ -475,3 +606,49 @@ async def test_seed_and_sampling_parameters_reach_the_engine(client, factory):
         5,
         42,
     )
+
+
+async def test_concurrent_requests_each_get_their_own_headers(transport, factory):
+    """The headers are per request (a context variable), not the last run's: each answer names
+    the prefill engine that prefilled it."""
+    answers = await asyncio.gather(
+        *(
+            transport.post(
+                "/v1/completions", json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 2}
+            )
+            for i in range(6)
+        )
+    )
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        named = factory.engines[answer.headers["x-pdserve-prefill-engine"]]
+        assert any(request.startswith(answer.json()["id"]) for request in named.prefills)
+        assert answer.headers["x-pdserve-decode-engine"] == "d1"
+    assert all(factory.engines[engine].prefills for engine in ("p1", "p2"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_bug_in_the_router_is_a_500_counted_as_an_internal_error(rt, stream):
+    """An exception no one expected (a bug): vLLM's 500 with its envelope (before the stream
+    starts: nothing was generated), and the request counted ``internal_error``."""
+
+    async def broken(*args: object, **kwargs: object) -> AsyncIterator[object]:
+        raise RuntimeError("a bug")
+        yield  # (an async generator, as the executor's runs are)
+
+    rt.executor.generate = broken
+    app = create_app(rt.settings, runtime=rt)
+    async with app.router.lifespan_context(app):
+        # Starlette re-raises the error after its 500 is sent (for the server to log it): the
+        # client sees the 500.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            answer = await client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": stream},
+            )
+    assert answer.status_code == 500, answer.text
+    assert answer.headers["content-type"] == "application/json"
+    error = answer.json()["error"]
+    assert error["code"] == 500 and "a bug" in error["message"]
+    assert outcome(rt, "internal_error") == 1

@@ -4,6 +4,7 @@ real processes)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -16,7 +17,15 @@ from services.engines.errors import EngineFailed, KVTransferFailed, RequestAbort
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.errors import EngineUnreachable
-from tests.unit.router.fakes import FakeEngine, FakeFactory, http, prepared, sample
+from tests.unit.router.fakes import (
+    FakeEngine,
+    FakeFactory,
+    http,
+    outcomes,
+    prepared,
+    sample,
+    text_of,
+)
 
 MODEL = "tiny"
 
@@ -212,7 +221,9 @@ async def test_a_decode_engine_dying_mid_stream_is_migrated_without_the_client_n
             assert raw.headers["x-pdserve-migrations"] == "1"
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == 10  # each token counted once
-    assert usage.model_extra == {"pdserve_migrations": 1}
+    # A stream's usage says it migrated (its headers went out before); a plain answer says so
+    # in its x-pdserve-migrations header (above), and vLLM's usage has no pdserve field.
+    assert usage.model_extra == ({"pdserve_migrations": 1} if stream else {})
     assert sample(rt, "pdserve_router_migrations_total", reason="decode_failed") == 1
     assert (
         sample(rt, "pdserve_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
@@ -261,8 +272,11 @@ async def test_one_decode_engine_only_fails_explicitly_and_at_once(factory: Fake
     reply = await completion(rt, max_tokens=5)
     assert reply.status_code == 502
     error = reply.json()["error"]
-    assert error["code"] == "engine_failed"
+    assert error["code"] == 502  # vLLM's error body: the code is the HTTP status
     assert "could not continue elsewhere" in error["message"]
+    assert "rank (0, 0) exited" in error["message"]
+    # The router's own code is the request's outcome.
+    assert outcomes(rt) == {"engine_failed": 1}
     # Nowhere to go: not counted as a migration.
     assert sample(rt, "pdserve_router_migrations_total", reason="engine_failed") == 0
     assert sample(rt, "pdserve_router_circuit_trips_total", engine="d1", role="decode") == 1
@@ -300,9 +314,20 @@ async def test_a_migration_that_runs_out_of_attempts_ends_the_stream_with_the_er
         ("d2", EngineRole.DECODE),
         max_migrations=0,
     )
-    factory.engines["d1"].fail_decode_after = 2
-    factory.engines["d2"].fail_decode_after = 2
+    for engine in ("d1", "d2"):
+        factory.engines[engine].fail_decode_after = 2
+        factory.engines[engine].delta_delay_s = 0.05  # the tokens go out before the failure
     reply = await completion(rt, max_tokens=10, stream=True)
-    assert reply.status_code == 200
-    assert '"code":"decode_failed"' in reply.text
+    assert reply.status_code == 200, reply.text
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in reply.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    # (a token that came with the failure may be in no event: the error replaces it)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]).startswith(text_of(7, 101))
+    error = events[-1]["error"]  # vLLM's error event: the code is the HTTP status
+    assert error["code"] == 502
+    assert "failed the request: rank 0 died" in error["message"]
+    assert outcomes(rt) == {"decode_failed": 1}
     assert sample(rt, "pdserve_router_migrations_total", reason="decode_failed") == 0

@@ -12,7 +12,7 @@ import pytest
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineFailed
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeFactory, http, runtime, sample, view
+from tests.unit.router.fakes import FakeFactory, http, outcomes, runtime, sample, text_of, view
 
 MODEL = "tiny"
 
@@ -29,7 +29,7 @@ async def completion(rt: RouterRuntime, **body: object) -> httpx.Response:
     async with http(rt) as transport:
         return await transport.post(
             "http://router/v1/completions",
-            json={"model": MODEL, "prompt": "hello there", "temperature": 0, **body},
+            json={"model": MODEL, "prompt": "hello there", "temperature": 1.0, **body},
         )
 
 
@@ -45,7 +45,7 @@ async def test_n_choices_fork_from_one_prefill_and_one_decode(factory: FakeFacto
     body = reply.json()
     texts = [choice["text"] for choice in body["choices"]]
     assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
-    assert len(set(texts)) == 1 and texts[0]
+    assert texts == [text_of(7, 101, 102, 103)] * 3  # each fork's tokens (the fakes' are alike)
     assert body["usage"]["completion_tokens"] == 3 * 4
     assert len(factory.engines["p1"].prefills) == 1
     (decode,) = factory.engines["d1"].decodes
@@ -63,14 +63,18 @@ async def test_n_choices_stream_from_one_forked_decode(factory: FakeFactory) -> 
         if line.startswith("data: {"):
             for choice in json.loads(line[6:])["choices"]:
                 texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-    assert sorted(texts) == [0, 1] and texts[0] == texts[1] and texts[0]
-    assert len(factory.engines["d1"].decodes) == 1
+    assert texts == {0: text_of(7, 101, 102), 1: text_of(7, 101, 102)}
+    assert len(factory.engines["p1"].prefills) == 1
+    (decode,) = factory.engines["d1"].decodes
+    assert [fork.choice for fork in decode.forks] == [0, 1]
+    assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
 
 
 async def test_a_pair_that_cannot_fork_runs_a_request_per_choice(factory: FakeFactory) -> None:
     rt = pair(factory, kind="vllm")
     reply = await completion(rt, n=3, max_tokens=4)
     assert reply.status_code == 200, reply.text
+    assert [choice["index"] for choice in reply.json()["choices"]] == [0, 1, 2]
     assert len(factory.engines["p1"].prefills) == 3
     assert all(not decode.forks for decode in factory.engines["d1"].decodes)
     assert sample(rt, "pdserve_router_choices_total", path="per_choice") == 1
@@ -81,7 +85,10 @@ async def test_a_failed_forked_decode_fails_every_choice(factory: FakeFactory) -
     factory.engines["d1"].decode_error = EngineFailed("rank (0, 0) exited")
     reply = await completion(rt, n=3, max_tokens=4)
     assert reply.status_code == 502, reply.text
-    assert reply.json()["error"]["code"] == "engine_failed"
+    error = reply.json()["error"]
+    assert error["code"] == 502  # vLLM's error body: the code is the HTTP status
+    assert "rank (0, 0) exited" in error["message"]
+    assert outcomes(rt) == {"engine_failed": 1}  # one request, counted once
     assert sample(rt, "pdserve_router_circuit_trips_total", engine="d1", role="decode") == 1
 
 
@@ -98,8 +105,9 @@ async def test_a_stalled_forked_decode_times_out_and_is_aborted_on_both_engines(
     await rt.executor.close()  # the best-effort aborts have run
     assert reply.status_code == 504, reply.text
     error = reply.json()["error"]
-    assert error["code"] == "engine_timeout"
+    assert error["code"] == 504
     assert "decode_idle_timeout_s=0.2" in error["message"]
+    assert outcomes(rt) == {"engine_timeout": 1}
     assert "sent no first token" in error["message"]
     (request,) = decode.decodes
     assert len(request.forks) == 3
@@ -122,8 +130,25 @@ async def test_a_stalled_forked_prefill_times_out_and_is_aborted_on_the_prefill_
     await rt.executor.close()
     assert reply.status_code == 504, reply.text
     error = reply.json()["error"]
-    assert error["code"] == "engine_timeout"
+    assert error["code"] == 504
     assert "prefill_timeout_s=0.2" in error["message"]
+    assert outcomes(rt) == {"engine_timeout": 1}
     assert prefill.aborted == prefill.stalled_calls_closed and len(prefill.aborted) == 1
     assert not factory.engines["d1"].decodes
     assert sample(rt, "pdserve_router_engine_timeouts_total", call="prefill", bound="deadline") == 1
+
+
+async def test_n_choices_at_temperature_zero_are_refused_before_any_engine_call(
+    factory: FakeFactory,
+) -> None:
+    """vLLM's front end refuses ``n > 1`` with greedy sampling (every choice would be the
+    same): a 400 naming the rule, nothing planned or forked."""
+    rt = pair(factory)
+    reply = await completion(rt, n=2, max_tokens=4, temperature=0)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == 400
+    assert "n must be 1 when using greedy sampling" in error["message"]
+    assert not factory.engines["p1"].prefills and not factory.engines["d1"].decodes
+    assert sample(rt, "pdserve_router_choices_total", path="forked") == 0
+    assert outcomes(rt) == {"invalid_request": 1}

@@ -1,20 +1,23 @@
-"""The HTTP request's W3C trace context reaches every engine call of the request (pdserve's front
-end, over fake engine connectors): Prefill and Decode, a forked ``n > 1`` run's, the backstop
-Abort's; an invalid ``traceparent`` or ``tracestate`` is dropped, counted, and the request is
-answered as usual. vLLM's front end: tests/unit/router/test_vllm_frontend.py; the metadata on a
-real gRPC call: tests/integration/services/test_trace_propagation.py."""
+"""The HTTP request's W3C trace context reaches every engine call of the request (vLLM's front
+end hands its ``traceparent``/``tracestate`` to the router's engine client, which checks them:
+``trace_headers.from_vllm``), over fake engine connectors: Prefill and Decode, a forked
+``n > 1`` run's, the backstop Abort's; an invalid ``traceparent`` or ``tracestate`` is dropped,
+counted, and the request is answered as usual. The metadata on a real gRPC call:
+tests/integration/services/test_trace_propagation.py."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineOverloaded
 from services.engines.trace_context import TraceContext
+from services.router.frontend.trace_headers import from_vllm
+from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeFactory, http, prepared, sample
+from tests.unit.router.fakes import MODEL, FakeFactory, http, prepared, sample
 
-MODEL = "tiny"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACESTATE = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"
 DROPPED = "pdserve_router_trace_context_dropped_total"
@@ -80,7 +83,7 @@ async def test_without_a_traceparent_the_engines_get_no_trace_context(
         # Uppercase hex: not W3C; the request runs without a trace context.
         ({"traceparent": TRACEPARENT.upper(), "tracestate": TRACESTATE}, None, "traceparent"),
         ({"traceparent": f"00-{'0' * 32}-00f067aa0ba902b7-01"}, None, "traceparent"),
-        ([("traceparent", TRACEPARENT), ("traceparent", TRACEPARENT)], None, "traceparent"),
+        ({"traceparent": "00-not-a-trace-01"}, None, "traceparent"),
         # A key twice in tracestate: the traceparent still goes, without it.
         (
             {"traceparent": TRACEPARENT, "tracestate": "a=1,a=2"},
@@ -142,3 +145,52 @@ async def test_forked_choices_and_the_backstop_abort_carry_it_too(
     assert ("abort", trace) in [(call, t) for call, _, t in prefill_engine]
     aborted = next(request_id for call, request_id, _ in prefill_engine if call == "abort")
     assert aborted in factory.engines["p1"].prefills
+
+
+async def test_a_repeated_traceparent_field_goes_as_vllm_reads_it_the_first(
+    factory: FakeFactory, rt: RouterRuntime
+) -> None:
+    """vLLM's serving classes read one value per header name (the first field line): the
+    engines get that one, and nothing is dropped."""
+    other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with http(rt) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": 3},
+            headers=[("traceparent", TRACEPARENT), ("traceparent", other)],
+        )
+    assert answer.status_code == 200, answer.text
+    assert [trace for _, _, trace in calls(factory)] == [TraceContext(TRACEPARENT)] * 2
+    assert sample(rt, DROPPED, header="traceparent") == 0
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected", "dropped"),
+    [
+        (None, None, None),
+        ({}, None, None),
+        ({"tracestate": TRACESTATE}, None, None),
+        ({"traceparent": TRACEPARENT}, TraceContext(TRACEPARENT), None),
+        (
+            {"traceparent": TRACEPARENT, "tracestate": TRACESTATE},
+            TraceContext(TRACEPARENT, TRACESTATE),
+            None,
+        ),
+        ({"traceparent": TRACEPARENT.upper()}, None, "traceparent"),
+        (
+            {"traceparent": TRACEPARENT, "tracestate": "a=1,a=2"},
+            TraceContext(TRACEPARENT),
+            "tracestate",
+        ),
+    ],
+)
+def test_from_vllm_checks_the_headers_vllm_extracted(
+    headers: dict[str, str] | None, expected: TraceContext | None, dropped: str | None
+) -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    assert from_vllm(headers, metrics) == expected
+    for header in ("traceparent", "tracestate"):
+        counted = metrics.registry.get_sample_value(
+            "pdserve_router_trace_context_dropped_total", {"header": header}
+        )
+        assert (counted or 0) == (1 if header == dropped else 0)

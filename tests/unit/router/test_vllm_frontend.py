@@ -93,7 +93,6 @@ def pd_runtime(factory: FakeFactory, model_dir: Path, **settings: object) -> Rou
         factory,
         ("p0", EngineRole.PREFILL),
         ("d0", EngineRole.DECODE),
-        frontend="vllm",
         tokenizer=str(model_dir),
         served_model_name=MODEL,
         **settings,
@@ -245,7 +244,7 @@ async def test_the_trace_context_vllm_extracts_reaches_the_engines(
     factory: FakeFactory, model_dir: Path
 ) -> None:
     """vLLM's serving classes hand ``generate`` the request's ``traceparent``/``tracestate``
-    (``trace_headers``): checked as pdserve's front end checks them, sent with every engine
+    (``trace_headers``): checked (``frontend/trace_headers.py``), sent with every engine
     call of the request (chat and completions), an invalid one dropped and counted."""
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     rt = pd_runtime(factory, model_dir)
@@ -402,7 +401,7 @@ def test_router_and_engine_refuse_another_vllm_with_one_message(
     monkeypatch.setattr(
         "services.engines.vllm.version_guard.installed_vllm_version", lambda: "0.31.0"
     )
-    code = cli_main(["router", "--tokenizer", str(model_dir), "--frontend", "vllm"])
+    code = cli_main(["router", "--tokenizer", str(model_dir)])
     assert code == 2
     assert "supports vLLM 0.32.0, found 0.31.0" in capsys.readouterr().err
     with pytest.raises(EngineFailed, match=r"supports vLLM 0\.32\.0, found 0\.31\.0"):
@@ -490,8 +489,8 @@ async def test_a_client_hanging_up_is_counted_and_cancels_the_engine_call(
     model_dir: Path, stream: bool
 ) -> None:
     """The client leaves while the prefill engine works: the call is cancelled (no decode
-    starts) and the request counts ``client_disconnected``, as pdserve's own front end counts
-    it (vLLM's front end answers it 200, or not at all)."""
+    starts) and the request counts ``client_disconnected`` (vLLM's front end answers it 200,
+    or not at all)."""
     factory = StalledPrefillFactory()
     rt = pd_runtime(factory, model_dir)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream}
@@ -533,14 +532,13 @@ async def test_a_stream_that_migrated_says_so_in_its_usage(
     factory: FakeFactory, model_dir: Path
 ) -> None:
     """decode-0 fails after two tokens; the run goes on from another decode engine. A header
-    sent with the first token cannot say so: the stream's usage does, as pdserve's own front
-    end says it (``usage.pdserve_migrations``)."""
+    sent with the first token cannot say so: the stream's usage does
+    (``usage.pdserve_migrations``)."""
     rt = prepared(
         factory,
         ("p0", EngineRole.PREFILL),
         ("d0", EngineRole.DECODE),
         ("d1", EngineRole.DECODE),
-        frontend="vllm",
         tokenizer=str(model_dir),
         served_model_name=MODEL,
         policy="round_robin",

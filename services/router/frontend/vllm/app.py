@@ -1,4 +1,4 @@
-"""The router app with vLLM's own OpenAI front end (``PDSERVE_ROUTER_FRONTEND=vllm``).
+"""The router app: vLLM's own OpenAI front end over pdserve's executor.
 
 vLLM's ``build_app`` and ``init_app_state`` build the app vLLM's server serves (every route,
 its middleware, its exception handlers), over :class:`~.engine_client.PdserveEngineClient`
@@ -21,12 +21,14 @@ from vllm.entrypoints.launchers.app import build_app
 
 from services.router.errors import CLIENT_DISCONNECTED, RequestTooLarge, outcome_of_status
 from services.router.execution.generation import RunInfo
+from services.router.frontend.vllm import request_guard
 from services.router.frontend.vllm.config import Frontend
 from services.router.frontend.vllm.engine_client import (
     REQUEST_RUNS,
     HttpRequestRuns,
     PdserveEngineClient,
 )
+from services.router.frontend.vllm.ignored_fields import count_ignored_fields
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v
 """Paths whose answers carry the ``x-pdserve-*`` headers (the path is the ``endpoint`` label)."""
 
 PDSERVE_ROUTES = frozenset({"/health", "/metrics"})
-"""vLLM's routes that pdserve answers itself (``services.router.frontend.api.ops``)."""
+"""vLLM's routes that pdserve answers itself (``services.router.frontend.ops``)."""
 
 SUPPORTED_TASKS = ("generate",)
 
@@ -57,6 +59,7 @@ def create_vllm_app(
     root = logging.getLogger()
     level = root.level
     app: FastAPI = build_app(args, SUPPORTED_TASKS, frontend.vllm_config.model_config)
+    count_ignored_fields()
     # Importing vLLM's SageMaker routes (model_hosting_container_standards) sets the root
     # logger to ERROR, which would silence every pdserve warning (failover, migration...).
     root.setLevel(level)
@@ -92,8 +95,9 @@ class PdserveHeaders:
     choice's); a stream whose first event is an error (no engine, every prefill failed:
     nothing was generated) is answered as that error with its status, as a non-streamed
     request is; it counts the request and its latency in the router's metrics, under the
-    outcome pdserve's own front end counts (:func:`_outcome`). Every POST's body is bounded by
-    ``max_request_body_bytes`` (413), as in pdserve's own front end."""
+    outcome the router's errors name (:func:`_outcome`). Every POST's body is bounded by
+    ``max_request_body_bytes`` (413), and a generation body vLLM would fail on instead of
+    refusing is refused (400; :mod:`.request_guard`)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
@@ -104,13 +108,13 @@ class PdserveHeaders:
             getattr(scope.get("app"), "state", None), "runtime", None
         )
         if scope["type"] == "http" and scope.get("method") == "POST" and runtime is not None:
-            app = _bounded_body(app, runtime.settings.max_request_body_bytes)
+            app = _bounded_body(_guarded_body(app), runtime.settings.max_request_body_bytes)
         endpoint = scope.get("path", "") if scope["type"] == "http" else ""
         if endpoint not in GENERATION_ENDPOINTS or scope.get("method") != "POST":
             await app(scope, receive, send)
             return
         arrival_s = time.perf_counter()
-        runs = HttpRequestRuns()
+        runs = HttpRequestRuns(metrics=runtime.metrics if runtime is not None else None)
         infos = runs.infos
         token = REQUEST_RUNS.set(runs)
         held: Message | None = None
@@ -174,8 +178,8 @@ class PdserveHeaders:
 def _outcome(
     runs: HttpRequestRuns, status: int, error_status: int | None, *, disconnected: bool
 ) -> str:
-    """The ``outcome`` of ``pdserve_router_requests_total`` for an answer, as pdserve's own
-    front end counts it: ``client_disconnected`` when the client hung up before the answer
+    """The ``outcome`` of ``pdserve_router_requests_total`` for an answer:
+    ``client_disconnected`` when the client hung up before the answer
     ended; else the code of the router error it was answered with (before the answer or
     mid-stream); else by its HTTP status, or by the status of an error event in a 200 stream
     (an error of vLLM's own code)."""
@@ -190,8 +194,7 @@ def _outcome(
 
 def _with_migrations(message: Message, infos: list[RunInfo]) -> Message:
     """``message`` with ``usage.pdserve_migrations`` when it is a stream's usage event and
-    the runs migrated, as pdserve's own front end says it (a migration after the response
-    started is in no header)."""
+    the runs migrated (a migration after the response started is in no header)."""
     migrations = sum(info.migrations for info in infos)
     body = message.get("body", b"")
     if not migrations or not body.startswith(b"data: {") or b'"usage":{' not in body:
@@ -218,7 +221,7 @@ def _bounded_body(
     app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """``app`` with request bodies of at most ``limit`` bytes (pdserve's
-    ``max_request_body_bytes``, as its own front end): a larger one is answered 413 in vLLM's
+    ``max_request_body_bytes``): a larger one is answered 413 in vLLM's
     error shape before the app reads anything when ``Content-Length`` says so, else once the
     bytes read pass it (the app then sees the client leave, and its answer is dropped)."""
 
@@ -256,21 +259,57 @@ def _bounded_body(
     return bounded
 
 
+def _guarded_body(
+    app: Callable[[Scope, Receive, Send], Awaitable[None]],
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``app`` behind :func:`request_guard.refusal`: the body of a POST to an endpoint it
+    guards is read whole first (then handed to ``app`` as it came), and one it refuses is
+    answered 400 in vLLM's error shape before vLLM sees it."""
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if path not in request_guard.GUARDED_FIELDS:
+            await app(scope, receive, send)
+            return
+        messages: list[Message] = []
+        body = bytearray()
+        whole = False
+        while not whole:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            whole = not message.get("more_body", False)
+        problem = request_guard.refusal(path, bytes(body)) if whole else None
+        if problem is not None:
+            await _error(send, 400, "BadRequestError", *problem)
+            return
+        read = iter(messages)
+
+        async def replayed() -> Message:
+            return next(read, None) or await receive()
+
+        await app(scope, replayed, send)
+
+    return guarded
+
+
 async def _too_large(send: Send, size: int, limit: int) -> None:
+    await _error(send, 413, "BadRequestError", RequestTooLarge.of_body(size, limit).message)
+
+
+async def _error(
+    send: Send, status: int, error_type: str, message: str, param: str | None = None
+) -> None:
+    """An answer in vLLM's error shape (``ErrorResponse``)."""
     body = json.dumps(
-        {
-            "error": {
-                "message": RequestTooLarge.of_body(size, limit).message,
-                "type": "BadRequestError",
-                "param": None,
-                "code": 413,
-            }
-        }
+        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     ).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": status,
             "headers": [(b"content-type", b"application/json")],
         }
     )

@@ -53,8 +53,9 @@ from services.router.errors import InvalidRequestError, RouterError
 from services.router.execution.fork import ChunkStream, forked_runs
 from services.router.execution.generation import GenerationRequest, RunInfo
 from services.router.frontend import trace_headers as trace_of
-from services.router.frontend.params import check_engines
+from services.router.frontend.engine_support import check_engines
 from services.router.frontend.vllm.config import Frontend
+from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class HttpRequestRuns:
     """Each choice's run, in the order they started."""
     error_code: str | None = None
     """The code of the first router error the request was answered with (its ``outcome``)."""
+    metrics: RouterMetrics | None = None
+    """The router's metrics (the request's ignored fields are counted there)."""
 
 
 REQUEST_RUNS: contextvars.ContextVar[HttpRequestRuns | None] = contextvars.ContextVar(
@@ -282,14 +285,16 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 for g, i in zip(generations, infos, strict=True)
             ]
         )
+        taken = asyncio.Event()  # set each time the caller takes an output from ``queue``
         tasks = [
-            asyncio.create_task(self._feed(child, stream, info, queue))
+            asyncio.create_task(self._feed(child, stream, info, queue, taken))
             for (child, _), stream, info in zip(children, streams, infos, strict=True)
         ]
         try:
             finished = False
             while not finished:
                 output = queue.get_nowait() or await queue.get()
+                taken.set()
                 finished = output.finished
                 yield output
         finally:
@@ -301,10 +306,15 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 internal=True,
             )
 
-    async def _feed(self, request: Any, stream: ChunkStream, info: RunInfo, queue: Any) -> None:
+    async def _feed(
+        self, request: Any, stream: ChunkStream, info: RunInfo, queue: Any, taken: asyncio.Event
+    ) -> None:
         """Turn one choice's chunks into ``EngineCoreOutput``s for vLLM's output processor;
         an error goes to the caller through ``queue``. Returns (closing ``stream``, which
-        aborts the engines) once the output processor finished the choice."""
+        aborts the engines) once the output processor finished the choice. It reads the next
+        chunk only once the caller took what ``queue`` holds (``taken``): a client that stops
+        reading stops the engine's stream (backpressure), instead of the router merging every
+        token it generates into ``queue``."""
         request_id = request.request_id
         first = True
         try:
@@ -359,6 +369,9 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 result = self._outputs.process_outputs([output])
                 if result.reqs_to_abort or output.finish_reason is not None:
                     return
+                while queue.output is not None:
+                    taken.clear()
+                    await taken.wait()
             if self._outputs.has_request(request_id):
                 # The engine ended the choice without a token that says so (a stop string
                 # the router's detokenizer saw elsewhere, a continuation that was complete).
