@@ -18,6 +18,7 @@ from services.router.runtime import RouterRuntime
 from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.errors import EngineUnreachable
 from tests.unit.router.fakes import (
+    MODEL,
     FakeEngine,
     FakeFactory,
     http,
@@ -26,8 +27,6 @@ from tests.unit.router.fakes import (
     sample,
     text_of,
 )
-
-MODEL = "tiny"
 
 
 class Clock:
@@ -316,7 +315,6 @@ async def test_a_migration_that_runs_out_of_attempts_ends_the_stream_with_the_er
     )
     for engine in ("d1", "d2"):
         factory.engines[engine].fail_decode_after = 2
-        factory.engines[engine].delta_delay_s = 0.05  # the tokens go out before the failure
     reply = await completion(rt, max_tokens=10, stream=True)
     assert reply.status_code == 200, reply.text
     events = [
