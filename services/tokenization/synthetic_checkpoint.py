@@ -76,10 +76,15 @@ def write_synthetic_checkpoint(
 
 
 def _tokenizer(vocab_size: int) -> Tokenizer:
-    alphabet = _byte_alphabet()
-    vocab = {alphabet[byte]: byte for byte in range(BYTE_TOKENS)}
+    # GPT-2's byte -> printable character table, which ``ByteLevel`` maps bytes through (as
+    # vLLM reads it, from transformers; imported here: only writing a checkpoint needs it)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: PLC0415
+
+    table: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
+    vocab = {char: byte for byte, char in table.items()}
     vocab |= {BOS_TOKEN: BYTE_TOKENS, EOS_TOKEN: BYTE_TOKENS + 1}
-    vocab |= {f"\u0120t{token_id}": token_id for token_id in range(FIRST_SYNTHETIC_ID, vocab_size)}
+    space = table[ord(" ")]
+    vocab |= {f"{space}t{token_id}": token_id for token_id in range(FIRST_SYNTHETIC_ID, vocab_size)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -92,18 +97,6 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
         special_tokens=[(BOS_TOKEN, BYTE_TOKENS)],
     )
     return tokenizer
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte -> printable character table, which ``ByteLevel`` maps bytes through."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table: dict[int, str] = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(BYTE_TOKENS):
-        if byte not in table:
-            table[byte] = chr(BYTE_TOKENS + extra)
-            extra += 1
-    return [table[byte] for byte in range(BYTE_TOKENS)]
 
 
 def _model_config(vocab_size: int, max_model_len: int) -> dict[str, object]:

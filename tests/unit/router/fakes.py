@@ -10,9 +10,11 @@ instant, deterministic tokens, and failures on demand. The router app over it is
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -277,8 +279,9 @@ def view(
 def checkpoint() -> Path:
     """The synthetic checkpoint (32,000 ids, 4,096 tokens of context) the app reads, written
     once per process."""
-    folder = Path(tempfile.mkdtemp(prefix="pdserve-fakes-")) / MODEL
-    return write_synthetic_checkpoint(folder, vocab_size=32_000, max_model_len=4096)
+    root = Path(tempfile.mkdtemp(prefix="pdserve-fakes-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return write_synthetic_checkpoint(root / MODEL, vocab_size=32_000, max_model_len=4096)
 
 
 def text_of(*token_ids: int) -> str:

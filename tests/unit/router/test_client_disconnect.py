@@ -20,6 +20,7 @@ from services.engines.trace_context import TraceContext
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import (
+    MODEL,
     FakeEngine,
     FakeFactory,
     post_then_hang_up,
@@ -29,7 +30,6 @@ from tests.unit.router.fakes import (
     view,
 )
 
-MODEL = "tiny"
 BOUND_S = 5.0
 
 

@@ -12,9 +12,16 @@ import pytest
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineFailed
 from services.router.runtime import RouterRuntime
-from tests.unit.router.fakes import FakeFactory, http, outcomes, runtime, sample, text_of, view
-
-MODEL = "tiny"
+from tests.unit.router.fakes import (
+    MODEL,
+    FakeFactory,
+    http,
+    outcomes,
+    runtime,
+    sample,
+    text_of,
+    view,
+)
 
 
 def pair(factory: FakeFactory, kind: str = "reference", **settings: object) -> RouterRuntime:

@@ -22,6 +22,7 @@ from services.engines.errors import EngineStalled
 from services.router.config import RouterSettings
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import (
+    MODEL,
     FakeEngine,
     FakeFactory,
     http,
@@ -31,7 +32,6 @@ from tests.unit.router.fakes import (
     text_of,
 )
 
-MODEL = "tiny"
 IDLE_S = 0.2
 """The idle bound these tests configure: short, so a tripped bound costs little."""
 HANG_S = 5.0
