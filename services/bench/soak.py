@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from services.bench.procs import descendants
+from services.bench.sse import event_data
 from services.bench.stats import percentiles
 from services.supervision import ChildExited, DetachedProcess
 
@@ -270,10 +271,7 @@ async def _stream(
         if reply.status_code != 200:
             outcome.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
             return outcome
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
+        async for data in event_data(reply):
             if data == "[DONE]":
                 done = True
                 break

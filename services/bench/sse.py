@@ -1,16 +1,109 @@
-"""The events of a streamed completion as the benchmarks' clients read them."""
+"""Server-sent events as the benchmarks' (and the tests') clients read them.
+
+A line of an event stream ends at CR, LF or CRLF and nowhere else (the HTML standard's
+"Server-sent events", "Parsing an event stream"). httpx's ``aiter_lines`` splits as
+``str.splitlines`` does, also at U+0085, U+2028, U+2029, form feeds and the like, which a
+completion's text may hold (the simulated engines' byte-level texts do): a JSON event cut there
+no longer parses. :class:`EventStreamDecoder` is the standard's parser as a sans-IO core (text
+in, the data of each dispatched event out); :func:`event_data` and :func:`iter_event_data` read
+a response with it.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 
+_LINE_END = re.compile("\r\n|\r|\n")
+
+MAX_EVENT_CHARS = 16 * 1024 * 1024
+"""Bound on one event (its data and the line being read) held while it is incomplete."""
+
 
 class StreamFailed(Exception):
     """A streamed completion answered with an error: its status, or an error event."""
+
+
+class EventTooLarge(StreamFailed):
+    """An event (or one line of it) grew past the decoder's bound before it ended."""
+
+
+class EventStreamDecoder:
+    """The standard's event-stream parser over text fed in pieces of any size.
+
+    Only ``data`` matters here: :meth:`feed` returns the data of each event dispatched (a blank
+    line ends an event; its ``data`` lines joined with LF), ``event``, ``id`` and ``retry``
+    fields and comments (lines starting with a colon) are read and dropped. An event the stream
+    ends in the middle of is discarded, as the standard says."""
+
+    def __init__(self, max_event_chars: int = MAX_EVENT_CHARS) -> None:
+        self._max = max_event_chars
+        self._line = ""
+        self._data: list[str] = []
+        self._data_chars = 0
+        self._after_cr = False
+        self._started = False
+
+    def feed(self, text: str) -> list[str]:
+        """The data of every event that ``text`` completes; :class:`EventTooLarge` past the
+        bound."""
+        if not self._started and text:
+            self._started = True
+            text = text.removeprefix("\ufeff")
+        dispatched: list[str] = []
+        if self._after_cr and text:
+            # A CR that ended the last piece ended its line; an LF right after it is the same
+            # line end (CRLF), not a blank line.
+            self._after_cr = False
+            text = text.removeprefix("\n")
+        *lines, rest = _LINE_END.split(text)
+        if lines:
+            self._after_cr = text.endswith("\r")
+            lines[0] = self._line + lines[0]
+            self._line = ""
+            for line in lines:
+                self._line_ended(line, dispatched)
+        self._line += rest
+        if len(self._line) + self._data_chars > self._max:
+            raise EventTooLarge(f"an event of more than {self._max} characters")
+        return dispatched
+
+    def _line_ended(self, line: str, dispatched: list[str]) -> None:
+        if not line:
+            if self._data:
+                dispatched.append("\n".join(self._data))
+            self._data = []
+            self._data_chars = 0
+            return
+        if line.startswith(":"):
+            return
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+            self._data_chars += len(value) + 1
+            if self._data_chars > self._max:
+                raise EventTooLarge(f"an event of more than {self._max} characters")
+
+
+async def event_data(reply: httpx.Response) -> AsyncIterator[str]:
+    """The data of each event of ``reply``'s stream, as the standard splits it."""
+    decoder = EventStreamDecoder()
+    async for text in reply.aiter_text():
+        for data in decoder.feed(text):
+            yield data
+
+
+def iter_event_data(reply: httpx.Response) -> Iterator[str]:
+    """:func:`event_data` for a synchronous client's response."""
+    decoder = EventStreamDecoder()
+    for text in reply.iter_text():
+        yield from decoder.feed(text)
 
 
 async def completion_events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -19,12 +112,10 @@ async def completion_events(reply: httpx.Response) -> AsyncIterator[dict[str, An
     characters of either)."""
     if reply.status_code != 200:
         raise StreamFailed(f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}")
-    async for line in reply.aiter_lines():
-        if line == "data: [DONE]":
+    async for data in event_data(reply):
+        if data == "[DONE]":
             return
-        if not line.startswith("data: "):
-            continue
-        event: dict[str, Any] = json.loads(line[len("data: ") :])
+        event: dict[str, Any] = json.loads(data)
         if "error" in event:
             raise StreamFailed(str(event["error"])[:300])
         yield event

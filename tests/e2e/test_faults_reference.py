@@ -52,6 +52,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.bench.sse import event_data
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines import errors as engine_errors
 from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams
@@ -180,10 +181,10 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, resul
             result.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
             return
         finished = False
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in event_data(reply):
+            if data == "[DONE]":
                 continue
-            event = json.loads(line[len("data: ") :])
+            event = json.loads(data)
             if "error" in event:
                 result.error = str(event["error"])
                 return

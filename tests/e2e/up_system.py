@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from services.bench.sse import iter_event_data
 from services.serving.ready import parse_ready_line
 from services.supervision import ChildExited, DetachedProcess
 
@@ -156,8 +157,8 @@ def hang_up_mid_stream(
         client.stream("POST", "/v1/completions", json=body, headers=headers) as response,
     ):
         assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            seen += line.startswith("data: {")
+        for data in iter_event_data(response):
+            seen += data.startswith("{")
             if seen == events:
                 break  # leaving both blocks closes the connection mid-stream
     assert seen == events

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.bench.sse import event_data
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.sim.profile import load_profile
@@ -36,7 +37,7 @@ async def _completions(client: httpx.AsyncClient, count: int) -> None:
         body = {"model": "stub", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            async for _line in response.aiter_lines():
+            async for _data in event_data(response):
                 pass
 
 

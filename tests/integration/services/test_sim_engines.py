@@ -7,13 +7,13 @@ mid-stream lengthens one of the stream's steps by its prefill (the interference 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from services.bench.sse import completion_events, event_data
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
@@ -62,9 +62,8 @@ async def test_a_stream_through_the_router_follows_the_profile(
             assert response.status_code == 200, await response.aread()
             assert response.headers["x-pdserve-prefill-engine"] == "sim-prefill"
             assert response.headers["x-pdserve-decode-engine"] == "sim-decode"
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    texts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+            async for event in completion_events(response):
+                texts.extend(c["text"] for c in event["choices"])
         elapsed_ms = (time.monotonic() - started) * 1000
         assert len("".join(texts).split()) == MAX_TOKENS
 
@@ -118,9 +117,8 @@ async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
         async with client.stream("POST", "/v1/completions", json=first) as streaming:
             assert streaming.status_code == 200
             assert streaming.headers["x-pdserve-execution-path"] != "disaggregated"
-            lines = streaming.aiter_lines()
-            while not (await anext(lines)).startswith("data: "):
-                pass
+            events = event_data(streaming)  # held: closing it would end the stream
+            await anext(events)
             second = await client.post("/v1/completions", json=body(long_prompt, 2, stream=False))
             assert second.status_code == 200, second.text
             assert second.json()["usage"]["completion_tokens"] == 2
