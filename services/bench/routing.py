@@ -199,8 +199,9 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         *(["--dtype", args.dtype] if args.dtype else []),
         *(["--model", str(args.model)] if args.model is not None else []),
         *(f"--router-arg={arg}" for arg in router_args),
-        # vLLM's front end reports cached tokens only with this flag (as vLLM's server).
-        *(["--frontend-arg=--enable-prompt-tokens-details"] if args.engine == "vllm" else []),
+        # vLLM's front end (the router's, whatever the engines) reports cached tokens only
+        # with this flag, as vLLM's server does.
+        "--frontend-arg=--enable-prompt-tokens-details",
         *(f"--engine-arg={arg}" for arg in engine_args),
     )
     try:
@@ -381,6 +382,7 @@ def _summarize(
         decode_share = round(min(1.0, max(0.0, 1 - max(0.0, lacking - fresh) / moved_reusable)), 4)
     errors = [turn.error for turn in turns if not turn.ok]
     return {
+        "problems": blind_to_the_cache(reusable, cached),
         "requests": len(turns),
         "errors": len(errors),
         "first_errors": errors[:3],
@@ -398,6 +400,18 @@ def _summarize(
         "prefill_engines": sorted({t.prefill_engine for t in done if t.prefill_engine}),
         "decode_engines": sorted({t.decode_engine for t in done if t.decode_engine}),
     }
+
+
+def blind_to_the_cache(reusable_tokens: int, cached_tokens: int) -> list[str]:
+    """A workload whose prompts reuse blocks but whose answers report no cached token at all
+    measures nothing about placement (the usage's cached tokens went unreported): said in the
+    figures, not left to read as a share of 0."""
+    if reusable_tokens > 0 and cached_tokens == 0:
+        return [
+            f"no cached tokens reported though {reusable_tokens} prompt tokens were reusable: "
+            "is usage.prompt_tokens_details reported (--enable-prompt-tokens-details)?"
+        ]
+    return []
 
 
 def live_shares(done: list[Turn]) -> dict[str, Any]:

@@ -135,6 +135,9 @@ def test_bench_routing_runs_settings_side_by_side_and_reports_each_figure(tmp_pa
         # The second turn of each conversation extends its first: reusable tokens exist.
         assert figures["reusable_tokens"] > 0, figures
         assert figures["prefill_cached_share"] is not None, figures
+        # Placement finds some of them, and the answers say so (the router's front end reports
+        # cached tokens only with --enable-prompt-tokens-details: without it, 0 everywhere).
+        assert figures["cached_tokens"] > 0 and not figures["problems"], figures
         assert figures["prefill_tokens_computed"] <= figures["prompt_tokens"]
         assert figures["kv_bytes_moved_per_request"] is not None
         assert figures["ttft_ms"]["count"] == 6

@@ -62,6 +62,15 @@ def test_summary_shares() -> None:
     assert figures["prefill_tokens_computed"] == 150 - 64
     assert figures["decode_cached_share"] == 0.5
     assert figures["kv_bytes_moved_per_request"] == 280  # 840 bytes over 3 requests done
+    assert figures["problems"] == []
+
+
+def test_a_workload_with_reuse_and_no_cached_token_reported_is_a_problem() -> None:
+    turns = [Turn(60, 32, ok=True, cached_tokens=0, ttft_s=0.2, path="disaggregated")]
+    (problem,) = _summarize(turns, 0.0, None, 1.0)["problems"]
+    assert "no cached tokens reported though 32" in problem
+    # Nothing reusable, nothing cached: no problem.
+    assert _summarize([Turn(60, 0, ok=True)], 0.0, None, 1.0)["problems"] == []
 
 
 def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> EventBatch:
