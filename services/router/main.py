@@ -24,7 +24,11 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
-from services.engines.vllm.version_guard import FRONTEND_SYMBOLS, check_vllm
+from services.engines.vllm.version_guard import (
+    FRONTEND_INSTANCE_ATTRIBUTES,
+    FRONTEND_SYMBOLS,
+    check_vllm,
+)
 from services.router.config import RouterSettings
 from services.router.frontend.http_protocol import CoalescingHttpToolsProtocol
 from services.router.frontend.ops import ops
@@ -131,7 +135,8 @@ def _vllm_app(
 def vllm_frontend_args(settings: RouterSettings) -> argparse.Namespace:
     """vLLM's server flags of ``settings``' front end (``SystemExit`` with vLLM's usage
     message on a flag vLLM or the router refuses; ``VllmVersionMismatch`` on another vLLM)."""
-    check_vllm(FRONTEND_SYMBOLS)  # before the front end's modules import vLLM's
+    # before the front end's modules import vLLM's
+    check_vllm(FRONTEND_SYMBOLS, FRONTEND_INSTANCE_ATTRIBUTES)
     from services.router.frontend.vllm.config import frontend_args  # noqa: PLC0415
 
     if settings.tokenizer is None:

@@ -74,7 +74,12 @@ from services.engines.vllm.request_mapping import (
     prefill_sampling,
 )
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
-from services.engines.vllm.version_guard import ENGINE_SYMBOLS, VllmVersionMismatch, check_vllm
+from services.engines.vllm.version_guard import (
+    ENGINE_INSTANCE_ATTRIBUTES,
+    ENGINE_SYMBOLS,
+    VllmVersionMismatch,
+    check_vllm,
+)
 from services.engines.vllm.worker_extension import RELEASE_HELD_KV, WORKER_EXTENSION
 from services.kv_transfer.metrics import KVTransferMetrics
 from services.lifetime import WATCH_PARENT_ENV, ports_to_bind_later
@@ -95,7 +100,7 @@ class _VllmModules:
 
 def _import_vllm() -> _VllmModules:
     try:
-        check_vllm(ENGINE_SYMBOLS)
+        check_vllm(ENGINE_SYMBOLS, ENGINE_INSTANCE_ATTRIBUTES)
     except VllmVersionMismatch as exc:
         raise EngineFailed(str(exc)) from exc
     try:
