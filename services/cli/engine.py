@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-kv-events",
         dest="kv_events",
         action="store_false",
-        help="reference, vllm: do not publish KV-cache events (default: published on two "
+        help="reference, vllm, sim: do not publish KV-cache events (default: published on two "
         "ephemeral ports, named in the engine's control-plane record)",
     )
     engine.add_argument(

@@ -70,7 +70,7 @@ class EngineOptions:
     """Stub engine only: its vocabulary (default 32000; a real tokenizer's size when a front
     end detokenizes its ids, as ``pdserve bench router --vllm-frontend``)."""
     kv_events: bool = True
-    """Publish KV-cache events (reference and vLLM engines; the stub and the sim publish none):
+    """Publish KV-cache events (reference, vLLM and sim engines; the stub publishes none):
     ``--no-kv-events`` turns them off."""
     sim_profile: str | None = None
     """Sim engine only: a shipped profile's name or a profile file's path (default: the
@@ -225,8 +225,10 @@ def _sim(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
             tp_size=options.tp_size,
             layer_partition=options.layer_partition,
             time_scale=scale,
+            kv_events=options.kv_events,
             **options.overrides(),  # type: ignore[arg-type]
-        )
+        ),
+        registry=registry,
     )
 
 

@@ -17,6 +17,16 @@ sharing steps with the other sequences' decode tokens (colocated: the interferen
 profile's ``kv_transfer``, a decode with a handle first waits for its prompt's KV to move
 (reported as the first delta's ``kv_transfer_s``); without one the KV is there at once.
 
+Prefix cache (``prefix_caching``, on by default as in vLLM; :mod:`.prefix_cache`): a prompt's
+cached prefix is not computed (nor charged), its tokens are reported as ``cached_tokens`` in
+the usage; a decode with a handle moves only the prompt tokens its own cache lacks (the
+transfer time and ``pdserve_kv_transfer_bytes_total`` count those) and caches the prompt it
+then holds, so decode-side reuse and local runs work on a fleet as on real engines. The cache's
+changes are published as KV events on vLLM's wire protocol (``kv_events``;
+:class:`~services.kv_events.publisher.KVEventPublisher`, one batch per step with changes,
+bound on the first :meth:`describe` so the registered spec carries its ports), and the load
+record reports the most recently used block keys, as the reference engine's.
+
 Time: the scheduler's clock is simulated (the sum of step durations); ``prefill_s`` and
 ``queue_s`` of a prefill are read from it, so they follow the profile whatever the machine's
 load. Wall time between tokens is at least the simulated time (a loaded event loop only adds).
@@ -26,12 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.control_plane.wire import EngineLoad, compute_compat_hash
+from prometheus_client import CollectorRegistry
+
+from services.control_plane.wire import MAX_REPORTED_BLOCKS, EngineLoad, compute_compat_hash
 from services.engines.backend import (
+    BackendDescription,
     DecodeRequest,
     FinishReason,
     PrefillRequest,
@@ -46,9 +60,12 @@ from services.engines.errors import (
     EngineOverloaded,
     RequestAborted,
 )
+from services.engines.sim.prefix_cache import SimPrefixCache
 from services.engines.sim.profile import SimProfile, load_profile
 from services.engines.sim.scheduler import SimScheduler, SimSequence
 from services.engines.synthetic import SyntheticEngine, SyntheticShape
+from services.kv_events.publisher import KVEventPublisher, PublisherMetrics
+from services.kv_transfer.metrics import KVTransferMetrics, RankPair
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +93,10 @@ class SimOptions:
     time_scale: float = 1.0
     """Wall seconds slept per simulated second (1: real time; < 1 runs a simulation faster,
     every figure it reports still in simulated time)."""
+    prefix_caching: bool = True
+    """vLLM's automatic prefix caching (:mod:`.prefix_cache`)."""
+    kv_events: bool = True
+    """Publish the prefix cache's KV events (with ``prefix_caching``)."""
 
 
 class _Aborted:
@@ -97,7 +118,9 @@ class _Stream:
 class SimBackend(SyntheticEngine):
     """See the module docstring."""
 
-    def __init__(self, options: SimOptions | None = None) -> None:
+    def __init__(
+        self, options: SimOptions | None = None, *, registry: CollectorRegistry | None = None
+    ) -> None:
         self.options = options or SimOptions()
         profile = self.options.profile
         block_size = self.options.block_size or profile.kv_cache.block_size
@@ -129,7 +152,18 @@ class SimBackend(SyntheticEngine):
                 kv_block_bytes=profile.kv_bytes_per_token * block_size,
             )
         )
-        self.scheduler = SimScheduler(profile, num_blocks=num_blocks, block_size=block_size)
+        self._registry = registry if registry is not None else CollectorRegistry()
+        self.prefix_cache = (
+            SimPrefixCache(block_size, record_events=self.options.kv_events)
+            if self.options.prefix_caching
+            else None
+        )
+        self.scheduler = SimScheduler(
+            profile, num_blocks=num_blocks, block_size=block_size, prefix_cache=self.prefix_cache
+        )
+        self.transfer_metrics = KVTransferMetrics(self._registry)
+        self._kv_events: KVEventPublisher | None = None
+        self._stopped = False
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -137,6 +171,39 @@ class SimBackend(SyntheticEngine):
         self._draining = False
         self._failure: EngineFailed | None = None
         self._loop_task: asyncio.Task[None] | None = None
+
+    def describe(self) -> BackendDescription:
+        publisher = self._kv_event_publisher()
+        if publisher is None:
+            return super().describe()
+        return dataclasses.replace(
+            super().describe(),
+            kv_events_endpoint=publisher.endpoints.events,
+            kv_events_replay_endpoint=publisher.endpoints.replay,
+        )
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """The engine's publisher, bound on first use (``None`` when events are off)."""
+        if self._kv_events is None and self.prefix_cache is not None and self.options.kv_events:
+            if self._stopped:
+                return None
+            self._kv_events = KVEventPublisher(
+                metrics=PublisherMetrics(self._registry), name="pdserve-sim-kv-events"
+            )
+        return self._kv_events
+
+    @property
+    def kv_event_publisher(self) -> KVEventPublisher | None:
+        """The bound publisher (``None``: events off or :meth:`describe` not called yet)."""
+        return self._kv_events
+
+    def _publish_events(self) -> None:
+        """One batch of the cache's changes since the last (none when nothing changed)."""
+        if self.prefix_cache is None:
+            return
+        events = self.prefix_cache.take_events()
+        if events and self._kv_events is not None:
+            self._kv_events.publish(events)
 
     @property
     def failure(self) -> EngineFailed | None:
@@ -183,6 +250,7 @@ class SimBackend(SyntheticEngine):
                 deadline += plan.duration_ms / 1000 * self.options.time_scale
                 await asyncio.sleep(max(0.0, deadline - loop.time()))
                 outcome = self.scheduler.commit(plan)
+                self._publish_events()
                 for sequence in outcome.sampled:
                     stream = self._streams.get(sequence.request_id)
                     if stream is not None:
@@ -242,7 +310,9 @@ class SimBackend(SyntheticEngine):
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         prompt, sampling = request.prompt_token_ids, request.sampling
-        sequence = SimSequence(request.request_id, len(prompt), max_new_tokens=1)
+        sequence = SimSequence(
+            request.request_id, len(prompt), max_new_tokens=1, prompt=tuple(prompt)
+        )
         stream = self._admit(sequence)
         try:
             if await self._next(stream) is None:
@@ -264,7 +334,7 @@ class SimBackend(SyntheticEngine):
                 text=self.detokenize([token]),
                 kv_handle=handle,
                 finish_reason=finish,
-                usage=Usage(prompt_tokens=len(prompt), completion_tokens=1),
+                usage=self._usage(sequence, 1),
                 prefill_s=(first_token_ms - scheduled_ms) / 1000,
                 queue_s=(scheduled_ms - sequence.arrived_ms) / 1000,
             )
@@ -281,11 +351,19 @@ class SimBackend(SyntheticEngine):
             max_new_tokens=sampling.max_tokens,
             generated=1 if remote else 0,
             computed=prompt_len if remote else 0,
+            prompt=tuple(request.prompt_token_ids),
         )
         if sequence.generated >= sequence.max_new_tokens:
             yield self._last(request, sequence.generated, FinishReason.LENGTH)
             return
-        transfer_ms = self.options.profile.transfer_ms(prompt_len) if remote else 0.0
+        transfer_ms = 0.0
+        if remote:
+            assert request.kv_handle is not None
+            # Only what this engine's cache lacks moves (it may evict meanwhile: a miss then
+            # costs nothing here, a simplification).
+            moved = prompt_len - self.scheduler.cached_prefix_tokens(sequence)
+            transfer_ms = self.options.profile.transfer_ms(moved)
+            self._count_moved(request.kv_handle.producer_engine_id, moved)
         stream = self._admit(sequence, queue=not transfer_ms)
         try:
             if remote:
@@ -312,14 +390,55 @@ class SimBackend(SyntheticEngine):
                     return
                 token = self._next_token(token)
                 if token in sampling.stop_token_ids:
-                    yield self._last(request, generated, FinishReason.STOP)
+                    yield self._end(request, sequence, generated, FinishReason.STOP, remote)
                     return
+                cached = None
+                if not remote and generated == 0:  # a local run says so from its first chunk
+                    cached = sequence.cached_tokens or 0
                 generated += 1
-                yield TokenDelta((token,), self.detokenize([token]), kv_transfer_s=transfer_s)
+                yield TokenDelta(
+                    (token,),
+                    self.detokenize([token]),
+                    kv_transfer_s=transfer_s,
+                    cached_tokens=cached,
+                )
                 transfer_s = None
-            yield self._last(request, generated, FinishReason.LENGTH)
+            yield self._end(request, sequence, generated, FinishReason.LENGTH, remote)
         finally:
             self._release(request.request_id)
+
+    def _usage(self, sequence: SimSequence, generated: int) -> Usage:
+        """vLLM's counts: the prompt tokens found cached, and the full prompt blocks beyond
+        them that this request computed and cached."""
+        cached = sequence.cached_tokens or 0
+        block = self.scheduler.block_size
+        full = sequence.prompt_len // block * block if self.prefix_cache is not None else 0
+        return Usage(
+            prompt_tokens=sequence.prompt_len,
+            completion_tokens=generated,
+            cached_tokens=cached,
+            cache_write_tokens=max(0, full - cached),
+        )
+
+    def _end(
+        self,
+        request: DecodeRequest,
+        sequence: SimSequence,
+        generated: int,
+        reason: FinishReason,
+        remote: bool,
+    ) -> TokenDelta:
+        """A decode stream's last delta; a local run's usage counts its cache."""
+        if remote:
+            return self._last(request, generated, reason)
+        return TokenDelta((), "", reason, self._usage(sequence, generated))
+
+    def _count_moved(self, producer: str, tokens: int) -> None:
+        # (an engine driven in process without start() has no id of its own)
+        consumer = self._registration.engine_id if self._registration else "unregistered"
+        pair = RankPair(producer, consumer, (0, 0), (0, 0))
+        moved = tokens * self.options.profile.kv_bytes_per_token
+        self.transfer_metrics.transferred_bytes.labels(**pair.labels()).inc(moved)
 
     async def abort(self, request_id: str) -> bool:
         stream = self._streams.get(request_id)
@@ -334,8 +453,15 @@ class SimBackend(SyntheticEngine):
         return EngineLoad(
             queue_depth=len(self.scheduler.waiting),
             running_requests=len(self.scheduler.running),
-            kv_blocks_free=self.scheduler.free_blocks,
+            kv_blocks_free=self.scheduler.available_blocks,
             kv_blocks_total=self.scheduler.num_blocks,
+            prefix_cache_reported=self.prefix_cache is not None,
+            cached_block_hashes=(
+                self.prefix_cache.recent_keys(MAX_REPORTED_BLOCKS)
+                if self.prefix_cache is not None
+                else ()
+            ),
+            kv_events_seq=-1 if self._kv_events is None else self._kv_events.next_seq - 1,
         )
 
     async def drain(self, timeout_s: float) -> int:
@@ -355,9 +481,12 @@ class SimBackend(SyntheticEngine):
         return aborted
 
     async def stop(self) -> None:
+        self._stopped = True
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._kv_events is not None:  # after the loop: its last batch is sent first
+            await asyncio.to_thread(self._kv_events.close)
         await super().stop()

@@ -21,8 +21,15 @@ What it does as vLLM's scheduler does (``vllm/v1/core/sched/scheduler.py``):
 - prefill chunks and decode tokens share a step (chunked prefill), and the step pays for both
   (:meth:`~services.engines.sim.profile.SimProfile.step_ms`).
 
-What it leaves out: prefix caching, speculative decoding, priorities, a prefill engine holding
-KV until its consumer pulled it (its blocks are freed once its first token is out).
+- with a :class:`~.prefix_cache.SimPrefixCache` (and a sequence's token ids), vLLM's prefix
+  caching: a sequence admitted holds the longest cached prefix of its prompt and does not
+  compute it (the step's time charges only the rest, with the cached prefix as attention
+  context); full prompt blocks are cached as the step computing them ends (a sequence whose
+  prompt's KV arrived from a producer caches them at admission); cached blocks nobody holds
+  count as free and are evicted least recently freed first when blocks run short.
+
+What it leaves out: speculative decoding, priorities, a prefill engine holding KV until its
+consumer pulled it (its blocks are freed once its first token is out).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.engines.sim.prefix_cache import SimPrefixCache
 from services.engines.sim.profile import SimProfile
+from services.kv_events.keys import BlockKey, block_keys
 
 
 @dataclass(eq=False)
@@ -48,6 +57,17 @@ class SimSequence:
     computed: int = 0
     """Tokens whose KV exists here (a decode from remote KV starts with the prompt's)."""
     blocks: int = 0
+    """Blocks held, :attr:`held` (through the prefix cache) included."""
+    prompt: tuple[int, ...] = ()
+    """The prompt's token ids (empty: the sequence neither finds nor fills the cache)."""
+    keys: list[BlockKey] = field(default_factory=list)
+    """The chained keys of the prompt's full blocks (set when queued with a cache)."""
+    held: list[BlockKey] = field(default_factory=list)
+    """Keys of the cached blocks it holds, in prompt order."""
+    stored: int = 0
+    """Leading full prompt blocks already found or offered to the cache."""
+    cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache at its first admission (``None`` before)."""
     arrived_ms: float = 0.0
     first_scheduled_ms: float | None = None
     first_token_ms: float | None = None
@@ -121,17 +141,32 @@ class SchedulerStats:
 class SimScheduler:
     """See the module docstring. Not thread-safe; one per engine, on the engine's loop."""
 
-    def __init__(self, profile: SimProfile, *, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        profile: SimProfile,
+        *,
+        num_blocks: int,
+        block_size: int,
+        prefix_cache: SimPrefixCache | None = None,
+    ) -> None:
         self.profile = profile
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_cache = prefix_cache
         self.free_blocks = num_blocks
+        """Blocks neither held nor cached (:attr:`available_blocks` adds evictable ones)."""
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
         self.clock_ms = 0.0
         """Simulated time: the sum of committed steps' durations."""
         self.stats = SchedulerStats()
         self._by_id: dict[str, SimSequence] = {}
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks an allocation may take: free ones and cached ones nobody holds."""
+        cache = self.prefix_cache
+        return self.free_blocks + (cache.evictable if cache is not None else 0)
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -146,6 +181,8 @@ class SimScheduler:
     def add(self, sequence: SimSequence) -> None:
         """Queue a sequence (the caller checked that its id is new and that it fits ever)."""
         sequence.arrived_ms = self.clock_ms
+        if self.prefix_cache is not None and sequence.prompt and not sequence.keys:
+            sequence.keys = block_keys(sequence.prompt, self.block_size, 0)
         self._by_id[sequence.request_id] = sequence
         self.waiting.append(sequence)
 
@@ -173,9 +210,9 @@ class SimScheduler:
             take = min(sequence.remaining, budget)
             need = self.blocks_for(sequence.computed + take) - sequence.blocks
             # Victims are the most recently admitted: always after this one, never planned.
-            while need > self.free_blocks and self.running[-1] is not sequence:
+            while need > self.available_blocks and self.running[-1] is not sequence:
                 preempted.append(self._preempt(self.running[-1]))
-            if need > self.free_blocks:
+            if need > self.available_blocks:
                 preempted.append(self._preempt(sequence))
                 break
             self._allocate(sequence, need)
@@ -186,13 +223,20 @@ class SimScheduler:
             max_seqs = self.profile.scheduler.max_num_seqs
             while self.waiting and budget > 0 and len(self.running) < max_seqs:
                 sequence = self.waiting[0]
-                take = min(sequence.remaining, budget)
-                need = self.blocks_for(sequence.computed + take) - sequence.blocks
-                if need > self.free_blocks:
+                has_kv = sequence.computed >= sequence.prompt_len
+                hits, idle = self._cached_prefix(sequence, has_kv)
+                computed = sequence.computed if has_kv else hits * self.block_size
+                take = min(sequence.num_tokens - computed, budget)
+                need = self.blocks_for(computed + take) - hits
+                if need > self.available_blocks - idle:
                     break  # the head waits for blocks; first come, first served
                 self.waiting.popleft()
                 self.running.append(sequence)
+                self._hold_cached(sequence, hits)
+                sequence.computed = computed
                 self._allocate(sequence, need)
+                if has_kv:  # its prompt's KV arrived: cached as computed here
+                    self._store(sequence)
                 chunks.append(ScheduledChunk(sequence, take, sequence.computed))
                 budget -= take
         for chunk in chunks:
@@ -230,6 +274,7 @@ class SimScheduler:
             if sequence.done:
                 continue  # removed since the plan (aborted, its consumer gone)
             sequence.computed += chunk.num_tokens
+            self._store(sequence)
             if sequence.remaining == 0:
                 sequence.generated += 1
                 if sequence.first_token_ms is None:
@@ -240,14 +285,55 @@ class SimScheduler:
                     outcome.finished.append(sequence)
         return outcome
 
+    def cached_prefix_tokens(self, sequence: SimSequence) -> int:
+        """The prompt tokens of a sequence whose KV arrives from a producer that this engine's
+        cache holds now (they need not move). Changes nothing."""
+        if self.prefix_cache is not None and sequence.prompt and not sequence.keys:
+            sequence.keys = block_keys(sequence.prompt, self.block_size, 0)
+        return self._cached_prefix(sequence, True)[0] * self.block_size
+
+    def _cached_prefix(self, sequence: SimSequence, has_kv: bool) -> tuple[int, int]:
+        """:meth:`SimPrefixCache.peek` over the prompt blocks a sequence may find: every full
+        one when its KV arrived from a producer, else those before its last token."""
+        if self.prefix_cache is None or not sequence.keys:
+            return 0, 0
+        limit = sequence.prompt_len if has_kv else sequence.prompt_len - 1
+        return self.prefix_cache.peek(sequence.keys[: limit // self.block_size])
+
+    def _hold_cached(self, sequence: SimSequence, hits: int) -> None:
+        if hits and self.prefix_cache is not None:
+            sequence.held = sequence.keys[:hits]
+            self.prefix_cache.acquire(sequence.held)
+        sequence.blocks += hits
+        sequence.stored = hits
+        if sequence.cached_tokens is None:
+            sequence.cached_tokens = hits * self.block_size
+
+    def _store(self, sequence: SimSequence) -> None:
+        """Offer the prompt's newly computed full blocks to the cache."""
+        cache = self.prefix_cache
+        if cache is None or not sequence.keys:
+            return
+        end = min(sequence.computed, sequence.prompt_len) // self.block_size
+        if end > sequence.stored:
+            sequence.held += cache.store(sequence.prompt, sequence.keys, sequence.stored, end)
+            sequence.stored = end
+
     def _allocate(self, sequence: SimSequence, blocks: int) -> None:
         if blocks > 0:
+            short = blocks - self.free_blocks
+            if short > 0 and self.prefix_cache is not None:
+                self.free_blocks += self.prefix_cache.evict(short)
             self.free_blocks -= blocks
             sequence.blocks += blocks
 
     def _free(self, sequence: SimSequence) -> None:
-        self.free_blocks += sequence.blocks
+        if self.prefix_cache is not None and sequence.held:
+            self.prefix_cache.release(sequence.held)
+        self.free_blocks += sequence.blocks - len(sequence.held)
         sequence.blocks = 0
+        sequence.held = []
+        sequence.stored = 0
 
     def _preempt(self, sequence: SimSequence) -> str:
         self.running.remove(sequence)

@@ -97,8 +97,11 @@ async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
         decode_timeout_s=30,
     )
 
-    def body(prompt_len: int, max_tokens: int, *, stream: bool) -> dict[str, object]:
-        prompt = [1 + i % 250 for i in range(prompt_len)]
+    def body(
+        prompt_len: int, max_tokens: int, *, stream: bool, first: int = 1
+    ) -> dict[str, object]:
+        # (another first token: a prompt that shares no cached prefix with the others)
+        prompt = [1 + (first - 1 + i) % 250 for i in range(prompt_len)]
         return {
             "model": profile.served_model,
             "prompt": prompt,
@@ -119,7 +122,9 @@ async def test_colocated_a_new_prompt_lengthens_the_running_streams_step(
             assert streaming.headers["x-pdserve-execution-path"] != "disaggregated"
             events = event_data(streaming)  # held: closing it would end the stream
             await anext(events)
-            second = await client.post("/v1/completions", json=body(long_prompt, 2, stream=False))
+            second = await client.post(
+                "/v1/completions", json=body(long_prompt, 2, stream=False, first=8)
+            )
             assert second.status_code == 200, second.text
             assert second.json()["usage"]["completion_tokens"] == 2
             assert decode.load().running_requests == 1  # the first is still decoding
