@@ -65,12 +65,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _select_for_this_machine(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests run only with PDSERVE_GPU_TESTS=1 (``make gpu-test`` on a GPU machine). Image
     tests (build the container image, minutes) are deselected unless PDSERVE_IMAGE_TESTS=1
-    (``make image-test``)."""
-    if os.environ.get("PDSERVE_IMAGE_TESTS") != "1":
-        deselected = [item for item in items if item.get_closest_marker("image")]
+    (``make image-test``); the end-to-end run of ``pdserve bench peers`` (two vLLM stacks)
+    unless PDSERVE_PEERS_TESTS=1."""
+    for marker, env in (("image", "PDSERVE_IMAGE_TESTS"), ("peers", "PDSERVE_PEERS_TESTS")):
+        if os.environ.get(env) == "1":
+            continue
+        deselected = [item for item in items if item.get_closest_marker(marker)]
         if deselected:
             config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if not item.get_closest_marker("image")]
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
     if os.environ.get("PDSERVE_GPU_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="needs a GPU: run `make gpu-test` with PDSERVE_GPU_TESTS=1")

@@ -60,6 +60,13 @@ BENCHMARKS = (
         "(goodput at TTFT/ITL SLOs over a rate sweep, PNG) and --autoscale against fixed pools",
     ),
     Benchmark(
+        "peers",
+        "services.bench.peers",
+        "pdserve against vLLM's own PD stack (vllm serve + NixlConnector behind vllm-router) "
+        "on the same engines and load: latency, goodput, CPU per request of every process, "
+        "greedy outputs",
+    ),
+    Benchmark(
         "chaos",
         "services.bench.chaos",
         "load through pdserve up (2 prefill, 2 decode) while engine processes fail: "
