@@ -13,9 +13,15 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from services.control_plane.wire import validate_identifier
+from services.engines import sampling_fields
 from services.engines.backend import (
     MAX_LOGIT_BIAS,
     FinishReason,
@@ -83,91 +89,93 @@ class Undecodable:
 # -- sampling ------------------------------------------------------------------------------
 
 
+_SAMPLING_FIELDS = types_pb2.SamplingParams.DESCRIPTOR.fields
+"""The table both conversions walk (with :mod:`services.engines.sampling_fields`' rules)."""
+
+
+@dataclass(frozen=True)
+class _WireField:
+    """One field's wire form, read once from its descriptor."""
+
+    name: str
+    is_map: bool
+    is_repeated: bool
+    has_presence: bool
+    is_float: bool
+    """float32 on the wire (for a map: its values)."""
+    zero_reads_as_default: bool
+    default: Any
+    normalize: Callable[[Any], Any]
+
+
+def _wire_field(field: FieldDescriptor) -> _WireField:
+    entry = field.message_type
+    is_map = entry is not None and entry.GetOptions().map_entry
+    scalar = entry.fields_by_name["value"] if entry is not None and is_map else field
+    rule = sampling_fields.rule(field.name)
+    return _WireField(
+        name=field.name,
+        is_map=is_map,
+        is_repeated=field.is_repeated and not is_map,
+        has_presence=field.has_presence,
+        is_float=scalar.cpp_type == FieldDescriptor.CPPTYPE_FLOAT,
+        zero_reads_as_default=rule.zero_reads_as_default,
+        default=sampling_fields.DEFAULTS[field.name],
+        normalize=rule.normalize,
+    )
+
+
+_WIRE_FIELDS = tuple(_wire_field(field) for field in _SAMPLING_FIELDS)
+
+
 @functools.lru_cache(maxsize=1024)
 def sampling_to_proto(sampling: SamplingParams) -> types_pb2.SamplingParams:
     """The message of ``sampling``, made once per distinct value (a router sends each
     request's sampling twice, Prefill and Decode, and most requests share theirs): the message
-    is shared, so callers copy it (as a message constructor's field does) and never change it."""
-    message = types_pb2.SamplingParams(
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        stop=list(sampling.stop),
-        stop_token_ids=list(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        min_p=sampling.min_p,
-        min_tokens=sampling.min_tokens,
-        logit_bias=dict(sampling.logit_bias),
-        include_stop_str_in_output=sampling.include_stop_str_in_output,
-    )
-    if sampling.seed is not None:
-        message.seed = sampling.seed
-    if sampling.repetition_penalty != 1.0:
-        message.repetition_penalty = sampling.repetition_penalty
-    if sampling.logprobs is not None:
-        message.logprobs = sampling.logprobs
-    if sampling.prompt_logprobs is not None:
-        message.prompt_logprobs = sampling.prompt_logprobs
-    if not sampling.skip_special_tokens:
-        message.skip_special_tokens = False
-    if not sampling.spaces_between_special_tokens:
-        message.spaces_between_special_tokens = False
-    if sampling.n != 1:
-        message.n = sampling.n
-    if sampling.output_tokens_in_prompt:
-        message.output_tokens_in_prompt = sampling.output_tokens_in_prompt
-    if sampling.structured_outputs:
-        message.structured_outputs = sampling.structured_outputs
+    is shared, so callers copy it (as a message constructor's field does) and never change it.
+    A field with explicit presence is set only when it differs from the dataclass default."""
+    message = types_pb2.SamplingParams()
+    for field in _WIRE_FIELDS:
+        value = getattr(sampling, field.name)
+        if field.is_map:
+            getattr(message, field.name).update(dict(value))
+        elif field.is_repeated:
+            getattr(message, field.name).extend(value)
+        elif not field.has_presence or value != field.default:
+            setattr(message, field.name, value)
     return message
 
 
 def sampling_from_proto(
     message: types_pb2.SamplingParams, limits: RequestLimits | None = None
 ) -> SamplingParams:
-    """Validated :class:`SamplingParams`; ``top_p == 0`` is read as 1 (the proto's default)."""
+    """Validated :class:`SamplingParams`; an unset field with explicit presence, and a zero
+    the field's rule reads as unset (``top_p``, ``n``), is the dataclass default. float32 on
+    the wire is rounded to the nearest short decimal, so 0.7 stays 0.7."""
     if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
     if len(message.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
-    # float32 on the wire: round to the nearest short decimal so 0.7 stays 0.7.
-    sampling = SamplingParams(
-        max_tokens=message.max_tokens,
-        temperature=_float32(message.temperature),
-        top_p=_float32(message.top_p) if message.top_p != 0 else 1.0,
-        top_k=message.top_k,
-        seed=message.seed if message.HasField("seed") else None,
-        stop=tuple(message.stop),
-        stop_token_ids=tuple(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        presence_penalty=_float32(message.presence_penalty),
-        frequency_penalty=_float32(message.frequency_penalty),
-        repetition_penalty=(
-            _float32(message.repetition_penalty) if message.HasField("repetition_penalty") else 1.0
-        ),
-        min_p=_float32(message.min_p),
-        min_tokens=message.min_tokens,
-        logit_bias=tuple(
-            (token, max(-100.0, min(100.0, _float32(bias))))
-            for token, bias in sorted(message.logit_bias.items())
-        ),
-        logprobs=message.logprobs if message.HasField("logprobs") else None,
-        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
-        include_stop_str_in_output=message.include_stop_str_in_output,
-        skip_special_tokens=(
-            message.skip_special_tokens if message.HasField("skip_special_tokens") else True
-        ),
-        spaces_between_special_tokens=(
-            message.spaces_between_special_tokens
-            if message.HasField("spaces_between_special_tokens")
-            else True
-        ),
-        n=message.n or 1,
-        output_tokens_in_prompt=message.output_tokens_in_prompt,
-        structured_outputs=message.structured_outputs,
-    )
+    wire: Message = message
+    values: dict[str, Any] = {}
+    for field in _WIRE_FIELDS:
+        name = field.name
+        value = getattr(message, name)
+        if field.is_map:
+            value = tuple(
+                (key, _float32(item) if field.is_float else item) for key, item in value.items()
+            )
+        elif field.is_repeated:
+            value = tuple(value)
+        elif (field.has_presence and not wire.HasField(name)) or (
+            field.zero_reads_as_default and not value
+        ):
+            values[name] = field.default
+            continue
+        elif field.is_float:
+            value = _float32(value)
+        values[name] = field.normalize(value)
+    sampling = SamplingParams(**values)
     sampling.validate(vocab_size=limits.vocab_size if limits else None)
     return sampling
 

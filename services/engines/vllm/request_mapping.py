@@ -1,8 +1,9 @@
 """pdserve's engine requests in vLLM's terms and back: sampling parameters for the prefill and
-the decode (:func:`prefill_sampling`, :func:`decode_sampling`, the ``extra_args`` keys vLLM's
-workers read), the KV handle carried between them (:func:`encode_handle`,
-:func:`decode_handle`), and vLLM's finish reasons. Imports nothing of vLLM; the worker-side
-modules (``output_in_prompt``, ``seeded_draws``) import their keys from here."""
+the decode (:func:`prefill_sampling`, :func:`decode_sampling`: the fields as
+:mod:`services.engines.sampling_fields` maps them, and the ``extra_args`` keys vLLM's workers
+read), the KV handle carried between them (:func:`encode_handle`, :func:`decode_handle`), and
+vLLM's finish reasons. Imports nothing of vLLM; the worker-side modules (``output_in_prompt``,
+``seeded_draws``) import their keys from here."""
 
 from __future__ import annotations
 
@@ -18,50 +19,13 @@ from services.engines.backend import (
 )
 from services.engines.errors import (
     EngineFailed,
-    InvalidRequest,
     UnknownKVHandle,
 )
+from services.engines.sampling_fields import vllm_kwargs
 from services.engines.vllm.handshake import vllm_engine_id
 
 MAX_HANDLE_EXTRA_BYTES = 64 * 1024
 """The largest ``KVHandle.extra`` (vLLM's ``kv_transfer_params`` as JSON) accepted."""
-
-
-def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
-    return {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "seed": sampling.seed,
-        "stop": list(sampling.stop),
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": sampling.ignore_eos,
-        "presence_penalty": sampling.presence_penalty,
-        "frequency_penalty": sampling.frequency_penalty,
-        "repetition_penalty": sampling.repetition_penalty,
-        "min_p": sampling.min_p,
-        "min_tokens": sampling.min_tokens,
-        "logit_bias": dict(sampling.logit_bias) or None,
-        "logprobs": sampling.logprobs,
-        "prompt_logprobs": sampling.prompt_logprobs,
-        "include_stop_str_in_output": sampling.include_stop_str_in_output,
-        "skip_special_tokens": sampling.skip_special_tokens,
-        "spaces_between_special_tokens": sampling.spaces_between_special_tokens,
-        "structured_outputs": structured_outputs_of(sampling),
-    }
-
-
-def structured_outputs_of(sampling: SamplingParams) -> dict[str, Any] | None:
-    """``StructuredOutputsParams`` keyword arguments of ``sampling.structured_outputs``."""
-    if not sampling.structured_outputs:
-        return None
-    try:
-        fields = json.loads(sampling.structured_outputs)
-    except ValueError as exc:
-        raise InvalidRequest(f"structured_outputs is not JSON: {exc}") from exc
-    if not isinstance(fields, dict):
-        raise InvalidRequest("structured_outputs must be a JSON object")
-    return fields
 
 
 OUTPUT_IN_PROMPT_ARG = "pdserve_output_in_prompt"
@@ -110,7 +74,7 @@ def prefill_sampling(sampling: SamplingParams, prompt: tuple[int, ...]) -> dict[
     hold its blocks for a consumer (it would, for the whole lease). A first token that is EOS is
     only known afterwards: vLLM then holds the blocks until ``kv_lease_s`` runs out. A
     continuation's output in the prompt goes along as :func:`decode_sampling` says."""
-    kwargs: dict[str, Any] = {**_sampling_kwargs(sampling), "max_tokens": 1}
+    kwargs: dict[str, Any] = {**vllm_kwargs(sampling), "max_tokens": 1}
     kwargs["min_tokens"] = min(sampling.min_tokens, 1)  # vLLM: min_tokens <= max_tokens
     extra = _earlier_output(sampling, prompt, ())
     if sampling.max_tokens > 1:
@@ -137,7 +101,7 @@ def decode_sampling(
     (:data:`OUTPUT_IN_PROMPT_ARG`) and :data:`OUTPUT_IN_PROMPT_PENALTIES` counts them as
     output. A seeded request carries :data:`SAMPLED_TOKENS_ARG` (how many of them) so that
     its generator continues after their draws."""
-    kwargs = {**_sampling_kwargs(sampling), "max_tokens": sampling.max_tokens}
+    kwargs = {**vllm_kwargs(sampling), "max_tokens": sampling.max_tokens}
     produced: tuple[int, ...] = ()
     extra: dict[str, Any] = {}
     if handle is not None:

@@ -15,23 +15,8 @@ from collections.abc import Iterable
 
 from services.control_plane.wire import EngineRecord
 from services.engines.backend import SamplingParams
+from services.engines.sampling_fields import EXTENDED_PARAMS
 from services.router.errors import InvalidRequestError
-
-EXTENDED_PARAMS = (
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "min_tokens",
-    "logit_bias",
-    "logprobs",
-    "prompt_logprobs",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "structured_outputs",
-)
-"""The SamplingParams fields added with vLLM's parameters (types.proto fields 9-19, 22)."""
 
 _NEUTRAL = SamplingParams()
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.engines import sampling_fields
 from services.engines.backend import (
     DecodeRequest,
     FinishReason,
@@ -34,17 +37,84 @@ HANDLE = KVHandle(
 )
 
 
-sampling_params = st.builds(
-    SamplingParams,
-    max_tokens=st.integers(1, 4096),
-    temperature=st.sampled_from([0.0, 0.5, 0.7, 1.0, 1.3]),
-    top_p=st.sampled_from([0.1, 0.9, 0.95, 1.0]),
-    top_k=st.integers(0, 100),
-    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
-    stop=st.lists(st.text(min_size=1, max_size=8), max_size=4).map(tuple),
-    stop_token_ids=st.lists(st.integers(0, 999), max_size=8).map(tuple),
-    ignore_eos=st.booleans(),
+FLOATS = [0.0, 0.05, 0.5, 0.7, 1.0, 1.3]
+"""Short decimals, as a client writes them (float32 on the wire reads back as written)."""
+PENALTIES = [-2.0, -0.5, 0.0, 0.3, 1.5, 2.0]
+EVERY_FIELD = {
+    "max_tokens": st.integers(1, 4096),
+    "temperature": st.sampled_from(FLOATS),
+    "top_p": st.sampled_from([0.1, 0.9, 0.95, 1.0]),
+    "top_k": st.integers(0, 100),
+    "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    "stop": st.lists(st.text(min_size=1, max_size=8), max_size=4).map(tuple),
+    "stop_token_ids": st.lists(st.integers(0, 999), max_size=8).map(tuple),
+    "ignore_eos": st.booleans(),
+    "presence_penalty": st.sampled_from(PENALTIES),
+    "frequency_penalty": st.sampled_from(PENALTIES),
+    "repetition_penalty": st.sampled_from([0.5, 1.0, 1.2, 2.0]),
+    "min_p": st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    "min_tokens": st.integers(0, 64),
+    "logit_bias": st.dictionaries(
+        st.integers(0, 999), st.sampled_from([-100.0, -2.5, 0.0, 0.5, 100.0]), max_size=6
+    ).map(lambda bias: tuple(sorted(bias.items()))),
+    "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "n": st.integers(1, 128),
+    "output_tokens_in_prompt": st.integers(0, 1000),
+    "structured_outputs": st.sampled_from(["", '{"choice":["a","b"]}', '{"regex":"[0-9]+"}']),
+}
+"""A strategy for every field of :class:`SamplingParams` (checked below)."""
+
+sampling_params = st.builds(SamplingParams, **EVERY_FIELD).filter(
+    lambda sampling: sampling.min_tokens <= sampling.max_tokens
 )
+
+EVERY_FIELD_SET = SamplingParams(
+    max_tokens=9,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    seed=7,
+    stop=("end",),
+    stop_token_ids=(5,),
+    ignore_eos=True,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.2,
+    min_p=0.05,
+    min_tokens=2,
+    logit_bias=((3, -100.0), (9, 2.5)),
+    logprobs=2,
+    prompt_logprobs=0,
+    include_stop_str_in_output=True,
+    skip_special_tokens=False,
+    spaces_between_special_tokens=False,
+    n=3,
+    output_tokens_in_prompt=4,
+    structured_outputs='{"choice":["a","b"]}',
+)
+
+
+def test_the_dataclass_and_the_proto_list_the_same_fields_and_the_round_trip_varies_each() -> None:
+    proto = [field.name for field in types_pb2.SamplingParams.DESCRIPTOR.fields]
+    assert [field.name for field in dataclasses.fields(SamplingParams)] == proto
+    assert set(sampling_fields.RULES) <= set(proto)
+    assert list(EVERY_FIELD) == proto
+    unset = [
+        name for name in proto if getattr(EVERY_FIELD_SET, name) == sampling_fields.DEFAULTS[name]
+    ]
+    assert unset == []
+
+
+def test_a_sampling_with_every_field_set_round_trips() -> None:
+    wire = types_pb2.SamplingParams.FromString(
+        fields.sampling_to_proto(EVERY_FIELD_SET).SerializeToString()
+    )
+    assert [field.name for field, _ in wire.ListFields()] == list(EVERY_FIELD)
+    assert fields.sampling_from_proto(wire, LIMITS) == EVERY_FIELD_SET
 
 
 @given(sampling_params)
@@ -53,6 +123,16 @@ def test_sampling_round_trips(sampling: SamplingParams) -> None:
         fields.sampling_to_proto(sampling).SerializeToString()
     )
     assert fields.sampling_from_proto(wire, LIMITS) == sampling
+
+
+def test_the_defaults_round_trip_and_a_bias_beyond_vllms_bound_is_clamped() -> None:
+    wire = fields.sampling_to_proto(SamplingParams())
+    assert fields.sampling_from_proto(wire) == SamplingParams()
+    assert not wire.HasField("seed") and not wire.HasField("repetition_penalty")
+    clamped = fields.sampling_from_proto(
+        types_pb2.SamplingParams(max_tokens=1, logit_bias={9: 250.0, 3: -0.7})
+    )
+    assert clamped.logit_bias == ((3, -0.7), (9, 100.0))
 
 
 def test_the_shared_sampling_message_is_copied_into_each_request() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from pydantic import SecretStr
 
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.wire import EngineRole
+from services.engines import sampling_fields
 from services.engines.backend import EngineRegistration, SamplingParams
 from services.engines.errors import UnknownKVHandle
 from services.engines.reference.tiny_model import make_tiny_model
@@ -217,3 +219,57 @@ def test_kv_events_config_is_vllms_zmq_publisher_with_replay_on_every_interface(
     config = KVEventsConfig(**kv_events_config(5557, 5558))
     assert config.enable_kv_cache_events and config.publisher == "zmq"
     assert (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+
+
+def test_every_field_crosses_to_vllm_and_back_as_the_field_table_says() -> None:
+    """pdserve -> vLLM (the engine) -> pdserve (the router's front end), every field set."""
+    from vllm.sampling_params import SamplingParams as VllmSamplingParams  # noqa: PLC0415
+    from vllm.sampling_params import StructuredOutputsParams  # noqa: PLC0415
+
+    crossing = [name for name in sampling_fields.NAMES if sampling_fields.rule(name).in_vllm]
+    assert set(crossing) <= set(VllmSamplingParams.__struct_fields__)  # vLLM spells them so
+    sampling = SamplingParams(
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        stop=("end",),
+        stop_token_ids=(5,),
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        min_tokens=2,
+        logit_bias=((3, -100.0), (9, 2.5)),
+        logprobs=2,
+        prompt_logprobs=0,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        n=3,
+        output_tokens_in_prompt=4,
+        structured_outputs='{"choice":["a","b"]}',
+    )
+    assert all(
+        getattr(sampling, name) != default for name, default in sampling_fields.DEFAULTS.items()
+    )
+    kwargs = sampling_fields.vllm_kwargs(sampling)
+    kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    params = VllmSamplingParams(**kwargs)
+    neutral = VllmSamplingParams()
+    assert [name for name in crossing if getattr(params, name) == getattr(neutral, name)] == []
+    # The detokenization options stay with the router; n and the continuation are pdserve's.
+    expected = dataclasses.replace(
+        sampling,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        n=1,
+        output_tokens_in_prompt=0,
+    )
+    assert sampling_fields.from_vllm(params) == expected
+    # vLLM's own spellings: top_k -1 and a seed beyond 63 bits
+    unbounded = VllmSamplingParams(top_k=-1, seed=2**64 + 5, logit_bias={"7": 300.0})
+    back = sampling_fields.from_vllm(unbounded)
+    assert (back.top_k, back.seed, back.logit_bias) == (0, 5, ((7, 100.0),))

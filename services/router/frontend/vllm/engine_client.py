@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
@@ -49,6 +48,7 @@ from vllm.v1.metrics.stats import PrefillStats
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+from services.engines.sampling_fields import from_vllm
 from services.router.errors import InvalidRequestError, RouterError
 from services.router.execution.fork import ChunkStream, forked_runs
 from services.router.execution.generation import GenerationRequest, RunInfo
@@ -78,9 +78,6 @@ REQUEST_RUNS: contextvars.ContextVar[HttpRequestRuns | None] = contextvars.Conte
 )
 """Where :meth:`PdserveEngineClient.generate` leaves the runs of the HTTP request it serves."""
 
-SEED_MASK = 2**63 - 1
-"""pdserve's engines take a 64-bit unsigned seed; vLLM's is any Python int."""
-
 UNSUPPORTED_SAMPLING = (
     "bad_words",
     "allowed_token_ids",
@@ -93,50 +90,14 @@ is refused (400 naming it), never run without it."""
 
 def engine_sampling(params: Any) -> SamplingParams:
     """pdserve's sampling parameters (the proto's spelling) for vLLM's ``SamplingParams`` of
-    one choice. Detokenization options stay in the router (vLLM's detokenizer runs here)."""
+    one choice, field by field as :mod:`services.engines.sampling_fields` maps them.
+    Detokenization options stay in the router (vLLM's detokenizer runs here)."""
     for name in UNSUPPORTED_SAMPLING:
         if getattr(params, name, None):
             raise InvalidRequestError(
                 f"{name} is not supported through pdserve's engines yet", param=name
             )
-    return SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=max(params.top_k, 0),
-        seed=None if params.seed is None else params.seed & SEED_MASK,
-        stop=tuple(params.stop or ()),
-        stop_token_ids=tuple(params.stop_token_ids or ()),
-        ignore_eos=params.ignore_eos,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        min_p=params.min_p,
-        min_tokens=params.min_tokens,
-        logit_bias=tuple(
-            sorted(
-                (int(token), max(-100.0, min(100.0, bias)))
-                for token, bias in (params.logit_bias or {}).items()
-            )
-        ),
-        logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        structured_outputs=structured_outputs_json(params.structured_outputs),
-    )
-
-
-def structured_outputs_json(constraint: Any) -> str:
-    """vLLM's ``StructuredOutputsParams`` as the proto carries it: a JSON object of its public
-    fields that differ from their defaults ("" when unconstrained)."""
-    if constraint is None:
-        return ""
-    fields = {
-        field.name: getattr(constraint, field.name)
-        for field in dataclasses.fields(constraint)
-        if not field.name.startswith("_") and getattr(constraint, field.name) != field.default
-    }
-    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
+    return from_vllm(params)
 
 
 def vllm_error(error: RouterError) -> Exception:
