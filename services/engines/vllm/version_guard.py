@@ -182,12 +182,15 @@ def missing_symbols(symbols: Iterable[tuple[str, str]]) -> list[str]:
 
 
 @functools.cache
-def _assigned_on_self(cls: type) -> frozenset[str]:
-    """The attribute names ``cls``'s own source assigns on ``self`` (empty without source)."""
+def _assigned_on_self(cls: type) -> frozenset[str] | None:
+    """The attribute names ``cls``'s own source assigns on ``self``; ``None`` when its source
+    cannot be read (an install without ``.py`` files), empty for a builtin (``object``)."""
+    if cls.__module__ == "builtins":
+        return frozenset()
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
-        return frozenset()  # a builtin (object): assigns nothing pdserve reads
+        return None
     names = set()
     for node in ast.walk(ast.parse(source)):
         targets: list[ast.expr] = []
@@ -210,7 +213,8 @@ def _assigned_on_self(cls: type) -> frozenset[str]:
 
 def missing_instance_attributes(attributes: Iterable[tuple[str, str]]) -> list[str]:
     """The ``module:Class.attribute`` entries whose class (or a base) never assigns
-    ``self.<attribute>`` in its source, or whose class does not resolve."""
+    ``self.<attribute>`` in its source, or whose class does not resolve; one whose classes'
+    source cannot be read says so (it is unchecked, not known to be missing)."""
     missing = []
     for module_name, path in attributes:
         class_path, _, name = path.rpartition(".")
@@ -219,10 +223,14 @@ def missing_instance_attributes(attributes: Iterable[tuple[str, str]]) -> list[s
             cls = importlib.import_module(module_name)
             for part in class_path.split("."):
                 cls = getattr(cls, part)
-        if not isinstance(cls, type) or not any(
-            name in _assigned_on_self(base) for base in inspect.getmro(cls)
-        ):
+        if not isinstance(cls, type):
             missing.append(f"{module_name}:{path}")
+            continue
+        assigned = [_assigned_on_self(base) for base in inspect.getmro(cls)]
+        if any(names is not None and name in names for names in assigned):
+            continue
+        unreadable = " (no source to check it in)" if None in assigned else ""
+        missing.append(f"{module_name}:{path}{unreadable}")
     return missing
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import linecache
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,7 +109,25 @@ def test_an_attribute_only_read_in_vllms_source_is_not_taken_as_assigned() -> No
     assert missing_instance_attributes([(NIXL, "NixlPullConnectorWorker.vllm_config")]) == []
     assert version_guard._assigned_on_self(object) == frozenset()
     pull = importlib.import_module(NIXL).NixlPullConnectorWorker
-    assert "vllm_config" not in version_guard._assigned_on_self(pull)
+    assert "vllm_config" not in (version_guard._assigned_on_self(pull) or ())
+
+
+def test_an_install_without_source_is_reported_unchecked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM installed without its ``.py`` files cannot be checked this way: the start-up
+    error says so instead of claiming the attribute is gone."""
+    (tmp_path / "sourceless_vllm_worker.py").write_text(RENAMED_WORKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("sourceless_vllm_worker")
+    (tmp_path / "sourceless_vllm_worker.py").unlink()
+    monkeypatch.setitem(sys.modules, "sourceless_vllm_worker", module)
+    linecache.clearcache()
+    entry = ("sourceless_vllm_worker", "NixlPullConnectorWorker._recving_transfers")
+    assert missing_instance_attributes([entry]) == [
+        "sourceless_vllm_worker:NixlPullConnectorWorker._recving_transfers "
+        "(no source to check it in)"
+    ]
 
 
 # -- the scan --------------------------------------------------------------------------------
