@@ -179,7 +179,8 @@ class ProducerViews:
     resync interval; in that window a handle of a producer that just died is accepted and its
     pull fails (``KVTransferFailed``), the same bound as the outage argument above: a failed
     request, never wrong data. A watcher that lost Redis is not used until it re-read
-    everything.
+    everything. A view the watcher accepted is remembered as if read then, so the outage rule
+    above has it.
     """
 
     def __init__(
@@ -226,6 +227,11 @@ class ProducerViews:
                 and producer_refusal(cached, handle, compat_hash=compat_hash, block_size=block_size)
                 is None
             ):
+                # Remembered as a read: without it, an outage that begins now finds no view
+                # and refuses every handle (the watcher answers nearly every check).
+                self._remember(producer, cached)
+                if self._outage is not None:  # the watcher re-read Redis: the outage is over
+                    self._outage_over()
                 return None
         now = self._clock()
         if now < self._skip_until:

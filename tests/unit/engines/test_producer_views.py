@@ -330,3 +330,27 @@ async def test_a_followed_view_that_accepts_answers_without_a_read_and_refusals_
     assert (await harness.check()) is not None
     assert harness.plane.reads == reads + 1
     assert harness.fallbacks == []
+
+
+async def test_a_view_the_watcher_accepted_answers_an_outage_that_begins_after_it() -> None:
+    """The watcher answers nearly every check, so its accepted views are remembered: before,
+    an outage found no view and refused every handle from its first second."""
+    harness = Harness()
+    watcher = FakeWatcher()
+    following = asyncio.create_task(harness.views.follow(cast(ControlPlane, WatchedPlane(watcher))))
+    await asyncio.sleep(0)
+    watcher.views["prefill-a"] = view()
+    assert await harness.check() is None
+    assert harness.plane.reads == 0
+    # Redis goes away: the watcher is not live, the read fails, the accepted view answers.
+    watcher.live = False
+    harness.plane.answer = outage()
+    harness.clock.now += 5
+    assert await harness.check() is None
+    assert harness.fallbacks == ["last_known"]
+    # ... for at most max_stale_s after the watcher last accepted it.
+    harness.clock.now += MAX_STALE_S
+    assert_control_plane_refusal(await harness.check())
+    assert harness.fallbacks == ["last_known", "refused"]
+    watcher.ended.set()
+    await following
