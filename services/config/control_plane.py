@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -15,8 +16,12 @@ class RedisSettings(BaseModel):
     model_config = ConfigDict(hide_input_in_errors=True)
 
     url: str = "redis://127.0.0.1:6379/0"
-    """``redis://`` or ``rediss://`` (TLS) URL. A password in the URL is accepted but
-    ``password`` is preferred, since URLs end up in logs."""
+    """``redis://`` or ``rediss://`` (TLS) URL, or through Redis Sentinel
+    ``redis+sentinel://[user:password@]host:port[,host:port...]/service_name[/db]`` (the
+    sentinels' addresses; the client asks them for the service's master and again after a
+    failover; the credentials and TLS settings are the master's, the sentinels take none). A
+    password in the URL is accepted but ``password`` is preferred, since URLs end up in
+    logs."""
     username: str | None = None
     """ACL user name (Redis 6+), with ``password``."""
     password: SecretStr | None = None
@@ -43,14 +48,23 @@ class RedisSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RedisSettings:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+        if not self.url.startswith(("redis://", "rediss://", "unix://", SENTINEL_SCHEME)):
             raise ValueError(
-                f"redis url must start with redis://, rediss:// or unix://: {redact_url(self.url)}"
+                "redis url must start with redis://, rediss://, unix:// or "
+                f"{SENTINEL_SCHEME}: {redact_url(self.url)}"
             )
-        try:
-            urlsplit(self.url).port  # noqa: B018 (parsing is the check)
-        except ValueError:
-            raise ValueError(f"redis url is not a valid URL: {redact_url(self.url)}") from None
+        if self.url.startswith(SENTINEL_SCHEME):
+            try:
+                parse_sentinel_url(self.url)
+            except ValueError as exc:  # its messages never carry the credentials
+                raise ValueError(
+                    f"redis url is not a valid sentinel URL: {redact_url(self.url)}: {exc}"
+                ) from None
+        else:
+            try:
+                urlsplit(self.url).port  # noqa: B018 (parsing is the check)
+            except ValueError:
+                raise ValueError(f"redis url is not a valid URL: {redact_url(self.url)}") from None
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.retry_backoff_max_s < self.retry_backoff_s:
@@ -62,9 +76,64 @@ class RedisSettings(BaseModel):
         return self.tls or self.url.startswith("rediss://")
 
     @property
+    def sentinel(self) -> SentinelTarget | None:
+        """The Sentinel target of a ``redis+sentinel://`` URL, else ``None``."""
+        return parse_sentinel_url(self.url) if self.url.startswith(SENTINEL_SCHEME) else None
+
+    @property
     def display_url(self) -> str:
         """``url`` with any password replaced by ``***``: the form to print or log."""
         return redact_url(self.url)
+
+
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a ``redis+sentinel://`` URL names (see ``RedisSettings.url``)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """``redis+sentinel://[user:password@]host:port[,host:port...]/service_name[/db]``;
+    :class:`ValueError` naming what is wrong (redis-py parses no such URL)."""
+    if not url.startswith(SENTINEL_SCHEME):
+        raise ValueError(f"not a {SENTINEL_SCHEME} URL")
+    parts = urlsplit(url)
+    if parts.query or parts.fragment:
+        raise ValueError("a sentinel URL takes no query or fragment")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    sentinels: list[tuple[str, int]] = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"sentinel address {address!r} is not host:port")
+        sentinels.append((host, int(port)))
+    path = [piece for piece in parts.path.split("/") if piece]
+    if not path or len(path) > 2:
+        raise ValueError("the path must be /service_name or /service_name/db")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ValueError(f"db {path[1]!r} is not a number")
+    username: str | None = None
+    password: str | None = None
+    if userinfo:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon and secret else None
+    return SentinelTarget(
+        tuple(sentinels),
+        unquote(path[0]),
+        int(path[1]) if len(path) == 2 else 0,
+        username,
+        password,
+    )
 
 
 def redact_url(url: str) -> str:

@@ -16,8 +16,10 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
+from redis.asyncio.sentinel import Sentinel
 
 from services.config import RedisSettings
+from services.config.control_plane import SENTINEL_SCHEME
 from services.control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from services.control_plane.metrics import ControlPlaneMetrics
 
@@ -65,7 +67,7 @@ def create_redis(settings: RedisSettings, *, decode_responses: bool = False) -> 
         kwargs["username"] = settings.username
     if settings.password is not None:
         kwargs["password"] = settings.password.get_secret_value()
-    if settings.uses_tls and settings.url.startswith("redis://"):
+    if settings.uses_tls and settings.url.startswith(("redis://", SENTINEL_SCHEME)):
         kwargs["ssl"] = True
     if settings.uses_tls:
         if settings.tls_ca_file is not None:
@@ -73,6 +75,26 @@ def create_redis(settings: RedisSettings, *, decode_responses: bool = False) -> 
         if settings.tls_cert_file is not None and settings.tls_key_file is not None:
             kwargs["ssl_certfile"] = str(settings.tls_cert_file)
             kwargs["ssl_keyfile"] = str(settings.tls_key_file)
+    target = settings.sentinel
+    if target is not None:
+        # redis-py parses no Sentinel URL: the master's client is built from the target. Its
+        # pool asks the sentinels for the master on every new connection, so after a
+        # failover (a connection error, or READONLY from a demoted master) it reaches the
+        # promoted replica through the ordinary retries.
+        if target.username and "username" not in kwargs:
+            kwargs["username"] = target.username
+        if target.password and "password" not in kwargs:
+            kwargs["password"] = target.password
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(target.sentinels),
+            sentinel_kwargs={
+                "socket_timeout": settings.socket_timeout_s,
+                "socket_connect_timeout": settings.connect_timeout_s,
+            },
+            **kwargs,
+        )
+        master: aioredis.Redis = sentinel.master_for(target.service_name, db=target.db)
+        return master
     client: aioredis.Redis = aioredis.Redis.from_url(settings.url, **kwargs)  # type: ignore[arg-type]
     return client
 

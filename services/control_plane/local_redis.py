@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -61,11 +62,19 @@ class LocalRedisServer:
         password: str | None = None,
         binary: Path | None = None,
         start_timeout_s: float = 10.0,
+        *,
+        config: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
     ) -> None:
+        """``config``: lines of a config file the server starts from (a sentinel's ``sentinel
+        monitor ...``, which it rewrites); ``extra_args``: more flags (``--sentinel``,
+        ``--replicaof 127.0.0.1 PORT``)."""
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
         self.password = password
         self.start_timeout_s = start_timeout_s
+        self.config = tuple(config)
+        self.extra_args = tuple(extra_args)
         self._dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -83,8 +92,14 @@ class LocalRedisServer:
             return self
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
-        args = [
-            str(self.binary),
+        args = [str(self.binary)]
+        if self.config:
+            config_file = self._dir / "redis.conf"
+            if not config_file.exists():  # a restart keeps what the server rewrote
+                config_file.write_text("".join(f"{line}\n" for line in self.config))
+            args.append(str(config_file))
+        args += [
+            *self.extra_args,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
