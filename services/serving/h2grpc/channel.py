@@ -36,12 +36,16 @@ import grpc
 from services.serving.h2grpc import frames
 from services.serving.h2grpc.call import Call
 from services.serving.h2grpc.connection import H2Connection, ProtocolErrorHook
-from services.serving.h2grpc.errors import CallFailed, NotStarted
+from services.serving.h2grpc.errors import CallFailed, NotStarted, Violation
 
 DEFAULT_KEEPALIVE_S = 10.0
 DEFAULT_KEEPALIVE_TIMEOUT_S = 5.0
 DEFAULT_SETTINGS_ACK_TIMEOUT_S = 10.0
 """How long a server has to acknowledge the client's SETTINGS (RFC 9113 §6.5.3)."""
+DEFAULT_HANDSHAKE_TIMEOUT_S = 20.0
+"""How long a new connection may take to be usable (TCP, TLS, the server's SETTINGS), whatever
+the call's deadline: grpc-core's minimum connect timeout. A server that accepts TCP and never
+speaks HTTP/2 had held a call without a deadline forever."""
 START_ATTEMPTS = 3
 """Connections a call may wait on for a stream before it fails UNAVAILABLE: a connection that
 goes away (GOAWAY, set aside) while calls wait there hands them to the next one."""
@@ -80,6 +84,7 @@ class H2GrpcChannel:
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         settings_ack_timeout_s: float = DEFAULT_SETTINGS_ACK_TIMEOUT_S,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         reconnect_backoff_s: float = RECONNECT_BACKOFF_S,
         on_protocol_error: ProtocolErrorHook | None = None,
         on_retry: RetryHook | None = None,
@@ -93,6 +98,7 @@ class H2GrpcChannel:
         self._keepalive_s = keepalive_s
         self._keepalive_timeout_s = keepalive_timeout_s
         self._settings_ack_timeout_s = settings_ack_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
         self._on_protocol_error = on_protocol_error
         self._on_retry = on_retry
         self._connection: H2Connection | None = None
@@ -293,8 +299,14 @@ class H2GrpcChannel:
                 on_protocol_error=self._on_protocol_error,
             )
 
+        # Bounded by the handshake bound and by the call's deadline, whichever comes first.
+        handshake_at = loop.time() + self._handshake_timeout_s
+        deadline_at = None if timeout_s is None else loop.time() + timeout_s
+        connected = False
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(
+                handshake_at if deadline_at is None else min(handshake_at, deadline_at)
+            ):
                 transport, connection = await loop.create_connection(
                     protocol,
                     self._host,
@@ -302,6 +314,7 @@ class H2GrpcChannel:
                     ssl=self._ssl,
                     server_hostname=(self._server_name or self._host) if self._ssl else None,
                 )
+                connected = True
                 try:
                     self._check_alpn(transport)
                     # Its limits first: a server resets the streams over its limit.
@@ -310,8 +323,23 @@ class H2GrpcChannel:
                     transport.abort()
                     raise
         except TimeoutError:
+            if deadline_at is not None and deadline_at <= handshake_at:
+                raise CallFailed(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"connecting to {self.target}: Deadline Exceeded",
+                ) from None
+            bound = f"within {self._handshake_timeout_s:g} s (the handshake bound)"
+            if not connected:
+                raise CallFailed(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"failed to connect to {self.target}: no connection {bound}",
+                ) from None
+            if self._on_protocol_error is not None:
+                self._on_protocol_error(Violation.HANDSHAKE_TIMEOUT)
             raise CallFailed(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"connecting to {self.target}: Deadline Exceeded"
+                grpc.StatusCode.UNAVAILABLE,
+                f"failed to connect to {self.target}: it accepted the connection but sent no "
+                f"HTTP/2 SETTINGS {bound}",
             ) from None
         except (OSError, ssl.SSLError) as exc:
             raise CallFailed(

@@ -14,6 +14,13 @@ into wake-ups of the calls' waiters, and keeps what needs a clock:
 - the SETTINGS-ACK timeout (RFC 9113 §6.5.3): a server that does not acknowledge the client's
   SETTINGS in time gets GOAWAY SETTINGS_TIMEOUT, and its calls fail UNAVAILABLE.
 
+Writer backpressure: while the transport's buffer is over its high-water mark (the server does
+not read), the connection does not read either (``pause_writing`` pauses reading), and the
+protocol queues at most :data:`~services.serving.h2grpc.protocol.MAX_UNWRITTEN_REPLIES` answers
+to PINGs and SETTINGS until a write drains (:meth:`ClientProtocol.written
+<services.serving.h2grpc.protocol.ClientProtocol.written>`), past which the connection ends
+with GOAWAY ENHANCE_YOUR_CALM.
+
 Its work is done where the bytes arrive, in :meth:`H2Connection.data_received`, with no thread and
 no task of its own; what the calls of one loop iteration queue goes out in one write. Each breach
 of the protocol is counted through the ``on_protocol_error`` callback
@@ -205,8 +212,28 @@ class H2Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._transport is not None and self.protocol.has_data_to_send:
-            self._transport.write(self.protocol.data_to_send())
+        transport = self._transport
+        if transport is not None and self.protocol.has_data_to_send:
+            transport.write(self.protocol.data_to_send())
+            if self.protocol.unwritten_replies and not transport.get_write_buffer_size():
+                self.protocol.written()
+
+    # -- writer backpressure: a server that does not read is not read either -----------------
+
+    def pause_writing(self) -> None:
+        """The transport's buffer passed its high-water mark (the server is not taking the
+        client's bytes): stop reading, so its PINGs and SETTINGS queue no more answers; the
+        keepalive ping's answer then goes unread and keepalive closes the connection."""
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+            if not transport.get_write_buffer_size():
+                self.protocol.written()
 
     # -- calls --------------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ class Violation:
     """A frame over the client's SETTINGS_MAX_FRAME_SIZE, or one of a fixed size that is not."""
     MALFORMED = "malformed"
     """A frame on the wrong stream, padding past its payload, a setting out of range, an
-    interrupted header block, a PUSH_PROMISE..."""
+    interrupted header block, a PUSH_PROMISE, a ``:status`` or ``grpc-status`` that is not a
+    number..."""
     WINDOW_UPDATE_ZERO = "window_update_zero"
     FLOW_CONTROL = "flow_control"
     """DATA past the window the client opened (the connection's or a stream's)."""
@@ -65,6 +66,11 @@ class Violation:
     """A gRPC message with the compressed flag (the client asks for identity only)."""
     SETTINGS_TIMEOUT = "settings_timeout"
     """The client's SETTINGS were not acknowledged in time (RFC 9113 §6.5.3)."""
+    FLOOD = "flood"
+    """PINGs or SETTINGS past what the client queues answers for while the server does not read
+    them, or unread messages of a few bytes past what a stream may hold (ENHANCE_YOUR_CALM)."""
+    HANDSHAKE_TIMEOUT = "handshake_timeout"
+    """No SETTINGS from the server (its HTTP/2 preface) within the channel's handshake bound."""
     INTERNAL = "internal"
     """The client itself failed on what it received (a bug): logged with its traceback."""
 

@@ -4,8 +4,8 @@ A gRPC server's responses repeat: after a connection's first answers, the header
 a successful call are indexed fields (one byte each) naming entries of the dynamic table, and
 literals that are not indexed (``grpc-message`` empty). Such a block does not change the table and
 decodes to the same fields as long as the table has not changed, so :class:`HpackDecoder` keeps
-its results by block, stamped with the table's version; a block that indexes a field or resizes
-the table is decoded in full. Huffman-coded strings are decoded
+its results by block, stamped with the table's version, within 256 entries and 256 KiB; a block
+that indexes a field or resizes the table is decoded in full. Huffman-coded strings are decoded
 with the ``hpack`` package's table.
 
 The decoded header list is bounded (``max_list_size``, the SETTINGS_MAX_HEADER_LIST_SIZE the
@@ -32,6 +32,11 @@ _STATIC: tuple[tuple[str, str], ...] = tuple(
 )
 _ENTRY_OVERHEAD = 32
 _CACHE_LIMIT = 256
+_CACHE_BYTES = 256 << 10
+"""The cache's bound in bytes (each entry charged its block and its header list's size): a
+successful call's blocks are tens of bytes, while 256 blocks of 64 KiB had held 32 MiB per
+connection. An entry over an eighth of it alone is not cached (a block that large is no
+successful call's). Past the bound the cache is cleared, as past :data:`_CACHE_LIMIT` entries."""
 
 
 class HeaderListTooLarge(Exception):
@@ -59,19 +64,31 @@ class HpackDecoder:
         self._dynamic: deque[tuple[str, str]] = deque()
         self._version = 0
         self._cache: dict[bytes, tuple[int, Fields]] = {}
+        self._cache_bytes = 0
 
     def decode(self, block: bytes) -> Fields:
         cached = self._cache.get(block)
         if cached is not None and cached[0] == self._version:
             return cached[1]
-        fields, stateless = self._decode(block)
-        if stateless:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[block] = (self._version, fields)
+        fields, list_size = self._decode(block)
+        if list_size >= 0:
+            charge = len(block) + list_size
+            if charge <= _CACHE_BYTES // 8:
+                if len(self._cache) >= _CACHE_LIMIT or self._cache_bytes + charge > _CACHE_BYTES:
+                    self._cache.clear()
+                    self._cache_bytes = 0
+                self._cache[block] = (self._version, fields)
+                self._cache_bytes += charge
         return fields
 
-    def _decode(self, block: bytes) -> tuple[Fields, bool]:
+    @property
+    def cached_bytes(self) -> int:
+        """What the cache holds, as it is bounded: blocks and their lists' sizes."""
+        return self._cache_bytes
+
+    def _decode(self, block: bytes) -> tuple[Fields, int]:
+        """The block's fields and its list's size, -1 when it changed the table (not to be
+        cached)."""
         fields: list[tuple[str, str]] = []
         stateless = True
         offset, end = 0, len(block)
@@ -100,7 +117,7 @@ class HpackDecoder:
                 fields.append((name, value))
         if list_size > list_limit:
             raise HeaderListTooLarge(list_size, list_limit)
-        return tuple(fields), stateless
+        return tuple(fields), list_size if stateless else -1
 
     def _entry(self, index: int) -> tuple[str, str]:
         if 0 < index <= len(_STATIC):

@@ -39,11 +39,25 @@ default) is a FRAME_SIZE_ERROR before its payload is read, so the bytes held for
 frame stay under it; a header block over the advertised SETTINGS_MAX_HEADER_LIST_SIZE
 (:data:`~services.serving.h2grpc.frames.MAX_HEADER_LIST_SIZE`) fails its call RESOURCE_EXHAUSTED,
 and also closes the connection when it was still gathering (CONTINUATION), since an abandoned
-block leaves HPACK's state behind (§4.3, COMPRESSION_ERROR). A compressed message fails its call
-INTERNAL naming the encoding (the client asks for identity). Anything else that goes wrong while
-receiving is a connection error INTERNAL_ERROR with the exception named: nothing escapes
-:meth:`ClientProtocol.receive`. Each breach comes out as a :class:`Breach` event
-(:class:`~services.serving.h2grpc.errors.Violation` labels).
+block leaves HPACK's state behind (§4.3, COMPRESSION_ERROR); each frame of a block is charged its
+9-byte header besides its payload, so empty CONTINUATIONs reach that bound too. A compressed
+message fails its call INTERNAL naming the encoding (the client asks for identity).
+
+What a server may send within the grammar is bounded too (issue 46): each unread message is
+charged its size plus :data:`MESSAGE_COST` (its Python object), so empty or tiny messages stop the
+window being given back, and a streaming call whose unread messages cost over
+:data:`MAX_QUEUED_COST` fails RESOURCE_EXHAUSTED (RST_STREAM ENHANCE_YOUR_CALM); any message
+appended wakes the reader, an empty one too. ``:status`` must be 3 ASCII digits and
+``grpc-status`` ASCII digits (``str.isdigit`` takes "²", on which ``int`` raised inside the
+receive path and closed the connection): else the call fails INTERNAL naming the value, as
+grpc-go does; a number gRPC does not define is UNKNOWN, named. A 200 whose content-type is not
+``application/grpc`` (an HTML page from a proxy) fails UNKNOWN naming it, as grpc-go does. More
+than :data:`MAX_UNWRITTEN_REPLIES` answers to PINGs and SETTINGS queued before the I/O layer says
+its writes drained (:meth:`ClientProtocol.written`) end the connection ENHANCE_YOUR_CALM.
+
+Anything else that goes wrong while receiving is a connection error INTERNAL_ERROR with the
+exception named: nothing escapes :meth:`ClientProtocol.receive`. Each breach comes out as a
+:class:`Breach` event (:class:`~services.serving.h2grpc.errors.Violation` labels).
 """
 
 from __future__ import annotations
@@ -75,6 +89,21 @@ _QUEUE_LOW = STREAM_WINDOW // 2
 """A stream's window is opened again only while its unread messages are at most this."""
 _MAX_FRAME_RECEIVED = frames.DEFAULT_MAX_FRAME
 """The SETTINGS_MAX_FRAME_SIZE the client lives with (the default, so not sent)."""
+MESSAGE_COST = 56
+"""What a received message costs the client beyond its bytes, and is charged against its stream
+(:attr:`Stream.queued_bytes`): the ``bytes`` object's header (33 bytes, allocated in steps of 16)
+and its slot in the stream's deque; more than the 5-byte prefix that carried it. Without it an
+empty message (a default protobuf) was free, so the window was given back while the queue grew
+without bound, and a 2-byte one cost 27 times what was counted."""
+MAX_QUEUED_COST = 8 * STREAM_WINDOW
+"""What a streaming call's unread messages may cost (:attr:`Stream.queued_bytes`). The window is
+counted in bytes on the wire, so a window of messages of 0 to 2 bytes costs up to 10 times
+itself in memory: past this bound (reached by such messages only) the call fails
+RESOURCE_EXHAUSTED and its stream is reset ENHANCE_YOUR_CALM."""
+MAX_UNWRITTEN_REPLIES = 1000
+"""SETTINGS ACKs and PING answers the client queues while the transport has not written the
+previous ones (nghttp2's ``max_outbound_ack``): a server that keeps asking and does not read
+gets GOAWAY ENHANCE_YOUR_CALM past it, instead of the router's memory."""
 _CLIENT_SETTINGS = frames.settings(
     {
         Setting.ENABLE_PUSH: 0,
@@ -95,7 +124,8 @@ class Stream:
     the protocol's: ``buffer`` (a message's bytes so far), ``headers_seen``, ``encoding`` (the
     response's ``grpc-encoding``), ``send_window``, ``unsent`` (request bytes waiting for it),
     ``receive_window``, ``credit`` (bytes read but not yet given back to the server) and
-    ``queued_bytes`` (complete messages not yet consumed).
+    ``queued_bytes`` (complete messages not yet consumed, each charged its size plus
+    :data:`MESSAGE_COST`).
     """
 
     __slots__ = (
@@ -135,10 +165,12 @@ class Stream:
 
     @property
     def held_bytes(self) -> int:
-        """The bytes the client holds for this call: messages not yet read, a partial message,
-        and request bytes not yet sent."""
+        """The bytes the client holds for this call: messages not yet read (each with
+        :data:`MESSAGE_COST`), a partial message, and request bytes not yet sent."""
         held = len(self.buffer) + (len(self.unsent) if self.unsent is not None else 0)
-        return held + (self.queued_bytes if self.streaming else sum(map(len, self.messages)))
+        if self.streaming:
+            return held + self.queued_bytes
+        return held + sum(len(message) + MESSAGE_COST for message in self.messages)
 
 
 class Event:
@@ -222,6 +254,11 @@ class ClientProtocol:
         self._decoder = HpackDecoder(frames.MAX_HEADER_LIST_SIZE)
         self._pending = b""
         self._header_block: tuple[int, int, bytearray] | None = None
+        self._header_charge = 0
+        """What the header block being gathered counts against its bound: its bytes and each
+        of its frames' 9-byte header, so empty CONTINUATIONs reach the bound too."""
+        self._continuations = 0
+        self._unwritten_replies = 0
         self.streams: dict[int, Stream] = {}
         """The open streams by id."""
         self._next_stream_id = 1
@@ -271,6 +308,18 @@ class ClientProtocol:
     @property
     def has_data_to_send(self) -> bool:
         return bool(self._out)
+
+    @property
+    def unwritten_replies(self) -> int:
+        """SETTINGS ACKs and PING answers queued since the I/O layer last said its writes
+        drained (:meth:`written`); past :data:`MAX_UNWRITTEN_REPLIES` the connection ends
+        ENHANCE_YOUR_CALM."""
+        return self._unwritten_replies
+
+    def written(self) -> None:
+        """The I/O layer wrote everything out (its transport's buffer is empty): the server
+        took the answers queued so far."""
+        self._unwritten_replies = 0
 
     # -- what the client does -----------------------------------------------------------------
 
@@ -344,7 +393,7 @@ class ClientProtocol:
 
     def consumed(self, stream: Stream, size: int) -> None:
         """The consumer took a message of ``size`` bytes from ``stream``: its window may open."""
-        stream.queued_bytes -= size
+        stream.queued_bytes -= size + MESSAGE_COST
         if (
             stream.credit >= _CREDIT_BATCH
             and stream.queued_bytes <= _QUEUE_LOW
@@ -567,7 +616,7 @@ class ClientProtocol:
             buffer += payload
         else:
             buffer = payload
-        position, size_now, queued = 0, len(buffer), 0
+        position, size_now, queued, appended = 0, len(buffer), 0, 0
         while size_now - position >= frames.MESSAGE_PREFIX_BYTES:
             compressed, size = struct.unpack_from(">BL", buffer, position)
             if compressed:
@@ -598,7 +647,8 @@ class ClientProtocol:
                 )
                 return
             stream.messages.append(bytes(buffer[position + frames.MESSAGE_PREFIX_BYTES : end]))
-            queued += size
+            queued += size + MESSAGE_COST
+            appended += 1
             position = end
         if position == size_now:
             stream.buffer = b""
@@ -615,8 +665,22 @@ class ClientProtocol:
         # which count as read when the consumer takes them (consumed).
         stream.credit += length
         if stream.streaming:
-            if queued:
+            if appended:  # an empty message too wakes the reader
                 stream.queued_bytes += queued
+                if stream.queued_bytes > MAX_QUEUED_COST:
+                    self._events.append(Breach(Violation.FLOOD))
+                    count, held = len(stream.messages), stream.queued_bytes
+                    stream.messages.clear()  # the call failed: what it held goes now
+                    stream.queued_bytes = 0
+                    self._reset(
+                        stream,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.target} sent {count} messages the reader has not taken, costing "
+                        f"{held} bytes held, over the "
+                        f"{MAX_QUEUED_COST} bound (messages of a few bytes each)",
+                        ErrorCode.ENHANCE_YOUR_CALM,
+                    )
+                    return
                 self._events.append(StreamChanged(stream))
             if stream.credit >= _CREDIT_BATCH and stream.queued_bytes <= _QUEUE_LOW:
                 self._give_credit(stream)
@@ -630,6 +694,8 @@ class ClientProtocol:
             self._on_header_block(stream_id, flags, block)
         else:
             self._header_block = (stream_id, flags, bytearray(block))
+            self._header_charge = frames.FRAME_HEADER_BYTES + len(block)
+            self._continuations = 0
 
     def _on_continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
         header_block = self._header_block
@@ -640,14 +706,20 @@ class ClientProtocol:
                 f"sent a CONTINUATION on stream {stream_id} without its HEADERS",
             )
         gathered = header_block[2]
-        if len(gathered) + len(payload) > frames.MAX_HEADER_LIST_SIZE:
+        # Each frame is charged its header besides its payload, as nghttp2 and h2 bound a block
+        # by its frames: an endless run of empty CONTINUATIONs reaches the bound as a large
+        # block does (about 7,300 of them), rather than burning CPU until keepalive.
+        self._header_charge += frames.FRAME_HEADER_BYTES + len(payload)
+        self._continuations += 1
+        if self._header_charge > frames.MAX_HEADER_LIST_SIZE:
             # Left undecoded, the block leaves the server's HPACK table behind: the connection
             # cannot go on (§4.3), and no more of it is held.
             self._header_block = None
             message = (
                 f"sent a header block of over {frames.MAX_HEADER_LIST_SIZE} bytes on stream "
-                f"{stream_id} (HEADERS and CONTINUATION), over the SETTINGS_MAX_HEADER_LIST_SIZE "
-                f"the client advertised"
+                f"{stream_id} (HEADERS and {self._continuations} CONTINUATION frames, "
+                f"{len(gathered) + len(payload)} bytes of fields, each frame's 9-byte header "
+                f"counted), over the SETTINGS_MAX_HEADER_LIST_SIZE the client advertised"
             )
             stream = self.streams.get(stream_id)
             if stream is not None:
@@ -691,32 +763,85 @@ class ClientProtocol:
         ended = bool(flags & Flag.END_STREAM)
         if not stream.headers_seen:
             stream.headers_seen = True
-            status = ""
+            status = content_type = ""
             for name, value in fields:
                 if name == ":status":
                     status = value
+                elif name == "content-type":
+                    content_type = value
                 elif name == "grpc-encoding":
                     stream.encoding = value
             if status != "200":
-                self._finish(
+                number = _number(status, 3) if len(status) == 3 else None
+                if status and number is None:
+                    self._events.append(Breach(Violation.MALFORMED))
+                    self._refuse_answer(
+                        stream,
+                        ended,
+                        grpc.StatusCode.INTERNAL,
+                        f"{self.target} sent a malformed :status {_shown(status)} (not 3 ASCII "
+                        f"digits)",
+                        ErrorCode.PROTOCOL_ERROR,
+                    )
+                    return
+                self._refuse_answer(
                     stream,
-                    frames.status_of_http(int(status) if status.isdigit() else 0),
+                    ended,
+                    frames.status_of_http(number or 0),
                     f"HTTP status {status or 'missing'} from {self.target} (not a gRPC answer)",
+                )
+                return
+            # As grpc-go: a 200 that is not gRPC's content (an HTML page from a proxy) is
+            # UNKNOWN, named; a Trailers-Only answer without one is taken (grpc-core does).
+            if (content_type or not ended) and not _is_grpc(content_type):
+                self._refuse_answer(
+                    stream,
+                    ended,
+                    grpc.StatusCode.UNKNOWN,
+                    f"{self.target} answered HTTP 200 with content-type "
+                    f"{_shown(content_type) if content_type else '(none)'}, not "
+                    f"application/grpc (not a gRPC answer)",
+                    ErrorCode.PROTOCOL_ERROR,
                 )
                 return
             if not ended:
                 return
         self._on_trailers(stream, fields)
 
+    def _refuse_answer(
+        self,
+        stream: Stream,
+        ended: bool,
+        code: grpc.StatusCode,
+        details: str,
+        error: ErrorCode = ErrorCode.CANCEL,
+    ) -> None:
+        """End ``stream`` on an answer that is not gRPC's: RST_STREAM ``error`` unless the
+        server ended it."""
+        if ended:
+            self._finish(stream, code, details)
+        else:
+            self._reset(stream, code, details, error)
+
     def _on_trailers(self, stream: Stream, fields: Fields) -> None:
         code: grpc.StatusCode | None = None
-        details = ""
+        details = status = ""
         metadata: list[tuple[str, str | bytes]] = []
         for name, value in fields:
             if name == "grpc-status":
-                code = frames.STATUS_BY_NUMBER.get(int(value) if value.isdigit() else -1)
-                if code is None:
-                    code = grpc.StatusCode.UNKNOWN
+                status = value
+                number = _number(value, 10)
+                if number is None:
+                    # grpc-go's answer: INTERNAL, named (not UNKNOWN with the details empty).
+                    self._events.append(Breach(Violation.MALFORMED))
+                    self._finish(
+                        stream,
+                        grpc.StatusCode.INTERNAL,
+                        f"{self.target} sent a malformed grpc-status {_shown(value)} (not a "
+                        f"decimal number)",
+                    )
+                    return
+                code = frames.STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
             elif name == "grpc-message":
                 details = frames.grpc_message(value)
             elif name.endswith("-bin"):
@@ -734,6 +859,8 @@ class ClientProtocol:
                 metadata.append((name, value))
         if code is None:
             code, details = grpc.StatusCode.UNKNOWN, "the server's trailers carry no grpc-status"
+        elif code is grpc.StatusCode.UNKNOWN and status != "2" and not details:
+            details = f"{self.target} sent grpc-status {status}, which gRPC does not define"
         elif code is grpc.StatusCode.OK and stream.buffer:
             code, details = grpc.StatusCode.INTERNAL, "the stream ended inside a message"
         self._finish(stream, code, details, tuple(metadata))
@@ -784,15 +911,27 @@ class ClientProtocol:
             elif key == Setting.MAX_CONCURRENT_STREAMS:
                 self.peer_max_streams = value
                 self._events.append(_SLOTS_CHANGED)
-        self._out.append(frames.SETTINGS_ACK)
+        self._reply(frames.SETTINGS_ACK)
         if opened and self._blocked:
             self._send_blocked()
 
     def _on_ping(self, flags: int, payload: bytes) -> None:
         if not flags & Flag.ACK:
-            self._out.append(frames.ping(payload, ack=True))
+            self._reply(frames.ping(payload, ack=True))
         else:
             self._events.append(_PING_ACKNOWLEDGED)
+
+    def _reply(self, answer: bytes) -> None:
+        """Queue a SETTINGS ACK or PING answer, within :data:`MAX_UNWRITTEN_REPLIES`."""
+        self._unwritten_replies += 1
+        if self._unwritten_replies > MAX_UNWRITTEN_REPLIES:
+            raise ProtocolError(
+                Violation.FLOOD,
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"sent over {MAX_UNWRITTEN_REPLIES} PINGs and SETTINGS before it took their "
+                f"answers (a flood, or it does not read)",
+            )
+        self._out.append(answer)
 
     def _on_goaway(self, payload: bytes) -> None:
         last_stream_id, error = rules.goaway(payload)
@@ -823,3 +962,22 @@ class ClientProtocol:
             stream.send_window += rules.window_increment(stream_id, payload, stream.send_window)
         if self._blocked:
             self._send_blocked()
+
+
+def _number(value: str, digits: int) -> int | None:
+    """``value`` as a decimal number of at most ``digits`` ASCII digits, else ``None``
+    (``str.isdigit`` takes "²" and ``int`` then raises; 5,000 digits raise too)."""
+    if 0 < len(value) <= digits and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+def _is_grpc(content_type: str) -> bool:
+    """gRPC's content-type: ``application/grpc``, alone or with ``+codec`` or ``;params``."""
+    head = content_type[:17].lower()
+    return head == "application/grpc" or head in ("application/grpc+", "application/grpc;")
+
+
+def _shown(value: str) -> str:
+    """A header value in an error message: quoted, cut at 40 characters."""
+    return repr(value[:40]) + (f" ({len(value)} characters)" if len(value) > 40 else "")
