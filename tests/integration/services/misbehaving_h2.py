@@ -35,6 +35,7 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 
@@ -328,6 +329,95 @@ async def endless_continuation(exchange: Exchange) -> None:
             await link.writer.drain()
 
 
+async def endless_empty_continuation(exchange: Exchange) -> None:
+    """HEADERS without END_HEADERS, then empty CONTINUATION frames (1,000 a write) until the
+    client closes the connection (or 10 million went): a block that never grows."""
+    link = exchange.link
+    link.flush()
+    link.held = True
+    exchange.raw(frame(HEADERS, 0, exchange.stream_id, b"\x88"))
+    chunk = frame(CONTINUATION, 0, exchange.stream_id) * 1000
+    with contextlib.suppress(ConnectionError):
+        while exchange.server.continuation_frames < 10_000_000 and not link.writer.is_closing():
+            link.writer.write(chunk)
+            exchange.server.continuation_frames += 1000
+            await link.writer.drain()
+
+
+def endless_messages(size: int) -> Behaviour:
+    """A streaming answer of ``size``-byte messages (1,000 a DATA write) as fast as the client's
+    windows let them go, never ended (sending stops at :data:`ENDLESS_CAP` bytes, then the
+    stream is held open)."""
+
+    async def behaviour(exchange: Exchange) -> None:
+        exchange.headers()
+        batch = message(b"\x01" * size) * 1000
+        while exchange.server.data_bytes_sent < ENDLESS_CAP:
+            await exchange.data(batch)
+        await hold(exchange)
+
+    return behaviour
+
+
+async def one_empty_message_then_hold(exchange: Exchange) -> None:
+    """A streaming answer's headers and one empty message (a default protobuf), then nothing."""
+    exchange.headers()
+    await exchange.send_message(b"")
+    await hold(exchange)
+
+
+def never_indexed(fields: list[tuple[str, str]]) -> bytes:
+    """A header block of literals never indexed (a fresh encoder: names from the static table
+    at most): HPACK's state does not move, so it may be written raw beside h2's."""
+    encoder = hpack.Encoder()
+    return encoder.encode([hpack.NeverIndexedHeaderTuple(n, v) for n, v in fields], huffman=False)
+
+
+def raw_answer(
+    response: list[tuple[str, str]],
+    trailers: list[tuple[str, str]] | None = None,
+    *,
+    body: bytes | None = None,
+) -> Behaviour:
+    """An answer written raw (values h2 would not send): ``response`` headers, ``body`` as
+    one DATA frame (default: the request echoed as a gRPC message), then ``trailers`` (ending
+    the stream) when given."""
+
+    async def behaviour(exchange: Exchange) -> None:
+        stream_id = exchange.stream_id
+        out = frame(HEADERS, END_HEADERS, stream_id, never_indexed(response))
+        out += frame(DATA, 0, stream_id, message(exchange.message) if body is None else body)
+        if trailers is not None:
+            out += frame(HEADERS, END_HEADERS | END_STREAM, stream_id, never_indexed(trailers))
+        exchange.raw(out)
+
+    return behaviour
+
+
+GRPC_200 = [(":status", "200"), ("content-type", "application/grpc")]
+grpc_status_superscript = raw_answer(GRPC_200, [("grpc-status", "²")])
+grpc_status_of_5000_digits = raw_answer(GRPC_200, [("grpc-status", "9" * 5000)])
+grpc_status_a_word_without_message = raw_answer(GRPC_200, [("grpc-status", "OK")])
+http_status_superscript = raw_answer([(":status", "²00"), ("content-type", "application/grpc")])
+html_200 = raw_answer(
+    [(":status", "200"), ("content-type", "text/html")], body=b"<html>not gRPC</html>"
+)
+
+
+async def ping_flood(exchange: Exchange) -> None:
+    """The socket no longer read, PINGs (1,000 a write) until the client closes the connection
+    (or 20 million went): their answers can only pile up in the client."""
+    link = exchange.link
+    link.flush()
+    link.writer.transport.pause_reading()
+    chunk = frame(PING, 0, 0, b"flooding") * 1000
+    with contextlib.suppress(ConnectionError):
+        while exchange.server.pings_sent < 20_000_000 and not link.writer.is_closing():
+            link.writer.write(chunk)
+            exchange.server.pings_sent += 1000
+            await link.writer.drain()
+
+
 @dataclass
 class MisbehavingServer:
     """Listens on 127.0.0.1; answers the n-th request with ``behaviours[n]`` (then echoes).
@@ -357,6 +447,11 @@ class MisbehavingServer:
     """The behaviours' own failures (a bug of this server's), but the client's ending streams
     and connections."""
     continuation_bytes: int = 0
+    continuation_frames: int = 0
+    pings_sent: int = 0
+    silent_connections: int = 0
+    """The first connections that never speak HTTP/2 (TCP accepted, nothing sent, what comes
+    ignored)."""
     data_bytes_sent: int = 0
     """DATA bytes the behaviours sent (:meth:`Exchange.data`), on every stream."""
     send_window_waits: int = 0
@@ -409,6 +504,14 @@ class MisbehavingServer:
         task = asyncio.current_task()
         assert task is not None
         self._links[link] = task
+        if self.connections <= self.silent_connections:
+            try:
+                with contextlib.suppress(ConnectionError):
+                    await reader.read()  # until the client gives up (or close() ends it)
+            finally:
+                self._links.pop(link, None)
+                writer.close()
+            return
         tap = FrameReader(preface=True)
         bodies: dict[int, bytearray] = {}
         try:

@@ -139,8 +139,42 @@ BREACHES = {
         Violation.MALFORMED,
         goaway=ErrorCode.PROTOCOL_ERROR,
     ),
+    "grpc-status not ASCII digits": Breach(
+        misbehaving_h2.grpc_status_superscript,
+        grpc.StatusCode.INTERNAL,
+        "sent a malformed grpc-status '²' (not a decimal number)",
+        Violation.MALFORMED,
+    ),
+    "grpc-status of 5,000 digits": Breach(
+        misbehaving_h2.grpc_status_of_5000_digits,
+        grpc.StatusCode.INTERNAL,
+        "sent a malformed grpc-status '9999999999999999999999999999999999999999' (5000 characters)",
+        Violation.MALFORMED,
+    ),
+    "grpc-status a word, no grpc-message": Breach(
+        misbehaving_h2.grpc_status_a_word_without_message,
+        grpc.StatusCode.INTERNAL,
+        "sent a malformed grpc-status 'OK'",
+        Violation.MALFORMED,
+    ),
+    ":status not ASCII digits": Breach(
+        misbehaving_h2.http_status_superscript,
+        grpc.StatusCode.INTERNAL,
+        "sent a malformed :status '²00' (not 3 ASCII digits)",
+        Violation.MALFORMED,
+        reset=ErrorCode.PROTOCOL_ERROR,
+    ),
+    "an HTML page with HTTP 200": Breach(
+        misbehaving_h2.html_200,
+        grpc.StatusCode.UNKNOWN,
+        "answered HTTP 200 with content-type 'text/html', not application/grpc",
+        None,
+        reset=ErrorCode.PROTOCOL_ERROR,
+    ),
 }
-"""REFUSED_STREAM is not a breach, and is retried: see test_refused_stream_*."""
+"""REFUSED_STREAM is not a breach, and is retried: see test_refused_stream_*. What a server may
+do within the grammar but not to the client's memory or time (empty CONTINUATIONs, empty
+messages, PING floods, no SETTINGS): test_h2grpc_misbehaving_bounds.py."""
 
 
 @dataclass
