@@ -141,6 +141,11 @@ class EngineChange:
     engine_id: EngineId
     before: EngineView | None
     after: EngineView | None
+    resync: str | None = None
+    """The full re-read that found the change (``start``, ``reconnect``, ``periodic``), or
+    ``None`` for one an event announced. ``reconnect``: the store was unreachable before that
+    re-read, so an engine it no longer lists may be alive and re-registering (a store that came
+    back empty)."""
 
     @property
     def became_ready(self) -> bool:
@@ -183,6 +188,12 @@ class AbstractEngineWatcher(abc.ABC):
     @abc.abstractmethod
     def live(self) -> bool:
         """True while the snapshot follows the store (see the class doc)."""
+
+    @property
+    @abc.abstractmethod
+    def unreachable_since(self) -> float | None:
+        """When (``time.monotonic()``) the watcher lost the store, ``None`` while it follows it:
+        how stale the snapshot may be."""
 
     @abc.abstractmethod
     async def __aenter__(self) -> AbstractEngineWatcher:

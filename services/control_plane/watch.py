@@ -3,7 +3,12 @@
 :class:`EngineWatcher` keeps a snapshot of every live engine and yields an
 :class:`EngineChange` whenever an engine appears, changes (generation, state, record, load) or
 disappears. It re-reads everything when it starts, after every reconnect (messages sent while it
-was away are lost) and every ``resync_interval_s`` (leases expire without any message).
+was away are lost) and every ``resync_interval_s`` (leases expire without any message); each
+change a re-read finds says which (:attr:`EngineChange.resync`).
+
+While Redis is unreachable the snapshot stays as last read (:attr:`EngineWatcher.unreachable_since`
+says since when); one warning is logged when the connection is lost and one when it is back
+(retries in between at debug level: an outage of minutes would otherwise log a line a backoff).
 
 Use::
 
@@ -55,6 +60,8 @@ class EngineWatcher(AbstractEngineWatcher):
         self._synced = asyncio.Event()
         self._live = False
         """Subscribed and re-read since the last lost connection (the snapshot follows Redis)."""
+        self._lost_at: float | None = None
+        """When the connection was lost (``time.monotonic()``), until the next full re-read."""
 
     @property
     def snapshot(self) -> dict[EngineId, EngineView]:
@@ -71,6 +78,10 @@ class EngineWatcher(AbstractEngineWatcher):
         then trails Redis by the events in flight (and by at most ``resync_interval_s`` for
         leases that expire without an event); while reconnecting it may be older."""
         return self._live
+
+    @property
+    def unreachable_since(self) -> float | None:
+        return self._lost_at
 
     async def __aenter__(self) -> EngineWatcher:
         self._task = asyncio.create_task(self._run(), name="pdserve-engine-watcher")
@@ -107,20 +118,17 @@ class EngineWatcher(AbstractEngineWatcher):
                 await self._resync(cause)
                 self._live = True
                 self._synced.set()
+                self._reached_again()
                 backoff = self._cp.settings.redis.retry_backoff_s
                 await self._listen(pubsub)
             except asyncio.CancelledError:
                 raise
             except (ControlPlaneError, OSError, ConnectionError) as exc:
-                logger.warning(
-                    "engine watcher lost Redis (%s); reconnecting in %.2fs", exc, backoff
-                )
+                self._lost(exc, backoff)
             except Exception as exc:  # redis-py raises its own ConnectionError subclasses here
                 if "redis" not in type(exc).__module__:
                     raise
-                logger.warning(
-                    "engine watcher lost Redis (%s); reconnecting in %.2fs", exc, backoff
-                )
+                self._lost(exc, backoff)
             finally:
                 self._live = False
                 with contextlib.suppress(Exception):
@@ -128,6 +136,31 @@ class EngineWatcher(AbstractEngineWatcher):
             cause = "reconnect"
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._cp.settings.redis.retry_backoff_max_s)
+
+    def _lost(self, exc: Exception, backoff: float) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+            logger.warning(
+                "engine watcher lost Redis (%s): keeping the last snapshot of %d engines while "
+                "reconnecting (first retry in %.2fs)",
+                exc,
+                len(self._snapshot),
+                backoff,
+            )
+        else:
+            logger.debug(
+                "engine watcher: Redis still unreachable (%s); retry in %.2fs", exc, backoff
+            )
+
+    def _reached_again(self) -> None:
+        if self._lost_at is None:
+            return
+        logger.warning(
+            "engine watcher reached Redis again after %.1fs and re-read it: %d engines",
+            time.monotonic() - self._lost_at,
+            len(self._snapshot),
+        )
+        self._lost_at = None
 
     async def _listen(self, pubsub: PubSub) -> None:
         last_resync = time.monotonic()
@@ -174,11 +207,18 @@ class EngineWatcher(AbstractEngineWatcher):
         self._cp.metrics.watch_resyncs.labels(cause=cause).inc()
         views = {view.engine_id: view for view in await self._cp.list_engines()}
         for engine_id in set(self._snapshot) - set(views):
-            self._update(engine_id, None)
+            self._update(engine_id, None, resync=cause)
         for engine_id, view in views.items():
-            self._update(engine_id, view)
+            self._update(engine_id, view, resync=cause)
 
-    def _update(self, engine_id: EngineId, view: EngineView | None, *, force: bool = False) -> None:
+    def _update(
+        self,
+        engine_id: EngineId,
+        view: EngineView | None,
+        *,
+        force: bool = False,
+        resync: str | None = None,
+    ) -> None:
         before = self._snapshot.get(engine_id)
         if before == view and not force:
             return
@@ -194,4 +234,4 @@ class EngineWatcher(AbstractEngineWatcher):
                     gauge.remove(engine_id, state.value)
             else:
                 gauge.labels(engine=engine_id, state=state.value).set(1 if current else 0)
-        self._changes.put_nowait(EngineChange(engine_id, before, view))
+        self._changes.put_nowait(EngineChange(engine_id, before, view, resync))

@@ -187,6 +187,11 @@ class RouterSettings(BaseSettings):
     router's choices before one probe request may try it (``services.router.scheduling.health``)."""
     circuit_max_backoff_s: float = Field(default=60.0, gt=0)
     """The back-off doubles after each failed probe, up to this."""
+    control_plane_holdover_s: float | None = Field(default=None, gt=0)
+    """After a control-plane outage, how long an engine the router had READY stays chosen
+    (while its calls succeed) although Redis, back, does not list it READY yet (Redis restarted
+    empty: every engine registers again at a new generation, which then replaces it). Unset:
+    three lease TTLs. See ``services.router.scheduling.pool``."""
     http_keep_alive_s: float = Field(default=75.0, gt=0)
     """How long an idle HTTP/1.1 keep-alive connection stays open. Longer than the idle expiry
     of the clients that pool connections (httpx and so the ``openai`` SDK: 5 s; aiohttp: 15 s)
@@ -202,6 +207,13 @@ class RouterSettings(BaseSettings):
     ``outcome="request_too_large"``."""
     log_level: str = "WARNING"
     """Python logging level."""
+
+    @property
+    def holdover_s(self) -> float:
+        """``control_plane_holdover_s`` with its default resolved."""
+        if self.control_plane_holdover_s is not None:
+            return self.control_plane_holdover_s
+        return 3 * self.control_plane.lease_ttl_s
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:

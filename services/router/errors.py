@@ -5,8 +5,8 @@
     RouterError                        every request-scoped router error (status, type, code)
     ├── InvalidRequestError        400  a bad or unsupported parameter (``param`` names it)
     ├── AuthenticationError        401  missing or wrong API key
-    ├── ModelNotFound              404  no engine in the control plane serves that model
-    ├── NoEngineAvailable          503  engines exist but no usable READY one (or pair)
+    ├── ModelNotFound              404  a model the router does not serve (its outcome label)
+    ├── NoEngineAvailable          503  no usable READY engine (or pair) for the served model
     └── EngineRequestFailed        502  an engine failed the request (``code`` says how);
                                         503 when it is overloaded or draining
 

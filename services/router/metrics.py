@@ -17,6 +17,9 @@ from services.router.scheduling.health import CircuitGauge
 
 M = TypeVar("M", bound=Counter)
 
+HOLDOVER_OUTCOMES = ("held", "confirmed", "replaced", "failed", "expired")
+"""Every ``outcome`` of ``pdserve_router_engine_holdovers_total``."""
+
 InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
 """``(engine, role, requests in flight)`` of every READY engine, read at scrape time."""
 
@@ -228,6 +231,23 @@ class RouterMetrics:
         )
         self.circuit_state = CircuitGauge()
         r.register(self.circuit_state)
+        self.control_plane_unreachable = Gauge(
+            "pdserve_router_control_plane_unreachable_seconds",
+            "Seconds since this router last followed the control plane (0 while it does): how "
+            "stale its view of the engines may be; it serves from that view meanwhile.",
+            registry=r,
+        )
+        self.holdovers = Counter(
+            "pdserve_router_engine_holdovers_total",
+            "Engines kept after a control-plane outage although Redis, back, no longer listed "
+            "them READY (held), and how each hold ended: confirmed (Redis listed the same "
+            "generation READY again), replaced (its new generation READY), failed (a call "
+            "failed), expired (not READY again within the holdover).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in HOLDOVER_OUTCOMES:
+            self.holdovers.labels(outcome=outcome)
         self.engine_grpc_client = Gauge(
             "pdserve_router_engine_grpc_client",
             "The gRPC client of the router's engine calls: 1 for the one in use (h2: "

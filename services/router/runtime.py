@@ -60,6 +60,7 @@ class RouterRuntime:
                 backoff_s=settings.circuit_backoff_s,
                 max_backoff_s=settings.circuit_max_backoff_s,
             ),
+            holdover_s=settings.holdover_s,
         )
         feed: KVEventFeed | None = None
         if settings.kv_events and settings.policy == "prefix_aware":

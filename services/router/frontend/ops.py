@@ -3,7 +3,10 @@
 
 ``/health`` is the router's readiness, not vLLM's (a local engine alive): 200 with the READY
 models when the router can serve a request (``Scheduler.ready``: a compatible prefill/decode
-pair, or a colocated engine), else 503 with the reason in the OpenAI error envelope.
+pair, or a colocated engine), else 503 with the reason in the OpenAI error envelope. Both say
+how the router follows the control plane (``control_plane``: ``reachable``,
+``unreachable_s``, the engines ``held`` after an outage): during an outage the router keeps
+serving from its last view, so ``/health`` stays 200 while a pair answers.
 ``/metrics`` is the router's own registry.
 """
 
@@ -34,14 +37,29 @@ ops = APIRouter()
 @ops.get("/health")
 async def health(runtime: Runtime) -> Response:
     """200 when the router can serve (see ``Scheduler.ready``), else 503 with the reason."""
-    if runtime.pool.synced and runtime.scheduler.ready():
-        return JSONResponse({"status": "ok", "models": runtime.pool.ready_models()})
+    pool = runtime.pool
+    unreachable_s = pool.control_plane_unreachable_s()
+    control_plane = {
+        "reachable": unreachable_s == 0,
+        "unreachable_s": round(unreachable_s, 1),
+        "held": pool.held(),
+    }
+    if pool.synced and runtime.scheduler.ready():
+        return JSONResponse(
+            {"status": "ok", "models": pool.ready_models(), "control_plane": control_plane}
+        )
     reason = (
         "not synced with the control plane yet"
-        if not runtime.pool.synced
+        if not pool.synced
         else "no READY compatible prefill/decode engine pair and no READY colocated engine"
     )
-    return JSONResponse(NoEngineAvailable(reason, code="not_ready").envelope(), status_code=503)
+    if unreachable_s > 0:
+        reason += f" (the control plane has been unreachable for {unreachable_s:.0f} s)"
+    body: dict[str, object] = {
+        **NoEngineAvailable(reason, code="not_ready").envelope(),
+        "control_plane": control_plane,
+    }
+    return JSONResponse(body, status_code=503)
 
 
 @ops.get("/metrics")

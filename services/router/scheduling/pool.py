@@ -7,6 +7,15 @@ re-reads, no polling per request); unit tests feed :meth:`EnginePool.update` dir
 
 An engine that stops being READY (new generation, lease expired, deregistered, INVALID) leaves
 the pool at once; its connector is closed when the last request using it ends.
+
+Control-plane outages (docs/architecture.md, "Router during a control-plane outage"): while the
+watcher cannot reach Redis, the pool keeps its last view (the engines serve on; the router's own
+calls and circuit breakers say whether they answer). When Redis is back and its re-read no longer
+lists an engine READY (Redis restarted empty, or from an old snapshot, and the engine has not
+registered again yet), the engine is *held*: kept for choosing while its breaker stays closed,
+until its new generation is READY (which replaces it), until a call on it fails (it leaves at
+once), or for at most ``holdover_s``. Counted in ``pdserve_router_engine_holdovers_total``;
+``pdserve_router_control_plane_unreachable_seconds`` says how stale the view is.
 """
 
 from __future__ import annotations
@@ -14,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.control_plane.base import ControlPlane, EngineView
+from services.control_plane.base import AbstractEngineWatcher, ControlPlane, EngineView
 from services.control_plane.wire import EngineId, EngineLoad, EngineRecord, EngineRole
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.connector import ConnectorFactory, EngineConnector
@@ -28,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 _LOAD_KINDS = ("queue_depth", "running_requests", "kv_blocks_free", "kv_blocks_total")
 _FOLLOW_RETRY_S = 1.0
+_EXPIRY_CHECK_S = 1.0
+"""How often :meth:`EnginePool.follow` looks for held engines whose holdover ran out."""
 
 
 @dataclass(eq=False)
@@ -43,6 +55,9 @@ class EngineSlot:
     """No longer READY: chosen by nobody, closed when ``inflight`` drops to 0."""
     health: CircuitBreaker = field(default_factory=CircuitBreaker)
     """This router's circuit breaker on the engine (``services.router.scheduling.health``)."""
+    held_until: float | None = None
+    """Held after an outage (see the module docstring): chosen until then
+    (``time.monotonic()``) unless its new generation is READY or a call fails first."""
 
     @property
     def engine_id(self) -> EngineId:
@@ -78,10 +93,20 @@ class EnginePool:
         connectors: ConnectorFactory,
         metrics: RouterMetrics,
         breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+        *,
+        holdover_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``holdover_s``: the longest an engine is held after an outage (module docstring)."""
         self._connectors = connectors
         self._metrics = metrics
         self._breaker = breaker
+        self._holdover_s = holdover_s
+        self._clock = clock
+        self._watcher: AbstractEngineWatcher | None = None
+        """The control plane's watcher while :meth:`follow` runs (its staleness)."""
+        self._following_since: float | None = None
+        """When :meth:`follow` last failed to keep a watcher (``None``: it has one)."""
         self._slots: dict[EngineId, EngineSlot] = {}
         self._ordered: dict[frozenset[EngineRole] | None, tuple[EngineSlot, ...]] = {}
         """:meth:`slots`' answers; cleared whenever ``_slots`` changes."""
@@ -91,6 +116,7 @@ class EnginePool:
         self._listeners: list[PoolListener] = []
         metrics.engine_inflight.read_from(self._inflight_samples)
         metrics.circuit_state.read_from(self._circuit_samples)
+        metrics.control_plane_unreachable.set_function(self.control_plane_unreachable_s)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -121,6 +147,17 @@ class EnginePool:
         """True once the first full read of the control plane was applied."""
         return self._synced.is_set()
 
+    def control_plane_unreachable_s(self) -> float:
+        """Seconds since this router last followed the control plane (0 while it does): how
+        stale the pool's view may be. Also ``pdserve_router_control_plane_unreachable_seconds``."""
+        watcher = self._watcher
+        since = watcher.unreachable_since if watcher is not None else self._following_since
+        return 0.0 if since is None else max(self._clock() - since, 0.0)
+
+    def held(self) -> list[EngineId]:
+        """Engines held after an outage (see the module docstring)."""
+        return sorted(s.engine_id for s in self._slots.values() if s.held_until is not None)
+
     def add_listener(self, listener: PoolListener) -> None:
         """Tell ``listener`` of every slot that joins or leaves from now on, and of the slots
         already in the pool."""
@@ -149,7 +186,10 @@ class EnginePool:
         slot.health.success()
 
     def call_failed(self, slot: EngineSlot) -> None:
-        """A call failed through the engine's fault: the router stops choosing it at once."""
+        """A call failed through the engine's fault: the router stops choosing it at once (a
+        held engine leaves the pool)."""
+        if slot.held_until is not None and self._slots.get(slot.engine_id) is slot:
+            self._release_held(slot, "failed")
         if slot.health.failure():
             self._metrics.circuit_trips.labels(engine=slot.engine_id, role=slot.role.value).inc()
             logger.warning(
@@ -167,23 +207,34 @@ class EnginePool:
 
     # -- following the control plane ------------------------------------------------------------
 
-    def update(self, engine_id: EngineId, view: EngineView | None) -> None:
-        """Apply the latest view of one engine (``None`` when it is gone)."""
-        if view is not None and view.record is not None:
-            self._registered_models[engine_id] = view.record.model
-        else:
-            self._registered_models.pop(engine_id, None)
+    def update(
+        self, engine_id: EngineId, view: EngineView | None, *, resync: str | None = None
+    ) -> None:
+        """Apply the latest view of one engine (``None`` when it is gone); ``resync`` is the
+        re-read that found it (:attr:`EngineChange.resync`), ``None`` for an event."""
         current = self._slots.get(engine_id)
         if view is None or view.record is None or not view.ready:
+            if current is not None and self._holds(current, view, resync):
+                return
+            if view is not None and view.record is not None:
+                self._registered_models[engine_id] = view.record.model
+            else:
+                self._registered_models.pop(engine_id, None)
             if current is not None:
                 self._remove(current)
             return
         record = view.record
+        self._registered_models[engine_id] = record.model
         load = view.load or EngineLoad()
         if current is not None and current.record == record:
             current.load = load
+            if current.held_until is not None:  # Redis came back with its registration
+                current.held_until = None
+                self._metrics.holdovers.labels(outcome="confirmed").inc()
         else:
             if current is not None:
+                if current.held_until is not None:
+                    self._metrics.holdovers.labels(outcome="replaced").inc()
                 self._remove(current)
             current = EngineSlot(
                 record, self._connectors.connect(record), load, health=self._breaker()
@@ -201,6 +252,49 @@ class EnginePool:
                 listener.joined(current)
         self._export_load(current)
         self._export_ready()
+
+    def _holds(self, slot: EngineSlot, view: EngineView | None, resync: str | None) -> bool:
+        """Whether ``slot``, which the control plane no longer lists READY, stays (held)."""
+        if slot.held_until is not None:
+            if self._clock() < slot.held_until:
+                return True
+            self._release_held(slot, "expired")
+            return False
+        if resync != "reconnect" or slot.health.state is not CircuitState.CLOSED:
+            return False
+        slot.held_until = self._clock() + self._holdover_s
+        self._metrics.holdovers.labels(outcome="held").inc()
+        logger.warning(
+            "engine %s (%s, generation %d): Redis, back from an outage, lists it %s; held (still "
+            "chosen) while it answers, until it is READY again, for at most %.0fs",
+            slot.engine_id,
+            slot.role.value,
+            slot.record.generation,
+            "no more" if view is None else f"{view.state.value if view.state else 'not READY'}",
+            self._holdover_s,
+        )
+        self._export_ready()
+        return True
+
+    def _release_held(self, slot: EngineSlot, outcome: str) -> None:
+        """A held engine leaves: its holdover ran out (``expired``) or a call failed."""
+        self._metrics.holdovers.labels(outcome=outcome).inc()
+        logger.warning(
+            "engine %s (generation %d) held since the outage leaves the pool: %s",
+            slot.engine_id,
+            slot.record.generation,
+            "a call failed" if outcome == "failed" else "not READY again in time",
+        )
+        self._registered_models.pop(slot.engine_id, None)
+        self._remove(slot)
+
+    def expire_held(self) -> None:
+        """Remove held engines whose holdover ran out (called by :meth:`follow` as time
+        passes, and by unit tests)."""
+        now = self._clock()
+        for slot in list(self._slots.values()):
+            if slot.held_until is not None and now >= slot.held_until:
+                self._release_held(slot, "expired")
 
     def _remove(self, slot: EngineSlot) -> None:
         del self._slots[slot.engine_id]
@@ -239,25 +333,41 @@ class EnginePool:
     async def follow(self, control_plane: ControlPlane) -> None:
         """Apply every change the control plane's watcher reports, until cancelled.
 
-        The watcher re-reads everything on start and after every reconnect; if it stops
-        (Redis gone for longer than its retries), it is restarted after a pause, and the pool
-        keeps its last view meanwhile (logged).
+        The watcher re-reads everything on start and after every reconnect, and keeps its last
+        snapshot while Redis is unreachable (so does the pool); if it stops (an unexpected
+        error), it is restarted after a pause, the pool keeping its last view meanwhile
+        (logged). Held engines are expired as time passes.
         """
         self._export_ready()
         while True:
             try:
                 async with control_plane.watch() as watcher:
+                    self._watcher = watcher
+                    self._following_since = None
+                    resync = "reconnect" if self.synced else "start"
                     for engine_id, view in watcher.snapshot.items():
-                        self.update(engine_id, view)
+                        self.update(engine_id, view, resync=resync)
                     for engine_id in set(self._registered_models) - set(watcher.snapshot):
-                        self.update(engine_id, None)
+                        self.update(engine_id, None, resync=resync)
                     self._synced.set()
-                    async for change in watcher:
-                        self.update(change.engine_id, change.after)
+                    while True:
+                        try:
+                            change = await asyncio.wait_for(anext(watcher), _EXPIRY_CHECK_S)
+                        except TimeoutError:
+                            self.expire_held()
+                            continue
+                        self.update(change.engine_id, change.after, resync=change.resync)
+                        self.expire_held()
             except asyncio.CancelledError:
                 raise
+            except StopAsyncIteration:
+                logger.error("control-plane watcher stopped; restarting it")
             except Exception:
                 logger.exception("control-plane watcher failed; restarting it")
+            finally:
+                if self._watcher is not None and self._following_since is None:
+                    self._following_since = self._watcher.unreachable_since or self._clock()
+                self._watcher = None
             await asyncio.sleep(_FOLLOW_RETRY_S)
 
     async def close(self) -> None:

@@ -10,8 +10,10 @@ model):
 A disaggregated pair is a prefill and a decode engine with the same model, compatibility hash
 and block size (:meth:`EngineSlot.compatible_with`). The plan is, in order:
 
-1. no decode engine -> :class:`NoEngineAvailable` (or :class:`ModelNotFound` when no engine,
-   READY or not, serves the model); with ``colocated`` set, local on a decode engine, always;
+1. no decode engine -> :class:`NoEngineAvailable` (503) naming why: no engine registered for
+   the model (the front end only lets the configured model through, so never a 404), none
+   READY, and how long the control plane has been unreachable if it is; with ``colocated``
+   set, local on a decode engine, always;
 2. no prefill engine compatible with any decode engine -> local on a ``both`` engine
    (colocated deployment, not a fallback); with only ``decode`` engines it is a fallback
    (``no_prefill_engine``, counted; ``prefill_circuit_open`` when compatible prefill engines
@@ -33,7 +35,8 @@ Health (``services.router.scheduling.health``): engines whose circuit breaker is
 chosen; a request that failed over or migrated also names engines to ``avoid``. When every decode
 engine of the model has an open breaker (and none is avoided), they are chosen anyway: a decode
 engine has no fallback, and refusing every request during a back-off after one failed call would
-turn one error into many. Prefill engines have the local fallback instead.
+turn one error into many; except while the control plane is unreachable (nothing vouches for
+them then: 503 naming the outage). Prefill engines have the local fallback instead.
 
 Fallback counting happens here and in the executor (:mod:`services.router.execution.executor`).
 """
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 
 from services.control_plane.wire import EngineId, EngineRole
 from services.router.config import RouterSettings
-from services.router.errors import ModelNotFound, NoEngineAvailable
+from services.router.errors import NoEngineAvailable
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.policies import PromptInfo, RoutingPolicy, Stage
 from services.router.scheduling.pool import EnginePool, EngineSlot
@@ -89,7 +92,7 @@ class Scheduler:
         avoid_decode: Collection[EngineId] = (),
     ) -> Plan:
         """Choose engines for a request of ``model``, never one in ``avoid_*`` (engines this
-        request already failed on); raises ``ModelNotFound`` or ``NoEngineAvailable``.
+        request already failed on); raises ``NoEngineAvailable``.
         Fallbacks decided here are counted here."""
         decodes = [
             s
@@ -97,16 +100,26 @@ class Scheduler:
             if s.record.model == model and s.engine_id not in avoid_decode
         ]
         if not decodes:
-            if model not in self._pool.registered_models():
-                raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+            registered = self._pool.registered_models()
+            if model not in registered:
+                others = f" (they serve {', '.join(sorted(registered))})" if registered else ""
+                raise self._unavailable(
+                    f"no engine registered in the control plane serves {model!r}{others}"
+                )
             other = " other than " + ", ".join(sorted(avoid_decode)) if avoid_decode else ""
-            raise NoEngineAvailable(f"no READY decode engine{other} serves {model!r}")
+            raise self._unavailable(f"no READY decode engine{other} serves {model!r}")
         decodes = [s for s in decodes if prompt.fits(s.record.max_model_len)]
         if not decodes:
             raise NoEngineAvailable(
                 f"no READY decode engine of {model!r} holds {prompt.context_tokens} tokens"
             )
-        decodes = [s for s in decodes if s.health.available()] or decodes
+        answering = [s for s in decodes if s.health.available()]
+        if not answering and self._pool.control_plane_unreachable_s() > 0:
+            # Chosen anyway below when Redis vouches for them; during an outage nothing does.
+            raise self._unavailable(
+                f"no decode engine of {model!r} answers (the last call on each failed)"
+            )
+        decodes = answering or decodes
         if self._settings.colocated:
             return self._local(decodes, prompt, "colocated")
         prefills = [
@@ -123,7 +136,7 @@ class Scheduler:
             if colocated:
                 return self._local(colocated, prompt, "colocated")
             if not self._settings.local_fallback:
-                raise NoEngineAvailable(
+                raise self._unavailable(
                     f"no READY prefill engine compatible with a decode engine of {model!r}"
                     + (" whose circuit is closed" if paired else "")
                 )
@@ -169,6 +182,14 @@ class Scheduler:
         self._policy.routed(prefill, prompt)
         self._policy.routed(decode, prompt)
         return Plan(decode=decode, prefill=prefill)
+
+    def _unavailable(self, message: str) -> NoEngineAvailable:
+        """A 503 for ``message``, naming the control-plane outage when there is one (the pool
+        then is the view from before it)."""
+        outage_s = self._pool.control_plane_unreachable_s()
+        if outage_s > 0:
+            message += f" (the control plane has been unreachable for {outage_s:.0f} s)"
+        return NoEngineAvailable(message)
 
     def _count(self, pool: str, reason: str, cached_tokens: int) -> None:
         self._metrics.placement_by(pool, reason).inc()

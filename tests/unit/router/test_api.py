@@ -500,7 +500,11 @@ async def test_health_needs_a_ready_pair_and_models_lists_the_served_model(facto
         rt.pool.update("p1", view("p1", EngineRole.PREFILL))
         ready = await transport.get("/health")
         assert ready.status_code == 200
-        assert ready.json() == {"status": "ok", "models": [MODEL]}
+        assert ready.json() == {
+            "status": "ok",
+            "models": [MODEL],
+            "control_plane": {"reachable": True, "unreachable_s": 0.0, "held": []},
+        }
         listed = await transport.get("/v1/models")
     assert listed.status_code == 200
     assert [m["id"] for m in listed.json()["data"]] == [MODEL]
@@ -547,17 +551,20 @@ async def test_no_engine_for_the_request_is_a_503(factory):
     assert not factory.engines["p1"].prefills
 
 
-async def test_a_served_model_no_engine_registers_is_a_404(factory):
-    """The checkpoint's model, but the control plane's engines serve another one."""
+async def test_a_served_model_no_engine_registers_is_a_503_naming_the_cause(factory):
+    """The checkpoint's model, but the control plane's engines serve another one (or none: a
+    Redis back empty): the model is configured, so not a 404 (issue 49)."""
     rt = prepared(factory)
     rt.pool.update("x", view("x", EngineRole.BOTH, model="other"))
     async with http(rt) as transport:
         answer = await transport.post(
             "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
         )
-    assert answer.status_code == 404, answer.text
-    assert answer.json()["error"]["message"] == f"the model '{MODEL}' does not exist"
-    assert outcome(rt, "model_not_found") == 1
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["message"] == (
+        f"no engine registered in the control plane serves '{MODEL}' (they serve other)"
+    )
+    assert outcome(rt, "no_engine_available") == 1
 
 
 async def test_a_parameter_an_engine_kind_cannot_honour_is_a_400_naming_the_engine(factory):

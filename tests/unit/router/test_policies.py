@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from services.control_plane.wire import EngineLoad, EngineRole, EngineState
-from services.router.errors import ModelNotFound, NoEngineAvailable
+from services.router.errors import NoEngineAvailable
 from services.router.scheduling.policies import (
     LeastLoadedPolicy,
     PrefixAwarePolicy,
@@ -255,12 +255,17 @@ def test_mostly_cached_prompts_run_on_the_decode_engine():
     assert rt.scheduler.plan("tiny", unrelated).prefill is not None
 
 
-def test_unknown_model_and_unready_engines_are_told_apart():
+def test_unregistered_and_unready_models_are_told_apart_both_503():
+    """The front end lets only the served model through, so neither is a 404 (issue 49)."""
     rt = runtime()
     pool_of(rt, view("p", PREFILL), view("d", DECODE, model="other", state=EngineState.PENDING))
-    with pytest.raises(ModelNotFound):
+    with pytest.raises(
+        NoEngineAvailable,
+        match=r"^no engine registered in the control plane serves 'nope' "
+        r"\(they serve other, tiny\)$",
+    ):
         rt.scheduler.plan("nope", PromptInfo((1,)))
-    with pytest.raises(NoEngineAvailable):
+    with pytest.raises(NoEngineAvailable, match=r"^no READY decode engine serves 'other'$"):
         rt.scheduler.plan("other", PromptInfo((1,)))
 
 
