@@ -27,6 +27,7 @@ router makes on its hot path; engines serve with ``grpc.aio``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import ssl
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -53,6 +54,8 @@ RECONNECT_BACKOFF_S = 0.1
 RECONNECT_MULTIPLIER = 1.6
 RECONNECT_MAX_BACKOFF_S = 2.0
 RECONNECT_JITTER = 0.2
+
+logger = logging.getLogger(__name__)
 
 RetryHook = Callable[[str], None]
 """Called with why a call was sent again (``"refused_stream"``, ``"goaway"``)."""
@@ -335,7 +338,10 @@ class H2GrpcChannel:
                     f"failed to connect to {self.target}: no connection {bound}",
                 ) from None
             if self._on_protocol_error is not None:
-                self._on_protocol_error(Violation.HANDSHAKE_TIMEOUT)
+                try:
+                    self._on_protocol_error(Violation.HANDSHAKE_TIMEOUT)
+                except Exception:
+                    logger.exception("the h2grpc protocol-error hook failed")
             raise CallFailed(
                 grpc.StatusCode.UNAVAILABLE,
                 f"failed to connect to {self.target}: it accepted the connection but sent no "
