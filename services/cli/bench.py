@@ -54,6 +54,13 @@ BENCHMARKS = (
         "KV bytes moved, TTFT; round-robin, approximate and KV-event placement side by side",
     ),
     Benchmark(
+        "trace",
+        "services.bench.trace",
+        "a Mooncake-format trace through pdserve up --engine sim, per fleet size and routing "
+        "setting: cached share beside the ceiling and an offline oracle, TTFT/ITL, goodput, "
+        "KV bytes moved, router CPU (PNG)",
+    ),
+    Benchmark(
         "goodput",
         "services.bench.goodput",
         "simulated GPU engines through the real router: PD splits against colocated "

@@ -7,6 +7,7 @@ mid-stream lengthens one of the stream's steps by its prefill (the interference 
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import httpx
 import pytest
 
 from services.bench.sse import completion_events, event_data
+from services.bench.trace import SHIPPED_TRACE, add_arguments, load_workload, replay, summarize
+from services.bench.trace_file import oracle_tokens
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
@@ -154,3 +157,41 @@ async def test_a_failed_sim_engine_ends_its_stream_and_its_host_exits_1(
         assert last.finish_reason is FinishReason.ERROR
         assert await dec.exit_code() == 1
         await client.close()
+
+
+async def test_a_trace_replayed_through_the_router_finds_its_reuse_cached(
+    cp_settings: ControlPlaneSettings, sim_checkpoint: Path
+) -> None:
+    """``pdserve bench trace``'s replay and figures over the shipped synthetic trace's first
+    requests (20 times faster, 4 tokens each) on a sim prefill and a sim decode engine: the
+    engines' prefix caches hold what the trace reuses and the answers say so. Fails when the
+    bench's headline figure, the cached share, goes to zero (engines that cache nothing, usage
+    that reports nothing)."""
+    profile = load_profile()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--max-requests", "20", "--time-scale", "0.05", "--max-output-tokens", "4"]
+    args = parser.parse_args([str(SHIPPED_TRACE), *flags])
+    workload = load_workload(args, profile)
+    capacity = profile.kv_cache.num_blocks * profile.kv_cache.block_size
+    oracle = oracle_tokens(workload.requests, 1, capacity, engine_block=profile.kv_cache.block_size)
+    prefill, decode = SimBackend(SimOptions(profile)), SimBackend(SimOptions(profile))
+    router = RouterSettings(
+        control_plane=cp_settings,
+        tokenizer=sim_checkpoint,
+        served_model_name=profile.served_model,
+        frontend_args=["--enable-prompt-tokens-details"],
+    )
+    settings = service_settings(cp_settings)
+    async with (
+        hosted(settings, prefill, engine_id="sim-trace-prefill", role=EngineRole.PREFILL),
+        hosted(settings, decode, engine_id="sim-trace-decode", role=EngineRole.DECODE),
+        serving_router(router) as url,
+    ):
+        sent = await replay(args, url, profile.served_model, workload, oracle)
+    figures = summarize(sent, args, elapsed_s=1.0)
+    assert figures["errors"] == 0, figures["first_errors"]
+    assert figures["reusable_tokens"] > 0, figures
+    # One prefill engine holds every prefix (arrivals while a prefix is still computing
+    # miss it): most of the reuse is found, and reported.
+    assert figures["cached_share"] > 0.5 and not figures["problems"], figures
