@@ -45,3 +45,20 @@ async def test_unknown_fields_are_ignored_counted_and_logged_once(
     assert len([m for m in logged if "no_such_field" in m]) == 1, logged
     # vLLM's own DEBUG record of the fields is not let through
     assert not [r for r in caplog.records if r.levelno < logging.INFO], caplog.records
+
+
+async def test_a_clients_kv_transfer_params_are_ignored_and_counted_not_refused() -> None:
+    """vLLM's PD connectors' hand-off field: pdserve makes its own hand-off and never follows
+    a client's (tests/security/test_ssrf.py), so it is answered 200 and counted."""
+    rt = prepared(FakeFactory(), ("p0", EngineRole.PREFILL), ("d0", EngineRole.DECODE))
+    handoff = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "kv_transfer_params": handoff}
+    async with http(rt) as client:
+        answer = await client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        own = await client.post(
+            "/v1/completions", json={**body, "vllm_xargs": {"mine": 1}}
+        )  # an argument for the engine's own logits processors: pdserve's engines lack them
+        assert own.status_code == 400, own.text
+        assert own.json()["error"]["param"] == "vllm_xargs"
+    assert sample(rt, IGNORED, field="kv_transfer_params") == 2

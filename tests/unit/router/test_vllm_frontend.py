@@ -27,6 +27,7 @@ from vllm.sampling_params import StructuredOutputsParams
 
 from services.cli.main import main as cli_main
 from services.control_plane.wire import EngineRecord, EngineRole
+from services.engines import sampling_fields
 from services.engines.backend import PrefillResult
 from services.engines.errors import EngineFailed
 from services.engines.reference.tiny_model import make_tiny_model
@@ -41,7 +42,11 @@ from services.engines.vllm.version_guard import (
 from services.router.errors import InvalidRequestError
 from services.router.frontend.vllm.app import _leading_error
 from services.router.frontend.vllm.config import frontend_args
-from services.router.frontend.vllm.engine_client import engine_sampling
+from services.router.frontend.vllm.engine_client import (
+    ROUTER_SIDE_SAMPLING,
+    UNSUPPORTED_SAMPLING,
+    engine_sampling,
+)
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.connector import EngineConnector
@@ -307,6 +312,44 @@ def test_sampling_has_one_spelling_and_nothing_is_dropped() -> None:
     assert refused.value.param == "bad_words"
 
 
+REFUSED_VALUES: dict[str, Any] = {
+    "bad_words": ["x"],
+    "allowed_token_ids": [4],
+    "thinking_token_budget": 5,
+    "logprob_token_ids": [4],
+    "prompt_logprob_token_ids": [4],
+    "prompt_logprob_start": 1,
+    "extra_args": {"mine": 1},
+    "repetition_detection": {"max_pattern_size": 4},
+    "routed_experts_prompt_start": 2,
+    "trace_decode_token_ids": [4],
+}
+
+
+def test_every_vllm_sampling_field_is_carried_applied_by_the_router_or_refused() -> None:
+    carried = {name for name in sampling_fields.NAMES if sampling_fields.rule(name).in_vllm}
+    refused = set(UNSUPPORTED_SAMPLING)
+    classes = (carried, ROUTER_SIDE_SAMPLING, refused)
+    for index, one in enumerate(classes):
+        for other in classes[index + 1 :]:
+            assert not one & other
+    unclassified = set(VllmSamplingParams.__struct_fields__) - carried - ROUTER_SIDE_SAMPLING
+    assert unclassified - refused == set()  # a new vLLM field: carry, apply or refuse it
+    assert refused - set(VllmSamplingParams.__struct_fields__) == set()
+    assert set(REFUSED_VALUES) == refused
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
+def test_a_sampling_field_the_engines_do_not_carry_is_refused_when_set(name: str) -> None:
+    params = VllmSamplingParams(max_tokens=3)
+    engine_sampling(params)  # vLLM's default: not a reason to refuse
+    setattr(params, name, REFUSED_VALUES[name])
+    with pytest.raises(InvalidRequestError) as refused:
+        engine_sampling(params)
+    assert refused.value.param == UNSUPPORTED_SAMPLING[name]
+    assert UNSUPPORTED_SAMPLING[name] in refused.value.message
+
+
 async def test_structured_outputs_on_reference_engines_are_a_400_naming_the_engine(
     factory: FakeFactory, model_dir: Path
 ) -> None:
@@ -325,6 +368,25 @@ async def test_structured_outputs_on_reference_engines_are_a_400_naming_the_engi
     error = answer.json()["error"]
     assert error["param"] == "structured_outputs"
     assert "reference engine" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("vllm_xargs", {"mine": 1}),
+        ("repetition_detection", {"max_pattern_size": 4, "min_count": 3}),
+    ],
+)
+async def test_an_engine_side_field_pdserve_does_not_carry_is_a_400_naming_it(
+    factory: FakeFactory, model_dir: Path, field: str, value: Any
+) -> None:
+    """vLLM's server accepts these; pdserve's engines would run without them: refused."""
+    rt = pd_runtime(factory, model_dir)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, field: value}
+    async with served(rt) as client:
+        answer = await client.post("/v1/completions", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == field
 
 
 def test_an_error_event_opening_a_stream_is_answered_as_an_error() -> None:

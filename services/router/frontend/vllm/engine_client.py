@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError, VLLMValidationError
 from vllm.renderers.inputs.preprocess import extract_prompt_components
@@ -78,24 +79,93 @@ REQUEST_RUNS: contextvars.ContextVar[HttpRequestRuns | None] = contextvars.Conte
 )
 """Where :meth:`PdserveEngineClient.generate` leaves the runs of the HTTP request it serves."""
 
-UNSUPPORTED_SAMPLING = (
-    "bad_words",
-    "allowed_token_ids",
-    "logits_processors",
-    "thinking_token_budget",
+UNSUPPORTED_SAMPLING: dict[str, str] = {
+    "bad_words": "bad_words",
+    "allowed_token_ids": "allowed_token_ids",
+    "thinking_token_budget": "thinking_token_budget",
+    "logprob_token_ids": "logprob_token_ids",
+    "prompt_logprob_token_ids": "prompt_logprob_token_ids",
+    "prompt_logprob_start": "prompt_logprob_start",
+    "extra_args": "vllm_xargs",
+    "repetition_detection": "repetition_detection",
+    "routed_experts_prompt_start": "routed_experts_prompt_start",
+    "trace_decode_token_ids": "trace_decode_token_ids",
+}
+"""vLLM sampling fields that act in the engine and that pdserve's engine protocol does not carry
+yet, each with the request parameter a client sets it by: a request that sets one to anything
+but vLLM's default is refused (400 naming the parameter), never run without it."""
+
+ROUTER_SIDE_SAMPLING: frozenset[str] = frozenset(
+    {
+        # The router fans ``n`` out as vLLM's ParentRequest does; vLLM's OutputProcessor in the
+        # router applies the rest (or vLLM's input processor sets them from the request and the
+        # tokenizer).
+        "n",
+        "detokenize",
+        "output_kind",
+        "stream_interval",
+        "flat_logprobs",
+        "output_text_buffer_length",
+        "skip_clone",
+        "_eos_token_id",
+        "_all_stop_token_ids",
+        "_bad_words_token_ids",
+        "_watermarking_skipped",
+        # vLLM's input processor resolves it against the router's config, which configures no
+        # watermark: False, as on vLLM's server without one.
+        "watermarking",
+        # Derived by vLLM from ``prompt_logprobs``, which pdserve's engines get.
+        "skip_reading_prefix_cache",
+    }
 )
-"""vLLM sampling fields pdserve's engine protocol does not carry yet: a request that sets one
-is refused (400 naming it), never run without it."""
+"""vLLM sampling fields the router applies itself (or that follow from carried ones): never sent
+to an engine, and never a reason to refuse. Every field of vLLM's ``SamplingParams`` is carried
+(:mod:`services.engines.sampling_fields`), router-side, or in :data:`UNSUPPORTED_SAMPLING`;
+``tests/unit/router/test_vllm_frontend.py`` holds vLLM's list to that."""
+
+_VLLM_DEFAULTS: dict[str, Any] = {
+    name: getattr(VllmSamplingParams(), name) for name in UNSUPPORTED_SAMPLING
+}
+
+
+HAND_OFF_ARGS = ("kv_transfer_params", "ec_transfer_params")
+"""Request fields vLLM's front end passes in ``extra_args`` for vLLM's own PD connectors. pdserve
+makes its own hand-off and never dials what a client names (``tests/security/test_ssrf.py``):
+a client's are ignored, as unknown fields are, and counted in
+``pdserve_router_ignored_fields_total``."""
+
+
+def _unset(name: str, value: Any) -> bool:
+    """Whether ``value`` leaves field ``name`` as vLLM's default (an empty collection too)."""
+    return not value or value == _VLLM_DEFAULTS[name]
+
+
+def _without_hand_off(params: Any) -> None:
+    """Drop (and count) the client's hand-off fields from ``params.extra_args``."""
+    extra = getattr(params, "extra_args", None)
+    if not extra or not any(name in extra for name in HAND_OFF_ARGS):
+        return
+    dropped = [name for name in HAND_OFF_ARGS if name in extra]
+    params.extra_args = {k: v for k, v in extra.items() if k not in HAND_OFF_ARGS} or None
+    runs = REQUEST_RUNS.get()
+    if runs is not None and runs.metrics is not None:
+        new = runs.metrics.ignored(dropped)
+        if new:
+            logger.warning(
+                "request fields ignored: pdserve makes its own KV hand-off (counted in "
+                "pdserve_router_ignored_fields_total; logged once): %s",
+                ", ".join(new),
+            )
 
 
 def engine_sampling(params: Any) -> SamplingParams:
     """pdserve's sampling parameters (the proto's spelling) for vLLM's ``SamplingParams`` of
     one choice, field by field as :mod:`services.engines.sampling_fields` maps them.
     Detokenization options stay in the router (vLLM's detokenizer runs here)."""
-    for name in UNSUPPORTED_SAMPLING:
-        if getattr(params, name, None):
+    for name, param in UNSUPPORTED_SAMPLING.items():
+        if not _unset(name, getattr(params, name, None)):
             raise InvalidRequestError(
-                f"{name} is not supported through pdserve's engines yet", param=name
+                f"{param} is not supported through pdserve's engines yet", param=param
             )
     return from_vllm(params)
 
@@ -200,6 +270,7 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
             prompt_text, _, _ = extract_prompt_components(self.model_config, prompt)
         self.input_processor.assign_request_id(request)
         params = request.sampling_params
+        _without_hand_off(params)
         children: list[tuple[Any, Any]] = []
         parent = None
         if params.n == 1:
