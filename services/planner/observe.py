@@ -8,7 +8,10 @@ serve), ``pdserve_router_ttft_seconds`` (every path) and ``pdserve_router_itl_se
 ``pdserve_router_request_prompt_tokens`` and ``pdserve_router_request_generation_tokens`` (per
 request histograms: an interval's mean input and output lengths are their sums' deltas over
 their counts'). A router without the token histograms (an older one) gives ``None`` lengths:
-the planner then takes them from its settings.
+the planner then takes them from its settings. ``pdserve_router_cached_tokens{pool="prefill"}``
+(per request placed on the prefill pool: the prompt tokens its engine holds, as the router's
+cache view says, exact with KV events) gives an interval's mean cached prompt tokens the same
+way (``None``: the router reports none, and the planner assumes nothing cached).
 
 Also read: ``pdserve_router_engine_load{engine, role, kind}``, the load each engine last reported
 through the control plane and the router relays (``kind``: ``queue_depth``,
@@ -33,6 +36,8 @@ ITL = "pdserve_router_itl_seconds"
 READY_ENGINES = "pdserve_router_ready_engines"
 PROMPT_TOKENS = "pdserve_router_request_prompt_tokens"
 GENERATION_TOKENS = "pdserve_router_request_generation_tokens"
+CACHED_TOKENS = "pdserve_router_cached_tokens"
+_CACHED_PARTS = (f"{CACHED_TOKENS}_sum", f"{CACHED_TOKENS}_count")
 ENGINE_LOAD = "pdserve_router_engine_load"
 LOAD_KINDS = ("queue_depth", "running_requests", "kv_blocks_free", "kv_blocks_total")
 _SUMMED = tuple(
@@ -114,6 +119,8 @@ class RouterSnapshot:
     """``(sum, count)`` of the prompt-token histogram; ``None`` when the router has none."""
     generation_tokens: tuple[float, float] | None = None
     """``(sum, count)`` of the generated-token histogram; ``None`` as ``prompt_tokens``."""
+    prefill_cached_tokens: tuple[float, float] | None = None
+    """``(sum, count)`` of the prefill pool's cached-token histogram; ``None`` as above."""
     engine_loads: tuple[EngineReport, ...] | None = None
     """Each engine's relayed load, sorted by engine and role; ``None`` when the router exports
     no ``pdserve_router_engine_load`` (empty: it does, but has no engine)."""
@@ -137,6 +144,8 @@ class Interval:
     router counts no tokens)."""
     output_tokens: float | None = None
     """Mean generated length, as ``input_tokens``."""
+    cached_tokens: float | None = None
+    """Mean prompt tokens found cached per request placed on the prefill pool in it."""
 
 
 def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
@@ -156,7 +165,10 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
                 name = sample.name
                 if name == REQUESTS:
                     totals[REQUESTS] = totals.get(REQUESTS, 0.0) + sample.value
-                elif name in _SUMMED:
+                elif name in _SUMMED or (
+                    # the prefill pool's only: what its engines need not compute
+                    name in _CACHED_PARTS and sample.labels.get("pool") == "prefill"
+                ):
                     totals[name] = totals.get(name, 0.0) + sample.value
                 elif name == READY_ENGINES:
                     role = sample.labels.get("role", "")
@@ -179,6 +191,7 @@ def parse_router_metrics(text: str, at_s: float) -> RouterSnapshot:
         ready_decode=ready.get("decode"),
         prompt_tokens=_sum_count(totals, PROMPT_TOKENS),
         generation_tokens=_sum_count(totals, GENERATION_TOKENS),
+        prefill_cached_tokens=_sum_count(totals, CACHED_TOKENS),
         engine_loads=(
             tuple(EngineReport(e, r, **kinds) for (e, r), kinds in sorted(loads.items()))
             if ENGINE_LOAD in found
@@ -212,6 +225,7 @@ def interval_between(before: RouterSnapshot, after: RouterSnapshot) -> Interval 
         itl_ms=_mean_ms(after.itl_sum_s - before.itl_sum_s, itl_count),
         input_tokens=_mean_tokens(before.prompt_tokens, after.prompt_tokens),
         output_tokens=_mean_tokens(before.generation_tokens, after.generation_tokens),
+        cached_tokens=_mean_tokens(before.prefill_cached_tokens, after.prefill_cached_tokens),
     )
 
 

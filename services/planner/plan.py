@@ -19,6 +19,7 @@ from services.planner.sizing import (
     decode_size,
     expected_itl_ms,
     expected_ttft_ms,
+    prefill_service_ms,
     prefill_size,
 )
 
@@ -95,6 +96,7 @@ class Planner:
         self._breaches = {"prefill": BreachMemory(), "decode": BreachMemory()}
         self._measured_input: float | None = None
         self._measured_output: float | None = None
+        self._measured_cached = 0.0
 
     def step(self, snapshot: RouterSnapshot | None) -> PlanStep:
         """The decisions after an interval ending at ``snapshot`` (``None``: its figures could
@@ -118,22 +120,29 @@ class Planner:
             self._measured_input = interval.input_tokens
         if interval.output_tokens is not None:
             self._measured_output = interval.output_tokens
+        if interval.cached_tokens is not None:
+            self._measured_cached = interval.cached_tokens
         measured = self._measured_input is not None and self._measured_output is not None
         observed = Load(
             interval.rate_rps,
             self._measured_input if self._measured_input is not None else self.input_tokens,
             self._measured_output if self._measured_output is not None else self.output_tokens,
+            self._measured_cached,
         )
         self.predictor.observe(observed)
         predicted = self.predictor.predict() or observed
         low, high = self.correction_range
         prefill_engines = snapshot.ready_prefill or self.prefill.desired
         decode_engines = snapshot.ready_decode or self.decode.desired
-        service_s = self.profile.prefill_ms(max(1, round(observed.input_tokens))) / 1000
+        service_s = (
+            prefill_service_ms(self.profile, observed.input_tokens, observed.cached_tokens) / 1000
+        )
         utilisation = observed.rate_rps * service_s / prefill_engines
         prefill_ratio = correction(
             interval.ttft_ms,
-            expected_ttft_ms(self.profile, observed.input_tokens, utilisation),
+            expected_ttft_ms(
+                self.profile, observed.input_tokens, utilisation, observed.cached_tokens
+            ),
             low,
             high,
         )
@@ -263,6 +272,7 @@ def step_record(step: PlanStep) -> dict[str, object]:
             "rate_rps": round(step.predicted.rate_rps, 4),
             "input_tokens": round(step.predicted.input_tokens, 1),
             "output_tokens": round(step.predicted.output_tokens, 1),
+            "cached_tokens": round(step.predicted.cached_tokens, 1),
             "lengths": step.lengths,
         }
     for name, plan in (("prefill", step.prefill), ("decode", step.decode)):

@@ -61,6 +61,7 @@ class EmaPredictor(LoadPredictor):
             rate_rps=a * load.rate_rps + (1 - a) * old.rate_rps,
             input_tokens=a * load.input_tokens + (1 - a) * old.input_tokens,
             output_tokens=a * load.output_tokens + (1 - a) * old.output_tokens,
+            cached_tokens=a * load.cached_tokens + (1 - a) * old.cached_tokens,
         )
 
     def predict(self) -> Load | None:

@@ -10,6 +10,12 @@ and the KV transfer (``transfer_ms(I)``). The largest utilisation meeting the TT
 SLO no utilisation meets (the prefill alone is longer) for its throughput instead of without
 bound. Prefill replicas: ``ceil(rate / (rho* * mu))``.
 
+Cached prompts: a request whose prompt's first ``K`` tokens the prefill engine holds in its
+prefix cache computes only the rest (the profile's step with ``K`` tokens of context,
+:func:`prefill_service_ms`), so ``Load.cached_tokens`` (the router's count of what its
+placements found cached) shortens ``s`` and a fleet whose prompts mostly hit is not sized as
+if every token were computed. The transfer still moves the whole prompt.
+
 Decode: a step of ``B`` sequences at the mean context ``C = I + O/2`` takes ``decode_step_ms(B,
 B*C)``; the largest ``B`` whose step meets the ITL, within ``max_num_seqs`` and the KV blocks
 (a sequence holds ``ceil((I + O) / block_size)`` blocks at its end), gives ``B * 1000 / step``
@@ -41,6 +47,9 @@ class Load:
     rate_rps: float
     input_tokens: float
     output_tokens: float
+    cached_tokens: float = 0.0
+    """Mean prompt tokens a request placed on the prefill pool finds in its engine's prefix
+    cache (not computed there)."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +69,18 @@ class PoolSize:
     slo_reachable: bool
 
 
+def prefill_service_ms(profile: SimProfile, input_tokens: float, cached_tokens: float) -> float:
+    """One prompt of ``input_tokens`` whose first ``cached_tokens`` are cached (at most all but
+    its last token): the rest computed over the cached context."""
+    tokens = max(1, round(input_tokens))
+    cached = min(max(0, round(cached_tokens)), tokens - 1)
+    return profile.step_ms(prefill_chunks=[(cached, tokens - cached)])
+
+
 def prefill_size(profile: SimProfile, load: Load, ttft_ms: float) -> PoolSize:
     """The prefill pool for ``load`` at ``ttft_ms`` (see the module docstring)."""
     tokens = max(1, round(load.input_tokens))
-    service_ms = profile.prefill_ms(tokens)
+    service_ms = prefill_service_ms(profile, load.input_tokens, load.cached_tokens)
     budget_ms = ttft_ms - profile.transfer_ms(tokens)
     k = budget_ms / service_ms - 1
     rho = 2 * k / (1 + 2 * k) if k > 0 else 0.0
@@ -73,11 +90,13 @@ def prefill_size(profile: SimProfile, load: Load, ttft_ms: float) -> PoolSize:
     return PoolSize(replicas, tokens * prompts_per_s, slo_reachable=k >= 0)
 
 
-def expected_ttft_ms(profile: SimProfile, input_tokens: float, utilisation: float) -> float:
+def expected_ttft_ms(
+    profile: SimProfile, input_tokens: float, utilisation: float, cached_tokens: float = 0.0
+) -> float:
     """The TTFT the model expects at ``utilisation`` of the prefill pool (capped at
-    :data:`RHO_CAP`): the M/D/1 wait, the prefill and the transfer."""
+    :data:`RHO_CAP`): the M/D/1 wait, the prefill (of what is not cached) and the transfer."""
     tokens = max(1, round(input_tokens))
-    service_ms = profile.prefill_ms(tokens)
+    service_ms = prefill_service_ms(profile, input_tokens, cached_tokens)
     rho = min(max(utilisation, 0.0), RHO_CAP)
     return service_ms + rho * service_ms / (2 * (1 - rho)) + profile.transfer_ms(tokens)
 

@@ -158,3 +158,18 @@ def test_engines_without_kv_capacity_give_no_kv_usage() -> None:
     _relay(metrics, "decode-0", "decode", (2, 1, 0, 0))  # the engine reports no KV blocks
     decode = parse_router_metrics(_text(metrics), at_s=0.0).pool_load("decode")
     assert decode is not None and decode.kv_usage is None and decode.queue_depth == 2
+
+
+def test_an_interval_gives_the_mean_cached_tokens_of_the_prefill_pools_placements() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    metrics.cached_tokens_by("prefill").observe(100)  # before the interval
+    before = parse_router_metrics(_text(metrics), at_s=0.0)
+    for cached in (800, 400):
+        metrics.cached_tokens_by("prefill").observe(cached)
+    metrics.cached_tokens_by("decode").observe(5000)  # the decode pool's: not prefill work
+    after = parse_router_metrics(_text(metrics), at_s=5.0)
+    interval = interval_between(before, after)
+    assert interval is not None and interval.cached_tokens == pytest.approx(600)
+    # No placement in an interval: no figure (the planner keeps the last).
+    again = interval_between(after, parse_router_metrics(_text(metrics), at_s=9.0))
+    assert again is not None and again.cached_tokens is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.engines.sim.profile import load_profile
 from services.planner.decision import Bounds
 from services.planner.observe import RouterSnapshot
@@ -172,3 +174,21 @@ def test_after_a_breach_the_pool_does_not_go_back_down_at_the_same_load() -> Non
     # The load falls well below the rate one engine missed at: back to one.
     quiet = planner.step(RouterSnapshot(30, 22, 1.32, 22, 48.0 + 1.6, 2200, 1, 2))
     assert quiet.decode.decision.desired == 1
+
+
+def test_the_prefill_pool_is_sized_for_what_the_router_found_uncached() -> None:
+    """The router's cached tokens per prefill placement reach the sizing: a fleet whose
+    prompts mostly hit is not sized as if every token were computed."""
+    sized = {}
+    for cached in (0.0, 1800.0):
+        planner = _planner()
+        for at_s, requests in ((0, 0), (10, 1200)):  # 120 requests/s
+            snapshot = _snapshot(at_s, requests, tokens=(2000, 500))
+            snapshot = dataclasses.replace(
+                snapshot, prefill_cached_tokens=(requests * cached, requests)
+            )
+            step = planner.step(snapshot)
+        assert step.predicted is not None and step.predicted.cached_tokens == cached
+        assert step_record(step)["predicted"]["cached_tokens"] == cached  # type: ignore[index]
+        sized[cached] = step.prefill.decision.needed
+    assert sized[1800.0] < sized[0.0], sized

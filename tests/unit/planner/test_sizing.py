@@ -16,6 +16,7 @@ from services.planner.sizing import (
     expected_itl_ms,
     expected_ttft_ms,
     max_decode_batch,
+    prefill_service_ms,
     prefill_size,
 )
 
@@ -152,3 +153,20 @@ def test_correction_is_the_clamped_ratio() -> None:
     assert correction(15, 10, 0.5, 3) == pytest.approx(1.5)
     assert correction(100, 10, 0.5, 3) == 3
     assert correction(1, 10, 0.5, 3) == 0.5
+
+
+def test_a_load_whose_prompts_mostly_hit_the_cache_needs_fewer_prefill_engines() -> None:
+    """The planner reads the cached tokens the router reports (``Load.cached_tokens``): a
+    prompt of 1000 tokens with 900 cached takes 11 ms, not 20, and the pool shrinks to match;
+    the model's TTFT follows."""
+    profile = _profile()
+    cached = Load(rate_rps=100, input_tokens=1000, output_tokens=200, cached_tokens=900)
+    assert prefill_service_ms(profile, 1000, 900) == pytest.approx(11)
+    assert prefill_service_ms(profile, 1000, 5000) == pytest.approx(10.01)  # the last token
+    assert (
+        prefill_size(profile, cached, ttft_ms=50).replicas
+        < prefill_size(profile, LOAD, ttft_ms=50).replicas
+    )
+    assert expected_ttft_ms(profile, 1000, 0.5, cached_tokens=900) < expected_ttft_ms(
+        profile, 1000, 0.5
+    )
