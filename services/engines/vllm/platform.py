@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 logger = logging.getLogger(__name__)
 
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 
 
 class Platform(enum.StrEnum):
@@ -83,11 +84,42 @@ def shared_cpu_bindings(world_sizes: Sequence[int], cpus: Sequence[int]) -> list
     return bindings
 
 
+def omp_threads_per_rank(binding: str) -> int | None:
+    """The OpenMP threads each rank of ``binding`` gets: the fewest cores any rank is bound to
+    (``"0-3|4,5"``: 2); ``None`` for vLLM's own modes (``auto``, ``nobind``) or a binding
+    this does not read."""
+    counts = []
+    for group in binding.split("|"):
+        count = 0
+        for part in group.split(","):
+            first, dash, last = part.strip().partition("-")
+            if not first.isdigit() or (dash and not last.isdigit()):
+                return None
+            count += int(last) - int(first) + 1 if dash else 1
+        counts.append(count)
+    return min(counts) if counts and min(counts) > 0 else None
+
+
 def cpu_environment(world_size: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a CPU vLLM engine of ``world_size`` ranks is started with: a thread
-    binding over the cores this process may run on, unless ``environ`` already sets one."""
+    binding over the cores this process may run on, unless ``environ`` already sets one, and
+    as many OpenMP threads as a rank has cores (``OMP_NUM_THREADS``, unless set).
+
+    vLLM sets ``OMP_NUM_THREADS`` (and the threads' affinity) only in the environment of a
+    worker it *spawns*; a worker forked from the engine host (pdserve's default on CPUs,
+    docs/vllm.md) keeps the OpenMP runtime the host loaded with torch, whose default is one
+    thread per core of the machine. Its GEMMs then ran two OpenMP threads on a rank bound to
+    one core of two, which spin-wait for each other: measured on 2 cores (tiny model, 1P1D),
+    4x the CPU of a spawned worker per request (decode worker 290 against 78 ms per 16-token
+    request) and twice the latency. The variable must be set before the host loads torch:
+    the backend sets it with the binding, before it imports vLLM."""
     environ = os.environ if environ is None else environ
-    if environ.get(THREADS_BIND_ENV):
-        return {}
-    binding = cpu_thread_binding(world_size, sorted(os.sched_getaffinity(0)))
-    return {THREADS_BIND_ENV: binding}
+    result: dict[str, str] = {}
+    binding = environ.get(THREADS_BIND_ENV)
+    if not binding:
+        binding = cpu_thread_binding(world_size, sorted(os.sched_getaffinity(0)))
+        result[THREADS_BIND_ENV] = binding
+    threads = omp_threads_per_rank(binding)
+    if threads is not None and not environ.get(OMP_THREADS_ENV):
+        result[OMP_THREADS_ENV] = str(threads)
+    return result

@@ -18,6 +18,7 @@ from services.engines.vllm.platform import (
     Platform,
     cpu_environment,
     cpu_thread_binding,
+    omp_threads_per_rank,
     shared_cpu_bindings,
 )
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
@@ -41,6 +42,19 @@ def test_thread_binding_splits_cores_or_shares_them_round_robin() -> None:
 def test_an_operators_binding_wins() -> None:
     assert cpu_environment(2, {THREADS_BIND_ENV: "nobind"}) == {}
     assert THREADS_BIND_ENV in cpu_environment(2, {})
+
+
+def test_a_forked_worker_gets_one_openmp_thread_per_core_of_its_rank() -> None:
+    """vLLM sets OMP_NUM_THREADS only for workers it spawns: a forked one inherits it from
+    the engine host's environment (2 threads spinning on one core cost 4x the CPU)."""
+    assert cpu_environment(1, {THREADS_BIND_ENV: "1"}) == {"OMP_NUM_THREADS": "1"}
+    assert cpu_environment(2, {THREADS_BIND_ENV: "0-3|4,5"})["OMP_NUM_THREADS"] == "2"
+    assert cpu_environment(1, {THREADS_BIND_ENV: "0", "OMP_NUM_THREADS": "3"}) == {}
+    derived = cpu_environment(1, {})
+    cores = derived[THREADS_BIND_ENV].split(",")
+    assert derived["OMP_NUM_THREADS"] == str(len(cores))
+    assert omp_threads_per_rank("auto") is None
+    assert omp_threads_per_rank("0|1|0") == 1
 
 
 def test_consumer_blocks_past_the_producers_are_dropped_from_the_end() -> None:
