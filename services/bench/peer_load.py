@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,9 @@ class Outcome:
     itls_s: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    execution_path: str | None = None
+    """pdserve's ``x-pdserve-execution-path`` (``disaggregated``, ``local``...); None on the
+    peer."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ async def _stream(
     finished = False
     texts: list[str] = []
     async with client.stream("POST", outcome.path, json=outcome.body, timeout=timeout_s) as reply:
+        outcome.execution_path = reply.headers.get("x-pdserve-execution-path")
         async for event in completion_events(reply):
             for choice in event.get("choices", []):
                 now = time.perf_counter()
@@ -284,6 +289,7 @@ def figures(outcomes: Sequence[Outcome], window_s: float, slo: Slo) -> dict[str,
     errors = [o.error for o in outcomes if not o.ok]
     itls = [gap for o in done for gap in o.itls_s]
     tokens = sum(len(o.token_ids) for o in done)
+    paths = Counter(o.execution_path for o in done if o.execution_path)
     return {
         "requests": len(outcomes),
         "completed": len(done),
@@ -299,6 +305,7 @@ def figures(outcomes: Sequence[Outcome], window_s: float, slo: Slo) -> dict[str,
         "slo_attainment": round(sum(slo.met(o) for o in done) / len(outcomes), 3)
         if outcomes
         else None,
+        **({"execution_paths": dict(sorted(paths.items()))} if paths else {}),
     }
 
 

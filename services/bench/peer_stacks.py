@@ -151,6 +151,8 @@ def peer_server_env(thread_binding: str, side_channel_port: int) -> dict[str, st
     return {
         "VLLM_CPU_OMP_THREADS_BIND": thread_binding,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        # vLLM logs to stdout, which the bench does not keep: its log goes with stderr.
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     }
 
 
