@@ -647,7 +647,7 @@ class ClientProtocol:
                 )
                 return
             stream.messages.append(bytes(buffer[position + frames.MESSAGE_PREFIX_BYTES : end]))
-            queued += size + MESSAGE_COST
+            queued += size
             appended += 1
             position = end
         if position == size_now:
@@ -666,7 +666,7 @@ class ClientProtocol:
         stream.credit += length
         if stream.streaming:
             if appended:  # an empty message too wakes the reader
-                stream.queued_bytes += queued
+                stream.queued_bytes += queued + appended * MESSAGE_COST
                 if stream.queued_bytes > MAX_QUEUED_COST:
                     self._events.append(Breach(Violation.FLOOD))
                     count, held = len(stream.messages), stream.queued_bytes
@@ -793,7 +793,11 @@ class ClientProtocol:
                 return
             # As grpc-go: a 200 that is not gRPC's content (an HTML page from a proxy) is
             # UNKNOWN, named; a Trailers-Only answer without one is taken (grpc-core does).
-            if (content_type or not ended) and not _is_grpc(content_type):
+            if (
+                content_type != "application/grpc"
+                and (content_type or not ended)
+                and not _is_grpc(content_type)
+            ):
                 self._refuse_answer(
                     stream,
                     ended,
@@ -830,6 +834,9 @@ class ClientProtocol:
         for name, value in fields:
             if name == "grpc-status":
                 status = value
+                if value == "0":
+                    code = grpc.StatusCode.OK
+                    continue
                 number = _number(value, 10)
                 if number is None:
                     # grpc-go's answer: INTERNAL, named (not UNKNOWN with the details empty).
