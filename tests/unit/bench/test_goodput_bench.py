@@ -17,6 +17,7 @@ from services.bench.goodput import (
     _plot,
     _versus,
     fidelity_output_tokens,
+    unshared,
 )
 from services.bench.procs import children_with_arg
 from services.engines.sim.profile import load_profile
@@ -93,3 +94,12 @@ def test_engine_processes_are_counted_from_their_command_line() -> None:
             child.kill()
             child.wait()
     assert engine.pid not in children_with_arg(os.getpid(), "--engine-id")
+
+
+def test_every_request_of_the_sweep_has_its_own_first_block() -> None:
+    """The sim engines cache prompts: a sweep that sent one prompt would measure cache hits,
+    not the prefill it sizes pools for."""
+    prompt = list(range(40, 240))
+    firsts = {tuple(unshared(prompt, n)[:16]) for n in range(3000)}
+    assert len(firsts) == 3000
+    assert unshared(prompt, 5)[2:] == prompt[2:] and len(unshared([50], 7)) == 1
