@@ -24,6 +24,7 @@ from typing import Any, TypeVar, cast
 
 import msgpack
 
+from services.codec import MsgpackBounds, UnpackError, unpack_bounded
 from services.control_plane.errors import RecordDecodeError
 from services.topology import Range
 
@@ -306,33 +307,22 @@ def encode(record: Any) -> bytes:
     return data
 
 
+_RECORD_BOUNDS = MsgpackBounds(
+    max_bytes=MAX_RECORD_BYTES,
+    max_str_len=MAX_RECORD_BYTES,
+    max_bin_len=MAX_RECORD_BYTES,
+    max_array_len=MAX_REGIONS + 16,
+    max_map_len=64,
+)
+
+
 def decode(data: bytes, cls: type[T]) -> T:
     """Decode and strictly validate one value of type ``cls``; see the module docstring."""
     kind = _KINDS[cls]
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordDecodeError(
-            f"{kind} record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}", reason="oversized"
-        )
     try:
-        envelope = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=MAX_RECORD_BYTES,
-            max_bin_len=MAX_RECORD_BYTES,
-            max_array_len=MAX_REGIONS + 16,
-            max_map_len=64,
-            max_ext_len=0,
-        )
-    except (
-        ValueError,
-        TypeError,
-        msgpack.ExtraData,
-        msgpack.FormatError,
-        msgpack.StackError,
-    ) as exc:
-        # UnicodeDecodeError is a ValueError; so are msgpack's size-limit errors.
-        raise RecordDecodeError(f"{kind} record is not valid msgpack: {exc}") from exc
+        envelope = unpack_bounded(data, _RECORD_BOUNDS)
+    except UnpackError as exc:
+        raise RecordDecodeError(f"{kind} record: {exc}", reason=exc.reason) from exc
     if not isinstance(envelope, dict) or set(envelope) != {"v", "k", "d"}:
         raise RecordDecodeError(f"{kind} record has no pdserve envelope", reason="malformed")
     if envelope["v"] != PROTOCOL_VERSION:

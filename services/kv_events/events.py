@@ -21,6 +21,8 @@ from typing import Any, TypeAlias
 
 import msgpack
 
+from services.codec import MsgpackBounds, UnpackError, unpack_bounded
+
 EngineBlockHash: TypeAlias = int | bytes
 """An engine's hash of one block (vLLM's ``ExternalBlockHash``)."""
 
@@ -121,30 +123,21 @@ def encode_batch(batch: EventBatch) -> bytes:
     return data
 
 
+_BATCH_BOUNDS = MsgpackBounds(
+    max_bytes=MAX_PAYLOAD_BYTES,
+    max_str_len=1 << 16,
+    max_bin_len=MAX_HASH_BYTES,
+    max_array_len=MAX_TOKENS_PER_EVENT,
+    max_map_len=32,
+)
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one batch in either encoding; raises :class:`EventDecodeError`."""
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise EventDecodeError(f"event batch of {len(payload)} bytes", reason="oversized")
     try:
-        body = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=1 << 16,
-            max_bin_len=MAX_HASH_BYTES,
-            max_array_len=MAX_TOKENS_PER_EVENT,
-            max_map_len=32,
-            max_ext_len=0,
-        )
-    except (
-        ValueError,
-        TypeError,
-        msgpack.ExtraData,
-        msgpack.FormatError,
-        msgpack.StackError,
-    ) as exc:
-        message = f"event batch is not valid msgpack: {exc}"
-        raise EventDecodeError(message, reason="malformed") from exc
+        body = unpack_bounded(payload, _BATCH_BOUNDS)
+    except UnpackError as exc:
+        raise EventDecodeError(f"event batch: {exc}", reason=exc.reason) from exc
     if isinstance(body, dict):  # a batch encoded as a map (not array_like)
         body = [body.get("ts"), body.get("events"), body.get("data_parallel_rank")]
     if not isinstance(body, list) or not 2 <= len(body) <= 3:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 
+from services.codec import MsgpackBounds, UnpackError, unpack_bounded
 from services.control_plane.wire import EngineId, Generation
 from services.kv_transfer.errors import NotificationDecodeError
 from services.topology.ranges import RankKey
@@ -100,28 +101,21 @@ def _str(value: Any, name: str) -> str:
     return value
 
 
+_NOTIFICATION_BOUNDS = MsgpackBounds(
+    max_bytes=MAX_NOTIFICATION_BYTES,
+    max_str_len=MAX_NOTIFICATION_BYTES,
+    max_bin_len=0,
+    max_array_len=16,
+    max_map_len=0,
+)
+
+
 def decode_notification(data: bytes) -> KVNotification:
     """Decode and validate one notification; raises :class:`NotificationDecodeError` only."""
-    if len(data) > MAX_NOTIFICATION_BYTES:
-        raise NotificationDecodeError(f"notification of {len(data)} bytes is oversized")
     try:
-        body = msgpack.unpackb(
-            data,
-            raw=False,
-            max_str_len=MAX_NOTIFICATION_BYTES,
-            max_bin_len=0,
-            max_array_len=16,
-            max_map_len=0,
-            max_ext_len=0,
-        )
-    except (
-        ValueError,
-        TypeError,
-        msgpack.ExtraData,
-        msgpack.FormatError,
-        msgpack.StackError,
-    ) as exc:
-        raise NotificationDecodeError(f"notification is not valid msgpack: {exc}") from exc
+        body = unpack_bounded(data, _NOTIFICATION_BOUNDS)
+    except UnpackError as exc:
+        raise NotificationDecodeError(f"notification is {exc.reason}: {exc}") from exc
     if not isinstance(body, list) or not body:
         raise NotificationDecodeError("notification is not a versioned list")
     if body[0] != NOTIFICATION_VERSION:

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from services.codec import MsgpackBounds, UnpackError, unpack_bounded
 from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.aggregation import DTYPE_BYTES, EngineTopology
@@ -149,6 +150,15 @@ class ConnectorSettings:
             raise ValueError(f"invalid pdserve connector settings: {exc}") from exc
 
 
+_EXTRA_BOUNDS = MsgpackBounds(
+    max_bytes=MAX_EXTRA_BYTES,
+    max_str_len=MAX_EXTRA_BYTES,
+    max_bin_len=MAX_EXTRA_BYTES,
+    max_array_len=0,
+    max_map_len=8,
+)
+
+
 @dataclass(frozen=True)
 class VllmHandshakeExtra:
     """The ``extra`` of a vLLM engine's handshake record (see the module docstring)."""
@@ -177,12 +187,10 @@ class VllmHandshakeExtra:
     @classmethod
     def decode(cls, data: bytes) -> VllmHandshakeExtra:
         """Strict decode; raises :class:`HandshakeResolutionError` (Redis is a trust boundary)."""
-        if len(data) > MAX_EXTRA_BYTES:
-            raise HandshakeResolutionError(f"vLLM handshake extra of {len(data)} bytes")
         try:
-            raw = msgpack.unpackb(data, raw=False, max_map_len=8, max_array_len=0, max_ext_len=0)
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
-            raise HandshakeResolutionError(f"vLLM handshake extra is not msgpack: {exc}") from exc
+            raw = unpack_bounded(data, _EXTRA_BOUNDS)
+        except UnpackError as exc:
+            raise HandshakeResolutionError(f"vLLM handshake extra: {exc}") from exc
         if not isinstance(raw, dict) or raw.get("v") != EXTRA_VERSION:
             raise HandshakeResolutionError("vLLM handshake extra has another version or shape")
         payload, mode, perf, wall = (
