@@ -209,7 +209,8 @@ async def test_kv_events_go_out_on_vllms_wire_protocol_to_a_subscriber() -> None
                 break
             await asyncio.sleep(0.02)
         assert follower.matched(keys) == 5, follower.problems
-        assert not follower.problems
+        # (a batch both replayed and received live is dropped once as a duplicate: normal)
+        assert set(follower.problems) <= {"dropped:duplicate"}, follower.problems
         assert backend.load().kv_events_seq >= 0
     finally:
         await subscriber.close()
