@@ -1,5 +1,5 @@
 """A gRPC server that breaks HTTP/2 on request, for the h2grpc client's tests
-(tests/integration/services/test_h2grpc_misbehaving.py).
+(tests/integration/services/test_h2grpc_misbehaving.py and test_h2grpc_misbehaving_bounds.py).
 
 It answers each request with the next of its ``behaviours`` (then :func:`good`, an echo). Its
 conforming part is the ``h2`` package's server (``h2.connection.H2Connection``): the preface,
@@ -8,11 +8,14 @@ DATA and trailers, flow control both ways (its sends wait for the client's WINDO
 own window updates acknowledge the request's data). What h2 refuses to write is written as raw
 frame bytes beside h2's output, after it: a truncated GOAWAY, a WINDOW_UPDATE of 0 or past
 2^31-1, a frame over the client's maximum, SETTINGS of 7 bytes, DATA on a stream never opened,
-CONTINUATION without end, and GOAWAY itself (h2 closes its state machine at its own GOAWAY and
+CONTINUATION without end (empty or not), PINGs without end, answers whose header blocks (literals
+never indexed) carry what h2 would not send (a ``:status`` or ``grpc-status`` that is not a
+number, an HTML 200), and GOAWAY itself (h2 closes its state machine at its own GOAWAY and
 then refuses the calls it did take, and every frame the client still sends, where RFC 9113 §6.8
 lets the connection finish them). A raw frame never changes HPACK's state: h2's encoder stays
 the client's decoder's peer. Options at the connection level: the settings it advertises,
-SETTINGS never acknowledged, the socket no longer read after a request's headers.
+SETTINGS never acknowledged, the socket no longer read after a request's headers, the first
+connections never spoken to (``silent_connections``).
 
 So the client is checked against an independent reading of the protocol, not its own code. The
 server records what the client sent (GOAWAY and RST_STREAM codes, read from the bytes before h2
