@@ -220,6 +220,7 @@ class EnginePool:
                 self._registered_models[engine_id] = view.record.model
             else:
                 self._registered_models.pop(engine_id, None)
+            current = self._slots.get(engine_id)  # (an expired hold has left already)
             if current is not None:
                 self._remove(current)
             return

@@ -89,6 +89,16 @@ def test_a_held_engine_leaves_when_a_call_on_it_fails_or_its_holdover_ends():
         rt.scheduler.plan("tiny", PROMPT)
 
 
+def test_a_hold_that_ran_out_ends_at_the_next_view_of_the_engine():
+    clock = Clock()
+    rt = ready_pair(clock)
+    rt.pool.update("d", None, resync="reconnect")
+    clock.now += HOLDOVER_S
+    rt.pool.update("d", None, resync="periodic")
+    assert rt.pool.get("d") is None and rt.pool.held() == []
+    assert holdovers(rt, "expired") == 1
+
+
 def test_redis_listing_the_same_generation_again_ends_the_hold():
     """A Sentinel replica promoted with the registrations: nothing to replace."""
     clock = Clock()
