@@ -17,7 +17,8 @@ means the pull may start. The refusals, in order:
 A control-plane error while reading the registration is :func:`control_plane_refusal`
 (``ProducerUnavailable``, reason ``control_plane``). :class:`ProducerViews` is how consumers read
 registrations: it rides out a short control-plane outage on the last view read of each producer
-(counted, bounded by ``max_stale_s``; the safety argument is in its docstring).
+(counted; views at most ``max_stale_s`` old when the outage began; the safety argument is in
+its docstring).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class ProducerViews:
     than ``max_stale_s`` dropped; a producer read as unregistered is forgotten). When the read
     fails because the control plane is *unavailable* (:class:`ControlPlaneUnavailable`, Redis
     unreachable after the client's retries; not ``reason="auth"``, which is a configuration
-    error), the remembered view answers instead if it was read at most ``max_stale_s`` ago:
+    error), the remembered view answers instead if it was read at most ``max_stale_s`` before
+    the outage began (its first failed read), however long the outage lasts:
     counted as ``on_fallback("last_known")``; without one, or with one too old, the check is
     refused as before (:func:`control_plane_refusal`, reason ``control_plane``) and counted as
     ``on_fallback("refused")``. Any other control-plane error (auth, a rejected command, a
@@ -161,13 +163,17 @@ class ProducerViews:
     Why a remembered view is safe: a KV handle names its producer's generation, and a
     producer at that generation stays valid until it re-registers (a restart, or its
     registration lost), which needs the control plane. While the control plane is down nobody
-    can register a new generation, so a READY view at the handle's generation, read less than
-    ``max_stale_s`` ago, is the best knowledge anyone has; :func:`producer_refusal` still
-    applies to it (another generation, not READY, incompatible: refused). If the producer
-    died meanwhile, the pull from its NIXL agent fails (``KVTransferFailed``, explicit and
-    counted by the data plane), so a stale view can cost a failed request, never wrong data.
-    ``max_stale_s`` bounds how long this knowledge is trusted (default
-    :data:`STALE_FACTOR` lease TTLs); 0 turns the fallback off.
+    can register a new generation, so a READY view at the handle's generation that was fresh
+    when the outage began is the best knowledge anyone has for as long as it lasts (a producer
+    cut off from a Redis the others still reach registers a new generation: its handles name
+    it, and the remembered view refuses them); :func:`producer_refusal` still applies to it
+    (another generation, not READY, incompatible: refused). If the producer died meanwhile, the
+    pull from its NIXL agent fails (``KVTransferFailed``, explicit and counted by the data
+    plane), so a stale view can cost a failed request, never wrong data. What the outage
+    cannot vouch for is a view already old when it began (a restart while Redis was up may have
+    been missed): ``max_stale_s`` bounds that age (default :data:`STALE_FACTOR` lease TTLs; so
+    pairings stop only for producers whose generation cannot be checked, issue 49); 0 turns the
+    fallback off.
 
     Cached view: while :meth:`follow` runs (the host runs it for consumer engines), a live
     :class:`~services.control_plane.watch.EngineWatcher` keeps every engine's view, and a
@@ -281,7 +287,9 @@ class ProducerViews:
         producer = handle.producer_engine_id
         entry = self._views.get(producer)
         outage = self._outage
-        if entry is None or now - entry[0] > self.max_stale_s:
+        # Aged at the outage's start: nothing registers during it (see the class docstring).
+        as_of = outage.since if outage is not None else now
+        if entry is None or as_of - entry[0] > self.max_stale_s:
             self._count("refused")
             if outage is not None:
                 outage.refused += 1
@@ -316,7 +324,8 @@ class ProducerViews:
             outage.logged_at = now
             logger.warning(
                 "control plane unavailable for producer checks (for %.1fs: %s); answering from "
-                "views read at most %.0fs ago (%d so far, %d refused), asking again every %.1fs",
+                "views read at most %.0fs before it began (%d so far, %d refused), asking "
+                "again every %.1fs",
                 now - outage.since,
                 error,
                 self.max_stale_s,

@@ -80,8 +80,9 @@ class EngineServiceSettings(BaseSettings):
     producer_view_max_stale_s: float | None = Field(default=None, ge=0)
     """A decode engine checks each KV handle's producer in the control plane; while the
     control plane is unreachable it answers from the producer's view read at most this long
-    ago (counted in ``pdserve_engine_producer_check_fallbacks_total``) instead of refusing the
-    request. Unset: 3 x ``control_plane.lease_ttl_s``; 0 turns the fallback off
+    before the outage began, for as long as it lasts (counted in
+    ``pdserve_engine_producer_check_fallbacks_total``) instead of refusing the request.
+    Unset: 3 x ``control_plane.lease_ttl_s``; 0 turns the fallback off
     (``PDSERVE_PRODUCER_VIEW_MAX_STALE_S``; see ``ProducerViews``)."""
     producer_view_retry_after_s: float = Field(default=1.0, ge=0)
     """After a failed read of a producer's view, checks within this many seconds answer from

@@ -328,9 +328,9 @@ async def test_a_router_serves_through_a_redis_outage_longer_than_the_lease_and_
                         assert (
                             sample(registry, "pdserve_engine_reregistrations_total", **labels) >= 1
                         )
-                    # The decode engine checked producers while Redis was down (from the views
-                    # it remembered, then refused past the bound: the router ran those
-                    # requests on the decode engine alone, counted, none failed).
+                    # The decode engine checked producers while Redis was down, from the views
+                    # it remembered (a refusal, had the view been stale when the outage began,
+                    # runs the request on the decode engine alone: counted, not failed).
                     assert (
                         sum(
                             sample(

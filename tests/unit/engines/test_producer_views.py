@@ -348,9 +348,29 @@ async def test_a_view_the_watcher_accepted_answers_an_outage_that_begins_after_i
     harness.clock.now += 5
     assert await harness.check() is None
     assert harness.fallbacks == ["last_known"]
-    # ... for at most max_stale_s after the watcher last accepted it.
-    harness.clock.now += MAX_STALE_S
-    assert_control_plane_refusal(await harness.check())
-    assert harness.fallbacks == ["last_known", "refused"]
     watcher.ended.set()
     await following
+
+
+async def test_a_view_fresh_when_the_outage_began_answers_however_long_it_lasts() -> None:
+    """Nothing registers a new generation while Redis is down, so the bound is the view's age
+    when the outage began (issue 49: pairings stopped after 30 s of any outage)."""
+    harness = Harness()
+    assert await harness.check() is None  # read at 1000
+    harness.clock.now += MAX_STALE_S - 1
+    harness.plane.answer = outage()
+    assert await harness.check() is None  # the outage begins, the view 29 s old
+    harness.clock.now += 10 * MAX_STALE_S
+    assert await harness.check() is None
+    assert harness.fallbacks == ["last_known", "last_known"]
+    # Still checked like a fresh view: a handle of another generation is refused.
+    other = KVHandle("prefill-a", 4, "req-2", (0, 1), 8, 2e9)
+    refusal = await harness.views.refusal(other, compat_hash="c0", block_size=4)
+    assert refusal is not None and refusal.reason != "control_plane"
+    # A view already older than the bound when the outage began is refused.
+    late = Harness()
+    assert await late.check() is None
+    late.clock.now += MAX_STALE_S + 1
+    late.plane.answer = outage()
+    assert_control_plane_refusal(await late.check())
+    assert late.fallbacks == ["refused"]
