@@ -180,6 +180,14 @@ def test_external_redis_uses_the_existing_secret_and_renders_no_redis(chart: hel
     assert variables["PDSERVE_CONTROL_PLANE__REDIS__TLS_CA_FILE"] == "/etc/pdserve/redis-ca/ca.crt"
 
 
+def test_an_external_redis_through_sentinel_is_accepted_and_passed_on(chart: helm.Chart) -> None:
+    url = "redis+sentinel://sentinel-0:26379,sentinel-1:26379/pdserve"
+    values = load_values(CHART_DIR / "examples" / "external-redis.yaml")
+    values["redis"]["external"]["url"] = url
+    (_, engine), *_ = pod_specs(find(render(chart, values), "StatefulSet", "-decode"))
+    assert env(engine)["PDSERVE_CONTROL_PLANE__REDIS__URL"] == url
+
+
 def test_dashboards_ship_as_configmaps_with_the_sidecar_label(chart: helm.Chart) -> None:
     assert len(DASHBOARDS) >= 2
     default = [m for m in render(chart) if m.kind == "ConfigMap"]

@@ -39,8 +39,8 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- if eq $v.redis.mode "external" }}
 {{- if not $v.redis.external.url }}
 {{- $errors = append $errors "redis.mode=external needs redis.external.url (redis://host:6379/0 or rediss://...)" }}
-{{- else if not (regexMatch "^(redis|rediss|unix)://" $v.redis.external.url) }}
-{{- $errors = append $errors (printf "redis.external.url=%q must start with redis://, rediss:// or unix://" $v.redis.external.url) }}
+{{- else if not (regexMatch "^(redis|rediss|unix|redis\\+sentinel)://" $v.redis.external.url) }}
+{{- $errors = append $errors (printf "redis.external.url=%q must start with redis://, rediss://, unix:// or redis+sentinel://" $v.redis.external.url) }}
 {{- end }}
 {{- if not $v.redis.external.existingSecret }}
 {{- $errors = append $errors "redis.mode=external needs redis.external.existingSecret: the Secret holding the Redis password (the control plane is a trust boundary; no password-less Redis)" }}
