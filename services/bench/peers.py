@@ -140,7 +140,7 @@ class Setup:
     log_dir: Path
 
 
-async def _start_peer(setup: Setup, kv_events: bool) -> Running:
+async def _start_peer(setup: Setup, name: str) -> Running:
     refusal = peer_refusal(setup.layout)
     if refusal is not None:
         raise StackUnavailable(refusal)
@@ -149,7 +149,8 @@ async def _start_peer(setup: Setup, kv_events: bool) -> Running:
         raise StackUnavailable("vllm-router is not installed (pip install vllm-router==0.1.17)")
     layout = setup.layout
     bindings = shared_cpu_bindings(layout.world_sizes(), sorted(os.sched_getaffinity(0)))
-    running = Running("peer", "", {}, [])
+    running = Running(name, "", {}, [])
+    kv_events = name == "peer_kv_events"
     try:
         urls: dict[str, str] = {}
         events_port = free_port() if kv_events else None
@@ -165,7 +166,7 @@ async def _start_peer(setup: Setup, kv_events: bool) -> Running:
                 kv_events_port=events_port if role == "prefill" else None,
             )  # fmt: skip
             env = peer_server_env(binding, free_port())
-            server = await start(f"peer-{role}", argv, setup.log_dir, env=env)
+            server = await start(f"{name}-{role}", argv, setup.log_dir, env=env)
             running.children.append(server)
             running.roots[f"{role}/api-server"] = server.pid
             urls[role] = f"http://127.0.0.1:{port}"
@@ -178,7 +179,7 @@ async def _start_peer(setup: Setup, kv_events: bool) -> Running:
             kv_events=f"tcp://127.0.0.1:{events_port}" if events_port else None,
             block_size=setup.settings.block_size,
         )  # fmt: skip
-        router = await start("vllm-router", argv, setup.log_dir)
+        router = await start(f"{name}-vllm-router", argv, setup.log_dir)
         running.children.append(router)
         running.roots["vllm-router"] = router.pid
         running.url = f"http://127.0.0.1:{port}"
@@ -219,9 +220,7 @@ class StackUnavailable(Exception):
 async def _start(name: str, setup: Setup) -> Running:
     if name in PDSERVE_STACKS:
         return await _start_pdserve(setup, name.removeprefix("pdserve_"))
-    running = await _start_peer(setup, kv_events=name == "peer_kv_events")
-    running.name = name
-    return running
+    return await _start_peer(setup, name)
 
 
 async def _sample_rss(running: Running, peak: list[float], stop_event: asyncio.Event) -> None:
