@@ -106,6 +106,11 @@ def iter_event_data(reply: httpx.Response) -> Iterator[str]:
         yield from decoder.feed(text)
 
 
+def json_events(body: str) -> list[Any]:
+    """The JSON data of every event of a whole stream's ``body`` (``[DONE]`` left out)."""
+    return [json.loads(data) for data in EventStreamDecoder().feed(body) if data != "[DONE]"]
+
+
 async def completion_events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of ``reply``'s server-sent events until ``[DONE]``;
     :class:`StreamFailed` for a status other than 200 or an ``error`` event (the first 300

@@ -21,6 +21,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from services.bench.sse import json_events
 from tests.e2e.conftest import SHARED_REFERENCE
 from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem, hang_up_mid_stream, healthy_router
@@ -374,10 +375,6 @@ def test_a_local_run_reports_its_cached_tokens_streamed_and_not(local_router: st
         {**body, "stream": True, "stream_options": {"include_usage": True}},
     )
     assert streamed.headers["x-pdserve-execution-path"] == "local", streamed.headers
-    events = [
-        json.loads(line[len("data: ") :])
-        for line in streamed.text.splitlines()
-        if line.startswith("data: {")
-    ]
+    events = json_events(streamed.text)
     usage = events[-1]["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == cached, usage

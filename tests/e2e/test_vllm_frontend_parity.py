@@ -10,7 +10,6 @@ named) are rows like the others: the constrained output through PD equals vLLM's
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import openai
 import pydantic
 import pytest
 
+from services.bench.sse import json_events
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.up_system import UpSystem
 
@@ -287,11 +287,7 @@ def send(url: str, path: str, fields: dict[str, Any]) -> tuple[int, Any, dict[st
         body.pop("temperature")
     answer = httpx.post(f"{url}{path}", json=body, timeout=300)
     if answer.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [
-            json.loads(line[len("data: ") :])
-            for line in answer.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
+        events = json_events(answer.text)
         return answer.status_code, events, dict(answer.headers)
     return answer.status_code, answer.json(), dict(answer.headers)
 

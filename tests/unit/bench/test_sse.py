@@ -14,6 +14,7 @@ from services.bench.sse import (
     StreamFailed,
     completion_events,
     iter_event_data,
+    json_events,
 )
 
 
@@ -80,3 +81,8 @@ def test_an_event_past_the_bound_fails_the_stream() -> None:
 def test_a_synchronous_response_reads_the_same() -> None:
     reply = httpx.Response(200, content='data: {"t": "\u2028"}\r\n\r\n'.encode())
     assert list(iter_event_data(reply)) == ['{"t": "\u2028"}']
+
+
+def test_a_whole_bodys_json_events() -> None:
+    body = 'event: x\ndata: {"a": "\u2028\u0085"}\n\ndata: [DONE]\n\n'
+    assert json_events(body) == [{"a": "\u2028\u0085"}]

@@ -4,13 +4,13 @@ real processes)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
 
+from services.bench.sse import json_events
 from services.control_plane.wire import EngineRole
 from services.engines.backend import DecodeRequest, TokenDelta
 from services.engines.errors import EngineFailed, KVTransferFailed, RequestAborted
@@ -317,11 +317,7 @@ async def test_a_migration_that_runs_out_of_attempts_ends_the_stream_with_the_er
         factory.engines[engine].fail_decode_after = 2
     reply = await completion(rt, max_tokens=10, stream=True)
     assert reply.status_code == 200, reply.text
-    events = [
-        json.loads(line.removeprefix("data: "))
-        for line in reply.text.splitlines()
-        if line.startswith("data: {")
-    ]
+    events = json_events(reply.text)
     # (a token that came with the failure may be in no event: the error replaces it)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]).startswith(text_of(7, 101))
     error = events[-1]["error"]  # vLLM's error event: the code is the HTTP status

@@ -4,11 +4,11 @@ engines), one request per choice otherwise; failures end every choice."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
+from services.bench.sse import json_events
 from services.control_plane.wire import EngineRole
 from services.engines.errors import EngineFailed
 from services.router.runtime import RouterRuntime
@@ -66,10 +66,9 @@ async def test_n_choices_stream_from_one_forked_decode(factory: FakeFactory) -> 
     reply = await completion(rt, n=2, max_tokens=3, stream=True)
     assert reply.status_code == 200, reply.text
     texts: dict[int, str] = {}
-    for line in reply.text.splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    for event in json_events(reply.text):
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: text_of(7, 101, 102), 1: text_of(7, 101, 102)}
     assert len(factory.engines["p1"].prefills) == 1
     (decode,) = factory.engines["d1"].decodes

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.bench.sse import json_events
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines.backend import (
     DecodeRequest,
@@ -278,13 +279,9 @@ def bodies(path: str) -> st.SearchStrategy[bytes]:
 def error_events(text: str) -> list[dict[str, Any]]:
     """The error events of an event stream: vLLM's ``{"error": {...}}`` (chat, completions)
     and the Responses API's ``{"type": "error", ...}``."""
-    events = []
-    for line in text.splitlines():
-        if line.startswith("data: {"):
-            event = json.loads(line.removeprefix("data: "))
-            if "error" in event or event.get("type") == "error":
-                events.append(event)
-    return events
+    return [
+        event for event in json_events(text) if "error" in event or event.get("type") == "error"
+    ]
 
 
 def utf8(body: bytes) -> bool:

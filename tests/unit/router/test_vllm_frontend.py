@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
+from services.bench.sse import json_events
 from services.cli.main import main as cli_main
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines import sampling_fields
@@ -159,11 +160,7 @@ async def test_responses_usage_reports_the_prefill_engines_cache_counts(
     details = answer.json()["usage"]["input_tokens_details"]
     assert (details["cached_tokens"], details["cache_write_tokens"]) == (16, 32)
     assert streamed.status_code == 200, streamed.text
-    events = [
-        json.loads(line.removeprefix("data: "))
-        for line in streamed.text.splitlines()
-        if line.startswith("data: {")
-    ]
+    events = json_events(streamed.text)
     (completed,) = [event for event in events if event["type"] == "response.completed"]
     details = completed["response"]["usage"]["input_tokens_details"]
     assert (details["cached_tokens"], details["cache_write_tokens"]) == (16, 32)
@@ -188,9 +185,7 @@ async def test_a_stop_string_found_by_vllms_detokenizer_ends_the_run(
                 "stream": True,
             },
         )
-    events = [
-        json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")
-    ]
+    events = json_events(answer.text)
     text = "".join(event["choices"][0]["text"] for event in events if event["choices"])
     assert text == whole[: whole.index(stop)]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -623,11 +618,7 @@ async def test_a_stream_that_migrated_says_so_in_its_usage(
         answer = await client.post("/v1/completions", json=body)
         factory.engines["d0"].fail_decode_after = factory.engines["d1"].fail_decode_after = None
         plain = await client.post("/v1/completions", json=body)
-    events = [
-        json.loads(line[len("data: ") :])
-        for line in answer.text.splitlines()
-        if line.startswith("data: {")
-    ]
+    events = json_events(answer.text)
     assert answer.status_code == 200, answer.text
     assert "error" not in events[-1], events[-1]
     usage = events[-1]["usage"]
