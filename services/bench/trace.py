@@ -16,9 +16,11 @@ share with the fleet's real capacities and ``cached_share_of_oracle``; TTFT and 
 goodput (requests within ``--ttft-slo-ms`` and ``--itl-slo-ms`` per second of the trace and
 their share); KV bytes moved (the decode engines' ``pdserve_kv_transfer_bytes_total``); the
 router's CPU per request and the engines' CPU; how late requests were sent against the
-trace's clock (the client keeping up). A workload with reuse whose answers report no cached
-token at all is a ``problem`` (``bench routing``'s check). ``--plot`` draws the cached share
-and TTFT p50 against fleet size per setting (PNG).
+trace's clock (the client keeping up); where the first token waited (the routers' mean
+``pdserve_router_ttft_phase_seconds`` per phase: prefill, KV hand-off, the decode engine's
+first token; the client's TTFT less their sum is the router and the network). A workload
+with reuse whose answers report no cached token at all is a ``problem`` (``bench routing``'s
+check). ``--plot`` draws the cached share and TTFT p50 against fleet size per setting (PNG).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench.procs import children_with_arg, cpu_seconds, descendants
 from services.bench.routing import SETTINGS, blind_to_the_cache
@@ -276,16 +279,17 @@ def replay_figures(
 ) -> dict[str, Any]:
     """Replay the workload through ``router`` and summarize (CPU of the pids given)."""
     model = str(httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"])
-    metrics = [
-        str(url) for name, url in (endpoints or {}).get("metrics", {}).items() if name != "router"
-    ]
-    moved_before = kv_bytes(metrics)
+    urls: dict[str, str] = (endpoints or {}).get("metrics", {})
+    metrics = [str(url) for name, url in urls.items() if not name.startswith("router")]
+    routers = [str(url) for name, url in urls.items() if name.startswith("router")]
+    moved_before, phases_before = kv_bytes(metrics), ttft_phases(routers)
     router_before, engines_before = cpu_seconds(router_pids), cpu_seconds(engine_pids)
     started = time.perf_counter()
     sent = asyncio.run(replay(args, router, model, workload, oracle))
     elapsed = time.perf_counter() - started
     figures = summarize(sent, args, elapsed)
     figures["kv_bytes_moved"] = kv_bytes(metrics) - moved_before if metrics else None
+    figures["ttft_phases_mean_ms"] = _phase_means(phases_before, ttft_phases(routers))
     done = figures["requests"] - figures["errors"]
     if router_pids and done:
         used = cpu_seconds(router_pids) - router_before
@@ -410,6 +414,37 @@ def summarize(sent: list[Sent], args: argparse.Namespace, elapsed_s: float) -> d
         "send_lag_ms": percentiles_ms([s.lag_s for s in sent]),
         "prefill_engines": len({s.prefill_engine for s in done if s.prefill_engine}),
     }
+
+
+def ttft_phases(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """``phase -> (sum s, count)`` of the routers' ``pdserve_router_ttft_phase_seconds``:
+    where a disaggregated request's first token waited (prefill, KV hand-off, the decode
+    engine's first token)."""
+    phases: dict[str, tuple[float, float]] = {}
+    for url in urls:
+        text = httpx.get(url, timeout=30).text
+        for family in text_string_to_metric_families(text):
+            if family.name != "pdserve_router_ttft_phase_seconds":
+                continue
+            for sample in family.samples:
+                phase = sample.labels.get("phase", "")
+                total, count = phases.get(phase, (0.0, 0.0))
+                if sample.name.endswith("_sum"):
+                    phases[phase] = (total + sample.value, count)
+                elif sample.name.endswith("_count"):
+                    phases[phase] = (total, count + sample.value)
+    return phases
+
+
+def _phase_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float | None]:
+    means: dict[str, float | None] = {}
+    for phase, (total, count) in after.items():
+        old_total, old_count = before.get(phase, (0.0, 0.0))
+        done = count - old_count
+        means[phase] = round((total - old_total) / done * 1000, 2) if done > 0 else None
+    return means
 
 
 def _comparison(results: dict[str, Any]) -> dict[str, Any]:

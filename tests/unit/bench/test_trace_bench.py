@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.trace import SHIPPED_TRACE, Sent, add_arguments, load_workload, summarize
+from services.bench.trace import (
+    SHIPPED_TRACE,
+    Sent,
+    _phase_means,
+    add_arguments,
+    load_workload,
+    summarize,
+)
 from services.bench.trace_file import (
     Prompts,
     TraceError,
@@ -108,3 +115,13 @@ def test_the_shipped_trace_reuses_and_the_figures_say_when_nothing_was_cached() 
     figures = summarize(sent, args, elapsed_s=3.0)
     assert figures["cached_share"] == 1.0 and figures["cached_share_of_oracle"] == 1.0
     assert figures["problems"] == []
+
+
+def test_where_the_first_token_waited_is_each_phases_mean_over_the_run() -> None:
+    before = {"prefill": (1.0, 10.0)}
+    after = {"prefill": (3.0, 20.0), "handoff": (0.1, 10.0), "first_decode_token": (0.5, 0.0)}
+    assert _phase_means(before, after) == {
+        "prefill": 200.0,
+        "handoff": 10.0,
+        "first_decode_token": None,
+    }
