@@ -195,6 +195,12 @@ class AbstractEngineWatcher(abc.ABC):
         """When (``time.monotonic()``) the watcher lost the store, ``None`` while it follows it:
         how stale the snapshot may be."""
 
+    @property
+    @abc.abstractmethod
+    def reconnected_at(self) -> float | None:
+        """When (``time.monotonic()``) the watcher last re-read the store after losing it,
+        ``None`` if it never lost it."""
+
     @abc.abstractmethod
     async def __aenter__(self) -> AbstractEngineWatcher:
         """Start watching; returns once the snapshot was read."""

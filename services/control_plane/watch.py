@@ -62,6 +62,7 @@ class EngineWatcher(AbstractEngineWatcher):
         """Subscribed and re-read since the last lost connection (the snapshot follows Redis)."""
         self._lost_at: float | None = None
         """When the connection was lost (``time.monotonic()``), until the next full re-read."""
+        self._reconnected_at: float | None = None
 
     @property
     def snapshot(self) -> dict[EngineId, EngineView]:
@@ -82,6 +83,10 @@ class EngineWatcher(AbstractEngineWatcher):
     @property
     def unreachable_since(self) -> float | None:
         return self._lost_at
+
+    @property
+    def reconnected_at(self) -> float | None:
+        return self._reconnected_at
 
     async def __aenter__(self) -> EngineWatcher:
         self._task = asyncio.create_task(self._run(), name="pdserve-engine-watcher")
@@ -155,9 +160,10 @@ class EngineWatcher(AbstractEngineWatcher):
     def _reached_again(self) -> None:
         if self._lost_at is None:
             return
+        self._reconnected_at = time.monotonic()
         logger.warning(
             "engine watcher reached Redis again after %.1fs and re-read it: %d engines",
-            time.monotonic() - self._lost_at,
+            self._reconnected_at - self._lost_at,
             len(self._snapshot),
         )
         self._lost_at = None

@@ -10,9 +10,11 @@ the pool at once; its connector is closed when the last request using it ends.
 
 Control-plane outages (docs/architecture.md, "Router during a control-plane outage"): while the
 watcher cannot reach Redis, the pool keeps its last view (the engines serve on; the router's own
-calls and circuit breakers say whether they answer). When Redis is back and its re-read no longer
-lists an engine READY (Redis restarted empty, or from an old snapshot, and the engine has not
-registered again yet), the engine is *held*: kept for choosing while its breaker stays closed,
+calls and circuit breakers say whether they answer). When Redis is back and a re-read (the one
+after the reconnect, or a periodic one within ``holdover_s`` of it: a lease that ran out because
+the heartbeats had not reached Redis yet, as after a Sentinel failover) no longer lists an engine
+READY (Redis restarted empty, or from an old snapshot, and the engine has not registered again
+yet), the engine is *held*: kept for choosing while its breaker stays closed,
 until its new generation is READY (which replaces it), until a call on it fails (it leaves at
 once), or for at most ``holdover_s``. Counted in ``pdserve_router_engine_holdovers_total``;
 ``pdserve_router_control_plane_unreachable_seconds`` says how stale the view is.
@@ -107,6 +109,8 @@ class EnginePool:
         """The control plane's watcher while :meth:`follow` runs (its staleness)."""
         self._following_since: float | None = None
         """When :meth:`follow` last failed to keep a watcher (``None``: it has one)."""
+        self._reconnected_at: float | None = None
+        """When the control plane was last re-read after an outage (``time.monotonic()``)."""
         self._slots: dict[EngineId, EngineSlot] = {}
         self._ordered: dict[frozenset[EngineRole] | None, tuple[EngineSlot, ...]] = {}
         """:meth:`slots`' answers; cleared whenever ``_slots`` changes."""
@@ -212,6 +216,8 @@ class EnginePool:
     ) -> None:
         """Apply the latest view of one engine (``None`` when it is gone); ``resync`` is the
         re-read that found it (:attr:`EngineChange.resync`), ``None`` for an event."""
+        if resync == "reconnect":
+            self._reconnected_at = self._clock()
         current = self._slots.get(engine_id)
         if view is None or view.record is None or not view.ready:
             if current is not None and self._holds(current, view, resync):
@@ -261,7 +267,12 @@ class EnginePool:
                 return True
             self._release_held(slot, "expired")
             return False
-        if resync != "reconnect" or slot.health.state is not CircuitState.CLOSED:
+        after_outage = resync == "reconnect" or (
+            resync is not None
+            and self._reconnected_at is not None
+            and self._clock() - self._reconnected_at <= self._holdover_s
+        )
+        if not after_outage or slot.health.state is not CircuitState.CLOSED:
             return False
         slot.held_until = self._clock() + self._holdover_s
         self._metrics.holdovers.labels(outcome="held").inc()
@@ -355,9 +366,13 @@ class EnginePool:
                         try:
                             change = await asyncio.wait_for(anext(watcher), _EXPIRY_CHECK_S)
                         except TimeoutError:
-                            self.expire_held()
-                            continue
-                        self.update(change.engine_id, change.after, resync=change.resync)
+                            change = None
+                        if watcher.reconnected_at is not None:  # (one without any change too)
+                            self._reconnected_at = max(
+                                watcher.reconnected_at, self._reconnected_at or 0.0
+                            )
+                        if change is not None:
+                            self.update(change.engine_id, change.after, resync=change.resync)
                         self.expire_held()
             except asyncio.CancelledError:
                 raise

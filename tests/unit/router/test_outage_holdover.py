@@ -99,6 +99,26 @@ def test_a_hold_that_ran_out_ends_at_the_next_view_of_the_engine():
     assert holdovers(rt, "expired") == 1
 
 
+def test_a_lease_running_out_just_after_the_outage_is_held_too():
+    """After a Sentinel failover the re-read still lists the engines; their leases run out a
+    moment later (their heartbeats had not reached the new master yet): a periodic re-read
+    within the holdover of the reconnect holds them; an event or a later one does not."""
+    clock = Clock()
+    rt = ready_pair(clock)
+    rt.pool.update("p", view("p", PREFILL), resync="reconnect")  # listed: nothing held
+    assert rt.pool.held() == []
+    clock.now += HOLDOVER_S - 1
+    rt.pool.update("p", None, resync="periodic")
+    assert rt.pool.held() == ["p"]
+    rt.pool.update("d", None)  # an event (deregistered): Redis's word
+    assert rt.pool.get("d") is None
+    rt = ready_pair(clock)
+    rt.pool.update("p", view("p", PREFILL), resync="reconnect")
+    clock.now += HOLDOVER_S + 1
+    rt.pool.update("p", None, resync="periodic")
+    assert rt.pool.get("p") is None
+
+
 def test_redis_listing_the_same_generation_again_ends_the_hold():
     """A Sentinel replica promoted with the registrations: nothing to replace."""
     clock = Clock()
