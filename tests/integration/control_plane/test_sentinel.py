@@ -1,7 +1,7 @@
 """The control plane through Redis Sentinel (``redis+sentinel://``, issue 49): a real master, a
-real replica and a real sentinel; the master is SIGKILLed, the sentinel promotes the replica,
-and an engine host registered through the sentinel URL keeps its registration READY (its
-heartbeats reach the new master) without restarting; a reader through the same URL sees it."""
+real replica and a real sentinel; the master is SIGKILLed under streamed load, the sentinel
+promotes the replica, and the engine hosts and the router, all on the sentinel URL, ride it
+out: no failed request, the registrations READY on the new master, no host restarted."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from services.config import ControlPlaneSettings, RedisSettings
 from services.config.control_plane import SentinelTarget, parse_sentinel_url
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
-from services.control_plane.wire import EngineRole, EngineState
+from services.control_plane.wire import EngineRole
 from services.engines.stub import StubBackend
 from tests.integration.services.conftest import hosted, service_settings
+from tests.integration.services.routed_load import StreamingLoad, routed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -67,9 +68,12 @@ def sentinel_group() -> Iterator[tuple[LocalRedisServer, LocalRedisServer, Local
             yield master, replica, sentinel
 
 
-async def test_an_engine_stays_ready_through_a_sentinel_failover(
+async def test_requests_and_registrations_ride_out_a_sentinel_failover(
     sentinel_group: tuple[LocalRedisServer, LocalRedisServer, LocalRedisServer], namespace: str
 ) -> None:
+    """1P+1D and a router, all through the sentinel URL, 4 clients streaming: the master is
+    SIGKILLed, the replica promoted; no request fails, the engines stay READY (their heartbeats
+    reach the new master past a lease) and no host exits."""
     master, replica, sentinel = sentinel_group
     cp_settings = ControlPlaneSettings(
         redis=RedisSettings(
@@ -79,32 +83,38 @@ async def test_an_engine_stays_ready_through_a_sentinel_failover(
             retry_backoff_max_s=0.5,
         ),
         namespace=namespace,
-        lease_ttl_s=5.0,
+        lease_ttl_s=2.0,
         heartbeat_interval_s=0.5,
         resync_interval_s=0.3,
     )
+    settings = service_settings(cp_settings)
     cp = RedisControlPlane(cp_settings, ControlPlaneMetrics())
     try:
-        async with hosted(
-            service_settings(cp_settings), StubBackend(), engine_id="d1", role=EngineRole.DECODE
-        ) as dec:
-            view = await cp.get_engine("d1")
-            assert view is not None and view.state is EngineState.READY
-            await asyncio.to_thread(master.kill)
-            promoted = redis.Redis(port=replica.port)
-            deadline = time.monotonic() + WAIT_S
-            while (await asyncio.to_thread(promoted.info, "replication"))["role"] != "master":
-                assert time.monotonic() < deadline, "the sentinel never promoted the replica"
-                await asyncio.sleep(0.1)
-            promoted.close()
-            # Longer than the lease: READY now means the heartbeats reached the new master.
-            await asyncio.sleep(cp_settings.lease_ttl_s + 1)
-            deadline = time.monotonic() + WAIT_S
-            while (view := await cp.get_engine("d1")) is None or not view.ready:
-                assert time.monotonic() < deadline, f"d1 not READY after the failover: {view}"
-                await asyncio.sleep(0.1)
-            assert not dec.task.done(), "the host must not exit"
-        assert await dec.exit_code() == 0
+        async with (
+            hosted(settings, StubBackend(), engine_id="p1", role=EngineRole.PREFILL) as pre,
+            hosted(settings, StubBackend(), engine_id="d1", role=EngineRole.DECODE) as dec,
+            routed(cp_settings) as (_, http),
+        ):
+            async with StreamingLoad(http) as load:
+                await wait_until(lambda: len(load.done) >= 8, "requests before the failover")
+                await asyncio.to_thread(master.kill)
+                promoted = redis.Redis(port=replica.port)
+                deadline = time.monotonic() + WAIT_S
+                while (await asyncio.to_thread(promoted.info, "replication"))["role"] != "master":
+                    assert time.monotonic() < deadline, "the sentinel never promoted the replica"
+                    await asyncio.sleep(0.1)
+                promoted.close()
+                promoted_at = time.monotonic()
+                # Past a lease: READY now means the heartbeats reached the new master.
+                await asyncio.sleep(cp_settings.lease_ttl_s + 0.5)
+                await wait_until(
+                    lambda: load.served_since(promoted_at) >= 8, "requests after the failover"
+                )
+            assert load.failures == []
+            for engine_id in ("p1", "d1"):
+                view = await cp.get_engine(engine_id)
+                assert view is not None and view.ready, view
+            assert not pre.task.done() and not dec.task.done(), "no host may exit"
         assert await cp.get_engine("d1") is None  # deregistered on the new master
     finally:
         await cp.close()

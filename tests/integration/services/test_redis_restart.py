@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import pytest
 
 from services.config import ControlPlaneSettings, RedisSettings
@@ -19,12 +18,15 @@ from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole, EngineState
 from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
 from services.engines.stub import StubBackend, StubOptions
-from services.router.config import RouterSettings
-from services.router.main import create_app
 from services.router.runtime import RouterRuntime
 from services.serving.client import EngineClient
 from tests.integration.services.conftest import hosted, service_settings
-from tests.unit.router.fakes import checkpoint
+from tests.integration.services.routed_load import (
+    STUB_MODEL,
+    StreamingLoad,
+    routed,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -196,17 +198,6 @@ async def test_heartbeats_failing_while_redis_is_down_are_counted_and_the_host_s
         assert await dec.exit_code() == 0
 
 
-STUB_MODEL = "stub"
-"""The model the stub engines register (the router serves the synthetic checkpoint as it)."""
-
-
-async def wait_until(condition: object, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 def router_sample(rt: RouterRuntime, name: str, **labels: str) -> float:
     return sample(rt.metrics.registry, name, **labels)
 
@@ -232,36 +223,6 @@ async def test_a_router_serves_through_a_redis_outage_longer_than_the_lease_and_
             resync_interval_s=0.3,
         )
         settings = service_settings(cp_settings, producer_view_max_stale_s=max_stale_s)
-        router_settings = RouterSettings.model_validate(
-            {
-                "policy": "least_loaded",
-                "tokenizer": checkpoint(),
-                "served_model_name": STUB_MODEL,
-                "control_plane": cp_settings,
-                # Generous: a loaded machine may take long to register again; the expiry is
-                # tests/unit/router/test_outage_holdover.py's.
-                "control_plane_holdover_s": WAIT_S,
-            }
-        )
-        body = {"model": STUB_MODEL, "prompt": "hello there", "max_tokens": 6, "stream": True}
-        done: list[float] = []
-        failures: list[str] = []
-        stop = asyncio.Event()
-
-        async def client(http: httpx.AsyncClient) -> None:
-            while not stop.is_set():
-                try:
-                    async with http.stream("POST", "/v1/completions", json=body) as answer:
-                        text = (await answer.aread()).decode()
-                except httpx.HTTPError as exc:
-                    failures.append(repr(exc))
-                    continue
-                complete = text.endswith("data: [DONE]\n\n") and '"error"' not in text
-                if answer.status_code == 200 and complete:
-                    done.append(time.monotonic())
-                    continue
-                failures.append(f"{answer.status_code}: {text[-300:]}")
-
         async with (
             hosted(settings, StubBackend(), engine_id="p1", role=EngineRole.PREFILL) as pre,
             hosted(
@@ -270,92 +231,73 @@ async def test_a_router_serves_through_a_redis_outage_longer_than_the_lease_and_
                 engine_id="d1",
                 role=EngineRole.DECODE,
             ) as dec,
+            # Generous: a loaded machine may take long to register again; the expiry is
+            # tests/unit/router/test_outage_holdover.py's.
+            routed(cp_settings, control_plane_holdover_s=WAIT_S) as (rt, http),
         ):
-            app = create_app(router_settings)
-            async with app.router.lifespan_context(app):
-                rt: RouterRuntime = app.state.runtime
-                await wait_until(rt.scheduler.ready, "the router's READY pair")
-                before = {s.engine_id: s.record.generation for s in rt.pool.slots()}
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(
-                    transport=transport, base_url="http://router", timeout=WAIT_S
-                ) as http:
-                    clients = [asyncio.create_task(client(http)) for _ in range(4)]
-                    try:
-                        await wait_until(lambda: len(done) >= 8, "requests before the outage")
-                        await asyncio.to_thread(server.kill)
-                        killed_at = time.monotonic()
-                        await wait_until(
-                            lambda: (
-                                rt.pool.control_plane_unreachable_s() > outage_s
-                                and sum(t > killed_at for t in done) >= 8
-                            ),
-                            "an outage longer than the lease, requests served in it",
-                        )
-                        health = await http.get("/health")
-                        assert health.status_code == 200, health.text
-                        assert health.json()["control_plane"]["reachable"] is False
-                        assert health.json()["control_plane"]["unreachable_s"] >= outage_s
-                        assert (
-                            router_sample(rt, "pdserve_router_control_plane_unreachable_seconds")
-                            > outage_s
-                        )
-                        await asyncio.to_thread(server.start)  # back, empty
-                        restarted_at = time.monotonic()
+            before = {s.engine_id: s.record.generation for s in rt.pool.slots()}
 
-                        def new_pair() -> bool:
-                            now = {s.engine_id: s.record.generation for s in rt.pool.slots()}
-                            return now.keys() == before.keys() and all(
-                                now[e] > before[e] for e in before
-                            )
+            def new_pair() -> bool:
+                now = {s.engine_id: s.record.generation for s in rt.pool.slots()}
+                return now.keys() == before.keys() and all(now[e] > before[e] for e in before)
 
-                        await wait_until(new_pair, "both engines READY at new generations")
-                        assert rt.pool.held() == []
-                        assert rt.pool.control_plane_unreachable_s() == 0
-                        await wait_until(
-                            lambda: sum(t > restarted_at for t in done) >= 8,
-                            "requests after the outage",
-                        )
-                    finally:
-                        stop.set()
-                        await asyncio.gather(*clients)
-                    assert failures == []
-                    assert not pre.task.done() and not dec.task.done(), "no host may restart"
-                    for running in (pre, dec):
-                        labels = {"engine": running.host.engine_id, "role": running.host.role.value}
-                        registry = running.host.registry
-                        # (more than once when a loaded machine starves a 1.5 s lease)
-                        assert (
-                            sample(registry, "pdserve_engine_reregistrations_total", **labels) >= 1
-                        )
-                    # The decode engine checked producers while Redis was down, from the views
-                    # it remembered (a refusal, had the view been stale when the outage began,
-                    # runs the request on the decode engine alone: counted, not failed).
-                    assert (
-                        sum(
-                            sample(
-                                dec.host.registry,
-                                "pdserve_engine_producer_check_fallbacks_total",
-                                engine="d1",
-                                role="decode",
-                                outcome=outcome,
-                            )
-                            for outcome in ("last_known", "refused")
-                        )
-                        >= 1
-                    )
+            async with StreamingLoad(http) as load:
+                await wait_until(lambda: len(load.done) >= 8, "requests before the outage")
+                await asyncio.to_thread(server.kill)
+                killed_at = time.monotonic()
+                await wait_until(
+                    lambda: (
+                        rt.pool.control_plane_unreachable_s() > outage_s
+                        and load.served_since(killed_at) >= 8
+                    ),
+                    "an outage longer than the lease, requests served in it",
+                )
+                health = await http.get("/health")
+                assert health.status_code == 200, health.text
+                assert health.json()["control_plane"]["reachable"] is False
+                assert health.json()["control_plane"]["unreachable_s"] >= outage_s
+                unreachable = "pdserve_router_control_plane_unreachable_seconds"
+                assert router_sample(rt, unreachable) > outage_s
+                await asyncio.to_thread(server.start)  # back, empty
+                restarted_at = time.monotonic()
+                await wait_until(new_pair, "both engines READY at new generations")
+                assert rt.pool.held() == []
+                assert rt.pool.control_plane_unreachable_s() == 0
+                await wait_until(
+                    lambda: load.served_since(restarted_at) >= 8, "requests after the outage"
+                )
+            assert load.failures == []
+            assert not pre.task.done() and not dec.task.done(), "no host may restart"
+            for running in (pre, dec):
+                labels = {"engine": running.host.engine_id, "role": running.host.role.value}
+                registry = running.host.registry
+                # (more than once when a loaded machine starves a 1.5 s lease)
+                assert sample(registry, "pdserve_engine_reregistrations_total", **labels) >= 1
+            # The decode engine checked producers while Redis was down, from the views it
+            # remembered (a refusal, had the view been stale when the outage began, runs the
+            # request on the decode engine alone: counted, not failed).
+            checked = [
+                sample(
+                    dec.host.registry,
+                    "pdserve_engine_producer_check_fallbacks_total",
+                    engine="d1",
+                    role="decode",
+                    outcome=outcome,
+                )
+                for outcome in ("last_known", "refused")
+            ]
+            assert sum(checked) >= 1
 
-                    # No engine left: the served model is answered 503 naming the cause.
-                    pre.stop.set()
-                    dec.stop.set()
-                    assert await pre.exit_code() == 0 and await dec.exit_code() == 0
-                    await wait_until(lambda: not rt.pool.slots(), "the pool to empty")
-                    answer = await http.post(
-                        "/v1/completions",
-                        json={"model": STUB_MODEL, "prompt": "a", "max_tokens": 2},
-                    )
-                    assert answer.status_code == 503, answer.text
-                    assert answer.json()["error"]["message"] == (
-                        f"no engine registered in the control plane serves '{STUB_MODEL}'"
-                    )
-                    assert (await http.get("/health")).status_code == 503
+            # No engine left: the served model is answered 503 naming the cause.
+            pre.stop.set()
+            dec.stop.set()
+            assert await pre.exit_code() == 0 and await dec.exit_code() == 0
+            await wait_until(lambda: not rt.pool.slots(), "the pool to empty")
+            answer = await http.post(
+                "/v1/completions", json={"model": STUB_MODEL, "prompt": "a", "max_tokens": 2}
+            )
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["message"] == (
+                f"no engine registered in the control plane serves '{STUB_MODEL}'"
+            )
+            assert (await http.get("/health")).status_code == 503
