@@ -246,6 +246,10 @@ async def _bench_stack(
         sampler = asyncio.create_task(_sample_rss(running, peak, done))
         try:
             phases, outcomes = await run_workloads(running.url, running.pids, load, slo)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            # A stack that started and then failed (its warm-up, a metrics read) is reported
+            # as one that could not run; the next stack still runs.
+            return {"error": f"{type(exc).__name__} under load: {exc}"[:3000]}, []
         finally:
             done.set()
             await sampler

@@ -26,6 +26,7 @@ from services.bench.peer_stacks import (
     process_labels,
     vllm_router_argv,
 )
+from services.control_plane.local_redis import free_port
 
 SETTINGS = EngineSettings(dtype="float32", block_size=32, kv_cache_bytes=1 << 30, max_model_len=512)
 
@@ -117,6 +118,27 @@ print("burnt", flush=True)
 sys.stdin.readline()
 child.kill()
 """
+
+
+def test_a_stack_that_fails_under_load_is_reported_and_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped = []
+
+    class Gone(peers.Running):
+        async def stop(self) -> None:
+            stopped.append(self.name)
+
+    async def start(name: str, setup: peers.Setup) -> peers.Running:
+        # Nothing listens there: the warm-up request fails.
+        return Gone(name, f"http://127.0.0.1:{free_port()}", {}, [])
+
+    monkeypatch.setattr(peers, "_start", start)
+    failed, outcomes = asyncio.run(
+        peers._bench_stack("pdserve_push", _setup(tmp_path, Layout()), _load(), Slo(1.0, 1.0))
+    )
+    assert "warm-up" in failed["error"] and outcomes == []
+    assert stopped == ["pdserve_push"]
 
 
 def test_cpu_per_request_of_a_real_process_tree_by_process() -> None:
