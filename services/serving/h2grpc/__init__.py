@@ -3,6 +3,6 @@ router's hot path: see :mod:`services.serving.h2grpc.channel`."""
 
 from services.serving.h2grpc.channel import H2GrpcChannel, client_ssl_context
 from services.serving.h2grpc.errors import CallFailed
-from services.serving.h2grpc.protocol import STREAM_WINDOW
+from services.serving.h2grpc.http2_base import STREAM_WINDOW
 
 __all__ = ["STREAM_WINDOW", "CallFailed", "H2GrpcChannel", "client_ssl_context"]

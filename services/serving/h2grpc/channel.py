@@ -34,7 +34,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 
-from services.serving.h2grpc import frames
+from services.serving.h2grpc import grpc_wire
 from services.serving.h2grpc.call import Call
 from services.serving.h2grpc.connection import H2Connection, ProtocolErrorHook
 from services.serving.h2grpc.errors import CallFailed, NotStarted, Violation
@@ -115,7 +115,7 @@ class H2GrpcChannel:
     def buffered_bytes(self) -> int:
         """The bytes this channel holds for its open calls: received and not yet read,
         partial messages, and requests not yet sent (bounded per call by the streams'
-        windows, :data:`~services.serving.h2grpc.protocol.STREAM_WINDOW`)."""
+        windows, :data:`~services.serving.h2grpc.http2_base.STREAM_WINDOW`)."""
         connections = [c for c in (self._connection, *self._draining) if c is not None]
         return sum(c.held_bytes for c in connections)
 
@@ -128,9 +128,9 @@ class H2GrpcChannel:
         metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> bytes:
         """One unary call of ``path`` (``/package.Service/Method``) with ``metadata`` (see
-        :func:`~services.serving.h2grpc.frames.metadata_block`; ``ValueError`` before anything
+        :func:`~services.serving.h2grpc.grpc_wire.metadata_block`; ``ValueError`` before anything
         is sent when it breaks gRPC's rules): the answer's bytes."""
-        fields = frames.metadata_block(metadata) if metadata else b""
+        fields = grpc_wire.metadata_block(metadata) if metadata else b""
         deadline = self._deadline(timeout_s)
         call = await self._start(path, request, deadline, fields, streaming=False)
         while True:
@@ -160,7 +160,7 @@ class H2GrpcChannel:
         """One server-streaming call with ``metadata`` (as :meth:`unary`'s): its messages as
         they arrive. Leaving the iteration early (``aclose``, or the consuming task cancelled)
         cancels the call."""
-        fields = frames.metadata_block(metadata) if metadata else b""
+        fields = grpc_wire.metadata_block(metadata) if metadata else b""
         deadline = self._deadline(timeout_s)
         call = await self._start(path, request, deadline, fields, streaming=True)
         try:

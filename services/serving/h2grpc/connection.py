@@ -4,7 +4,9 @@
 Above it: :class:`~services.serving.h2grpc.channel.H2GrpcChannel`, which opens connections,
 starts calls and reads their messages. Below it: the loop's transport (TCP, or TLS with ALPN
 ``h2``). The protocol (frames, HTTP/2 state, flow control, the rules a server must keep) is
-sans-IO; :class:`H2Connection` only moves bytes between it and the transport, turns its events
+sans-IO (:mod:`~services.serving.h2grpc.http2` for HTTP/2,
+:mod:`~services.serving.h2grpc.protocol` for gRPC on it); :class:`H2Connection` only moves bytes
+between it and the transport, turns its events
 into wake-ups of the calls' waiters, and keeps what needs a clock:
 
 - a call's deadline (its stream reset, the call failed DEADLINE_EXCEEDED), which also bounds its
@@ -16,9 +18,9 @@ into wake-ups of the calls' waiters, and keeps what needs a clock:
 
 Writer backpressure: while the transport's buffer is over its high-water mark (the server does
 not read), the connection does not read either (``pause_writing`` pauses reading), and the
-protocol queues at most :data:`~services.serving.h2grpc.protocol.MAX_UNWRITTEN_REPLIES` answers
-to PINGs and SETTINGS until a write drains (:meth:`ClientProtocol.written
-<services.serving.h2grpc.protocol.ClientProtocol.written>`), past which the connection ends
+protocol queues at most :data:`~services.serving.h2grpc.http2.MAX_UNWRITTEN_REPLIES` answers
+to PINGs and SETTINGS until a write drains (:meth:`H2ClientConnection.written
+<services.serving.h2grpc.http2.H2ClientConnection.written>`), past which the connection ends
 with GOAWAY ENHANCE_YOUR_CALM.
 
 Its work is done where the bytes arrive, in :meth:`H2Connection.data_received`, with no thread and
@@ -40,17 +42,16 @@ import grpc
 from services.serving.h2grpc.call import Call
 from services.serving.h2grpc.errors import CallFailed, NotStarted, ProtocolError, Violation
 from services.serving.h2grpc.frames import ErrorCode
-from services.serving.h2grpc.protocol import (
+from services.serving.h2grpc.http2_events import (
     Breach,
-    ClientProtocol,
     ConnectionEnded,
     Event,
     PingAcknowledged,
     SettingsAcknowledged,
     Settled,
     SlotsChanged,
-    StreamChanged,
 )
+from services.serving.h2grpc.protocol import ClientProtocol, StreamChanged
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,8 @@ class H2Connection(asyncio.Protocol):
 
     @property
     def held_bytes(self) -> int:
-        """The bytes held for the open calls (:attr:`ClientProtocol.held_bytes
-        <services.serving.h2grpc.protocol.ClientProtocol.held_bytes>`) and not yet written."""
+        """The bytes held for the open calls (:attr:`H2ClientConnection.held_bytes
+        <services.serving.h2grpc.http2.H2ClientConnection.held_bytes>`) and not yet written."""
         held = self.protocol.held_bytes
         if self._transport is not None:
             held += self._transport.get_write_buffer_size()
@@ -247,7 +248,7 @@ class H2Connection(asyncio.Protocol):
         metadata: bytes = b"",
     ) -> Call:
         """Send one call's request (headers with ``metadata``, the encoded fields of
-        :func:`~services.serving.h2grpc.frames.metadata_block`, and its single message; what
+        :func:`~services.serving.h2grpc.grpc_wire.metadata_block`, and its single message; what
         the server's windows do not take yet follows as they open) and return its
         :class:`Call`. Raises
         :class:`NotStarted` when the connection cannot take it (nothing was sent), DEADLINE_EXCEEDED

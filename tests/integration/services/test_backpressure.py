@@ -26,7 +26,7 @@ from services.engines.registry import synthetic_model
 from services.engines.stub import StubBackend
 from services.engines.stub.backend import StubOptions
 from services.router.config import RouterSettings
-from services.serving.h2grpc.protocol import STREAM_WINDOW
+from services.serving.h2grpc.http2_base import STREAM_WINDOW
 from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
 from tests.integration.services.conftest import hosted, service_settings
 from tests.security.router_harness import serving_router

@@ -16,12 +16,8 @@ import pytest
 from services.serving.h2grpc import CallFailed
 from services.serving.h2grpc.errors import Violation
 from services.serving.h2grpc.frames import DEFAULT_MAX_FRAME, MAX_HEADER_LIST_SIZE, ErrorCode
-from services.serving.h2grpc.protocol import (
-    MAX_QUEUED_COST,
-    MAX_UNWRITTEN_REPLIES,
-    MESSAGE_COST,
-    STREAM_WINDOW,
-)
+from services.serving.h2grpc.http2_base import MAX_UNWRITTEN_REPLIES, STREAM_WINDOW
+from services.serving.h2grpc.protocol import MAX_QUEUED_COST, MESSAGE_COST
 from tests.integration.services import misbehaving_h2
 from tests.integration.services.test_h2grpc_misbehaving import (
     CALL_BOUND_S,

@@ -10,13 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.serving.h2grpc import frames
+from services.serving.h2grpc import frames, grpc_wire
 from services.serving.h2grpc.hpack_decoder import HpackDecoder
 
 
 def test_request_headers_decode_to_grpc_fields_and_reset_the_table() -> None:
-    prefix = frames.request_headers_prefix(b"/pdserve.v1.DecodeService/Decode", b"h:1", tls=False)
-    block = frames.TABLE_SIZE_ZERO + prefix + frames.timeout_field(1.5)
+    prefix = grpc_wire.request_headers_prefix(
+        b"/pdserve.v1.DecodeService/Decode", b"h:1", tls=False
+    )
+    block = frames.TABLE_SIZE_ZERO + prefix + grpc_wire.timeout_field(1.5)
     assert hpack.Decoder().decode(block) == [
         (":method", "POST"),
         (":scheme", "http"),
@@ -28,7 +30,7 @@ def test_request_headers_decode_to_grpc_fields_and_reset_the_table() -> None:
         ("user-agent", "pdserve-h2grpc"),
         ("grpc-timeout", "1500000u"),
     ]
-    tls = frames.request_headers_prefix(b"/x", b"h" * 300, tls=True)  # multi-byte lengths
+    tls = grpc_wire.request_headers_prefix(b"/x", b"h" * 300, tls=True)  # multi-byte lengths
     assert hpack.Decoder().decode(tls)[1:4] == [
         (":scheme", "https"),
         (":path", "/x"),
@@ -45,7 +47,7 @@ def test_metadata_decodes_as_literal_fields_with_new_names() -> None:
         ("trace-bin", b"\x00\xff\x10"),  # base64 without padding (4 characters, not "AP8Q")
         ("long", "v" * 300),  # multi-byte string lengths
     ]
-    block = frames.metadata_block(metadata)
+    block = grpc_wire.metadata_block(metadata)
     decoder = hpack.Decoder()
     assert decoder.decode(block) == [
         ("traceparent", traceparent),
@@ -56,9 +58,9 @@ def test_metadata_decodes_as_literal_fields_with_new_names() -> None:
     ]
     # 6.2.2: each field starts 0000 0000 (never indexed: no dynamic table entry on either side).
     assert block[0] == 0 and len(decoder.header_table.dynamic_entries) == 0
-    assert frames.metadata_block([("b-bin", b"\xfb")]).endswith(b"\x02+w")  # "+w==" unpadded
+    assert grpc_wire.metadata_block([("b-bin", b"\xfb")]).endswith(b"\x02+w")  # "+w==" unpadded
     # After the request's own fields, as gRPC orders them: one block decodes to both.
-    prefix = frames.request_headers_prefix(b"/x", b"h:1", tls=False) + frames.timeout_field(1)
+    prefix = grpc_wire.request_headers_prefix(b"/x", b"h:1", tls=False) + grpc_wire.timeout_field(1)
     fields = hpack.Decoder().decode(prefix + block)
     assert fields[-6:-4] == [("grpc-timeout", "1000000u"), ("traceparent", traceparent)]
 
@@ -86,7 +88,7 @@ def test_metadata_that_breaks_grpc_rules_is_refused(
     metadata: list[tuple[str, str | bytes]], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        frames.metadata_block(metadata)
+        grpc_wire.metadata_block(metadata)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,7 @@ def test_metadata_that_breaks_grpc_rules_is_refused(
     ],
 )
 def test_timeouts_use_at_most_eight_digits_and_never_round_down(seconds: float, field: str) -> None:
-    assert hpack.Decoder().decode(frames.timeout_field(seconds)) == [("grpc-timeout", field)]
+    assert hpack.Decoder().decode(grpc_wire.timeout_field(seconds)) == [("grpc-timeout", field)]
 
 
 def test_frame_header_round_trip() -> None:

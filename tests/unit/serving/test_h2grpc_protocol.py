@@ -1,27 +1,29 @@
 """The h2grpc client's sans-IO protocol on bytes: flow control both ways (the backpressure a slow
 reader puts on the server), what makes a call safe to send again, and breaches that end the
-connection; no socket, no event loop."""
+connection; no socket, no event loop. And the core's layers: HTTP/2's modules import nothing of
+gRPC's."""
 
 from __future__ import annotations
 
+import ast
 import struct
+from pathlib import Path
 
 import grpc
 import hpack
 
-from services.serving.h2grpc import frames
+from services.serving.h2grpc import frames, grpc_wire
 from services.serving.h2grpc.errors import ProtocolError, Violation
 from services.serving.h2grpc.frames import ErrorCode, Flag, FrameType, Setting
-from services.serving.h2grpc.protocol import (
-    STREAM_WINDOW,
+from services.serving.h2grpc.http2_base import STREAM_WINDOW
+from services.serving.h2grpc.http2_events import (
     Breach,
-    ClientProtocol,
     ConnectionEnded,
     Event,
     SettingsAcknowledged,
     Settled,
-    Stream,
 )
+from services.serving.h2grpc.protocol import ClientProtocol, Stream
 
 PATH = b"/test.Echo/Echo"
 MAX_MESSAGE = 8 << 20
@@ -75,7 +77,7 @@ def answer_headers(stream_id: int, encoder: hpack.Encoder) -> bytes:
 def messages(stream_id: int, count: int, size: int) -> list[bytes]:
     """``count`` DATA frames of one ``size``-byte message each."""
     return [
-        frames.frame(FrameType.DATA, 0, stream_id, frames.message(bytes([i % 251]) * size))
+        frames.frame(FrameType.DATA, 0, stream_id, grpc_wire.message(bytes([i % 251]) * size))
         for i in range(count)
     ]
 
@@ -86,7 +88,7 @@ class Server:
 
     def __init__(self, protocol: ClientProtocol, stream: Stream, size: int) -> None:
         self.protocol, self.stream, self.size = protocol, stream, size
-        self.per_frame = size + frames.MESSAGE_PREFIX_BYTES
+        self.per_frame = size + grpc_wire.MESSAGE_PREFIX_BYTES
         self.window = STREAM_WINDOW
         self.sent = 0
 
@@ -151,7 +153,7 @@ def test_a_unary_answer_gives_its_window_back_as_it_arrives_and_has_one_message(
     protocol.open(stream, PATH, b"go", timeout_s=None)
     protocol.data_to_send()
     protocol.receive(answer_headers(1, hpack.Encoder()))
-    big = frames.message(bytes(3 * STREAM_WINDOW))  # larger than the stream's window
+    big = grpc_wire.message(bytes(3 * STREAM_WINDOW))  # larger than the stream's window
     for offset in range(0, len(big), frames.DEFAULT_MAX_FRAME):
         chunk = big[offset : offset + frames.DEFAULT_MAX_FRAME]
         protocol.receive(frames.frame(FrameType.DATA, 0, 1, chunk))
@@ -170,7 +172,7 @@ def test_a_request_over_the_servers_window_goes_as_the_window_opens() -> None:
     sent = parsed(protocol.data_to_send())
     assert [kind for kind, *_ in sent] == [FrameType.HEADERS, FrameType.DATA]
     assert len(sent[1][3]) == 1024 and not sent[1][1] & Flag.END_STREAM
-    assert stream.held_bytes == len(payload) + frames.MESSAGE_PREFIX_BYTES - 1024
+    assert stream.held_bytes == len(payload) + grpc_wire.MESSAGE_PREFIX_BYTES - 1024
     protocol.receive(frames.window_update(1, 200_000))
     sent = parsed(protocol.data_to_send())
     # The connection's window (65,535 at first) is the limit now.
@@ -240,3 +242,27 @@ def test_a_settings_ack_timeout_is_a_connection_error_the_io_layer_raises() -> N
     assert stream.code is grpc.StatusCode.UNAVAILABLE
     goaway = parsed(protocol.data_to_send())[-1]
     assert struct.unpack_from(">LL", goaway[3]) == (0, ErrorCode.SETTINGS_TIMEOUT)
+
+
+HTTP2_MODULES = ("frames", "rules", "hpack_decoder", "header_blocks", "http2_events", "http2_base")
+
+
+def test_the_http2_layer_imports_nothing_of_grpc() -> None:
+    """The gRPC layer builds on HTTP/2's modules, never the reverse: none of them imports the
+    ``grpc`` package, gRPC's wire pieces or the protocol above (``errors`` is the package's
+    shared error tree, imported by both)."""
+    package = Path(frames.__file__).parent
+    for name in (*HTTP2_MODULES, "http2"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse((package / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        grpc_side = {
+            module
+            for module in imported
+            if module.split(".")[0] == "grpc"
+            or module.endswith((".grpc_wire", ".protocol", ".call", ".channel", ".connection"))
+        }
+        assert not grpc_side, f"{name}.py imports {sorted(grpc_side)}"

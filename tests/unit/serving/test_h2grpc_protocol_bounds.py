@@ -13,19 +13,16 @@ import grpc
 import hpack
 import pytest
 
-from services.serving.h2grpc import frames
+from services.serving.h2grpc import frames, grpc_wire
 from services.serving.h2grpc.errors import Violation
 from services.serving.h2grpc.frames import ErrorCode, Flag, FrameType
 from services.serving.h2grpc.hpack_decoder import HpackDecoder
+from services.serving.h2grpc.http2_base import MAX_UNWRITTEN_REPLIES, STREAM_WINDOW
+from services.serving.h2grpc.http2_events import Breach, ConnectionEnded, Event
 from services.serving.h2grpc.protocol import (
     MAX_QUEUED_COST,
-    MAX_UNWRITTEN_REPLIES,
     MESSAGE_COST,
-    STREAM_WINDOW,
-    Breach,
     ClientProtocol,
-    ConnectionEnded,
-    Event,
     Stream,
     StreamChanged,
 )
@@ -64,7 +61,7 @@ def echo_works(protocol: ClientProtocol) -> None:
     stream = opened(protocol, streaming=False)
     sid = stream.stream_id
     protocol.receive(answer_headers(sid, hpack.Encoder()))
-    protocol.receive(frames.frame(FrameType.DATA, 0, sid, frames.message(b"again")))
+    protocol.receive(frames.frame(FrameType.DATA, 0, sid, grpc_wire.message(b"again")))
     protocol.receive(trailers(sid, [("grpc-status", "0")]))
     assert stream.code is grpc.StatusCode.OK, stream.details
     assert list(stream.messages) == [b"again"]
@@ -115,7 +112,7 @@ def test_one_empty_message_wakes_the_reader() -> None:
     protocol = settled()
     stream = opened(protocol, streaming=True)
     protocol.receive(answer_headers(1, hpack.Encoder()))
-    events = protocol.receive(frames.frame(FrameType.DATA, 0, 1, frames.message(b"")))
+    events = protocol.receive(frames.frame(FrameType.DATA, 0, 1, grpc_wire.message(b"")))
     assert [e.stream for e in events if isinstance(e, StreamChanged)] == [stream]
     assert list(stream.messages) == [b""]
     assert stream.held_bytes == MESSAGE_COST
@@ -142,7 +139,7 @@ def test_empty_messages_unread_fail_the_call_at_the_bound_of_what_it_holds() -> 
     protocol = settled()
     stream = opened(protocol, streaming=True)
     protocol.receive(answer_headers(1, hpack.Encoder()))
-    sent, out = send_while_allowed(protocol, stream, frames.message(b"") * 3000)
+    sent, out = send_while_allowed(protocol, stream, grpc_wire.message(b"") * 3000)
     assert sent <= STREAM_WINDOW
     assert stream.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"over the {MAX_QUEUED_COST} bound" in stream.details
@@ -156,7 +153,7 @@ def test_empty_messages_read_as_they_come_flow_on() -> None:
     protocol = settled()
     stream = opened(protocol, streaming=True)
     protocol.receive(answer_headers(1, hpack.Encoder()))
-    payload = frames.message(b"") * 3000
+    payload = grpc_wire.message(b"") * 3000
     window = STREAM_WINDOW
     for _ in range(4 * STREAM_WINDOW // len(payload)):
         assert window >= len(payload)
@@ -172,7 +169,7 @@ def test_unread_messages_of_a_few_bytes_hold_the_server_to_its_window() -> None:
     protocol = settled()
     stream = opened(protocol, streaming=True)
     protocol.receive(answer_headers(1, hpack.Encoder()))
-    sent, _ = send_while_allowed(protocol, stream, frames.message(b"12345678") * 1000)
+    sent, _ = send_while_allowed(protocol, stream, grpc_wire.message(b"12345678") * 1000)
     assert sent <= STREAM_WINDOW * 5 // 4
     assert stream.code is None
     assert stream.held_bytes == len(stream.messages) * (8 + MESSAGE_COST) <= MAX_QUEUED_COST
@@ -184,7 +181,7 @@ def test_unread_small_messages_cost_no_more_than_they_are_charged(size: int) -> 
     stream = opened(protocol, streaming=True)
     protocol.receive(answer_headers(1, hpack.Encoder()))
     per_frame = 100
-    data = frames.frame(FrameType.DATA, 0, 1, frames.message(b"\x01" * size) * per_frame)
+    data = frames.frame(FrameType.DATA, 0, 1, grpc_wire.message(b"\x01" * size) * per_frame)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
