@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from services.config import RedisSettings
 from services.config.control_plane import SENTINEL_SCHEME
@@ -136,4 +136,8 @@ class RedisConnection:
                 backoff = min(backoff * 2, self.settings.retry_backoff_max_s)
 
     async def close(self) -> None:
+        pool = self.client.connection_pool
         await self.client.aclose()
+        if isinstance(pool, SentinelConnectionPool):  # its clients of the sentinels too
+            for sentinel in pool.sentinel_manager.sentinels:
+                await sentinel.aclose()
