@@ -191,6 +191,9 @@ class Workload:
     requests_per_concurrency: int
     seed: int
     timeout_s: float
+    streamed_tokens: tuple[int, ...] = ()
+    """Two ``max_tokens`` of the token-cost phases (:func:`one_at_a_time`); empty: none."""
+    streamed_requests: int = 10
 
 
 async def rate_sweep(client: httpx.AsyncClient, load: Workload, rate: float) -> list[Outcome]:
@@ -276,6 +279,21 @@ async def concurrency_sweep(
             outcomes.append(outcome)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outcomes
+
+
+async def one_at_a_time(client: httpx.AsyncClient, load: Workload, tokens: int) -> list[Outcome]:
+    """``streamed_requests`` completions of ``tokens`` tokens, one after the other (no batching:
+    the CPU each more token costs each process, beside the same at another length)."""
+    rng = random.Random(f"{load.seed}/tokens/{tokens}")
+    outcomes = []
+    begin = time.perf_counter()
+    for index in range(load.streamed_requests):
+        body = completion_body(load.model, make_prompt(index, 32, rng), tokens)
+        outcome = await _timed(client, "/v1/completions", body, f"tokens/{tokens}/{index}",
+                               load.timeout_s)  # fmt: skip
+        outcome.sent_s -= begin
+        outcomes.append(outcome)
     return outcomes
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -21,6 +21,7 @@ from services.bench.peer_load import (
     completion_body,
     concurrency_sweep,
     figures,
+    one_at_a_time,
     rate_sweep,
     send,
     window_s,
@@ -102,7 +103,34 @@ async def run_workloads(
                 f"concurrency_{concurrency}",
                 functools.partial(concurrency_sweep, client, load, concurrency),
             )
+        for tokens in load.streamed_tokens:
+            await measured(
+                f"tokens_{tokens}", functools.partial(one_at_a_time, client, load, tokens)
+            )
     return phases, every
+
+
+def per_extra_token(
+    phases: Mapping[str, Mapping[str, Any]], tokens: Sequence[int]
+) -> dict[str, Any]:
+    """CPU ms that one more streamed token costs each process and the whole stack: the
+    difference of the two ``tokens_<n>`` phases' CPU per request over their difference in
+    tokens (empty without both)."""
+    if len(tokens) != 2 or tokens[0] == tokens[1]:
+        return {}
+    low, high = (phases.get(f"tokens_{n}", {}) for n in tokens)
+    if not low.get("cpu_ms_per_request") or not high.get("cpu_ms_per_request"):
+        return {}
+    extra = tokens[1] - tokens[0]
+    by_low = low["cpu_ms_per_request_by_process"]
+    by_high = high["cpu_ms_per_request_by_process"]
+    return {
+        "total": round((high["cpu_ms_per_request"] - low["cpu_ms_per_request"]) / extra, 3),
+        "by_process": {
+            label: round((by_high[label] - by_low.get(label, 0.0)) / extra, 3)
+            for label in sorted(by_high)
+        },
+    }
 
 
 # -- report -------------------------------------------------------------------------------
@@ -194,6 +222,10 @@ def table(stacks: Mapping[str, Mapping[str, Any]], agreement: Mapping[str, Any])
             )  # fmt: skip
         transfers = ", ".join(f"{k} {v:g}" for k, v in stack["kv_transfers"].items())
         notes.append(f"{name}: peak RSS {stack['peak_rss_mib']:.0f} MiB; KV {transfers}")
+        token = stack.get("cpu_ms_per_extra_token") or {}
+        if token:
+            each = ", ".join(f"{k} {v:.3g}" for k, v in token["by_process"].items() if v > 0.005)
+            notes.append(f"{name}: CPU ms per extra streamed token {token['total']:.3g} ({each})")
     for key, value in agreement.items():
         if isinstance(value, Mapping) and "compared" in value:
             notes.append(f"greedy outputs {key}: {value['equal']}/{value['compared']} equal")

@@ -16,7 +16,9 @@ concurrency sweep of streamed chats. Per phase: TTFT, ITL and end-to-end p50/p99
 goodput at ``--ttft-slo-ms`` / ``--itl-slo-ms``, and **CPU seconds per request summed over
 every process of the stack** (routers, API servers, engine hosts, engine cores and workers,
 Redis, ``pdserve up``), read from each process's CPU clock before and after the phase, with
-the same figure per process (``cpu_by_process``: where the difference comes from). Per stack:
+the same figure per process (``cpu_ms_per_request_by_process``: where the difference comes
+from). Completions sent one at a time at the two ``--streamed-tokens`` lengths give the CPU
+one more streamed token costs each process (``cpu_ms_per_extra_token``). Per stack:
 peak RSS of all its processes together (sampled every 0.5 s), and its KV-transfer counters
 (transfers, failed, expired: every transfer should succeed and none expire). Greedy outputs:
 each stack's token ids per request against the first stack's and against a colocated ``vllm
@@ -48,7 +50,7 @@ from typing import Any
 import httpx
 
 from services.bench.peer_load import Outcome, Slo, Workload, output_agreement, outputs, send
-from services.bench.peer_phases import comparison, run_workloads, table
+from services.bench.peer_phases import comparison, per_extra_token, run_workloads, table
 from services.bench.peer_stacks import (
     PDSERVE_STACKS,
     STACKS,
@@ -102,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-rate", type=float, default=1.0, help="conversations started/s")
     parser.add_argument("--concurrency", default="1,4", help="streamed chats at a time")
     parser.add_argument("--requests-per-concurrency", type=int, default=12)
+    parser.add_argument(
+        "--streamed-tokens",
+        default="4,64",
+        help="two max_tokens of completions sent one at a time: the CPU one more streamed "
+        "token costs each process (per_extra_token; empty: not measured)",
+    )
+    parser.add_argument("--streamed-requests", type=int, default=10)
     parser.add_argument("--ttft-slo-ms", type=float, default=500.0)
     parser.add_argument("--itl-slo-ms", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -267,6 +276,7 @@ async def _bench_stack(
             for key in sorted(set(transfers_after) | set(transfers_before))
         },
         "phases": phases,
+        "cpu_ms_per_extra_token": per_extra_token(phases, load.streamed_tokens),
     }, outcomes
 
 
@@ -357,6 +367,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         requests_per_concurrency=args.requests_per_concurrency,
         seed=args.seed,
         timeout_s=args.request_timeout_s,
+        streamed_tokens=_list(args.streamed_tokens, int),
+        streamed_requests=args.streamed_requests,
     )
     load_before = load_average()
     measured = asyncio.run(_run(args, setup, load))

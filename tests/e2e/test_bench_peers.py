@@ -24,7 +24,8 @@ def test_bench_peers_reports_both_stacks_side_by_side(tmp_path: Path) -> None:
         sys.executable, "-m", "services.cli.main", "bench", "peers",
         "--stacks", "peer,pdserve_push", "--rates", "2", "--requests-per-rate", "4",
         "--conversations", "1", "--turns", "2", "--concurrency", "2",
-        "--requests-per-concurrency", "2", "--no-colocated", "--work-dir", str(tmp_path),
+        "--requests-per-concurrency", "2", "--streamed-tokens", "2,6", "--streamed-requests", "2",
+        "--no-colocated", "--work-dir", str(tmp_path),
     ]  # fmt: skip
     result = subprocess.run(
         argv,
@@ -41,6 +42,7 @@ def test_bench_peers_reports_both_stacks_side_by_side(tmp_path: Path) -> None:
         for phase, figures in stack["phases"].items():
             assert figures["completed"] == figures["requests"] > 0, (name, phase, figures)
             assert figures["cpu_ms_per_request"] > 0, (name, phase)
+        assert set(stack["cpu_ms_per_extra_token"]) == {"total", "by_process"}
         labels = " ".join(stack["processes"])
         assert "engine-core" in labels, labels
         assert stack["kv_transfers"].get("transfers", 0) > 0, stack["kv_transfers"]

@@ -11,12 +11,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from services.bench import peer_stacks, peers
 from services.bench.peer_load import Outcome, Slo, Workload, figures, output_agreement, window_s
-from services.bench.peer_phases import comparison, cpu_by_label, cpu_figures, table
+from services.bench.peer_phases import (
+    comparison,
+    cpu_by_label,
+    cpu_figures,
+    per_extra_token,
+    table,
+)
 from services.bench.peer_stacks import (
     EngineSettings,
     Layout,
@@ -233,3 +240,21 @@ def test_process_names_of_a_stack(monkeypatch: pytest.MonkeyPatch) -> None:
         3: "redis",
         4: "prefill/engine-core",
     }
+
+
+def test_the_cpu_of_one_more_streamed_token_per_process() -> None:
+    def phase(total: float, router: float) -> dict[str, Any]:
+        return {
+            "cpu_ms_per_request": total,
+            "cpu_ms_per_request_by_process": {"router": router, "decode/worker": total - router},
+        }
+
+    phases = {"tokens_4": phase(40.0, 4.0), "tokens_64": phase(100.0, 10.0)}
+    token = per_extra_token(phases, (4, 64))
+    assert token == {"total": 1.0, "by_process": {"decode/worker": 0.9, "router": 0.1}}
+    assert per_extra_token(phases, ()) == {}
+    assert per_extra_token({"tokens_4": phase(40.0, 4.0)}, (4, 64)) == {}
+    stack = {"phases": {}, "peak_rss_mib": 1.0, "kv_transfers": {}, "cpu_ms_per_extra_token": token}
+    assert "pdserve_push: CPU ms per extra streamed token 1 (decode/worker 0.9, router 0.1)" in (
+        table({"pdserve_push": stack}, {})
+    )
