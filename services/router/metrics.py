@@ -13,8 +13,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from services.router.scheduling.health import CircuitGauge
-
 M = TypeVar("M", bound=Counter)
 
 HOLDOVER_OUTCOMES = ("held", "confirmed", "replaced", "failed", "expired")
@@ -22,6 +20,9 @@ HOLDOVER_OUTCOMES = ("held", "confirmed", "replaced", "failed", "expired")
 
 InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
 """``(engine, role, requests in flight)`` of every READY engine, read at scrape time."""
+
+CircuitSamples = Callable[[], Iterable[tuple[str, str, str]]]
+"""``(engine, role, breaker state)`` of every READY engine, read at scrape time."""
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -398,6 +399,36 @@ class Children(Generic[M]):
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+
+class CircuitGauge(Collector):
+    """``pdserve_router_engine_circuit_state``: 1 for each READY engine's current breaker
+    state and 0 for its other states, read from the engine pool when scraped."""
+
+    NAME = "pdserve_router_engine_circuit_state"
+    DOCUMENTATION = (
+        "Circuit-breaker state of each READY engine as this router sees it (1 for the "
+        "current state: closed, open, half_open)."
+    )
+
+    def __init__(self) -> None:
+        self._source: CircuitSamples = tuple
+        self._states: tuple[str, ...] = ()
+
+    def read_from(self, source: CircuitSamples, states: tuple[str, ...]) -> None:
+        """Set by the engine pool when it is built: the samples and every state a breaker
+        can be in (:class:`~services.router.scheduling.health.CircuitState`)."""
+        self._source = source
+        self._states = states
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            self.NAME, self.DOCUMENTATION, labels=("engine", "role", "state")
+        )
+        for engine, role, current in self._source():
+            for state in self._states:
+                family.add_metric((engine, role, state), 1 if state == current else 0)
+        yield family
 
 
 class InflightGauge(Collector):

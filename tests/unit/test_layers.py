@@ -114,3 +114,70 @@ def test_architecture_doc_lists_the_same_layers() -> None:
     for index, layer in enumerate(LAYERS):
         line = next(x for x in rule.splitlines() if x.strip().startswith(f"{index}."))
         assert {name.strip("` ,") for name in line.split(".", 1)[1].split()} >= layer, line
+
+
+ROUTER_LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"config", "errors", "metrics"}),
+    frozenset({"scheduling"}),
+    frozenset({"execution"}),
+    frozenset({"runtime"}),
+    frozenset({"frontend"}),
+    frozenset({"main"}),
+    frozenset({"workers"}),
+)
+"""The router's own parts, bottom to top (docs/router.md): a part imports only from the parts
+below it and from itself (``frontend`` from ``runtime``, never ``execution`` from ``runtime``)."""
+
+ROUTER = SERVICES / "router"
+
+
+def _router_part(parts: tuple[str, ...]) -> str:
+    """``config`` of ``("config",)``, ``scheduling`` of ``("scheduling", "pool")``."""
+    return parts[0]
+
+
+def _router_violations(relative: Path, source: str) -> list[str]:
+    """The imports of ``services/router/<relative>`` that break the router's own layering."""
+    layer_of = {part: index for index, layer in enumerate(ROUTER_LAYERS) for part in layer}
+    part = _router_part(relative.with_suffix("").parts)
+    module_parts = ("services", "router", *relative.with_suffix("").parts)
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        modules: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:
+                base = module_parts[: len(module_parts) - node.level]
+                modules = [".".join((*base, node.module))]
+            else:
+                modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        for module in modules:
+            names = module.split(".")
+            if names[:2] != ["services", "router"] or len(names) < 3:
+                continue
+            imported = names[2]
+            if imported == part:
+                continue
+            if imported not in layer_of or layer_of[imported] >= layer_of.get(part, -1):
+                found.append(f"services/router/{relative}:{node.lineno}: {part} imports {imported}")
+    return found
+
+
+def test_the_routers_parts_import_only_from_the_parts_below_them() -> None:
+    violations = []
+    for path in sorted(ROUTER.rglob("*.py")):
+        relative = path.relative_to(ROUTER)
+        if relative.name == "__init__.py" and len(relative.parts) == 1:
+            continue
+        violations += _router_violations(relative, path.read_text(encoding="utf-8"))
+    assert violations == []
+    parts = {p.stem if p.is_file() else p.name for p in ROUTER.iterdir() if p.name != "__pycache__"}
+    assert parts - {"__init__"} == {part for layer in ROUTER_LAYERS for part in layer}
+
+
+def test_the_router_check_finds_upward_imports() -> None:
+    probe = "from services.router.runtime import RouterRuntime\n"
+    assert _router_violations(Path("execution/fork.py"), probe)
+    assert _router_violations(Path("metrics.py"), "from .scheduling.health import X\n")
+    assert _router_violations(Path("frontend/ops.py"), probe) == []

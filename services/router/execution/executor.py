@@ -1,8 +1,11 @@
 """Running one request on the engines a :class:`~services.router.scheduling.scheduler.Plan` names.
 
-:meth:`Executor.generate` is an async generator of :class:`Chunk`. The HTTP layer awaits the
-first chunk before it answers, so every failure up to the first token (no engine, every
-prefill attempt failed, a decode engine refusing the request) is an ordinary OpenAI error;
+:meth:`Executor.runs` is the one entry: the choices of one prompt, forked from one prefill where
+both engines fork (:mod:`services.router.execution.fork`), otherwise one
+:meth:`Executor.generate` each. :meth:`Executor.generate` is an async generator of
+:class:`Chunk`. The HTTP layer awaits the first chunk before it answers, so every failure up to
+the first token (no engine, every prefill attempt failed, a decode engine refusing the request)
+is an ordinary OpenAI error;
 a failure after it raises :class:`~services.router.errors.EngineRequestFailed` from the
 generator, which the streaming layer turns into an error event (never a silent truncation).
 
@@ -34,7 +37,8 @@ from services.engines.backend import FinishReason, PrefillResult
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution.engine_calls import EngineCalls
-from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
+from services.router.execution.fork import ForkContext, forked_runs
+from services.router.execution.generation import Chunk, ChunkStream, GenerationRequest, RunInfo
 from services.router.execution.migration import (
     PRODUCER_GONE,
     LegFailed,
@@ -73,6 +77,16 @@ class Executor:
         self._tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.calls = EngineCalls(pool, settings, metrics)
         """The engine calls and their aborts (shared with :mod:`services.router.execution.fork`)."""
+        self._fork = ForkContext(pool, scheduler, settings, metrics, self.calls)
+
+    def runs(self, requests: list[GenerationRequest], infos: list[RunInfo]) -> list[ChunkStream]:
+        """The chunk streams of one prompt's choices (``requests[i]`` is choice ``i``, filling
+        ``infos[i]``): one forked run when the plan's engines fork, else one :meth:`generate`
+        each (with failover and migration); which path ran is counted."""
+        forked = forked_runs(self._fork, requests, infos)
+        if forked is not None:
+            return list(forked)
+        return [self.generate(r, i) for r, i in zip(requests, infos, strict=True)]
 
     async def generate(
         self, request: GenerationRequest, info: RunInfo

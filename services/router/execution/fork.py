@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
-from dataclasses import replace
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
 
 from services.engines.backend import DecodeRequest, FinishReason, Fork, PrefillResult
+from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
-from services.router.execution.engine_calls import BACKSTOP_GRACE_S
+from services.router.execution.engine_calls import BACKSTOP_GRACE_S, EngineCalls
 from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
 from services.router.execution.migration import is_engine_fault
-from services.router.runtime import RouterRuntime
+from services.router.metrics import RouterMetrics
 from services.router.scheduling.policies import PromptInfo
-from services.router.scheduling.pool import EngineSlot
-from services.router.scheduling.scheduler import Plan
+from services.router.scheduling.pool import EnginePool, EngineSlot
+from services.router.scheduling.scheduler import Plan, Scheduler
 
 FORKING_KINDS = frozenset({"reference"})
 """Engine kinds whose prefill samples ``n`` first tokens and whose decode forks."""
@@ -46,18 +45,21 @@ FORKING_KINDS = frozenset({"reference"})
 _Item = Chunk | BaseException
 
 
-class ChunkStream(Protocol):
-    """One choice's chunks: what the front end's engine client reads (an executor
-    run, or a :class:`_ChoiceStream` of a forked run)."""
+@dataclass(frozen=True)
+class ForkContext:
+    """What a forked run uses of its executor: the pool, the scheduler, the bounds, the
+    metrics and the executor's engine calls."""
 
-    def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...
-
-    async def aclose(self) -> None: ...
+    pool: EnginePool
+    scheduler: Scheduler
+    settings: RouterSettings
+    metrics: RouterMetrics
+    calls: EngineCalls
 
 
 def forked_runs(
-    runtime: RouterRuntime, requests: list[GenerationRequest], infos: list[RunInfo]
-) -> list[ChunkStream] | None:
+    context: ForkContext, requests: list[GenerationRequest], infos: list[RunInfo]
+) -> list[_ChoiceStream] | None:
     """One chunk stream per choice of one prompt (``requests[i]`` is choice ``i``), or
     ``None`` when they cannot fork (see the module docstring); counted either way."""
     if len(requests) < 2:
@@ -68,7 +70,7 @@ def forked_runs(
         context_tokens=len(base.prompt_token_ids) + base.sampling.max_tokens,
     )
     try:
-        plan = runtime.scheduler.plan(base.model, prompt)
+        plan = context.scheduler.plan(base.model, prompt)
     except RouterError:
         plan = None  # each choice plans again and answers the error through the usual path
     if (
@@ -77,10 +79,10 @@ def forked_runs(
         or plan.prefill.record.engine_kind not in FORKING_KINDS
         or plan.decode.record.engine_kind not in FORKING_KINDS
     ):
-        runtime.metrics.choices.labels(path="per_choice").inc()
+        context.metrics.choices.labels(path="per_choice").inc()
         return None
-    runtime.metrics.choices.labels(path="forked").inc()
-    run = _ForkedRun(runtime, plan, base, len(requests), infos)
+    context.metrics.choices.labels(path="forked").inc()
+    run = _ForkedRun(context, plan, base, len(requests), infos)
     return [_ChoiceStream(run, i) for i in range(len(requests))]
 
 
@@ -120,15 +122,15 @@ class _ForkedRun:
 
     def __init__(
         self,
-        runtime: RouterRuntime,
+        context: ForkContext,
         plan: Plan,
         request: GenerationRequest,
         n: int,
         infos: list[RunInfo],
     ) -> None:
         assert plan.prefill is not None
-        self._runtime = runtime
-        self._calls = runtime.executor.calls
+        self._context = context
+        self._calls = context.calls
         self._prefill_slot: EngineSlot = plan.prefill
         self._decode_slot = plan.decode
         self._request = request
@@ -159,7 +161,7 @@ class _ForkedRun:
     async def _run(self) -> None:
         stage = "prefill"
         try:
-            with self._runtime.pool.reserve(self._decode_slot):
+            with self._context.pool.reserve(self._decode_slot):
                 result = await self._prefill()
                 stage = "decode"
                 forks = self._first_tokens(result)
@@ -179,7 +181,7 @@ class _ForkedRun:
             replace(request, sampling=replace(request.sampling, n=self._n)),
             self._infos[0],
         )
-        self._runtime.metrics.ttft_phase_by("prefill").observe(elapsed)
+        self._context.metrics.ttft_phase_by("prefill").observe(elapsed)
         return result
 
     def _first_tokens(self, result: PrefillResult) -> list[Fork]:
@@ -223,8 +225,8 @@ class _ForkedRun:
         return forks
 
     async def _decode(self, result: PrefillResult, forks: list[Fork]) -> None:
-        runtime, slot, request = self._runtime, self._decode_slot, self._request
-        settings = runtime.settings
+        context, slot, request = self._context, self._decode_slot, self._request
+        settings = context.settings
         whole_s, idle_s = settings.decode_timeout_s, settings.decode_idle_timeout_s
         decode_request = DecodeRequest(
             request_id=request.request_id,
@@ -236,7 +238,7 @@ class _ForkedRun:
             trace=request.trace,
         )
         started = time.perf_counter()
-        runtime.pool.call_started(slot)
+        context.pool.call_started(slot)
         stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
         first = True
         try:
@@ -260,15 +262,15 @@ class _ForkedRun:
                         else engine_error(exc, stage="decode")
                     )
                     if is_engine_fault(error):
-                        runtime.pool.call_failed(slot)
+                        context.pool.call_failed(slot)
                     raise error from exc
                 finally:
                     self._infos[0].engine_wait_s += time.perf_counter() - waited
                 if first:
                     first = False
-                    runtime.pool.call_succeeded(slot)
+                    context.pool.call_succeeded(slot)
                     handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
-                    runtime.metrics.ttft_phase_by("handoff").observe(handoff)
+                    context.metrics.ttft_phase_by("handoff").observe(handoff)
                 if delta.finish_reason is FinishReason.ERROR:
                     raise EngineRequestFailed(
                         f"decode engine {slot.engine_id} failed the request: "

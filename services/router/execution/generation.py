@@ -9,7 +9,9 @@ which the front end turns into vLLM's outputs, headers, usage and metrics.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.engines.trace_context import TraceContext
@@ -64,3 +66,13 @@ class RunInfo:
     migrations: int = 0
     """Times the request moved to another engine pair mid-stream
     (services.router.execution.migration)."""
+
+
+class ChunkStream(Protocol):
+    """One choice's chunks, as the front end's engine client reads them: an executor run
+    (:meth:`~services.router.execution.executor.Executor.generate`) or one choice of a forked
+    run (:mod:`services.router.execution.fork`)."""
+
+    def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...
+
+    async def aclose(self) -> None: ...

@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Iterable, Iterator
-
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+from collections.abc import Callable
 
 
 class CircuitState(enum.Enum):
@@ -104,34 +101,3 @@ class CircuitBreaker:
         if self.state is not CircuitState.OPEN:
             return 0.0
         return max(self._reopen_at - self._clock(), 0.0)
-
-
-CircuitSamples = Callable[[], Iterable[tuple[str, str, CircuitState]]]
-"""``(engine, role, state)`` of every READY engine, read at scrape time."""
-
-
-class CircuitGauge(Collector):
-    """``pdserve_router_engine_circuit_state``: 1 for each READY engine's current breaker
-    state, read from the engine pool when scraped."""
-
-    NAME = "pdserve_router_engine_circuit_state"
-    DOCUMENTATION = (
-        "Circuit-breaker state of each READY engine as this router sees it (1 for the "
-        "current state: closed, open, half_open)."
-    )
-
-    def __init__(self) -> None:
-        self._source: CircuitSamples = tuple
-
-    def read_from(self, source: CircuitSamples) -> None:
-        """Set by the engine pool when it is built."""
-        self._source = source
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            self.NAME, self.DOCUMENTATION, labels=("engine", "role", "state")
-        )
-        for engine, role, current in self._source():
-            for state in CircuitState:
-                family.add_metric((engine, role, state.value), 1 if state is current else 0)
-        yield family

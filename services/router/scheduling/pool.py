@@ -119,7 +119,9 @@ class EnginePool:
         self._closers: set[asyncio.Task[None]] = set()
         self._listeners: list[PoolListener] = []
         metrics.engine_inflight.read_from(self._inflight_samples)
-        metrics.circuit_state.read_from(self._circuit_samples)
+        metrics.circuit_state.read_from(
+            self._circuit_samples, tuple(state.value for state in CircuitState)
+        )
         metrics.control_plane_unreachable.set_function(self.control_plane_unreachable_s)
 
     # -- reading ------------------------------------------------------------------------------
@@ -202,8 +204,10 @@ class EnginePool:
                 slot.health.retry_in_s,
             )
 
-    def _circuit_samples(self) -> list[tuple[str, str, CircuitState]]:
-        return [(s.engine_id, s.role.value, s.health.state) for s in list(self._slots.values())]
+    def _circuit_samples(self) -> list[tuple[str, str, str]]:
+        return [
+            (s.engine_id, s.role.value, s.health.state.value) for s in list(self._slots.values())
+        ]
 
     def _inflight_samples(self) -> list[tuple[str, str, int]]:
         """``pdserve_router_engine_inflight``, read when scraped (READY engines only)."""

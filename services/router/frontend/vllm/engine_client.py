@@ -51,8 +51,7 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
 from services.engines.sampling_fields import from_vllm
 from services.router.errors import InvalidRequestError, RouterError
-from services.router.execution.fork import ChunkStream, forked_runs
-from services.router.execution.generation import GenerationRequest, RunInfo
+from services.router.execution.generation import ChunkStream, GenerationRequest, RunInfo
 from services.router.frontend import trace_headers as trace_of
 from services.router.frontend.engine_support import check_engines
 from services.router.frontend.vllm.config import Frontend
@@ -310,13 +309,7 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
         runs = REQUEST_RUNS.get()
         if runs is not None:
             runs.infos.extend(infos)
-        streams: list[ChunkStream] = list(
-            forked_runs(self.runtime, generations, infos)
-            or [
-                self.runtime.executor.generate(g, i)
-                for g, i in zip(generations, infos, strict=True)
-            ]
-        )
+        streams = self.runtime.executor.runs(generations, infos)
         taken = asyncio.Event()  # set each time the caller takes an output from ``queue``
         tasks = [
             asyncio.create_task(self._feed(child, stream, info, queue, taken))
