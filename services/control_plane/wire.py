@@ -233,7 +233,7 @@ class EngineLoad:
     """The sequence number of the last KV-event batch the engine handed to its publisher (sent,
     or dropped by a full queue), -1 when none yet or unknown (no events, or a publisher the
     host cannot see: vLLM's lives in its engine core). A router whose subscription stays behind
-    it marks the engine stale (``silent``: docs/architecture.md, "Precise placement from KV
+    it marks the engine stale (``silent``: docs/kv-events.md, "Precise placement from KV
     events")."""
 
 

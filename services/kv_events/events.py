@@ -32,7 +32,7 @@ blocks of the tokens it computed or received: 128K tokens in 16-token blocks enc
 0.7 MiB (a token id above 65,535 takes 5 bytes in msgpack, 640 KiB; 8,192 64-bit hashes take
 9 bytes each, 72 KiB; measured 0.59 MiB for ids drawn from a 152K vocabulary), so 1 MiB holds
 any step up to about 180K tokens while keeping what one engine can queue at the router small
-(docs/architecture.md, "Bounds of a subscription")."""
+(docs/kv-events.md, "Bounds of a subscription")."""
 MAX_EVENTS_PER_BATCH = 4096
 MAX_BLOCKS_PER_EVENT = 8192
 MAX_TOKENS_PER_EVENT = MAX_BLOCKS_PER_EVENT * 64

@@ -46,7 +46,7 @@ payloads that do not decode or are too large are dropped, each counted by ``reas
 - a payload above :data:`INLINE_DECODE_BYTES` is decoded in a worker thread, and the loop
   runs other tasks between any two messages, so no batch holds the router's event loop.
 
-The resulting worst case in bytes is in docs/architecture.md ("Bounds of a subscription").
+The resulting worst case in bytes is in docs/kv-events.md ("Bounds of a subscription").
 No vLLM import: only its wire format.
 """
 

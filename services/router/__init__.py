@@ -1,1 +1,2 @@
-"""The router service. Not built yet: see docs/architecture.md, "Status"."""
+"""The router service: vLLM's OpenAI front end over pdserve's placement and PD execution
+(docs/router.md)."""

@@ -25,8 +25,8 @@ class EngineGrpcSettings(BaseModel):
 
     client: GrpcClientName = "h2"
     """The gRPC client of the router's calls to engines: ``h2`` (pdserve's own, HTTP/2 frames
-    handled on the event loop: about half grpc.aio's CPU per call, docs/architecture.md "Hot
-    path") or ``grpcio`` (grpc.aio). Both speak the same gRPC to the same engines."""
+    handled on the event loop: about half grpc.aio's CPU per call, docs/h2grpc.md) or
+    ``grpcio`` (grpc.aio). Both speak the same gRPC to the same engines."""
     tls: bool = False
     """Dial engines over TLS (``ca_file``, else the system roots, checks their certificate)."""
     tls_ca_file: Path | None = None
@@ -139,7 +139,7 @@ class RouterSettings(BaseSettings):
     kv_events: bool = True
     """Follow the KV-cache events of every READY engine whose record names an event endpoint
     (``services.kv_events``): ``prefix_aware`` then places by what those engines really hold
-    (docs/architecture.md, Policies); engines that publish none keep the approximation."""
+    (docs/router.md, "Placement"); engines that publish none keep the approximation."""
     kv_events_replay_timeout_s: float = Field(default=2.0, gt=0)
     """How long a replay from an engine's replay endpoint may go without a message (the
     request's answer, then each next batch) before the events it should have returned count as

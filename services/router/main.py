@@ -63,7 +63,7 @@ def run(
 ) -> None:
     """:func:`serve` on a uvloop event loop (the process entry point of a router and of each
     worker). uvloop's transports, timers and selector are C: on the router's request path they
-    cost less than half of asyncio's (measured, docs/architecture.md "Hot path"); grpc.aio
+    cost less than half of asyncio's (measured, docs/router.md "CPU per request"); grpc.aio
     registers its completion-queue socket with whatever loop runs."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(settings, ready=ready, parent_pid=parent_pid))

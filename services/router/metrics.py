@@ -274,7 +274,7 @@ class RouterMetrics:
         self.placement_decisions = Counter(
             "pdserve_router_placement_decisions_total",
             "Engine choices, by pool (prefill, decode, local) and reason: what decided it "
-            "(docs/architecture.md, Policies).",
+            "(docs/router.md, Placement).",
             ["pool", "reason"],
             registry=r,
         )

@@ -1,7 +1,7 @@
 """The router's calls to one engine over :class:`~services.serving.h2grpc.H2GrpcChannel`:
 :class:`H2EngineClient`, the same calls, messages and errors as
 :class:`~services.serving.client.EngineClient` (Prefill, Decode, DecodeOnce, Abort) at a
-fraction of grpc.aio's CPU per call (docs/architecture.md, "Hot path").
+fraction of grpc.aio's CPU per call (docs/h2grpc.md).
 
 Errors are those of ``EngineClient``: the engine's :mod:`services.engines.errors` class rebuilt
 from the status and its trailing metadata, and

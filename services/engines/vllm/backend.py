@@ -204,7 +204,7 @@ class VllmBackend(EngineBackend):
             kv_transfer_config=modules.config.KVTransferConfig(**transfer),
             # vLLM refuses custom logits processors with speculative decoding: there the
             # output vLLM sees as prompt stays out of the output penalties
-            # (docs/architecture.md).
+            # (docs/engines.md).
             logits_processors=(
                 [OUTPUT_IN_PROMPT_PENALTIES] if self.options.speculative_config is None else []
             ),

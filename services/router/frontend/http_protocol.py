@@ -3,7 +3,7 @@ iteration go to the socket together.
 
 uvicorn writes a response's status line and headers, then its body, with two transport writes;
 on uvloop each write is a ``send`` at once, so a JSON answer cost two system calls and two TCP
-segments, and woke its client twice (docs/architecture.md "Hot path").
+segments, and woke its client twice (docs/router.md "CPU per request").
 :class:`CoalescingTransport` queues the writes made while one callback runs and sends them with
 one write when the loop comes round (``call_soon``), before any later callback: nothing waits on
 a timer, and closing the connection sends what is queued first.

@@ -8,7 +8,7 @@ re-reads, no polling per request); unit tests feed :meth:`EnginePool.update` dir
 An engine that stops being READY (new generation, lease expired, deregistered, INVALID) leaves
 the pool at once; its connector is closed when the last request using it ends.
 
-Control-plane outages (docs/architecture.md, "Router during a control-plane outage"): while the
+Control-plane outages (docs/router.md, "Through a control-plane outage"): while the
 watcher cannot reach Redis, the pool keeps its last view (the engines serve on; the router's own
 calls and circuit breakers say whether they answer). When Redis is back and a re-read (the one
 after the reconnect, or a periodic one within ``holdover_s`` of it: a lease that ran out because

@@ -20,7 +20,7 @@ channel per engine generation, so a restarted engine starts without back-off.
 Why not ``grpc.aio``: a grpc.aio call costs the caller about 0.3 ms of CPU here (its Python call
 objects, and a hop from gRPC's poller thread to the loop for every event), a streamed message
 about 0.07 ms; the router makes two calls a request. This channel does the same work in a few
-tens of microseconds (docs/architecture.md, "Hot path"). It is a client only, for the calls the
+tens of microseconds (docs/h2grpc.md). It is a client only, for the calls the
 router makes on its hot path; engines serve with ``grpc.aio``.
 """
 
