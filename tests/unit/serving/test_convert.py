@@ -23,6 +23,7 @@ from services.engines.backend import (
 from services.engines.errors import InvalidRequest
 from services.proto_gen.pdserve.v1 import decode_pb2, prefill_pb2, types_pb2
 from services.serving import convert, fields
+from tests.unit.sampling_examples import EVERY_FIELD_SET
 
 LIMITS = RequestLimits(vocab_size=1000, max_model_len=64)
 
@@ -70,31 +71,6 @@ EVERY_FIELD = {
 
 sampling_params = st.builds(SamplingParams, **EVERY_FIELD).filter(
     lambda sampling: sampling.min_tokens <= sampling.max_tokens
-)
-
-EVERY_FIELD_SET = SamplingParams(
-    max_tokens=9,
-    temperature=0.7,
-    top_p=0.9,
-    top_k=40,
-    seed=7,
-    stop=("end",),
-    stop_token_ids=(5,),
-    ignore_eos=True,
-    presence_penalty=0.5,
-    frequency_penalty=-0.25,
-    repetition_penalty=1.2,
-    min_p=0.05,
-    min_tokens=2,
-    logit_bias=((3, -100.0), (9, 2.5)),
-    logprobs=2,
-    prompt_logprobs=0,
-    include_stop_str_in_output=True,
-    skip_special_tokens=False,
-    spaces_between_special_tokens=False,
-    n=3,
-    output_tokens_in_prompt=4,
-    structured_outputs='{"choice":["a","b"]}',
 )
 
 

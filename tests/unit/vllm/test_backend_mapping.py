@@ -34,6 +34,7 @@ from services.engines.vllm.request_mapping import (
     encode_handle,
     prefill_sampling,
 )
+from tests.unit.sampling_examples import EVERY_FIELD_SET
 
 
 @pytest.fixture(scope="module")
@@ -228,30 +229,7 @@ def test_every_field_crosses_to_vllm_and_back_as_the_field_table_says() -> None:
 
     crossing = [name for name in sampling_fields.NAMES if sampling_fields.rule(name).in_vllm]
     assert set(crossing) <= set(VllmSamplingParams.__struct_fields__)  # vLLM spells them so
-    sampling = SamplingParams(
-        max_tokens=9,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=40,
-        seed=7,
-        stop=("end",),
-        stop_token_ids=(5,),
-        ignore_eos=True,
-        presence_penalty=0.5,
-        frequency_penalty=-0.25,
-        repetition_penalty=1.2,
-        min_p=0.05,
-        min_tokens=2,
-        logit_bias=((3, -100.0), (9, 2.5)),
-        logprobs=2,
-        prompt_logprobs=0,
-        include_stop_str_in_output=True,
-        skip_special_tokens=False,
-        spaces_between_special_tokens=False,
-        n=3,
-        output_tokens_in_prompt=4,
-        structured_outputs='{"choice":["a","b"]}',
-    )
+    sampling = EVERY_FIELD_SET
     assert all(
         getattr(sampling, name) != default for name, default in sampling_fields.DEFAULTS.items()
     )
