@@ -58,7 +58,7 @@ from services.bench.routing_oracle import (
     follow_engines,
 )
 from services.bench.soak import percentiles_ms, wait_endpoints
-from services.bench.sse import StreamFailed, completion_events
+from services.bench.sse import StreamFailed, cached_tokens, completion_events
 from services.config import ControlPlaneSettings, RedisSettings
 from services.supervision import DetachedProcess
 
@@ -327,8 +327,7 @@ async def _complete(
                     turn.ttft_s = time.perf_counter() - sent
                 usage = event.get("usage")
                 if usage:
-                    details = usage.get("prompt_tokens_details") or {}
-                    turn.cached_tokens = int(details.get("cached_tokens") or 0)
+                    turn.cached_tokens = cached_tokens(usage)
                     turn.ok = True
     except StreamFailed as exc:
         turn.error = str(exc)

@@ -124,3 +124,10 @@ async def completion_events(reply: httpx.Response) -> AsyncIterator[dict[str, An
         if "error" in event:
             raise StreamFailed(str(event["error"])[:300])
         yield event
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a completion's usage (0 when the router
+    reports no details: ``--enable-prompt-tokens-details`` off)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)

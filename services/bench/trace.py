@@ -42,7 +42,7 @@ from services.bench.procs import children_with_arg, cpu_seconds, descendants
 from services.bench.routing import SETTINGS, blind_to_the_cache
 from services.bench.routing import _kv_bytes as kv_bytes
 from services.bench.soak import percentiles_ms, wait_endpoints
-from services.bench.sse import StreamFailed, completion_events
+from services.bench.sse import StreamFailed, cached_tokens, completion_events
 from services.bench.trace_file import (
     BLOCK_TOKENS,
     Prompts,
@@ -362,8 +362,7 @@ async def _complete(
                     last = now
                 usage = event.get("usage")
                 if usage:
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = int(details.get("cached_tokens") or 0)
+                    result.cached_tokens = cached_tokens(usage)
                     result.ok = True
     except StreamFailed as exc:
         result.error = str(exc)

@@ -12,6 +12,7 @@ from services.bench.sse import (
     EventStreamDecoder,
     EventTooLarge,
     StreamFailed,
+    cached_tokens,
     completion_events,
     iter_event_data,
     json_events,
@@ -86,3 +87,9 @@ def test_a_synchronous_response_reads_the_same() -> None:
 def test_a_whole_bodys_json_events() -> None:
     body = 'event: x\ndata: {"a": "\u2028\u0085"}\n\ndata: [DONE]\n\n'
     assert json_events(body) == [{"a": "\u2028\u0085"}]
+
+
+def test_cached_tokens_read_from_usage_details_or_zero() -> None:
+    assert cached_tokens({"prompt_tokens_details": {"cached_tokens": 64}}) == 64
+    assert cached_tokens({"prompt_tokens_details": None}) == 0
+    assert cached_tokens({"prompt_tokens": 3}) == 0
