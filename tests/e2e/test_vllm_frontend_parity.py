@@ -11,7 +11,6 @@ named) are rows like the others: the constrained output through PD equals vLLM's
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pydantic
 import pytest
 
 from services.bench.sse import json_events
+from services.control_plane.local_redis import free_port
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.up_system import UpSystem
 
@@ -223,12 +223,6 @@ UNSTABLE_KEYS = frozenset(
 )
 """Per-answer ids and times (and a stream event's number: how tokens group into events is
 timing, see :func:`streamed`); the config hash in ``system_fingerprint``; ``root`` (a path)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

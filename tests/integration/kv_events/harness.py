@@ -1,4 +1,4 @@
-"""Test helpers for KV-event streams: a recording sink, free ports and a TCP proxy that can
+"""Test helpers for KV-event streams: a recording sink, bound ports and a TCP proxy that can
 cut or freeze the connection between a subscriber and a publisher."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,11 +16,11 @@ WAIT_S = 30.0
 kv_events: Any = None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def bound_port(sock: Any) -> int:
+    """The port a ZMQ socket bound to ``tcp://host:*`` got."""
+    import zmq  # noqa: PLC0415 - only tests that publish pay for it
+
+    return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
 
 async def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
@@ -41,13 +40,16 @@ class Publisher:
         global kv_events  # noqa: PLW0603 - vLLM imports slowly: only tests that publish pay
         if kv_events is None:
             kv_events = importlib.import_module("vllm.distributed.kv_events")
-        self.port, self.replay_port = free_port(), free_port()
+        # ZMQ picks the ports as it binds (``:*``): a port picked before the bind can be taken
+        # by another process in between (a parallel test worker's connection did, in CI).
         self.pub: Any = kv_events.ZmqEventPublisher(
             0,
-            endpoint=f"tcp://*:{self.port}",
-            replay_endpoint=f"tcp://*:{self.replay_port}",
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
             buffer_steps=buffer_steps,
         )
+        self.port = bound_port(self.pub._pub)
+        self.replay_port = bound_port(self.pub._replay)
         self.count = 0
 
     @property
@@ -140,7 +142,7 @@ class Proxy:
 
     def __init__(self, target: int) -> None:
         self._target = target
-        self.port = free_port()
+        self.port = 0  # the first :meth:`restore` takes a free one; later ones rebind it
         self._server: asyncio.Server | None = None
         self._transports: list[asyncio.BaseTransport] = []
         self._thawed = asyncio.Event()
@@ -149,6 +151,7 @@ class Proxy:
 
     async def restore(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
 
     async def cut(self) -> None:
         if self._server is not None:

@@ -20,7 +20,7 @@ from services.kv_events.subscriber import (
     MESSAGE_COST_BYTES,
     EventSubscriber,
 )
-from tests.integration.kv_events.harness import RecordingSink, free_port, wait_until
+from tests.integration.kv_events.harness import RecordingSink, bound_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -42,9 +42,9 @@ def batch(i: int, blocks: int = 1) -> bytes:
 async def test_a_frame_over_the_transport_bound_is_a_counted_disconnect_then_the_stream_goes_on(
     context: zmq.asyncio.Context,
 ) -> None:
-    port = free_port()
     pub = context.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind("tcp://127.0.0.1:*")
+    port = bound_port(pub)
     sink = RecordingSink()
     sub = EventSubscriber(f"tcp://127.0.0.1:{port}", "", sink, context=context)
     sub.start()
@@ -81,10 +81,10 @@ async def test_a_flooding_engine_is_dropped_and_stale_while_the_loop_keeps_runni
     size = len(payload_of[0])
     assert size > INLINE_DECODE_BYTES
     burst = 4 * (size + MESSAGE_COST_BYTES)  # four batches, then the budget is spent
-    port = free_port()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind("tcp://127.0.0.1:*")
+    port = bound_port(pub)
     ticks = 0
     seen: list[int] = []  # the ticker's count at every message the sink heard of
 
@@ -131,9 +131,9 @@ async def test_a_flooding_engine_is_dropped_and_stale_while_the_loop_keeps_runni
 
 
 async def test_the_budget_refills_and_the_stream_resumes(context: zmq.asyncio.Context) -> None:
-    port = free_port()
     pub = context.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind("tcp://127.0.0.1:*")
+    port = bound_port(pub)
     sink = RecordingSink()
     one = len(batch(0)) + MESSAGE_COST_BYTES
     sub = EventSubscriber(

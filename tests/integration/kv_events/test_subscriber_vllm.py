@@ -26,7 +26,7 @@ from tests.integration.kv_events.harness import (
     Proxy,
     Publisher,
     RecordingSink,
-    free_port,
+    bound_port,
     wait_until,
 )
 
@@ -192,9 +192,9 @@ async def test_malformed_payloads_are_counted_and_the_stream_goes_on(
 async def test_hostile_frames_are_dropped_by_reason(context: zmq.asyncio.Context) -> None:
     """A publisher that is not vLLM: wrong frame counts, short sequence numbers, garbage and
     oversized payloads."""
-    port = free_port()
     pub = context.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind("tcp://127.0.0.1:*")
+    port = bound_port(pub)
     sink = RecordingSink()
     sub = subscriber(f"tcp://127.0.0.1:{port}", "", sink, context)
     try:
@@ -265,9 +265,9 @@ async def test_without_a_replay_endpoint_a_gap_is_a_lost_stream(
 ) -> None:
     """A raw PUB with no replay endpoint: the first batch read starts the stream (seq 3: no
     loss, nothing was known), a jump is a loss, the batch after it resumes."""
-    port = free_port()
     pub = context.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind("tcp://127.0.0.1:*")
+    port = bound_port(pub)
     sink = RecordingSink()
     sub = subscriber(f"tcp://127.0.0.1:{port}", "", sink, context)
     payload = encode_batch(EventBatch(0.0, (AllBlocksCleared(),)))

@@ -5,7 +5,6 @@ port, ``pdserve planner``'s reader in ``dns`` mode reading both."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from services.control_plane.local_redis import free_port
 from services.planner.config import PlannerSettings
 from services.planner.errors import MetricsUnreadable
 from services.planner.fleet import RouterFleet, read_fleet, resolve_addresses
@@ -133,12 +133,6 @@ def _router_text(requests: int, ready: int) -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextmanager
 def routers(counts: dict[tuple[str, int], list[int]]) -> Iterator[None]:
     """Real HTTP servers, one per (address, port), each serving router figures whose request
@@ -172,7 +166,7 @@ def routers(counts: dict[tuple[str, int], list[int]]) -> Iterator[None]:
 
 def test_the_dns_reader_reads_every_router_behind_the_name() -> None:
     """Two router pods (two loopback addresses, one port) behind one name."""
-    port = _free_port()
+    port = free_port()
     settings = PlannerSettings(
         router_url=f"http://routers.test:{port}", router_discovery="dns", metrics_port=0
     )
@@ -194,7 +188,7 @@ def test_the_dns_reader_reads_every_router_behind_the_name() -> None:
 
 def test_the_dns_reader_reads_each_worker_port_of_a_router_pod() -> None:
     """One router pod with two worker processes, each with its own metrics port."""
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     settings = PlannerSettings(
         router_url="http://routers.test:8000",
         router_discovery="dns",
