@@ -272,6 +272,38 @@ def test_router_front_end_reads_the_models_checkpoint_with_its_flags(chart: helm
         render(chart, {"router": {"frontend": "pdserve"}})
 
 
+def test_lora_values_reach_every_engine_and_the_routers_front_end(chart: helm.Chart) -> None:
+    """``lora``: the engines start with vLLM's LoRA flags and load the modules, the router's
+    front end serves them (``--enable-lora``, ``--lora-modules``) and, with ``runtimeUpdates``,
+    vLLM's load and unload endpoints (its environment switch); off by default."""
+    lora = {
+        "enabled": True,
+        "modules": [{"name": "sql", "path": "/models/adapters/sql"}],
+        "maxLoras": 4,
+        "maxLoraRank": 32,
+        "runtimeUpdates": True,
+    }
+    manifests = render(chart, {"lora": lora})
+    for role in ("prefill", "decode"):
+        (_, pod), *_ = pod_specs(find(manifests, "StatefulSet", f"-{role}"))
+        args = container(pod)["args"]
+        assert "--enable-lora" in args
+        assert args[args.index("--max-loras") + 1] == "4"
+        assert args[args.index("--max-lora-rank") + 1] == "32"
+        assert args[args.index("--lora-modules") + 1] == "sql=/models/adapters/sql"
+    router = find(manifests, "Deployment", "-router").body["spec"]["template"]
+    args = container(router)["args"]
+    start = args.index("--frontend-arg=--lora-modules")
+    assert args[start - 1] == "--frontend-arg=--enable-lora"
+    assert args[start + 1] == "--frontend-arg=sql=/models/adapters/sql"
+    assert env(router)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    plain = render(chart)
+    (_, pod), *_ = pod_specs(find(plain, "StatefulSet", "-decode"))
+    assert "--enable-lora" not in container(pod)["args"]
+    router = find(plain, "Deployment", "-router").body["spec"]["template"]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env(router)
+
+
 def test_router_workers_share_the_port_and_each_is_scraped_on_its_own(chart: helm.Chart) -> None:
     single = find(render(chart), "Deployment", "-router").body["spec"]["template"]
     assert "--workers" not in container(single)["args"]

@@ -170,6 +170,11 @@ VALIDATE_REJECTS = [
         id="planner-profile-without-version",
     ),
     pytest.param(
+        {"lora": {"enabled": True}, "prefill": {"engine": "reference"}},
+        ["lora.enabled=true (or lora.modules) needs prefill.engine=vllm"],
+        id="lora-on-reference-engines",
+    ),
+    pytest.param(
         {
             "redis": {"mode": "external"},
             "prefill": {"multiNode": {"enabled": True, "nodes": 2}, "engine": "reference"},

@@ -50,8 +50,19 @@ explicit grace period against it.
     "--drain-timeout-s" (toString $r.drain.timeoutSeconds)
     "--kv-lease-s" (toString $r.kvLeaseSeconds)
     "--ready-timeout-s" (toString $r.readyTimeoutSeconds) }}
+{{- if include "pdserve.lora.enabled" .root }}
+{{- $l := .root.Values.lora }}
+{{- $args = concat $args (list "--enable-lora" "--max-loras" (toString $l.maxLoras) "--max-lora-rank" (toString $l.maxLoraRank)) }}
+{{- if gt (int $l.maxCpuLoras) 0 }}{{ $args = concat $args (list "--max-cpu-loras" (toString $l.maxCpuLoras)) }}{{ end }}
+{{- if $l.modules }}{{ $args = append $args "--lora-modules" }}{{ range $l.modules }}{{ $args = append $args (printf "%s=%s" .name .path) }}{{ end }}{{ end }}
+{{- end }}
 {{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toYaml $args }}
+{{- end }}
+
+{{/* "true" when LoRA adapters are served (lora.enabled, or lora.modules given), else "". */}}
+{{- define "pdserve.lora.enabled" -}}
+{{- if or .Values.lora.enabled .Values.lora.modules }}true{{ end }}
 {{- end }}
 
 {{/* Resources: the role's resources plus GPUs and RDMA devices as limits. */}}

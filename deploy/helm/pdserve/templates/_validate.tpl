@@ -25,6 +25,9 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- $errors = append $errors (printf "%s: pp * tp = %d GPUs cannot be split evenly over multiNode.nodes=%d" $role $world (int $r.multiNode.nodes)) }}
 {{- end }}
 {{- end }}
+{{- if and (include "pdserve.lora.enabled" $) (ne $r.engine "vllm") }}
+{{- $errors = append $errors (printf "lora.enabled=true (or lora.modules) needs %s.engine=vllm: the %s engine serves no LoRA adapter" $role $r.engine) }}
+{{- end }}
 {{- $startupWindow := mul (int $r.probes.startupFailureThreshold) (int $r.probes.periodSeconds) }}
 {{- if gt (int $r.readyTimeoutSeconds) $startupWindow }}
 {{- $errors = append $errors (printf "%s.readyTimeoutSeconds=%d exceeds the startup probe's window probes.startupFailureThreshold x probes.periodSeconds = %ds: the kubelet would restart the pod before the engine gives up" $role (int $r.readyTimeoutSeconds) $startupWindow) }}
