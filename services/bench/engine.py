@@ -59,15 +59,11 @@ from services.bench.engine_layouts import BASELINE, Layouts, layout_rows, parse_
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import (
-    DecodeRequest,
-    EngineBackend,
-    PrefillRequest,
-    SamplingParams,
-)
+from services.engines.backend import EngineBackend
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
+from services.engines.requests import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import (

@@ -1,6 +1,6 @@
 """``pdserve prefill`` and ``pdserve decode``: one implementation, the role is the only difference.
 
-Flags override the environment (:class:`~services.serving.config.EngineServiceSettings`,
+Flags override the environment (:class:`~services.serving.host.config.EngineServiceSettings`,
 ``PDSERVE_...``; the control plane's ``--redis``/``--namespace`` come from
 :mod:`services.cli.settings`); the role's service comes from its package
 (:mod:`services.prefill`, :mod:`services.decode`) through :data:`ROLE_SERVICES`. A stop
@@ -30,9 +30,9 @@ from services.engines.errors import EngineError
 from services.engines.registry import ENGINES, EngineOptions, create_backend
 from services.lifetime import end_stop_within
 from services.prefill.service import PrefillService
-from services.serving.config import EngineServiceSettings
-from services.serving.host import EngineHost
-from services.serving.role import RoleService
+from services.serving.host.config import EngineServiceSettings
+from services.serving.host.engine_host import EngineHost
+from services.serving.host.role import RoleService
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The decode role as the engine host serves it (:class:`~services.serving.role.RoleService`)."""
+"""The decode role as the engine host serves it
+(:class:`~services.serving.host.role.RoleService`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from services.control_plane.wire import EngineRole
 from services.decode.servicer import DecodeServicer, ProducerGate
 from services.engines.producer_check import ProducerViews
 from services.proto_gen.pdserve.v1 import decode_pb2
-from services.serving.role import RoleService
-from services.serving.servicer import ServingState
+from services.serving.host.role import RoleService
+from services.serving.host.servicer import ServingState
 
 
 class DecodeService(RoleService):

@@ -26,14 +26,14 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from services.engines.backend import DecodeRequest, FinishReason, KVHandle, TokenDelta, Usage
 from services.engines.errors import EngineFailed, EngineStalled, InvalidRequest, RequestError
 from services.engines.producer_check import ProducerViews
+from services.engines.requests import DecodeRequest, FinishReason, KVHandle, TokenDelta, Usage
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
-from services.serving import convert
-from services.serving.servicer import ServingState
-from services.serving.status import status_for
-from services.serving.trace_metadata import from_metadata
+from services.serving.host.servicer import ServingState
+from services.serving.wire import convert
+from services.serving.wire.status import status_for
+from services.serving.wire.trace_metadata import from_metadata
 
 logger = logging.getLogger(__name__)
 

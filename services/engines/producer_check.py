@@ -33,8 +33,8 @@ from services.config import ControlPlaneSettings
 from services.control_plane.base import AbstractEngineWatcher, ControlPlane, EngineView
 from services.control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from services.control_plane.wire import EngineId
-from services.engines.backend import KVHandle
 from services.engines.errors import InvalidRequest, ProducerUnavailable, RequestError
+from services.engines.requests import KVHandle
 
 logger = logging.getLogger(__name__)
 

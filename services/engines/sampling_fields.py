@@ -1,6 +1,6 @@
-"""How each :class:`~services.engines.backend.SamplingParams` field crosses pdserve's seams: the
-one table the proto conversions (:mod:`services.serving.fields`) and the vLLM mappings both ways
-(:func:`vllm_kwargs`, :func:`from_vllm`) walk, so a field is spelled in the proto and the
+"""How each :class:`~services.engines.requests.SamplingParams` field crosses pdserve's seams: the
+one table the proto conversions (:mod:`services.serving.wire.fields`) and the vLLM mappings both
+ways (:func:`vllm_kwargs`, :func:`from_vllm`) walk, so a field is spelled in the proto and the
 dataclass only.
 
 The proto's descriptor (``types_pb2.SamplingParams.DESCRIPTOR.fields``) gives each field's wire
@@ -19,8 +19,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from services.engines.backend import SamplingParams
 from services.engines.errors import InvalidRequest
+from services.engines.requests import SamplingParams
 
 SEED_MASK = 2**63 - 1
 """pdserve's engines take a 64-bit unsigned seed; vLLM's is any Python int."""

@@ -1,8 +1,8 @@
 """An engine backend registered, heartbeated and READY without a gRPC host around it.
 
 What ``pdserve bench engine`` and the engine integration tests need: the control-plane side of
-:class:`~services.serving.host.EngineHost` (register the spec, heartbeat, start the backend, wait
-for READY; stop, deregister) around a backend that is driven in-process.
+:class:`~services.serving.host.engine_host.EngineHost` (register the spec, heartbeat, start the
+backend, wait for READY; stop, deregister) around a backend that is driven in-process.
 """
 
 from __future__ import annotations

@@ -24,17 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from services.control_plane import ControlPlaneMetrics, EngineNotFound, RedisControlPlane
 from services.control_plane.synthetic import synthetic_records
-from services.engines.backend import (
-    BackendDescription,
-    DecodeRequest,
-    EngineBackend,
-    EngineRegistration,
-    FinishReason,
-    KVHandle,
-    TokenDelta,
-    Usage,
-)
+from services.engines.backend import BackendDescription, EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
+from services.engines.requests import DecodeRequest, FinishReason, KVHandle, TokenDelta, Usage
 
 
 @dataclass(frozen=True)

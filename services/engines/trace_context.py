@@ -3,7 +3,7 @@
 Where it travels: the router reads ``traceparent`` and ``tracestate`` from a request's HTTP
 headers with :func:`parse_trace_context` (an invalid ``traceparent`` is dropped, never an HTTP
 error) and sends the result with every engine call of that request as gRPC metadata
-(:mod:`services.serving.trace_metadata`). An engine reads the metadata back with the same
+(:mod:`services.serving.wire.trace_metadata`). An engine reads the metadata back with the same
 function, at its own edge, and hands the context to its backend in the request
 (``PrefillRequest.trace``, ``DecodeRequest.trace``): vLLM parents its spans on it
 (``trace_headers``, when its OpenTelemetry tracing is configured); the reference engine logs the

@@ -1,4 +1,5 @@
-"""The prefill role as the engine host serves it (:class:`~services.serving.role.RoleService`)."""
+"""The prefill role as the engine host serves it
+(:class:`~services.serving.host.role.RoleService`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from services.control_plane.wire import EngineRole
 from services.engines.producer_check import ProducerViews
 from services.prefill.servicer import PrefillServicer
 from services.proto_gen.pdserve.v1 import prefill_pb2
-from services.serving.role import RoleService
-from services.serving.servicer import ServingState
+from services.serving.host.role import RoleService
+from services.serving.host.servicer import ServingState
 
 
 class PrefillService(RoleService):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import grpc.aio
 
-from services.engines.backend import FinishReason
 from services.engines.errors import InvalidRequest, RequestAborted
+from services.engines.requests import FinishReason
 from services.proto_gen.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from services.serving import convert
-from services.serving.servicer import ServingState
-from services.serving.trace_metadata import from_metadata
+from services.serving.host.servicer import ServingState
+from services.serving.wire import convert
+from services.serving.wire.trace_metadata import from_metadata
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):

@@ -12,10 +12,10 @@
         └── RegistrationLost        the control plane fenced this engine off (another process
                                     took its id, or the registration vanished before READY): it
                                     must stop serving (a registration lost while serving is
-                                    re-registered instead, see services.serving.host)
+                                    re-registered instead, see services.serving.host.engine_host)
 
 Request-scoped errors an engine reports travel as gRPC status codes and come back to the
-caller as the same :mod:`services.engines.errors` classes (see :mod:`services.serving.status`);
+caller as the same :mod:`services.engines.errors` classes (see :mod:`services.serving.wire.status`);
 an aborted request (Abort, a drain, the caller left) is ``RequestAborted`` -> CANCELLED.
 """
 

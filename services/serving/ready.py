@@ -1,9 +1,9 @@
 """The ``PDSERVE_READY`` line: how a pdserve process announces that it serves.
 
-Engines (:mod:`services.serving.host`) and the router (:mod:`services.router.main`) print one
-line ``PDSERVE_READY {json}`` on stdout once they accept requests; ``pdserve up``, the
-benchmarks and the tests wait for it. This module is the one definition of that format and of
-the command line that runs a pdserve subcommand; it imports nothing heavy.
+Engines (:mod:`services.serving.host.engine_host`) and the router (:mod:`services.router.main`)
+print one line ``PDSERVE_READY {json}`` on stdout once they accept requests; ``pdserve up``, the
+benchmarks and the tests wait for it. This module is the one definition of that format and of the
+command line that runs a pdserve subcommand; it imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def parse_ready_line(line: str) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class ServingEndpoints:
-    """What an engine's ready line announces (:mod:`services.serving.host` prints it)."""
+    """What an engine's ready line announces (:mod:`services.serving.host.engine_host` prints
+    it)."""
 
     engine_id: str
     generation: int

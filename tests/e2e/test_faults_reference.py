@@ -55,9 +55,9 @@ import pytest
 from services.bench.sse import event_data
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines import errors as engine_errors
-from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams
 from services.engines.reference.tiny_model import make_tiny_model
-from services.serving.client import EngineClient
+from services.engines.requests import DecodeRequest, PrefillResult, SamplingParams
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from tests.e2e.faults.probes import load_of, metric, rank_pids, wait_until
 from tests.e2e.up_system import UpSystem
 from tests.integration.services.processes import ServiceProcess, start_service
@@ -462,7 +462,7 @@ async def test_a_killed_prefill_rank_is_retried_locally_or_fails_explicitly(
 ) -> None:
     prefill = stack.engine("prefill-0")
     # A KV handle of the current generation, held for scenario 6 (the restart).
-    client = EngineClient(prefill["grpc"])
+    client = GrpcAioEngineClient(prefill["grpc"])
     try:
         held = await client.prefill(
             "held-before-restart", tuple(range(10, 60)), SamplingParams(max_tokens=8), timeout_s=30
@@ -526,7 +526,7 @@ async def test_a_restarted_prefill_engine_gets_a_new_generation_and_refuses_old_
     assert endpoints.generation != held.kv_handle.generation
     decode = stack.engine("decode-1")
     refused_before = engine_failures(decode["metrics"])
-    client = EngineClient(decode["grpc"])
+    client = GrpcAioEngineClient(decode["grpc"])
     started = time.monotonic()
     try:
         request = DecodeRequest(

@@ -34,9 +34,9 @@ import httpx
 import pytest
 
 from services.devtools.panels import PanelResult, PrometheusAPI, evaluate_dashboard
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 from services.observability.local_prometheus import find_binary
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from tests.deploy.chart import DASHBOARDS
 from tests.e2e.faults.probes import metric, rank_pids, wait_until
 from tests.e2e.up_system import UpSystem
@@ -182,7 +182,7 @@ def send_traffic(
 
 async def hold_a_prefill(grpc_target: str) -> None:
     """A prefill whose KV nobody reads: its lease expires after ``LEASE_S``."""
-    client = EngineClient(grpc_target)
+    client = GrpcAioEngineClient(grpc_target)
     try:
         held = await client.prefill(
             "left-to-expire", tuple(range(10, 60)), SamplingParams(max_tokens=4), timeout_s=60
@@ -206,7 +206,7 @@ def engine_processes(host_pid: int) -> list[int]:
 
 async def prefill_once(grpc_target: str) -> None:
     """A prefill-only request (``max_tokens=1``: no KV is kept) that steps the engine."""
-    client = EngineClient(grpc_target)
+    client = GrpcAioEngineClient(grpc_target)
     try:
         await client.prefill(
             f"step-{time.monotonic_ns()}",

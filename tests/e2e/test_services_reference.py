@@ -19,7 +19,9 @@ import pytest
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
-from services.engines.backend import (
+from services.engines.errors import EngineDraining, InvalidRequest, ProducerUnavailable
+from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.requests import (
     DecodeRequest,
     FinishReason,
     KVHandle,
@@ -27,9 +29,7 @@ from services.engines.backend import (
     SamplingParams,
     TokenDelta,
 )
-from services.engines.errors import EngineDraining, InvalidRequest, ProducerUnavailable
-from services.engines.reference.tiny_model import make_tiny_model
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from tests.integration.services.processes import ServiceProcess, running_services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -61,8 +61,8 @@ class Cluster:
         self.services = services
         self.cp_settings = cp
 
-    def client(self, engine_id: str) -> EngineClient:
-        return EngineClient(self.services[engine_id].grpc)
+    def client(self, engine_id: str) -> GrpcAioEngineClient:
+        return GrpcAioEngineClient(self.services[engine_id].grpc)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def tokens_of(deltas: list[TokenDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-async def wait_blocks_free(client: EngineClient, timeout_s: float = 30.0) -> None:
+async def wait_blocks_free(client: GrpcAioEngineClient, timeout_s: float = 30.0) -> None:
     """Until the engine's KV pool is whole again (freeing crosses rank processes)."""
     for _ in range(int(timeout_s / 0.05)):
         load = await client.get_load()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import openai
 
-from services.engines.backend import DecodeRequest, SamplingParams
-from services.serving.client import EngineClient
+from services.engines.requests import DecodeRequest, SamplingParams
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from tests.e2e.up_system import UpSystem
 
 FAULTS = Path(__file__).parent / "faults" / "failing_xfers"
@@ -99,7 +99,7 @@ def on_engine_ids(target: str, token_ids: Sequence[int], max_tokens: int) -> tup
 async def _on_engine(
     target: str, token_ids: Sequence[int], max_tokens: int
 ) -> tuple[tuple[int, ...], str]:
-    client = EngineClient(target)
+    client = GrpcAioEngineClient(target)
     try:
         request = DecodeRequest(
             f"prime-{uuid.uuid4().hex}",
@@ -125,7 +125,7 @@ def prefill_then_abort(target: str, token_ids: Sequence[int]) -> bool:
     router does when no decode engine will read its KV; whether the engine held any."""
 
     async def run() -> bool:
-        client = EngineClient(target)
+        client = GrpcAioEngineClient(target)
         try:
             request_id = f"orphan-{uuid.uuid4().hex}"
             result = await client.prefill(

@@ -5,7 +5,7 @@ hostile values and an oversized prompt. Here the bytes themselves are hostile: r
 truncated protobuf, wrong wire types, a length prefix promising far more than is sent, and a
 message over the server's limit, sent to every method with serialization bypassed.
 
-Contract (``services.serving.handlers``): bytes that do not parse as the RPC's request message
+Contract (``services.serving.host.handlers``): bytes that do not parse as the RPC's request message
 are ``INVALID_ARGUMENT`` naming the RPC and the message type, with ``pdserve-error:
 InvalidRequest``, counted in ``pdserve_engine_requests_total{outcome="INVALID_ARGUMENT"}``,
 without a traceback in the log; a message over the limit is gRPC's own
@@ -24,11 +24,11 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
+from services.engines.requests import DecodeRequest, SamplingParams
 from services.engines.stub import StubBackend
-from services.serving.client import EngineClient
-from services.serving.config import EngineServiceSettings
-from services.serving.status import ERROR_KEY
+from services.serving.client.grpc_aio import GrpcAioEngineClient
+from services.serving.host.config import EngineServiceSettings
+from services.serving.wire.status import ERROR_KEY
 from tests.integration.services.conftest import RunningHost, hosted, service_settings
 
 pytestmark = pytest.mark.integration
@@ -101,8 +101,8 @@ def _settings(cp_settings: ControlPlaneSettings) -> EngineServiceSettings:
 async def _serves_valid_requests(prefill: RunningHost, decode: RunningHost) -> None:
     """Every RPC of both engines still answers a well-formed request."""
     sampling = SamplingParams(max_tokens=3)
-    pre = EngineClient(prefill.endpoints.grpc)
-    dec = EngineClient(decode.endpoints.grpc)
+    pre = GrpcAioEngineClient(prefill.endpoints.grpc)
+    dec = GrpcAioEngineClient(decode.endpoints.grpc)
     try:
         result = await pre.prefill("after-garbage", [1, 2, 3], sampling)
         assert result.kv_handle is not None

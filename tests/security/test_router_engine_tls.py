@@ -18,7 +18,7 @@ from services.control_plane.wire import EngineRole
 from services.engines.stub import StubBackend
 from services.router.config import EngineGrpcSettings, RouterSettings
 from services.router.scheduling.connector import GrpcConnectorFactory
-from services.serving.config import GrpcServerSettings
+from services.serving.host.config import GrpcServerSettings
 from services.serving.tls import ClientTLS
 from tests.integration.services.conftest import hosted, service_settings
 from tests.security.router_harness import serving_router

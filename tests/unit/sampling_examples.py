@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 
 EVERY_FIELD_SET = SamplingParams(
     max_tokens=9,

@@ -14,7 +14,7 @@ from services.devtools.dashboards import catalogue_series, exported_series
 from services.kv_events.publisher import PublisherMetrics
 from services.planner.metrics import PlannerMetrics
 from services.router.metrics import RouterMetrics
-from services.serving.metrics import EngineServiceMetrics
+from services.serving.host.metrics import EngineServiceMetrics
 
 CATALOGUE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

@@ -45,16 +45,8 @@ from prometheus_client.registry import Collector
 from services.control_plane.wire import EngineLoad, compute_compat_hash
 from services.engines.backend import (
     BackendDescription,
-    DecodeRequest,
     EngineBackend,
     EngineRegistration,
-    FinishReason,
-    Fork,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    SamplingParams,
-    TokenDelta,
     kv_block_bytes,
 )
 from services.engines.errors import (
@@ -72,6 +64,16 @@ from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.request_state import RequestKind, SchedulerLimits, SinkItem
 from services.engines.reference.scheduler import Scheduler
 from services.engines.reference.sharding import ShardGeometry, ShardSpec
+from services.engines.requests import (
+    DecodeRequest,
+    FinishReason,
+    Fork,
+    KVHandle,
+    PrefillRequest,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+)
 from services.engines.trace_context import TraceContext
 from services.kv_events.publisher import KVEventPublisher, PublisherMetrics
 from services.kv_transfer.block_pool import KV_LAYOUT

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from services.engines.backend import KVHandle
 from services.engines.errors import EngineError, KVTransferFailed, ProducerUnavailable
 from services.engines.reference.messages import PullDone, PullKV
 from services.engines.reference.metrics import ReferenceEngineMetrics
 from services.engines.reference.request_state import EngineRequest, SchedulerLimits
+from services.engines.requests import KVHandle
 
 UNAVAILABLE_REASONS = frozenset(
     {"producer_unavailable", "stale_generation", "unknown_peer", "peer_removed", "peer_replaced"}

@@ -12,16 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from services.engines.backend import (
-    FinishReason,
-    FirstToken,
-    KVHandle,
-    PrefillResult,
-    SamplingParams,
-    TokenDelta,
-    TokenLogprobs,
-    Usage,
-)
 from services.engines.reference.request_state import EngineRequest
 from services.engines.reference.sampling import (
     OutputText,
@@ -30,6 +20,16 @@ from services.engines.reference.sampling import (
     sample_token,
     token_generator,
     token_logprobs,
+)
+from services.engines.requests import (
+    FinishReason,
+    FirstToken,
+    KVHandle,
+    PrefillResult,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprobs,
+    Usage,
 )
 from services.tokenization.tokenizer import Tokenizer
 

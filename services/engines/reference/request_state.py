@@ -14,7 +14,10 @@ from typing import Literal, Protocol
 
 import torch
 
-from services.engines.backend import (
+from services.engines.reference.batch import SequenceChunk
+from services.engines.reference.messages import PullDone
+from services.engines.reference.sampling import OutputText, make_generator
+from services.engines.requests import (
     Fork,
     KVHandle,
     PrefillResult,
@@ -22,9 +25,6 @@ from services.engines.backend import (
     TokenDelta,
     TokenLogprobs,
 )
-from services.engines.reference.batch import SequenceChunk
-from services.engines.reference.messages import PullDone
-from services.engines.reference.sampling import OutputText, make_generator
 from services.topology.ranges import RankKey
 
 RequestKind = Literal["generate", "prefill", "remote"]

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from services.engines.backend import SamplingParams, TokenLogprobs
+from services.engines.requests import SamplingParams, TokenLogprobs
 from services.tokenization.output_text import OutputText
 
 

@@ -46,14 +46,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from services.engines.backend import (
-    FinishReason,
-    FirstToken,
-    Fork,
-    KVHandle,
-    SamplingParams,
-    TokenLogprobs,
-)
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
@@ -98,6 +90,14 @@ from services.engines.reference.request_state import (
     forked,
 )
 from services.engines.reference.sampling import make_generator
+from services.engines.requests import (
+    FinishReason,
+    FirstToken,
+    Fork,
+    KVHandle,
+    SamplingParams,
+    TokenLogprobs,
+)
 from services.kv_transfer.allocator import BlockAllocator
 from services.tokenization.tokenizer import Tokenizer
 from services.topology.ranges import RankKey

@@ -44,21 +44,21 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from services.control_plane.wire import MAX_REPORTED_BLOCKS, EngineLoad, compute_compat_hash
-from services.engines.backend import (
-    BackendDescription,
-    DecodeRequest,
-    FinishReason,
-    PrefillRequest,
-    PrefillResult,
-    TokenDelta,
-    Usage,
-)
+from services.engines.backend import BackendDescription
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
     EngineFailed,
     EngineOverloaded,
     RequestAborted,
+)
+from services.engines.requests import (
+    DecodeRequest,
+    FinishReason,
+    PrefillRequest,
+    PrefillResult,
+    TokenDelta,
+    Usage,
 )
 from services.engines.sim.prefix_cache import SimPrefixCache
 from services.engines.sim.profile import SimProfile, load_profile

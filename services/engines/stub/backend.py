@@ -23,19 +23,19 @@ from dataclasses import dataclass
 
 from services.control_plane.synthetic import synthetic_spec
 from services.control_plane.wire import EngineLoad
-from services.engines.backend import (
+from services.engines.errors import (
+    DuplicateRequest,
+    EngineDraining,
+    EngineOverloaded,
+    RequestAborted,
+)
+from services.engines.requests import (
     DecodeRequest,
     FinishReason,
     PrefillRequest,
     PrefillResult,
     TokenDelta,
     Usage,
-)
-from services.engines.errors import (
-    DuplicateRequest,
-    EngineDraining,
-    EngineOverloaded,
-    RequestAborted,
 )
 from services.engines.synthetic import SyntheticEngine, SyntheticShape
 

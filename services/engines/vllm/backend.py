@@ -32,23 +32,21 @@ from services.control_plane.wire import (
     EngineLoad,
     EngineRole,
 )
-from services.engines.backend import (
-    BackendDescription,
+from services.engines.backend import BackendDescription, EngineBackend, EngineRegistration
+from services.engines.errors import (
+    EngineDraining,
+    EngineFailed,
+    InvalidRequest,
+    KVTransferFailed,
+)
+from services.engines.requests import (
     DecodeRequest,
-    EngineBackend,
-    EngineRegistration,
     FinishReason,
     PrefillRequest,
     PrefillResult,
     TokenDelta,
     TokenLogprobs,
     Usage,
-)
-from services.engines.errors import (
-    EngineDraining,
-    EngineFailed,
-    InvalidRequest,
-    KVTransferFailed,
 )
 from services.engines.trace_context import TraceContext
 from services.engines.vllm import detokenizer

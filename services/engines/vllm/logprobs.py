@@ -1,12 +1,12 @@
 """vLLM's logprobs (``{token id: Logprob(logprob, rank, decoded_token)}`` per position) as
-pdserve's :class:`~services.engines.backend.TokenLogprobs`."""
+pdserve's :class:`~services.engines.requests.TokenLogprobs`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.engines.backend import TokenLogprobs
+from services.engines.requests import TokenLogprobs
 
 
 def token_logprobs(token_id: int, candidates: Mapping[int, Any], top: int) -> TokenLogprobs:

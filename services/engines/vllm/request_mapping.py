@@ -11,16 +11,11 @@ import json
 import time
 from typing import Any
 
-from services.engines.backend import (
-    DecodeRequest,
-    FinishReason,
-    KVHandle,
-    SamplingParams,
-)
 from services.engines.errors import (
     EngineFailed,
     UnknownKVHandle,
 )
+from services.engines.requests import DecodeRequest, FinishReason, KVHandle, SamplingParams
 from services.engines.sampling_fields import vllm_kwargs
 from services.engines.vllm.handshake import vllm_engine_id
 

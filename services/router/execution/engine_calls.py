@@ -12,7 +12,7 @@ call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a wh
 stalls without dying ends its streams within the idle bound (both by one timer per stream,
 :class:`~services.router.execution.deadline.StreamBounds`, not one per message). A non-streamed
 request decodes with one unary call (``DecodeOnce``, :meth:`EngineConnector.decode_once
-<services.router.scheduling.connector.EngineConnector.decode_once>`: one answer costs the router
+<services.serving.client.connector.EngineConnector.decode_once>`: one answer costs the router
 less than a stream): the router bounds it by ``decode_timeout_s`` and hands the engine the idle
 bound, which the engine enforces between its own steps (it aborts the request and answers
 ``EngineStalled``, counted here as an idle timeout); an engine that answers nothing at all is
@@ -37,13 +37,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from services.engines.backend import (
-    DecodeRequest,
-    FinishReason,
-    PrefillResult,
-    TokenDelta,
-)
 from services.engines.errors import EngineStalled
+from services.engines.requests import DecodeRequest, FinishReason, PrefillResult, TokenDelta
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.execution.deadline import StreamBounds

@@ -33,7 +33,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 
 from services.control_plane.wire import EngineId
-from services.engines.backend import FinishReason, PrefillResult
+from services.engines.requests import FinishReason, PrefillResult
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution.engine_calls import EngineCalls

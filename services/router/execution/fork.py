@@ -28,7 +28,7 @@ import asyncio
 import time
 from dataclasses import dataclass, replace
 
-from services.engines.backend import DecodeRequest, FinishReason, Fork, PrefillResult
+from services.engines.requests import DecodeRequest, FinishReason, Fork, PrefillResult
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.execution.engine_calls import BACKSTOP_GRACE_S, EngineCalls

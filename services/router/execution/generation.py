@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+from services.engines.requests import FinishReason, SamplingParams, TokenLogprobs
 from services.engines.trace_context import TraceContext
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+from services.engines.requests import FinishReason, SamplingParams, TokenLogprobs
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.scheduling.pool import EngineSlot
 from services.tokenization.output_text import OutputText

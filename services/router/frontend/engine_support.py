@@ -14,7 +14,7 @@ import operator
 from collections.abc import Iterable
 
 from services.control_plane.wire import EngineRecord
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 from services.engines.sampling_fields import EXTENDED_PARAMS
 from services.router.errors import InvalidRequestError
 

@@ -33,8 +33,9 @@ from typing import Protocol
 from services.control_plane.base import AbstractEngineWatcher, ControlPlane, EngineView
 from services.control_plane.wire import EngineId, EngineLoad, EngineRecord, EngineRole
 from services.router.metrics import RouterMetrics
-from services.router.scheduling.connector import ConnectorFactory, EngineConnector
+from services.router.scheduling.connector import ConnectorFactory
 from services.router.scheduling.health import CircuitBreaker, CircuitState
+from services.serving.client.connector import EngineConnector
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
                         (connection error) or a RST_STREAM (stream error) and its calls'
                         CallFailed, and counts it (:class:`Violation`).
 
-Callers translate CallFailed with :func:`services.serving.status.error_from_status`, as they do
+Callers translate CallFailed with :func:`services.serving.wire.status.error_from_status`, as they do
 ``grpc.aio.AioRpcError``: the same code, details and trailing metadata.
 """
 

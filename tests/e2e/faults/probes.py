@@ -12,7 +12,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.control_plane.wire import EngineLoad
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 
 
 def rank_pids(engine_pid: int) -> list[int]:
@@ -44,7 +44,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 async def load_of(grpc_target: str) -> EngineLoad:
-    client = EngineClient(grpc_target)
+    client = GrpcAioEngineClient(grpc_target)
     try:
         return await client.get_load(timeout_s=5)
     finally:

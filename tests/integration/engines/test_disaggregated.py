@@ -17,9 +17,9 @@ import pytest_asyncio
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from services.engines.errors import KVLeaseExpired, ProducerUnavailable
 from services.engines.reference.backend import ReferenceBackend
+from services.engines.requests import DecodeRequest, FinishReason, PrefillRequest, SamplingParams
 from tests.integration.engines.conftest import PROMPTS, collect, running_engine, wait_until_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]

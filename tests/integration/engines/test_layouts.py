@@ -14,7 +14,7 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 from services.tokenization.tokenizer import load_tokenizer
 from tests.integration.engines.conftest import (
     PROMPTS,

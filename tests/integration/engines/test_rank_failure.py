@@ -13,8 +13,8 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.errors import EngineFailed
+from services.engines.requests import DecodeRequest, PrefillRequest, SamplingParams
 from tests.integration.engines.conftest import PROMPTS, running_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]

@@ -14,13 +14,9 @@ import pytest
 from services.config import ControlPlaneSettings
 from services.control_plane import ControlPlaneError, EngineState, RedisControlPlane
 from services.control_plane.wire import EngineRole
-from services.engines.backend import (
-    EngineRegistration,
-    FinishReason,
-    PrefillRequest,
-    SamplingParams,
-)
+from services.engines.backend import EngineRegistration
 from services.engines.errors import ProducerUnavailable
+from services.engines.requests import FinishReason, PrefillRequest, SamplingParams
 from tests.integration.engines.conftest import (
     PROMPTS,
     READY_TIMEOUT_S,

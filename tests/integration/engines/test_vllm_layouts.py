@@ -42,9 +42,9 @@ from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams, Usage
 from services.engines.errors import KVTransferFailed
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
+from services.engines.requests import DecodeRequest, PrefillRequest, SamplingParams, Usage
 from services.engines.standalone import STANDALONE_ENDPOINT
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.layouts import TransferMode

@@ -14,8 +14,8 @@ from services.cli.engine import ROLE_SERVICES
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
 from services.engines.backend import EngineBackend
-from services.serving.config import EngineServiceSettings, GrpcServerSettings
-from services.serving.host import EngineHost
+from services.serving.host.config import EngineServiceSettings, GrpcServerSettings
+from services.serving.host.engine_host import EngineHost
 from services.serving.ready import ServingEndpoints
 
 START_TIMEOUT_S = 30.0

@@ -21,8 +21,8 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, TokenDelta
 from services.engines.registry import synthetic_model
+from services.engines.requests import DecodeRequest, TokenDelta
 from services.engines.stub import StubBackend
 from services.engines.stub.backend import StubOptions
 from services.router.config import RouterSettings

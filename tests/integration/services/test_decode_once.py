@@ -17,14 +17,14 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, FinishReason, Fork, SamplingParams, TokenDelta
 from services.engines.errors import EngineStalled, InvalidRequest, ProducerUnavailable
+from services.engines.requests import DecodeRequest, FinishReason, Fork, SamplingParams, TokenDelta
 from services.engines.stub import StubBackend, StubOptions
 from services.proto_gen.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.router.errors import engine_error
-from services.serving import convert
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from services.serving.errors import ProtocolMismatch
+from services.serving.wire import convert
 from tests.integration.services.conftest import hosted, service_settings
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def requests_of(host: object, engine_id: str, outcome: str) -> float | None:
     return value
 
 
-async def running_requests(client: EngineClient, expected: int) -> int:
+async def running_requests(client: GrpcAioEngineClient, expected: int) -> int:
     """The engine's running requests, polled until ``expected`` (bounded)."""
     for _ in range(int(CALL_BOUND_S / 0.02)):
         load = await client.get_load()
@@ -91,7 +91,10 @@ async def test_decode_once_answers_what_the_stream_sends_in_one_message(
         hosted(settings, StubBackend(), engine_id="prefill-o", role=EngineRole.PREFILL) as pre,
         hosted(settings, StubBackend(), engine_id="decode-o", role=EngineRole.DECODE) as dec,
     ):
-        prefill, decode = EngineClient(pre.endpoints.grpc), EngineClient(dec.endpoints.grpc)
+        prefill, decode = (
+            GrpcAioEngineClient(pre.endpoints.grpc),
+            GrpcAioEngineClient(dec.endpoints.grpc),
+        )
         prompt, sampling = (5, 6, 7), SamplingParams(max_tokens=6)
         answers = []
         for request_id in ("streamed", "once"):
@@ -128,7 +131,7 @@ async def test_a_stalled_engine_ends_decode_once_with_engine_stalled_and_aborts_
     settings = service_settings(cp_settings)
     backend = StallingStub(after=2)
     async with hosted(settings, backend, engine_id="decode-s", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         request = DecodeRequest("stalls", (1, 2, 3), SamplingParams(max_tokens=50))
         with pytest.raises(EngineStalled, match=r"idle_timeout_s=0\.3") as stalled:
             await asyncio.wait_for(client.decode_once(request, idle_timeout_s=0.3), CALL_BOUND_S)
@@ -152,7 +155,7 @@ async def test_a_caller_that_goes_away_aborts_the_decode_once_request(
     settings = service_settings(cp_settings)
     backend = StubBackend(StubOptions(token_delay_s=0.02))
     async with hosted(settings, backend, engine_id="decode-g", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         request = DecodeRequest("leaves", (1, 2, 3), SamplingParams(max_tokens=5000))
         call = asyncio.create_task(client.decode_once(request, idle_timeout_s=30))
         assert await running_requests(client, 1) == 1
@@ -190,7 +193,10 @@ async def test_decode_once_refuses_bad_bounds_forks_and_orphan_handles_and_a_pre
             assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert "idle_timeout_s" in (caught.value.details() or "")
         await channel.close()
-        prefill, decode = EngineClient(pre.endpoints.grpc), EngineClient(dec.endpoints.grpc)
+        prefill, decode = (
+            GrpcAioEngineClient(pre.endpoints.grpc),
+            GrpcAioEngineClient(dec.endpoints.grpc),
+        )
         sampling = SamplingParams(max_tokens=4)  # (the stub prefills one choice)
         result = await prefill.prefill("forked", (5, 6), sampling)
         forks = (Fork(0, result.first_token_id), Fork(1, result.first_token_id))

@@ -12,13 +12,13 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
 from services.engines.errors import InvalidRequest, ProducerUnavailable
+from services.engines.requests import DecodeRequest, SamplingParams
 from services.engines.stub import StubBackend, StubOptions
-from services.serving import convert
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
+from services.serving.client.h2 import H2EngineClient
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
-from services.serving.h2_client import H2EngineClient
+from services.serving.wire import convert
 from tests.integration.services.conftest import hosted, service_settings
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ async def test_both_clients_get_the_same_answers_and_the_same_errors(
         hosted(settings, StubBackend(), engine_id="decode-h", role=EngineRole.DECODE) as dec,
     ):
         outcomes = []
-        for name, client_class in (("aio", EngineClient), ("h2", H2EngineClient)):
+        for name, client_class in (("aio", GrpcAioEngineClient), ("h2", H2EngineClient)):
             prefill = client_class(pre.endpoints.grpc)
             decode = client_class(dec.endpoints.grpc)
             prompt, sampling = (5, 6, 7, 8), SamplingParams(max_tokens=6, logprobs=2)
@@ -92,7 +92,10 @@ async def test_a_caller_that_leaves_aborts_the_request_on_the_engine(
     settings = service_settings(cp_settings)
     backend = StubBackend(StubOptions(token_delay_s=0.02))
     async with hosted(settings, backend, engine_id="decode-l", role=EngineRole.DECODE) as dec:
-        client, observer = H2EngineClient(dec.endpoints.grpc), EngineClient(dec.endpoints.grpc)
+        client, observer = (
+            H2EngineClient(dec.endpoints.grpc),
+            GrpcAioEngineClient(dec.endpoints.grpc),
+        )
 
         async def running(expected: int) -> int:
             for _ in range(int(CALL_BOUND_S / 0.02)):

@@ -21,7 +21,7 @@ from h2.settings import SettingCodes
 from prometheus_client import CollectorRegistry
 
 from services.control_plane.wire import EngineRecord, EngineRole
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.connector import GrpcConnectorFactory
 from services.serving import h2grpc

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.serving.client import channel_options, server_options
+from services.serving.client.grpc_aio import channel_options, server_options
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole, EngineState
 from services.engines.backend import EngineRegistration
 from services.engines.stub import StubBackend
-from services.serving.host import EngineHost
+from services.serving.host.engine_host import EngineHost
 from tests.integration.services.conftest import service_settings
 
 pytestmark = pytest.mark.integration

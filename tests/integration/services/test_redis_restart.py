@@ -16,10 +16,10 @@ from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import ControlPlaneMetrics, RedisControlPlane
 from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole, EngineState
-from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
+from services.engines.requests import DecodeRequest, FinishReason, SamplingParams
 from services.engines.stub import StubBackend, StubOptions
 from services.router.runtime import RouterRuntime
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from tests.integration.services.conftest import hosted, service_settings
 from tests.integration.services.routed_load import (
     STUB_MODEL,
@@ -75,8 +75,8 @@ async def test_stub_engine_host_registers_again_and_serves_after_redis_restart(
                     "prefill-r": pre.endpoints.generation,
                     "decode-r": dec.endpoints.generation,
                 }
-                decode_client = EngineClient(dec.endpoints.grpc)
-                prefill_client = EngineClient(pre.endpoints.grpc)
+                decode_client = GrpcAioEngineClient(dec.endpoints.grpc)
+                prefill_client = GrpcAioEngineClient(pre.endpoints.grpc)
                 stream = decode_client.decode(
                     DecodeRequest("in-flight", (1, 2, 3), SamplingParams(max_tokens=100))
                 )
@@ -175,7 +175,7 @@ async def test_heartbeats_failing_while_redis_is_down_are_counted_and_the_host_s
                     assert time.monotonic() < deadline, "heartbeat failures not counted"
                     await asyncio.sleep(0.05)
                 assert not dec.task.done(), "a Redis outage must not stop the host"
-                client = EngineClient(dec.endpoints.grpc)
+                client = GrpcAioEngineClient(dec.endpoints.grpc)
                 deltas = [
                     d
                     async for d in client.decode(

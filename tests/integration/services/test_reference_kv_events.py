@@ -16,11 +16,11 @@ import zmq
 from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, SamplingParams
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.prefix_cache import block_keys
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.requests import DecodeRequest, SamplingParams
 from services.kv_events.events import BlockRemoved, BlockStored
 from tests.integration.kv_event_client import EventClient, has
 from tests.integration.services.conftest import hosted, service_settings

@@ -19,10 +19,10 @@ from services.bench.trace import SHIPPED_TRACE, add_arguments, load_workload, re
 from services.bench.trace_file import oracle_tokens
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, FinishReason, SamplingParams
+from services.engines.requests import DecodeRequest, FinishReason, SamplingParams
 from services.engines.sim import SimBackend, SimOptions, load_profile
 from services.router.config import RouterSettings
-from services.serving.client import EngineClient
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from tests.integration.services.conftest import hosted, service_settings
 from tests.security.router_harness import serving_router
 
@@ -145,7 +145,7 @@ async def test_a_failed_sim_engine_ends_its_stream_and_its_host_exits_1(
     settings = service_settings(cp_settings)
     backend = SimBackend(SimOptions(load_profile()))
     async with hosted(settings, backend, engine_id="sim-dies", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         request = DecodeRequest("req-1", (1, 2, 3), SamplingParams(max_tokens=100_000))
         stream = client.decode(request)
         first = await anext(stream)

@@ -18,13 +18,7 @@ from services.config import ControlPlaneSettings
 from services.control_plane import RedisControlPlane
 from services.control_plane.synthetic import synthetic_spec
 from services.control_plane.wire import EngineRole
-from services.engines.backend import (
-    DecodeRequest,
-    EngineRegistration,
-    FinishReason,
-    KVHandle,
-    SamplingParams,
-)
+from services.engines.backend import EngineRegistration
 from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
@@ -33,6 +27,7 @@ from services.engines.errors import (
     KVTransferFailed,
     ProducerUnavailable,
 )
+from services.engines.requests import DecodeRequest, FinishReason, KVHandle, SamplingParams
 from services.engines.stub import StubBackend, StubOptions
 from services.proto_gen.pdserve.v1 import (
     decode_pb2,
@@ -41,7 +36,7 @@ from services.proto_gen.pdserve.v1 import (
     prefill_pb2_grpc,
     types_pb2,
 )
-from services.serving.client import EngineClient, EngineClientPool
+from services.serving.client.grpc_aio import GrpcAioClientPool, GrpcAioEngineClient
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
 from tests.integration.services.conftest import hosted, service_settings
 
@@ -75,7 +70,7 @@ async def test_prefill_then_decode_round_trip_with_health_load_and_metrics(
         hosted(settings, StubBackend(), engine_id="prefill-a", role=EngineRole.PREFILL) as pre,
         hosted(settings, StubBackend(), engine_id="decode-a", role=EngineRole.DECODE) as dec,
     ):
-        pool = EngineClientPool()
+        pool = GrpcAioClientPool()
         prefill, decode = pool.get(pre.endpoints.grpc), pool.get(dec.endpoints.grpc)
         assert pool.get(pre.endpoints.grpc) is prefill
         assert await prefill.health() and await decode.health()
@@ -122,8 +117,8 @@ async def test_decode_never_pulls_from_a_producer_that_is_not_ready(
         hosted(settings, StubBackend(), engine_id="prefill-b", role=EngineRole.PREFILL) as pre,
         hosted(settings, spy, engine_id="decode-b", role=EngineRole.DECODE) as dec,
     ):
-        client = EngineClient(dec.endpoints.grpc)
-        prefill = EngineClient(pre.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
+        prefill = GrpcAioEngineClient(pre.endpoints.grpc)
         result = await prefill.prefill("req-1", [1, 2], SamplingParams(max_tokens=3))
         assert result.kv_handle is not None
         # A registered but PENDING producer (no handshakes), compatible otherwise.
@@ -163,7 +158,7 @@ async def test_cancelling_a_decode_stream_aborts_it_and_frees_its_blocks(
     settings = service_settings(cp_settings)
     backend = StubBackend(StubOptions(token_delay_s=0.02))
     async with hosted(settings, backend, engine_id="decode-c", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         stream = client.decode(DecodeRequest("req-1", (1, 2, 3), SamplingParams(max_tokens=500)))
         received = 0
         async for _delta in stream:
@@ -204,7 +199,7 @@ async def test_sigterm_drain_finishes_in_flight_stream_refuses_new_work_and_dere
     settings = service_settings(cp_settings)
     backend = StubBackend(StubOptions(token_delay_s=0.01))
     async with hosted(settings, backend, engine_id="decode-d", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         stream = client.decode(DecodeRequest("req-1", (1, 2), SamplingParams(max_tokens=60)))
         first = await anext(stream)
         dec.stop.set()  # what SIGTERM does in the CLI
@@ -256,7 +251,7 @@ async def test_engine_that_never_turns_ready_exits_1_and_deregisters(
 
 
 async def test_unreachable_engine_is_reported_with_its_target() -> None:
-    client = EngineClient("127.0.0.1:1")
+    client = GrpcAioEngineClient("127.0.0.1:1")
     with pytest.raises(EngineUnreachable, match=r"127\.0\.0\.1:1") as raised:
         await client.prefill("r", [1], SamplingParams(), timeout_s=5)
     assert raised.value.target == "127.0.0.1:1"
@@ -275,7 +270,7 @@ async def test_oversized_message_is_refused_and_the_engine_keeps_serving(
     async with hosted(
         settings, StubBackend(), engine_id="prefill-g", role=EngineRole.PREFILL
     ) as pre:
-        client = EngineClient(pre.endpoints.grpc)
+        client = GrpcAioEngineClient(pre.endpoints.grpc)
         with pytest.raises(InvalidRequest):
             await client.prefill("big", [1] * 50_000, SamplingParams())
         assert await client.health()
@@ -383,7 +378,7 @@ async def test_fuzzed_malformed_requests_get_invalid_argument_never_a_crash(
         assert grpc.StatusCode.INVALID_ARGUMENT in seen
         # Both engines are still up and idle.
         for endpoint in (pre.endpoints.grpc, dec.endpoints.grpc):
-            client = EngineClient(endpoint)
+            client = GrpcAioEngineClient(endpoint)
             assert await client.health()
             load = await client.get_load()
             assert load.running_requests == 0
@@ -414,7 +409,7 @@ async def test_failure_after_the_first_chunk_ends_the_stream_with_an_error_chunk
     settings = service_settings(cp_settings)
     backend = FailingStub(KVTransferFailed("rank 0:1 lost its peer", "remote_disconnected"))
     async with hosted(settings, backend, engine_id="decode-i", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         deltas = [
             d
             async for d in client.decode(
@@ -441,7 +436,7 @@ async def test_engine_failure_mid_stream_stops_the_host_with_exit_code_1(
     settings = service_settings(cp_settings)
     backend = FailingStub(EngineFailed("rank 1:0 died"))
     async with hosted(settings, backend, engine_id="decode-j", role=EngineRole.DECODE) as dec:
-        client = EngineClient(dec.endpoints.grpc)
+        client = GrpcAioEngineClient(dec.endpoints.grpc)
         deltas = [
             d
             async for d in client.decode(

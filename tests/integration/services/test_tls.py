@@ -1,4 +1,5 @@
-"""TLS and mutual TLS between EngineClient and an engine service (certificates made by openssl)."""
+"""TLS and mutual TLS between GrpcAioEngineClient and an engine service (certificates made by
+openssl)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 from services.engines.stub import StubBackend
-from services.serving.client import EngineClient
-from services.serving.config import GrpcServerSettings
+from services.serving.client.grpc_aio import GrpcAioEngineClient
 from services.serving.errors import EngineUnreachable
+from services.serving.host.config import GrpcServerSettings
 from services.serving.tls import ClientTLS
 from tests.integration.services.conftest import hosted, service_settings
 
@@ -32,7 +33,7 @@ async def test_mutual_tls_admits_only_clients_with_a_certificate(
     async with hosted(
         settings, StubBackend(), engine_id="prefill-tls", role=EngineRole.PREFILL
     ) as pre:
-        trusted = EngineClient(
+        trusted = GrpcAioEngineClient(
             pre.endpoints.grpc,
             tls=ClientTLS(
                 ca_file=pki / "ca.pem", cert_file=pki / "client.pem", key_file=pki / "client.key"
@@ -41,10 +42,10 @@ async def test_mutual_tls_admits_only_clients_with_a_certificate(
         result = await trusted.prefill("tls-1", [1, 2], SamplingParams(max_tokens=2))
         assert result.kv_handle is not None
         assert await trusted.health()
-        anonymous = EngineClient(pre.endpoints.grpc, tls=ClientTLS(ca_file=pki / "ca.pem"))
+        anonymous = GrpcAioEngineClient(pre.endpoints.grpc, tls=ClientTLS(ca_file=pki / "ca.pem"))
         with pytest.raises(EngineUnreachable):
             await anonymous.prefill("tls-2", [1, 2], SamplingParams(), timeout_s=5)
-        plaintext = EngineClient(pre.endpoints.grpc)
+        plaintext = GrpcAioEngineClient(pre.endpoints.grpc)
         with pytest.raises(EngineUnreachable):
             await plaintext.prefill("tls-3", [1, 2], SamplingParams(), timeout_s=5)
         for client in (trusted, anonymous, plaintext):

@@ -23,8 +23,8 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.engines.errors import EngineOverloaded
+from services.engines.requests import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.engines.stub import StubBackend
 from services.engines.trace_context import TraceContext
 from services.router.config import EngineGrpcSettings, RouterSettings

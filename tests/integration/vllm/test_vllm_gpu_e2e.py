@@ -11,7 +11,7 @@ import pytest
 
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillRequest, SamplingParams
+from services.engines.requests import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.standalone import registered_engine
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.options import VllmEngineOptions

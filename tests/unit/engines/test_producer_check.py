@@ -7,9 +7,9 @@ import pytest
 
 from services.control_plane.base import EngineView
 from services.control_plane.wire import EngineRecord, EngineRole, EngineState, EngineStatus
-from services.engines.backend import KVHandle
 from services.engines.errors import InvalidRequest, ProducerUnavailable
 from services.engines.producer_check import control_plane_refusal, producer_refusal
+from services.engines.requests import KVHandle
 
 HANDLE = KVHandle("prefill-a", 3, "req-1", (0, 1), 8, 2e9)
 

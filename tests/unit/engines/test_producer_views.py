@@ -18,13 +18,13 @@ from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane import ControlPlane, ControlPlaneError, ControlPlaneUnavailable
 from services.control_plane.base import EngineView
 from services.control_plane.wire import EngineRecord, EngineRole, EngineState, EngineStatus
-from services.engines.backend import KVHandle
 from services.engines.errors import ProducerUnavailable
 from services.engines.producer_check import (
     ProducerViews,
     Refusal,
     producer_check_settings,
 )
+from services.engines.requests import KVHandle
 
 HANDLE = KVHandle("prefill-a", 3, "req-1", (0, 1), 8, 2e9)
 MAX_STALE_S = 30.0

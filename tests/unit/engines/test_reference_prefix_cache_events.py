@@ -4,8 +4,8 @@ AllBlocksCleared on a reset; the scheduler's requests drive it as the engine loo
 
 from __future__ import annotations
 
-from services.engines.backend import SamplingParams
 from services.engines.reference.prefix_cache import PrefixCache, block_keys
+from services.engines.requests import SamplingParams
 from services.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.kv_transfer.allocator import BlockAllocator
 from tests.unit.engines.test_reference_scheduler import ListSink, make, run_to_end

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from services.engines.backend import SamplingParams
 from services.engines.reference.sampling import (
     OutputText,
     make_generator,
     sample_token,
     token_generator,
 )
+from services.engines.requests import SamplingParams
 from services.tokenization.tokenizer import ByteTokenizer
 
 
@@ -104,8 +104,8 @@ def test_token_generator_depends_on_seed_and_position_only() -> None:
 def test_penalties_bias_and_min_tokens_follow_vllm() -> None:
     import torch  # noqa: PLC0415
 
-    from services.engines.backend import SamplingParams  # noqa: PLC0415
     from services.engines.reference.sampling import process_logits  # noqa: PLC0415
+    from services.engines.requests import SamplingParams  # noqa: PLC0415
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
     params = SamplingParams(
@@ -135,8 +135,8 @@ def test_penalties_bias_and_min_tokens_follow_vllm() -> None:
 def test_min_p_drops_unlikely_tokens() -> None:
     import torch  # noqa: PLC0415
 
-    from services.engines.backend import SamplingParams  # noqa: PLC0415
     from services.engines.reference.sampling import make_generator, sample_token  # noqa: PLC0415
+    from services.engines.requests import SamplingParams  # noqa: PLC0415
 
     logits = torch.tensor([5.0, 0.0, 4.9, -3.0])
     params = SamplingParams(temperature=1.0, min_p=0.5)

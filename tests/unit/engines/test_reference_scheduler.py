@@ -8,7 +8,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.engines.backend import (
+from services.engines.errors import EngineOverloaded, InvalidRequest
+from services.engines.reference.messages import HoldKV, LeaseEnded, PullDone, PullKV, ReleaseKV
+from services.engines.reference.metrics import ReferenceEngineMetrics
+from services.engines.reference.request_state import SchedulerLimits, SinkItem
+from services.engines.reference.scheduler import Scheduler
+from services.engines.requests import (
     FinishReason,
     Fork,
     KVHandle,
@@ -17,11 +22,6 @@ from services.engines.backend import (
     TokenDelta,
     Usage,
 )
-from services.engines.errors import EngineOverloaded, InvalidRequest
-from services.engines.reference.messages import HoldKV, LeaseEnded, PullDone, PullKV, ReleaseKV
-from services.engines.reference.metrics import ReferenceEngineMetrics
-from services.engines.reference.request_state import SchedulerLimits, SinkItem
-from services.engines.reference.scheduler import Scheduler
 from services.tokenization.tokenizer import ByteTokenizer
 
 VOCAB = 300

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import main
-from services.engines.backend import (
+from services.engines.errors import EngineDraining, EngineFailed, EngineOverloaded
+from services.engines.registry import EngineOptions, EngineOptionsError, create_backend
+from services.engines.requests import (
     DecodeRequest,
     FinishReason,
     KVHandle,
     SamplingParams,
     TokenDelta,
 )
-from services.engines.errors import EngineDraining, EngineFailed, EngineOverloaded
-from services.engines.registry import EngineOptions, EngineOptionsError, create_backend
 from services.engines.sim import SimBackend, SimOptions, SimProfileError, load_profile
 from services.engines.stub import StubBackend
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from services.bench.routing_oracle import EngineCache
 from services.control_plane.wire import EngineRole
-from services.engines.backend import (
+from services.engines.requests import (
     DecodeRequest,
     KVHandle,
     PrefillRequest,

@@ -34,7 +34,7 @@ from services.control_plane.wire import (
     EngineState,
     EngineStatus,
 )
-from services.engines.backend import (
+from services.engines.requests import (
     DecodeRequest,
     FinishReason,
     FirstToken,
@@ -49,7 +49,8 @@ from services.router.config import RouterSettings
 from services.router.main import create_app
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
-from services.router.scheduling.connector import ConnectorFactory, EngineConnector
+from services.router.scheduling.connector import ConnectorFactory
+from services.serving.client.connector import EngineConnector
 from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
 
 MODEL = "tiny"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
+from services.engines.requests import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
 from services.engines.trace_context import TraceContext
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime

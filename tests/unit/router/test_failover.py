@@ -12,8 +12,8 @@ import pytest
 
 from services.bench.sse import json_events
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, TokenDelta
 from services.engines.errors import EngineFailed, KVTransferFailed, RequestAborted
+from services.engines.requests import DecodeRequest, TokenDelta
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.errors import EngineUnreachable

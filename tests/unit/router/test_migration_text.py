@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engines.backend import FinishReason, SamplingParams
+from services.engines.requests import FinishReason, SamplingParams
 from services.router.execution.migration import Progress, Step
 from services.tokenization.tokenizer import ByteTokenizer
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from services.bench.sse import json_events
 from services.control_plane.wire import EngineRecord, EngineRole
-from services.engines.backend import (
+from services.engines.requests import (
     DecodeRequest,
     PrefillResult,
     SamplingParams,
@@ -31,7 +31,7 @@ from services.engines.backend import (
     TokenLogprobs,
 )
 from services.engines.trace_context import TraceContext
-from services.router.scheduling.connector import EngineConnector
+from services.serving.client.connector import EngineConnector
 from tests.unit.router.fakes import MODEL, FakeEngine, FakeFactory, http, prepared
 
 ENVELOPE = {"message", "type", "param", "code"}

@@ -17,8 +17,8 @@ import pydantic
 import pytest
 
 from services.control_plane.wire import EngineRole
-from services.engines.backend import DecodeRequest, TokenDelta
 from services.engines.errors import EngineStalled
+from services.engines.requests import DecodeRequest, TokenDelta
 from services.router.config import RouterSettings
 from services.router.runtime import RouterRuntime
 from tests.unit.router.fakes import (

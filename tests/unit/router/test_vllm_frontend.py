@@ -29,9 +29,9 @@ from services.bench.sse import json_events
 from services.cli.main import main as cli_main
 from services.control_plane.wire import EngineRecord, EngineRole
 from services.engines import sampling_fields
-from services.engines.backend import PrefillResult
 from services.engines.errors import EngineFailed
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.requests import PrefillResult
 from services.engines.trace_context import TraceContext
 from services.engines.vllm.backend import _import_vllm
 from services.engines.vllm.version_guard import (
@@ -50,7 +50,7 @@ from services.router.frontend.vllm.engine_client import (
 )
 from services.router.main import create_app
 from services.router.runtime import RouterRuntime
-from services.router.scheduling.connector import EngineConnector
+from services.serving.client.connector import EngineConnector
 from tests.unit.router.fakes import (
     FakeEngine,
     FakeFactory,

@@ -17,7 +17,7 @@ from services.engines.registry import (
     create_backend,
 )
 from services.engines.stub import StubBackend
-from services.serving.config import split_host_port
+from services.serving.host.config import split_host_port
 from services.serving.ready import ServingEndpoints, parse_ready_line
 
 

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.engines import sampling_fields
-from services.engines.backend import (
+from services.engines.errors import InvalidRequest
+from services.engines.requests import (
     DecodeRequest,
     FinishReason,
     KVHandle,
@@ -20,9 +21,8 @@ from services.engines.backend import (
     TokenDelta,
     Usage,
 )
-from services.engines.errors import InvalidRequest
 from services.proto_gen.pdserve.v1 import decode_pb2, prefill_pb2, types_pb2
-from services.serving import convert, fields
+from services.serving.wire import convert, fields
 from tests.unit.sampling_examples import EVERY_FIELD_SET
 
 LIMITS = RequestLimits(vocab_size=1000, max_model_len=64)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.serving.registration import HeartbeatLateness
+from services.serving.host.registration import HeartbeatLateness
 
 
 class Clock:

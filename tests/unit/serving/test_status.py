@@ -19,7 +19,7 @@ from services.engines.errors import (
 )
 from services.router.errors import engine_error
 from services.serving.errors import EngineUnreachable, ProtocolMismatch
-from services.serving.status import error_from_status, status_for
+from services.serving.wire.status import error_from_status, status_for
 
 CASES = [
     (InvalidRequest("max_tokens must be at least 1"), grpc.StatusCode.INVALID_ARGUMENT),

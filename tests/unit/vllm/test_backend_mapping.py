@@ -11,9 +11,10 @@ from pydantic import SecretStr
 from services.config import ControlPlaneSettings, RedisSettings
 from services.control_plane.wire import EngineRole
 from services.engines import sampling_fields
-from services.engines.backend import EngineRegistration, SamplingParams
+from services.engines.backend import EngineRegistration
 from services.engines.errors import UnknownKVHandle
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.requests import SamplingParams
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     HandshakeResolutionError,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engines.backend import SamplingParams
+from services.engines.requests import SamplingParams
 from services.engines.vllm.request_mapping import OUTPUT_IN_PROMPT_ARG, decode_sampling
 
 VOCAB = 32

@@ -19,13 +19,9 @@ from typing import Any
 import pytest
 
 from services.control_plane.wire import EngineRole
-from services.engines.backend import (
-    DecodeRequest,
-    EngineRegistration,
-    PrefillRequest,
-    SamplingParams,
-)
+from services.engines.backend import EngineRegistration
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.requests import DecodeRequest, PrefillRequest, SamplingParams
 from services.engines.trace_context import TraceContext
 from services.engines.vllm.backend import VllmBackend
 from services.engines.vllm.options import VllmEngineOptions

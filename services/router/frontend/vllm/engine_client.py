@@ -6,7 +6,7 @@ The seam: above it, vLLM's serving classes (``OpenAIServingChat``, ``OpenAIServi
 pdserve's :class:`~services.router.execution.Executor` places the prompt on a prefill and a
 decode engine and streams token ids back, with failover, migration and counted fallbacks.
 What crosses: a rendered prompt (token ids) and vLLM's ``SamplingParams`` going down, converted
-once into pdserve's :class:`~services.engines.backend.SamplingParams` (the proto's spelling);
+once into pdserve's :class:`~services.engines.requests.SamplingParams` (the proto's spelling);
 token ids, logprobs and the finish reason coming up as vLLM's ``EngineCoreOutput``.
 
 :meth:`PdserveEngineClient.generate` is ``AsyncLLM.generate`` with the engine core replaced:
@@ -48,7 +48,7 @@ from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.metrics.stats import PrefillStats
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
-from services.engines.backend import FinishReason, SamplingParams, TokenLogprobs
+from services.engines.requests import FinishReason, SamplingParams, TokenLogprobs
 from services.engines.sampling_fields import from_vllm
 from services.router.errors import InvalidRequestError, RouterError
 from services.router.execution.generation import ChunkStream, GenerationRequest, RunInfo

@@ -10,8 +10,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.config import ControlPlaneSettings
 from services.engines.producer_check import STALE_FACTOR
-from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES
 from services.serving.tls import ServerTLS
+from services.serving.wire.convert import DEFAULT_MAX_MESSAGE_BYTES
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -1,5 +1,5 @@
 """An engine's registration in the control plane: the control-plane half of
-:class:`~services.serving.host.EngineHost`.
+:class:`~services.serving.host.engine_host.EngineHost`.
 
 :class:`EngineRegistrar` registers the engine's spec, keeps its lease (:meth:`heartbeat`,
 with the backend's load), waits until its handshake grid is READY (:meth:`wait_ready`) and,
@@ -35,10 +35,10 @@ from services.control_plane import (
 from services.control_plane.wire import EngineLoad, EngineState, EngineStatus
 from services.engines.backend import EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
-from services.serving.config import EngineServiceSettings
 from services.serving.errors import HostError, ReadinessFailed, RegistrationLost
-from services.serving.metrics import EngineServiceMetrics
-from services.serving.servicer import ServingState
+from services.serving.host.config import EngineServiceSettings
+from services.serving.host.metrics import EngineServiceMetrics
+from services.serving.host.servicer import ServingState
 
 logger = logging.getLogger(__name__)
 

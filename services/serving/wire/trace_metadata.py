@@ -1,6 +1,6 @@
 """A request's W3C trace context as gRPC metadata, both ways: what the router's engine clients
-(:mod:`services.serving.h2_client`, :mod:`services.serving.client`) send with each call of the
-request, and what an engine's servicers read back from the call's invocation metadata.
+(:mod:`services.serving.client.h2`, :mod:`services.serving.client.grpc_aio`) send with each call of
+the request, and what an engine's servicers read back from the call's invocation metadata.
 
 The names are the HTTP headers' (``traceparent``, ``tracestate``), so an OpenTelemetry gRPC
 instrumentation would read them too. An engine parses what it receives again

@@ -4,14 +4,14 @@ RPC messages: Prefill, Decode and the engine's load.
 ``*_from_proto`` functions run on the server before the backend sees anything: they are the one
 validation of a request (the gRPC edge), bound every field and raise :class:`InvalidRequest`
 naming the first bad one, so malformed input is an INVALID_ARGUMENT and never reaches the
-engine; what they return is a :class:`~services.engines.backend.PrefillRequest` or
-:class:`~services.engines.backend.DecodeRequest` whose docstring states what it guarantees.
+engine; what they return is a :class:`~services.engines.requests.PrefillRequest` or
+:class:`~services.engines.requests.DecodeRequest` whose docstring states what it guarantees.
 Checks that need the engine (vocabulary, context length) take its
-:class:`~services.engines.backend.RequestLimits` (the prompt check is the backend seam's own
-:func:`~services.engines.backend.validate_prompt`). ``*_to_proto`` functions are their inverses;
+:class:`~services.engines.requests.RequestLimits` (the prompt check is the backend seam's own
+:func:`~services.engines.requests.validate_prompt`). ``*_to_proto`` functions are their inverses;
 the client uses both directions' counterparts (a round trip is the identity on valid values).
 The fields these messages share (sampling, logprobs, KV handle, usage, finish reasons, the
-request id rule) are converted in :mod:`services.serving.fields`.
+request id rule) are converted in :mod:`services.serving.wire.fields`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import math
 from collections.abc import Sequence
 
 from services.control_plane.wire import EngineLoad
-from services.engines.backend import (
+from services.engines.errors import InvalidRequest
+from services.engines.requests import (
     MAX_N,
     DecodeRequest,
     FirstToken,
@@ -34,10 +35,9 @@ from services.engines.backend import (
     validate_continuation,
     validate_prompt,
 )
-from services.engines.errors import InvalidRequest
 from services.engines.trace_context import TraceContext
 from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
-from services.serving.fields import (
+from services.serving.wire.fields import (
     finish_from_proto,
     finish_to_proto,
     handle_as_sent,
@@ -53,6 +53,9 @@ from services.serving.fields import (
 )
 
 # -- prefill -------------------------------------------------------------------------------
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Bound of one gRPC message either way (a prompt of 128k tokens is ~0.6 MiB)."""
 
 
 def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequest:
@@ -71,7 +74,7 @@ def prefill_request_from_proto(
 ) -> PrefillRequest:
     """The validated request (the contract of :class:`PrefillRequest`, except the engine's
     ``forks_decode``, which the Prefill RPC checks), with the ``trace`` the call's metadata
-    carried (:mod:`services.serving.trace_metadata`: not a message field)."""
+    carried (:mod:`services.serving.wire.trace_metadata`: not a message field)."""
     request_id = validate_request_id(message.request_id)
     prompt = validate_prompt(message.token_ids, limits)
     sampling = (

@@ -1,5 +1,5 @@
-"""The router's way to call engines: :class:`EngineClient` (one engine) and
-:class:`EngineClientPool` (one channel per target, reused).
+"""The router's way to call engines: :class:`GrpcAioEngineClient` (one engine) and
+:class:`GrpcAioClientPool` (one channel per target, reused).
 
 Every call raises the engine's error as the same :mod:`services.engines.errors` class the backend
 raised (``InvalidRequest``, ``UnknownKVHandle``, ``ProducerUnavailable``, ``EngineOverloaded``,
@@ -21,7 +21,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.control_plane.wire import EngineLoad
-from services.engines.backend import (
+from services.engines.requests import (
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
@@ -35,14 +35,13 @@ from services.proto_gen.pdserve.v1 import (
     engine_pb2_grpc,
     prefill_pb2_grpc,
 )
-from services.serving import convert
+from services.serving.client.connector import EngineConnector
 from services.serving.errors import EngineUnreachable
-from services.serving.status import error_from_status
 from services.serving.tls import ClientTLS
-from services.serving.trace_metadata import to_metadata
-
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-"""Bound of one gRPC message either way (a prompt of 128k tokens is ~0.6 MiB)."""
+from services.serving.wire import convert
+from services.serving.wire.convert import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.wire.status import error_from_status
+from services.serving.wire.trace_metadata import to_metadata
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -87,7 +86,7 @@ class _Stubs:
         )
 
 
-class EngineClient:
+class GrpcAioEngineClient(EngineConnector):
     """A client of one engine service (prefill or decode) at ``target`` (``host:port``).
 
     One HTTP/2 channel, created lazily on first use within the running event loop; safe for
@@ -239,20 +238,23 @@ class EngineClient:
             await stubs.channel.close(grace=None)
 
 
-class EngineClientPool:
-    """One :class:`EngineClient` (one channel) per target, created on first use and reused."""
+class GrpcAioClientPool:
+    """One :class:`GrpcAioEngineClient` (one channel) per target, created on first use and
+    reused."""
 
     def __init__(
         self, *, tls: ClientTLS | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
         self._tls = tls
         self._max_message_bytes = max_message_bytes
-        self._clients: dict[str, EngineClient] = {}
+        self._clients: dict[str, GrpcAioEngineClient] = {}
 
-    def get(self, target: str) -> EngineClient:
+    def get(self, target: str) -> GrpcAioEngineClient:
         client = self._clients.get(target)
         if client is None:
-            client = EngineClient(target, tls=self._tls, max_message_bytes=self._max_message_bytes)
+            client = GrpcAioEngineClient(
+                target, tls=self._tls, max_message_bytes=self._max_message_bytes
+            )
             self._clients[target] = client
         return client
 

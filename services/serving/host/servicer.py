@@ -4,7 +4,7 @@
 backend, the request limits, whether requests are admitted (only while READY and not draining),
 the metrics, and the way a servicer reports that the engine failed (the host then exits
 non-zero). :meth:`ServingState.rpc` wraps every RPC: it refuses work when not admitting, turns
-errors into status codes with :func:`services.serving.status.status_for`, aborts the request on
+errors into status codes with :func:`services.serving.wire.status.status_for`, aborts the request on
 the backend when the caller goes away, and counts the outcome.
 """
 
@@ -20,12 +20,13 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from services.engines.backend import BackendDescription, EngineBackend, RequestLimits
+from services.engines.backend import BackendDescription, EngineBackend
 from services.engines.errors import EngineDraining, EngineFailed, RequestError
+from services.engines.requests import RequestLimits
 from services.proto_gen.pdserve.v1 import engine_pb2, engine_pb2_grpc
-from services.serving import convert, fields
-from services.serving.metrics import EngineServiceMetrics
-from services.serving.status import status_for
+from services.serving.host.metrics import EngineServiceMetrics
+from services.serving.wire import convert, fields
+from services.serving.wire.status import status_for
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ the caller cannot tell a bad request from a broken engine.
 
 :func:`add_servicer` registers the same methods instead, read from the service's descriptor
 in the generated ``*_pb2`` module (names, message types, streaming kind), with a request
-deserializer that returns :class:`~services.serving.fields.Undecodable` rather than raising.
+deserializer that returns :class:`~services.serving.wire.fields.Undecodable` rather than raising.
 The method behaviour answers an ``Undecodable`` through :meth:`ServingState.rpc` (so it is
 INVALID_ARGUMENT with ``pdserve-error: InvalidRequest`` from the status table, counted in
 ``pdserve_engine_requests_total{outcome="INVALID_ARGUMENT"}``, and answered even while the
@@ -29,8 +29,8 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from services.serving.fields import Undecodable
-from services.serving.servicer import AnyContext, ServingState
+from services.serving.host.servicer import AnyContext, ServingState
+from services.serving.wire.fields import Undecodable
 
 RequestDeserializer = Callable[[bytes], "Message | Undecodable"]
 UnaryBehaviour = Callable[[Any, AnyContext], Awaitable[Message]]

@@ -4,8 +4,8 @@ The request id rule, request bytes that did not parse (:class:`Undecodable`), sa
 parameters, logprobs, the KV handle, usage and finish reasons. ``*_from_proto`` functions bound
 every field and raise :class:`~services.engines.errors.InvalidRequest` naming the first bad one;
 checks that need the engine (vocabulary, context length) take its
-:class:`~services.engines.backend.RequestLimits`. The RPC messages built from these are in
-:mod:`services.serving.convert`.
+:class:`~services.engines.requests.RequestLimits`. The RPC messages built from these are in
+:mod:`services.serving.wire.convert`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from google.protobuf.message import Message
 
 from services.control_plane.wire import validate_identifier
 from services.engines import sampling_fields
-from services.engines.backend import (
+from services.engines.errors import InvalidRequest
+from services.engines.requests import (
     MAX_LOGIT_BIAS,
     FinishReason,
     KVHandle,
@@ -31,7 +32,6 @@ from services.engines.backend import (
     TokenLogprobs,
     Usage,
 )
-from services.engines.errors import InvalidRequest
 from services.proto_gen.pdserve.v1 import types_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -68,7 +68,7 @@ MAX_DECODE_ERROR_CHARS = 200
 class Undecodable:
     """Request bytes that did not parse as the RPC's message.
 
-    The server's request deserializers (:mod:`services.serving.handlers`) return this instead
+    The server's request deserializers (:mod:`services.serving.host.handlers`) return this instead
     of raising, because grpc.aio answers a raising deserializer with a bare UNKNOWN before any
     pdserve code runs. The handler answers it with :meth:`error` (INVALID_ARGUMENT) and never
     passes it to a servicer.

@@ -2,12 +2,12 @@
 
 The host owns the process lifecycle and the gRPC, health and metrics servers; the
 control-plane half (register, heartbeat, READY wait, re-registration) is
-:class:`~services.serving.registration.EngineRegistrar`.
+:class:`~services.serving.host.registration.EngineRegistrar`.
 
 Sequence (:meth:`EngineHost.run`):
 
 1. ``backend.describe()``; bind the gRPC server (the role's service, handed over by the role
-   package as a :class:`~services.serving.role.RoleService`; Engine; and the standard
+   package as a :class:`~services.serving.host.role.RoleService`; Engine; and the standard
    ``grpc.health.v1`` Health, NOT_SERVING) and ``/metrics``; nothing is admitted yet.
 2. Register the :class:`EngineSpec` (endpoint = advertised gRPC address) -> generation; start
    heartbeating at once (model loading can outlast a lease) with ``backend.load()``.
@@ -59,15 +59,15 @@ from services.engines.backend import EngineBackend
 from services.engines.errors import EngineFailed
 from services.engines.producer_check import ProducerViews, producer_check_settings
 from services.proto_gen.pdserve.v1 import engine_pb2
-from services.serving.client import server_options
-from services.serving.config import EngineServiceSettings, split_host_port
+from services.serving.client.grpc_aio import server_options
 from services.serving.errors import HostError, RegistrationLost
-from services.serving.handlers import add_servicer
-from services.serving.metrics import EngineServiceMetrics
+from services.serving.host.config import EngineServiceSettings, split_host_port
+from services.serving.host.handlers import add_servicer
+from services.serving.host.metrics import EngineServiceMetrics
+from services.serving.host.registration import EngineRegistrar
+from services.serving.host.role import RoleService
+from services.serving.host.servicer import EngineServicer, ServingState
 from services.serving.ready import ServingEndpoints
-from services.serving.registration import EngineRegistrar
-from services.serving.role import RoleService
-from services.serving.servicer import EngineServicer, ServingState
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ class EngineHost:
         grpc_settings = self.settings.grpc
         server = grpc.aio.server(options=server_options(grpc_settings.max_message_bytes))
         # pdserve's own services through add_servicer: undecodable requests are
-        # INVALID_ARGUMENT, not grpc.aio's UNKNOWN (see services.serving.handlers).
+        # INVALID_ARGUMENT, not grpc.aio's UNKNOWN (see services.serving.host.handlers).
         add_servicer(server, _ENGINE_SERVICE, EngineServicer(state), state)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         role_servicer = self.service.servicer(state, self.producer_views)

@@ -1,9 +1,9 @@
 """The seam between the engine host and a role's gRPC service.
 
-The host (:mod:`services.serving.host`) is the same for both roles; what differs is the service
-it serves beside ``EngineService`` and Health. A role package (:mod:`services.prefill`,
-:mod:`services.decode`) hands the host a :class:`RoleService`; the host never imports a role
-package (a lower layer never imports a higher one).
+The host (:mod:`services.serving.host.engine_host`) is the same for both roles; what differs is the
+service it serves beside ``EngineService`` and Health. A role package (:mod:`services.prefill`,
+:mod:`services.decode`) hands the host a :class:`RoleService`; the host never imports a role package
+(a lower layer never imports a higher one).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from services.control_plane.wire import EngineRole
 from services.engines.producer_check import ProducerViews
-from services.serving.servicer import ServingState
+from services.serving.host.servicer import ServingState
 
 
 class RoleService(ABC):
@@ -24,7 +24,7 @@ class RoleService(ABC):
     proto service (its full name is also the Health service name the host reports);
     :meth:`servicer` is called once, after ``backend.describe()`` and before the server starts,
     and returns the object whose same-named methods serve every method of :attr:`descriptor`
-    (registered through :func:`services.serving.handlers.add_servicer`).
+    (registered through :func:`services.serving.host.handlers.add_servicer`).
     """
 
     role: EngineRole

@@ -1,12 +1,12 @@
 """The router's calls to one engine over :class:`~services.serving.h2grpc.H2GrpcChannel`:
 :class:`H2EngineClient`, the same calls, messages and errors as
-:class:`~services.serving.client.EngineClient` (Prefill, Decode, DecodeOnce, Abort) at a
-fraction of grpc.aio's CPU per call (docs/h2grpc.md).
+:class:`~services.serving.client.grpc_aio.GrpcAioEngineClient` (Prefill, Decode, DecodeOnce, Abort)
+at a fraction of grpc.aio's CPU per call (docs/h2grpc.md).
 
-Errors are those of ``EngineClient``: the engine's :mod:`services.engines.errors` class rebuilt
-from the status and its trailing metadata, and
-:class:`~services.serving.errors.EngineUnreachable` for the transport's failures, through the
-one table of :mod:`services.serving.status`.
+Errors are those of ``GrpcAioEngineClient``: the engine's :mod:`services.engines.errors` class
+rebuilt from the status and its trailing metadata, and
+:class:`~services.serving.errors.EngineUnreachable` for the transport's failures, through the one
+table of :mod:`services.serving.wire.status`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
-from services.engines.backend import (
+from services.engines.requests import (
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
@@ -25,13 +25,14 @@ from services.engines.backend import (
 )
 from services.engines.trace_context import TraceContext
 from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
-from services.serving import convert
-from services.serving.client import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.client.connector import EngineConnector
 from services.serving.errors import ProtocolMismatch
 from services.serving.h2grpc import CallFailed, H2GrpcChannel
-from services.serving.status import error_from_status
 from services.serving.tls import ClientTLS
-from services.serving.trace_metadata import to_metadata
+from services.serving.wire import convert
+from services.serving.wire.convert import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.wire.status import error_from_status
+from services.serving.wire.trace_metadata import to_metadata
 
 _PREFILL = b"/pdserve.v1.PrefillService/Prefill"
 _DECODE = b"/pdserve.v1.DecodeService/Decode"
@@ -39,7 +40,7 @@ _DECODE_ONCE = b"/pdserve.v1.DecodeService/DecodeOnce"
 _ABORT = b"/pdserve.v1.EngineService/Abort"
 
 
-class H2EngineClient:
+class H2EngineClient(EngineConnector):
     """A client of one engine service at ``target`` (``host:port``), over TLS with ``tls``.
 
     The connection is opened on the first call within the running event loop; safe for
@@ -67,7 +68,7 @@ class H2EngineClient:
             on_protocol_error=on_protocol_error,
             on_retry=on_retry,
         )
-        # A failed call's status as the engine's error class (services.serving.status).
+        # A failed call's status as the engine's error class (services.serving.wire.status).
         self._errors = {
             rpc: _StatusAsError(target, rpc) for rpc in ("Prefill", "Decode", "DecodeOnce", "Abort")
         }
@@ -119,7 +120,8 @@ class H2EngineClient:
         self, request: DecodeRequest, *, idle_timeout_s: float, timeout_s: float | None = None
     ) -> TokenDelta:
         """The request's whole result in one delta (``DecodeOnce``), as
-        :meth:`EngineClient.decode_once <services.serving.client.EngineClient.decode_once>`."""
+        :meth:`GrpcAioEngineClient.decode_once
+        <services.serving.client.grpc_aio.GrpcAioEngineClient.decode_once>`."""
         message = convert.decode_request_to_proto(request, idle_timeout_s=idle_timeout_s)
         with self._errors["DecodeOnce"]:
             data = await self._channel.unary(
