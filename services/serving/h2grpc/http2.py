@@ -43,7 +43,8 @@ the advertised SETTINGS_MAX_HEADER_LIST_SIZE ends its stream, and the connection
 still gathering (HPACK's state is then behind, §4.3: COMPRESSION_ERROR). More than
 :data:`~services.serving.h2grpc.http2_base.MAX_UNWRITTEN_REPLIES` answers to PINGs and SETTINGS
 queued before the I/O layer says its writes drained (``written``) end the connection
-ENHANCE_YOUR_CALM.
+ENHANCE_YOUR_CALM, and so do more than :data:`MAX_IDLE_FRAMES` frames in a row that carry
+nothing (empty DATA, PRIORITY, unknown types).
 Anything else that goes wrong while receiving, in this layer or the one above, is a connection
 error INTERNAL_ERROR with the exception named: nothing escapes
 :meth:`~H2ClientConnection.receive`. Each breach comes out as a
@@ -78,6 +79,14 @@ logger = logging.getLogger(__name__)
 _MAX_FRAME_RECEIVED = frames.DEFAULT_MAX_FRAME
 """The SETTINGS_MAX_FRAME_SIZE the client lives with (the default, so not sent)."""
 
+MAX_IDLE_FRAMES = 1000
+"""Most frames in a row that carry nothing (PRIORITY, a type HTTP/2 does not define, DATA with
+no payload that does not end its stream): each is legal alone, but a server that sends only
+those costs the router CPU for no progress, so past this bound the connection ends
+ENHANCE_YOUR_CALM. Netty allows 2 empty DATA frames in a row; any frame that carries something
+(HEADERS, DATA with a payload or END_STREAM, SETTINGS, PING, WINDOW_UPDATE...) starts the count
+again."""
+
 
 class H2ClientConnection(H2ConnectionBase[S]):
     """One HTTP/2 connection's client side (see the module docstring): the server's frames
@@ -89,6 +98,7 @@ class H2ClientConnection(H2ConnectionBase[S]):
         self._decoder = HpackDecoder(frames.MAX_HEADER_LIST_SIZE)
         self._pending = b""
         self._blocks = HeaderBlocks()
+        self._idle_frames = 0
 
     @property
     def held_bytes(self) -> int:
@@ -133,6 +143,14 @@ class H2ClientConnection(H2ConnectionBase[S]):
                 break
             payload = data[start : start + length]
             offset = start + length
+            if (
+                kind == FrameType.PRIORITY
+                or kind > FrameType.CONTINUATION
+                or (kind == FrameType.DATA and not length and not flags & Flag.END_STREAM)
+            ):
+                self._idle_frame(kind)
+            else:
+                self._idle_frames = 0
             if self._blocks.stream_id and kind != FrameType.CONTINUATION:
                 raise ProtocolError(
                     Violation.MALFORMED,
@@ -169,6 +187,17 @@ class H2ClientConnection(H2ConnectionBase[S]):
             if self.closed_reason is not None and not self.streams:
                 return
         self._pending = data[offset:] if offset < end else b""
+
+    def _idle_frame(self, kind: int) -> None:
+        """One more frame in a row that carries nothing; raises past :data:`MAX_IDLE_FRAMES`."""
+        self._idle_frames += 1
+        if self._idle_frames > MAX_IDLE_FRAMES:
+            raise ProtocolError(
+                Violation.FLOOD,
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"sent {self._idle_frames} frames in a row that carry nothing (the last of "
+                f"type {kind}: empty DATA, PRIORITY or unknown types)",
+            )
 
     def _unopened(self, stream_id: int, name: str) -> None:
         """A frame on a stream that is not open: raises unless the client opened it and ended it

@@ -17,6 +17,7 @@ from services.serving.h2grpc import frames, grpc_wire
 from services.serving.h2grpc.errors import Violation
 from services.serving.h2grpc.frames import ErrorCode, Flag, FrameType
 from services.serving.h2grpc.hpack_decoder import HpackDecoder
+from services.serving.h2grpc.http2 import MAX_IDLE_FRAMES
 from services.serving.h2grpc.http2_base import MAX_UNWRITTEN_REPLIES, STREAM_WINDOW
 from services.serving.h2grpc.http2_events import Breach, ConnectionEnded, Event
 from services.serving.h2grpc.protocol import (
@@ -307,6 +308,46 @@ def test_pings_whose_answers_are_written_are_answered_without_end() -> None:
         assert len(parsed(protocol.data_to_send())) == MAX_UNWRITTEN_REPLIES // 2
         protocol.written()  # the I/O layer's transport buffer drained
     assert protocol.usable
+    echo_works(protocol)
+
+
+# -- frames that carry nothing ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "idle",
+    [
+        frames.frame(FrameType.DATA, 0, 1, b""),
+        frames.frame(FrameType.PRIORITY, 0, 1, b"\0\0\0\0\x10"),
+        frames.frame(0x42, 0, 0, b"x"),  # a type HTTP/2 does not define
+    ],
+    ids=["empty_data", "priority", "unknown_type"],
+)
+def test_frames_that_carry_nothing_end_the_connection_past_their_bound(idle: bytes) -> None:
+    protocol = settled()
+    stream = opened(protocol, streaming=True)
+    protocol.receive(answer_headers(stream.stream_id, hpack.Encoder()))
+    assert protocol.receive(idle * MAX_IDLE_FRAMES) == []  # each legal alone
+    events = protocol.receive(idle)
+    assert kinds(events)[-1] is ConnectionEnded
+    assert breaches(events) == [Violation.FLOOD]
+    assert "frames in a row that carry nothing" in stream.details
+    sent = parsed(protocol.data_to_send())
+    assert struct.unpack_from(">LL", sent[-1][3]) == (0, ErrorCode.ENHANCE_YOUR_CALM)
+
+
+def test_frames_that_carry_nothing_between_ones_that_do_are_taken() -> None:
+    protocol = settled()
+    stream = opened(protocol, streaming=True)
+    sid = stream.stream_id
+    protocol.receive(answer_headers(sid, hpack.Encoder()))
+    empty = frames.frame(FrameType.DATA, 0, sid, b"")
+    message = frames.frame(FrameType.DATA, 0, sid, grpc_wire.message(b"t"))
+    for _ in range(3):
+        protocol.receive(empty * MAX_IDLE_FRAMES + message)
+        assert stream.messages.popleft() == b"t"
+    protocol.receive(trailers(sid, [("grpc-status", "0")]))
+    assert stream.code is grpc.StatusCode.OK
     echo_works(protocol)
 
 
