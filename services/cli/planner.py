@@ -24,8 +24,8 @@ _FLAGS = (
     "router_url", "router_discovery", "router_metrics_ports", "profile", "prefill_layout",
     "decode_layout", "ttft_ms", "itl_ms", "interval_s", "predictor", "ema_alpha",
     "input_tokens", "output_tokens", "prefill_min", "prefill_max", "decode_min", "decode_max",
-    "stabilization_intervals", "kv_usage_limit", "prefill_queue_limit", "metrics_host",
-    "metrics_port",
+    "stabilization_intervals", "kv_usage_limit", "prefill_queue_limit", "cached_tokens",
+    "metrics_host", "metrics_port",
 )  # fmt: skip
 
 HELP = (
@@ -90,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="requests waiting per prefill engine above which that pool needs one engine more "
         "(default: what --ttft-ms allows for the profile's prefill of the mean prompt)",
+    )
+    parser.add_argument(
+        "--cached-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="size the prefill pool for the uncached part of prompts, as the router counts "
+        "it (default); --no-cached-tokens: as if every prompt token were computed",
     )
     parser.add_argument("--metrics-host", help="address of the planner's own /metrics")
     parser.add_argument(

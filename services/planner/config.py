@@ -73,6 +73,11 @@ class PlannerSettings(BaseSettings):
     """The decode pool's KV usage (``1 - free / total`` blocks over its engines, as the router
     relays them) above which it needs one engine more than it has: past it vLLM preempts
     running sequences. 1 turns the rule off."""
+    cached_tokens: bool = True
+    """Size the prefill pool for the part of each prompt that is not cached: the router's
+    ``pdserve_router_cached_tokens{pool="prefill"}`` (the tokens its placements found in the
+    prefill engines' prefix caches). Off: as if every prompt token were computed (a
+    comparison run, ``pdserve bench goodput --trace``)."""
     prefill_queue_limit: float | None = Field(default=None, ge=0)
     """Requests waiting per prefill engine above which that pool needs one engine more than it
     has; ``None``: what the TTFT SLO allows, ``ttft_ms`` over one prefill of the mean prompt

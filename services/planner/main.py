@@ -67,6 +67,7 @@ def build_planner(settings: PlannerSettings) -> Planner:
         correction_range=(settings.correction_min, settings.correction_max),
         kv_usage_limit=settings.kv_usage_limit,
         prefill_queue_limit=settings.prefill_queue_limit,
+        cached_tokens=settings.cached_tokens,
     )
 
 

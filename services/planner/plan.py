@@ -78,10 +78,13 @@ class Planner:
         correction_range: tuple[float, float] = (0.5, 3.0),
         kv_usage_limit: float = 0.9,
         prefill_queue_limit: float | None = None,
+        cached_tokens: bool = True,
     ) -> None:
         """``kv_usage_limit``: the decode pool's KV usage above which it needs one engine more;
         ``prefill_queue_limit``: the requests waiting per prefill engine above which that pool
-        does (``None``: what the TTFT SLO allows, :func:`pressure.allowed_queue`)."""
+        does (``None``: what the TTFT SLO allows, :func:`pressure.allowed_queue`);
+        ``cached_tokens``: whether the router's cached-token count shortens a prefill (off:
+        every prompt token is computed, for comparison)."""
         self.profile = profile
         self.slo = slo
         self.predictor = predictor
@@ -92,6 +95,7 @@ class Planner:
         self.correction_range = correction_range
         self.kv_usage_limit = kv_usage_limit
         self.prefill_queue_limit = prefill_queue_limit
+        self.cached_tokens = cached_tokens
         self._last: RouterSnapshot | None = None
         self._breaches = {"prefill": BreachMemory(), "decode": BreachMemory()}
         self._measured_input: float | None = None
@@ -120,7 +124,7 @@ class Planner:
             self._measured_input = interval.input_tokens
         if interval.output_tokens is not None:
             self._measured_output = interval.output_tokens
-        if interval.cached_tokens is not None:
+        if interval.cached_tokens is not None and self.cached_tokens:
             self._measured_cached = interval.cached_tokens
         measured = self._measured_input is not None and self._measured_output is not None
         observed = Load(

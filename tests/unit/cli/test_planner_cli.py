@@ -52,3 +52,14 @@ def test_the_engine_load_limits_are_flags() -> None:
     assert (settings.kv_usage_limit, settings.prefill_queue_limit) == (0.8, 4)
     with pytest.raises(ValidationError, match="kv_usage_limit"):
         build_settings(build_parser().parse_args(["planner", "--kv-usage-limit", "1.5"]))
+
+
+def test_the_cached_share_is_read_unless_the_flag_says_not_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert build_settings(build_parser().parse_args(["planner"])).cached_tokens is True
+    off = build_parser().parse_args(["planner", "--no-cached-tokens"])
+    assert build_settings(off).cached_tokens is False
+    monkeypatch.setenv("PDSERVE_PLANNER_CACHED_TOKENS", "false")
+    on = build_parser().parse_args(["planner", "--cached-tokens"])
+    assert build_settings(on).cached_tokens is True

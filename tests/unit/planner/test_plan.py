@@ -35,7 +35,7 @@ def _snapshot(
     )
 
 
-def _planner(window: int = 2) -> Planner:
+def _planner(window: int = 2, *, cached_tokens: bool = True) -> Planner:
     return Planner(
         load_profile(),
         Slo(ttft_ms=200, itl_ms=20),
@@ -45,6 +45,7 @@ def _planner(window: int = 2) -> Planner:
         window=window,
         input_tokens=2000,
         output_tokens=500,
+        cached_tokens=cached_tokens,
     )
 
 
@@ -192,3 +193,21 @@ def test_the_prefill_pool_is_sized_for_what_the_router_found_uncached() -> None:
         assert step_record(step)["predicted"]["cached_tokens"] == cached  # type: ignore[index]
         sized[cached] = step.prefill.decision.needed
     assert sized[1800.0] < sized[0.0], sized
+
+
+def test_a_planner_told_to_ignore_the_cache_sizes_as_if_every_token_were_computed() -> None:
+    """``cached_tokens=False`` (``pdserve planner --no-cached-tokens``, the comparison run of
+    ``pdserve bench goodput --trace``): the same cached figures change nothing."""
+    needed = {}
+    for use in (True, False):
+        planner = _planner(cached_tokens=use)
+        for at_s, requests in ((0, 0), (10, 1200)):
+            snapshot = dataclasses.replace(
+                _snapshot(at_s, requests, tokens=(2000, 500)),
+                prefill_cached_tokens=(requests * 1800.0, requests),
+            )
+            step = planner.step(snapshot)
+        assert step.predicted is not None
+        assert step.predicted.cached_tokens == (1800.0 if use else 0.0)
+        needed[use] = step.prefill.decision.needed
+    assert needed[True] < needed[False], needed
