@@ -2,62 +2,56 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+
+from services.metrics import Metrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-class ControlPlaneMetrics:
+class ControlPlaneMetrics(Metrics):
     """``pdserve_control_plane_*`` metrics. Tests pass a fresh ``CollectorRegistry``."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.records_rejected = Counter(
+        super().__init__(registry)
+        self.records_rejected = self.counter(
             "pdserve_control_plane_records_rejected_total",
             "Handshake or engine values refused by validation, by reason "
             "(oversized, malformed, wrong_version, hash_mismatch, layer_gap...).",
             ["reason"],
-            registry=self.registry,
         )
-        self.redis_retries = Counter(
+        self.redis_retries = self.counter(
             "pdserve_control_plane_redis_retries_total",
             "Redis commands retried after a transient failure.",
             ["operation"],
-            registry=self.registry,
         )
-        self.redis_errors = Counter(
+        self.redis_errors = self.counter(
             "pdserve_control_plane_redis_errors_total",
             "Redis commands that failed after every retry.",
             ["operation"],
-            registry=self.registry,
         )
-        self.leases_expired = Counter(
+        self.leases_expired = self.counter(
             "pdserve_control_plane_leases_expired_total",
             "Engines seen gone because their lease expired without deregistration.",
-            registry=self.registry,
         )
-        self.readiness_latency = Histogram(
+        self.readiness_latency = self.histogram(
             "pdserve_control_plane_readiness_latency_seconds",
             "From an engine's registration to its READY announcement.",
             ["engine"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.handshakes_published = Counter(
+        self.handshakes_published = self.counter(
             "pdserve_control_plane_handshakes_published_total",
             "Per-worker handshake records published.",
             ["engine"],
-            registry=self.registry,
         )
-        self.engine_state = Gauge(
+        self.engine_state = self.gauge(
             "pdserve_control_plane_engine_state",
             "1 for the state each known engine is in (pending, ready, invalid).",
             ["engine", "state"],
-            registry=self.registry,
         )
-        self.watch_resyncs = Counter(
+        self.watch_resyncs = self.counter(
             "pdserve_control_plane_watch_resyncs_total",
             "Full re-reads by watchers, by cause (start, reconnect, periodic).",
             ["cause"],
-            registry=self.registry,
         )

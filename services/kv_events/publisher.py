@@ -38,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from services.kv_events.events import END_OF_REPLAY_SEQ, EventBatch, KVEvent, encode_batch
+from services.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -50,39 +51,30 @@ POLL_INTERVAL_S = 0.02
 (the most a replay request waits for an idle publisher)."""
 
 
-class PublisherMetrics:
+class PublisherMetrics(Metrics):
     """``pdserve_kv_events_publisher_*``: what an engine's publisher sent, dropped and replayed."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.batches = Counter(
+        super().__init__(registry)
+        self.batches = self.counter(
             "pdserve_kv_events_publisher_batches_total",
             "KV-event batches (one per engine step with cache changes) sent on the PUB socket.",
-            registry=self.registry,
         )
-        self.events = Counter(
+        self.events = self.counter(
             "pdserve_kv_events_publisher_events_total",
             "KV events sent, by type (BlockStored, BlockRemoved, AllBlocksCleared).",
             ["type"],
-            registry=self.registry,
         )
-        self.dropped = Counter(
+        self.dropped = self.counter(
             "pdserve_kv_events_publisher_dropped_batches_total",
             "KV-event batches dropped because the publisher's queue was full (their sequence "
             "numbers are skipped: subscribers see a gap).",
-            registry=self.registry,
         )
-        self.replays = Counter(
+        self.replays = self.counter(
             "pdserve_kv_events_publisher_replays_total",
             "Replay requests, by outcome (served, malformed).",
             ["outcome"],
-            registry=self.registry,
         )
-
-    def value(self, name: str, **labels: str) -> float:
-        """A sample's value (0 when never set): for tests."""
-        found = self.registry.get_sample_value(name, labels)
-        return 0.0 if found is None else found
 
 
 @dataclass(frozen=True)

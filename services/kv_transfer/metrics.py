@@ -10,30 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from services.control_plane.wire import EngineId
 from services.kv_transfer.protocol import rank_label
 from services.kv_transfer.transport import FailedRead, PeerTransferStats
+from services.metrics import LATENCY_BUCKETS_S, Metrics
 from services.topology.ranges import RankKey
 
-_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
 _PREP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 _DESCRIPTOR_BUCKETS = (1, 8, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 _PAIR = ["producer_engine", "consumer_engine", "producer_rank", "consumer_rank"]
@@ -57,109 +41,94 @@ class RankPair:
         }
 
 
-class KVTransferMetrics:
+class KVTransferMetrics(Metrics):
     """``pdserve_kv_transfer_*`` metrics. Tests pass a fresh ``CollectorRegistry``."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.transfer_latency = Histogram(
+        super().__init__(registry)
+        self.transfer_latency = self.histogram(
             "pdserve_kv_transfer_latency_seconds",
             "From posting a read to one producer worker to its completion.",
             _PAIR,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            buckets=LATENCY_BUCKETS_S,
         )
-        self.transferred_bytes = Counter(
+        self.transferred_bytes = self.counter(
             "pdserve_kv_transfer_bytes_total",
             "KV bytes read successfully.",
             _PAIR,
-            registry=self.registry,
         )
-        self.descriptors = Histogram(
+        self.descriptors = self.histogram(
             "pdserve_kv_transfer_descriptors",
             "Descriptors (layer x K/V x block ranges) per read from one producer worker.",
             _PAIR,
             buckets=_DESCRIPTOR_BUCKETS,
-            registry=self.registry,
         )
-        self.descriptor_prep = Histogram(
+        self.descriptor_prep = self.histogram(
             "pdserve_kv_transfer_descriptor_prep_seconds",
             "Per-request descriptor cost of one read: index arithmetic plus make_prepped_xfer.",
             _PAIR,
             buckets=_PREP_BUCKETS,
-            registry=self.registry,
         )
-        self.peer_prepare = Histogram(
+        self.peer_prepare = self.histogram(
             "pdserve_kv_transfer_peer_prepare_seconds",
             "Pre-warming one producer worker: adding its agent and preparing descriptor lists.",
             _PAIR,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            buckets=LATENCY_BUCKETS_S,
         )
-        self.failures = Counter(
+        self.failures = self.counter(
             "pdserve_kv_transfer_failures_total",
             "Reads that failed, by reason (timeout, remote_disconnected, stale_generation...).",
             [*_PAIR, "reason"],
-            registry=self.registry,
         )
-        self.recomputes = Counter(
+        self.recomputes = self.counter(
             "pdserve_kv_transfer_recomputes_total",
             "Failed reads whose blocks the consumer recomputes instead of failing the request.",
             _PAIR,
-            registry=self.registry,
         )
-        self.expired_leases = Counter(
+        self.expired_leases = self.counter(
             "pdserve_kv_transfer_expired_leases_total",
             "Producer leases that expired before every expected consumer rank notified.",
             ["producer_engine", "consumer_engine", "producer_rank"],
-            registry=self.registry,
         )
-        self.released = Counter(
+        self.released = self.counter(
             "pdserve_kv_transfer_released_total",
             "Requests whose producer blocks were freed at once, before any read, because no "
             "consumer will read them, by reason (consumer_holds_prompt: the consumer's prefix "
             "cache held every block; push_failed: the push failed and the request goes on "
             "elsewhere; consumer_gone: the router aborted the request, no consumer will come).",
             ["producer_engine", "consumer_engine", "reason"],
-            registry=self.registry,
         )
-        self.notifications = Counter(
+        self.notifications = self.counter(
             "pdserve_kv_transfer_notifications_total",
             "Completion notifications received by producers, by outcome (counted, duplicate, "
             "unknown_request, foreign_engine, failed).",
             [*_PAIR, "outcome"],
-            registry=self.registry,
         )
-        self.notification_send_failures = Counter(
+        self.notification_send_failures = self.counter(
             "pdserve_kv_transfer_notification_send_failures_total",
             "Completion notifications a consumer could not send (the producer frees on lease "
             "expiry instead).",
             _PAIR,
-            registry=self.registry,
         )
-        self.rejected_notifications = Counter(
+        self.rejected_notifications = self.counter(
             "pdserve_kv_transfer_rejected_notifications_total",
             "Notifications dropped because they did not decode.",
             ["producer_engine", "producer_rank"],
-            registry=self.registry,
         )
-        self.duplicate_reports = Counter(
+        self.duplicate_reports = self.counter(
             "pdserve_kv_transfer_duplicate_reports_total",
             "Per-rank completion reports received twice for one request (a contract breach).",
             ["consumer_engine", "consumer_rank"],
-            registry=self.registry,
         )
-        self.prewarm_failures = Counter(
+        self.prewarm_failures = self.counter(
             "pdserve_kv_transfer_prewarm_failures_total",
             "Producer engines that turned READY but could not be pre-warmed, by reason.",
             ["producer_engine", "reason"],
-            registry=self.registry,
         )
-        self.leased_blocks = Gauge(
+        self.leased_blocks = self.gauge(
             "pdserve_kv_transfer_leased_blocks",
             "Blocks a producer worker holds for consumers to read.",
             ["producer_engine", "producer_rank"],
-            registry=self.registry,
         )
 
     def observe_transfer(self, pair: RankPair, stats: PeerTransferStats) -> None:

@@ -4,84 +4,74 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
+from services.metrics import Metrics
 from services.planner.decision import REASONS
 from services.planner.observe import PoolLoad
 
 POOLS = ("prefill", "decode")
 
 
-class PlannerMetrics:
+class PlannerMetrics(Metrics):
     """``pdserve_planner_*``, created with an injectable registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.desired_replicas = Gauge(
+        super().__init__(registry)
+        self.desired_replicas = self.gauge(
             "pdserve_planner_desired_replicas",
             "Engines the planner wants in each pool (after bounds and stabilisation).",
             ["pool"],
-            registry=r,
         )
-        self.needed_replicas = Gauge(
+        self.needed_replicas = self.gauge(
             "pdserve_planner_needed_replicas",
             "Engines each pool needs for the predicted load at the SLOs (before bounds).",
             ["pool"],
-            registry=r,
         )
-        self.correction = Gauge(
+        self.correction = self.gauge(
             "pdserve_planner_correction_ratio",
             "Observed over expected latency of each pool (TTFT for prefill, ITL for decode), "
             "clamped; the SLO is divided by it.",
             ["pool"],
-            registry=r,
         )
-        self.predicted_rate = Gauge(
+        self.predicted_rate = self.gauge(
             "pdserve_planner_predicted_requests_per_second",
             "Requests a second predicted for the next interval.",
-            registry=r,
         )
-        self.predicted_input = Gauge(
+        self.predicted_input = self.gauge(
             "pdserve_planner_predicted_input_tokens",
             "Mean prompt length predicted for the next interval.",
-            registry=r,
         )
-        self.predicted_output = Gauge(
+        self.predicted_output = self.gauge(
             "pdserve_planner_predicted_output_tokens",
             "Mean generated length predicted for the next interval.",
-            registry=r,
         )
-        self.decisions = Counter(
+        self.decisions = self.counter(
             "pdserve_planner_decisions_total",
             "Decisions per pool by reason (scale_up, scale_down, hold, hold_stabilizing, "
             "at_min, at_max, no_metrics).",
             ["pool", "reason"],
-            registry=r,
         )
         for pool in POOLS:
             for reason in REASONS:
                 self.decisions.labels(pool=pool, reason=reason)
-        self.queued_requests = Gauge(
+        self.queued_requests = self.gauge(
             "pdserve_planner_queued_requests",
             "Requests waiting in each pool's engines at the last read (the router's relay of "
             "their queue_depth, summed over the pool); absent when not relayed.",
             ["pool"],
-            registry=r,
         )
-        self.kv_usage = Gauge(
+        self.kv_usage = self.gauge(
             "pdserve_planner_kv_usage_ratio",
             "KV blocks in use over the KV blocks of each pool's engines at the last read; "
             "absent when not relayed or no engine reports KV capacity.",
             ["pool"],
-            registry=r,
         )
-        self.lengths_from_settings = Counter(
+        self.lengths_from_settings = self.counter(
             "pdserve_planner_lengths_from_settings_total",
             "Intervals planned with the mean prompt and generated lengths of the settings "
             "(--input-tokens, --output-tokens) because the router had not measured them "
             "(it exports no token figures, or no request has finished yet).",
-            registry=r,
         )
 
     def set_load(self, pool: str, load: PoolLoad | None) -> None:

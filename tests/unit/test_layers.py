@@ -13,7 +13,7 @@ from pathlib import Path
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"proto_gen", "config", "topology", "lifetime", "codec"}),
+    frozenset({"proto_gen", "config", "topology", "lifetime", "codec", "metrics"}),
     frozenset({"control_plane"}),
     frozenset({"kv_transfer", "kv_events"}),
     frozenset({"tokenization"}),

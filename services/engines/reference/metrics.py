@@ -17,10 +17,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from services.metrics import Metrics
 from services.topology.ranges import RankKey
 
 
@@ -66,7 +67,7 @@ class RankMetricsRelay(Collector):
         yield from merged.values()
 
 
-class ReferenceEngineMetrics:
+class ReferenceEngineMetrics(Metrics):
     """The host-side counters of one reference engine (``pdserve_reference_engine_*``).
 
     The service's ``pdserve_engine_*`` families (queue depth, requests by outcome...) are the
@@ -75,25 +76,22 @@ class ReferenceEngineMetrics:
     """
 
     def __init__(self, engine_id: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(registry)
         self._engine = engine_id
-        self._finished = Counter(
+        self._finished = self.counter(
             "pdserve_reference_engine_finished_total",
             "Requests that ended, by kind (prefill, generate, remote) and finish reason.",
             ["engine", "kind", "finish_reason"],
-            registry=self.registry,
         )
-        self._kv_errors = Counter(
+        self._kv_errors = self.counter(
             "pdserve_reference_engine_kv_errors_total",
             "Disaggregated requests refused or failed on their KV, by error class and reason.",
             ["engine", "error", "reason"],
-            registry=self.registry,
         )
-        self._held = Counter(
+        self._held = self.counter(
             "pdserve_reference_engine_held_kv_total",
             "Prefilled requests whose held KV was let go, by outcome (released, expired, aborted).",
             ["engine", "outcome"],
-            registry=self.registry,
         )
 
     def finished(self, kind: str, finish_reason: str) -> None:
