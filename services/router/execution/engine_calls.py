@@ -74,7 +74,7 @@ class EngineCalls:
         timeout or an unreachable engine, the request is aborted there)."""
         started = time.perf_counter()
         bound_s = self._settings.prefill_timeout_s
-        self._pool.call_started(slot)
+        slot.health.begin_call()
         try:
             with self._pool.reserve(slot):
                 async with asyncio.timeout(bound_s):
@@ -97,7 +97,7 @@ class EngineCalls:
             if error.code in ABORT_ON:
                 self.abort_later(slot, request)
             raise error from exc
-        self._pool.call_succeeded(slot)
+        slot.health.success()
         elapsed = time.perf_counter() - started
         info.engine_wait_s += elapsed
         return result, elapsed

@@ -1,8 +1,9 @@
 """Running one request on the engines a :class:`~services.router.scheduling.scheduler.Plan` names.
 
-:meth:`Executor.runs` is the one entry: the choices of one prompt, forked from one prefill where
-both engines fork (:mod:`services.router.execution.fork`), otherwise one
-:meth:`Executor.generate` each. :meth:`Executor.generate` is an async generator of
+:meth:`Executor.runs` is the one entry: one :meth:`Executor.generate` per choice of a prompt,
+whose first leg, where the plan's engines fork, is one shared Prefill and forked Decode
+(:mod:`services.router.execution.fork`); every choice has the failover and migration below
+either way. :meth:`Executor.generate` is an async generator of
 :class:`Chunk`. The HTTP layer awaits the first chunk before it answers, so every failure up to
 the first token (no engine, every prefill attempt failed, a decode engine refusing the request)
 is an ordinary OpenAI error;
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import replace
 
 from services.control_plane.wire import EngineId
@@ -37,7 +38,7 @@ from services.engines.requests import FinishReason, PrefillResult
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution.engine_calls import EngineCalls
-from services.router.execution.fork import ForkContext, forked_runs
+from services.router.execution.fork import ForkedChoice, ForkedLeg, can_fork
 from services.router.execution.generation import Chunk, ChunkStream, GenerationRequest, RunInfo
 from services.router.execution.migration import (
     PRODUCER_GONE,
@@ -69,29 +70,73 @@ class Executor:
         metrics: RouterMetrics,
         *,
         tokenizer: Tokenizer | None = None,
+        model_tokenizers: Mapping[str, Tokenizer] | None = None,
     ) -> None:
+        """``model_tokenizers``: each served base model's tokenizer (a migration's text so
+        far), by the name its engines register; ``tokenizer`` for a model not in it."""
         self._pool = pool
         self._scheduler = scheduler
         self._settings = settings
         self._metrics = metrics
         self._tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self._model_tokenizers = dict(model_tokenizers or {})
         self.calls = EngineCalls(pool, settings, metrics)
         """The engine calls and their aborts (shared with :mod:`services.router.execution.fork`)."""
-        self._fork = ForkContext(pool, scheduler, settings, metrics, self.calls)
 
     def runs(self, requests: list[GenerationRequest], infos: list[RunInfo]) -> list[ChunkStream]:
         """The chunk streams of one prompt's choices (``requests[i]`` is choice ``i``, filling
-        ``infos[i]``): one forked run when the plan's engines fork, else one :meth:`generate`
-        each (with failover and migration); which path ran is counted."""
-        forked = forked_runs(self._fork, requests, infos)
-        if forked is not None:
-            return list(forked)
-        return [self.generate(r, i) for r, i in zip(requests, infos, strict=True)]
+        ``infos[i]``), each run by :meth:`generate`, with failover and migration. Where the
+        plan's engines fork, the choices' first leg is one :class:`ForkedLeg` (one prefill and
+        one transfer, :mod:`services.router.execution.fork`); which path ran is counted."""
+        leg = self._forked_leg(requests, infos) if len(requests) > 1 else None
+        if leg is None:
+            return [self.generate(r, i) for r, i in zip(requests, infos, strict=True)]
+        return [
+            ForkedChoice(self.generate(r, i, (leg, index)), leg)
+            for index, (r, i) in enumerate(zip(requests, infos, strict=True))
+        ]
+
+    def _forked_leg(
+        self, requests: list[GenerationRequest], infos: list[RunInfo]
+    ) -> ForkedLeg | None:
+        """The shared first leg of ``requests`` (one prompt's choices), or ``None`` when they
+        cannot fork: each then runs alone (planning again: a planning error is answered
+        there)."""
+        base = requests[0]
+        prompt = PromptInfo(
+            base.prompt_token_ids,
+            context_tokens=len(base.prompt_token_ids) + base.sampling.max_tokens,
+        )
+        try:
+            plan = self._scheduler.plan(base.model, prompt)
+        except RouterError:
+            plan = None
+        if plan is None or not can_fork(plan):
+            self._metrics.choices.labels(path="per_choice").inc()
+            return None
+        self._metrics.choices.labels(path="forked").inc()
+        self._metrics.queue_time.observe(time.perf_counter() - base.arrival_s)
+        sampled = replace(base, sampling=replace(base.sampling, n=len(requests)))
+        return ForkedLeg(
+            plan,
+            base,
+            len(requests),
+            lambda: self._prefill(sampled, plan, prompt, infos[0]),
+            pool=self._pool,
+            settings=self._settings,
+            metrics=self._metrics,
+            calls=self.calls,
+            info=infos[0],
+        )
 
     async def generate(
-        self, request: GenerationRequest, info: RunInfo
+        self,
+        request: GenerationRequest,
+        info: RunInfo,
+        forked: tuple[ForkedLeg, int] | None = None,
     ) -> AsyncGenerator[Chunk, None]:
-        """Run ``request``; see the module docstring. ``info`` is filled as it goes."""
+        """Run ``request``; see the module docstring. ``info`` is filled as it goes.
+        ``forked``: its first leg is choice ``index`` of a shared ``(leg, index)``."""
         info.prompt_tokens = len(request.prompt_token_ids)
         progress = Progress(request.prompt_token_ids, request.sampling)
         avoid_prefill: set[EngineId] = set()
@@ -111,7 +156,15 @@ class Executor:
             if progress.left() <= 0:  # the broken leg had sent every token already
                 yield Chunk(progress.finish_text(), 0, FinishReason.LENGTH)
                 return
-            leg = self._leg(request, progress, info, avoid_prefill, avoid_decode, planned)
+            leg = self._leg(
+                request,
+                progress,
+                info,
+                avoid_prefill,
+                avoid_decode,
+                planned,
+                None if progress.continuing else forked,
+            )
             try:
                 try:
                     step = await anext(leg)
@@ -169,7 +222,7 @@ class Executor:
                     error.message,
                     what,
                 )
-                progress.next_leg(self._tokenizer)
+                progress.next_leg(self._model_tokenizers.get(request.model, self._tokenizer))
             finally:
                 await leg.aclose()
 
@@ -181,10 +234,12 @@ class Executor:
         avoid_prefill: set[EngineId],
         avoid_decode: set[EngineId],
         planned: Callable[[], None],
+        forked: tuple[ForkedLeg, int] | None,
     ) -> AsyncGenerator[Step, None]:
         """One leg of ``request`` (see services.router.execution.migration): plan (then
-        ``planned()``), prefill, decode. Raises :class:`LegFailed` when another leg may succeed,
-        :class:`NoContinuation` when a continuation finds no engines, the error itself
+        ``planned()``), prefill, decode; ``forked``: the plan, Prefill and Decode are choice
+        ``index`` of a shared ``(leg, index)``. Raises :class:`LegFailed` when another leg may
+        succeed, :class:`NoContinuation` when a continuation finds no engines, the error itself
         otherwise."""
         continuing = progress.continuing
         leg_request = request
@@ -199,23 +254,29 @@ class Executor:
             leg_request.prompt_token_ids,
             context_tokens=len(leg_request.prompt_token_ids) + leg_request.sampling.max_tokens,
         )
-        try:
-            plan = self._scheduler.plan(
-                request.model, prompt, avoid_prefill=avoid_prefill, avoid_decode=avoid_decode
-            )
-        except RouterError as exc:
-            if not continuing:
-                raise
-            raise NoContinuation(exc) from exc
+        if forked is not None:
+            plan = forked[0].plan
+        else:
+            try:
+                plan = self._scheduler.plan(
+                    request.model, prompt, avoid_prefill=avoid_prefill, avoid_decode=avoid_decode
+                )
+            except RouterError as exc:
+                if not continuing:
+                    raise
+                raise NoContinuation(exc) from exc
         planned()
         progress.decode_on(plan.decode.record.engine_kind)
-        if not continuing:
+        if not continuing and forked is None:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
         with self._pool.reserve(plan.decode):
             prefill_slot: EngineSlot | None = None
             result: PrefillResult | None = None
-            if plan.prefill is not None:
+            if forked is not None:
+                result, prefill_slot = await forked[0].prefilled()
+                info.prefill_engine = prefill_slot.engine_id
+            elif plan.prefill is not None:
                 result, prefill_slot = await self._prefill(leg_request, plan, prompt, info)
             if result is None:
                 info.prefill_engine = None
@@ -226,27 +287,35 @@ class Executor:
                     yield step
                 return
             assert prefill_slot is not None
+            if forked is not None:
+                info.path = "forked"
+                first = forked[0].first_step(result, forked[1])
+            else:
+                first = Step(
+                    (result.first_token_id,),
+                    result.text,
+                    result.finish_reason,
+                    (result.logprobs,) if result.logprobs is not None else (),
+                    result.prompt_logprobs,
+                )
             if not continuing:
-                self._metrics.execution_path_by(str(info.path)).inc()
+                if forked is None:
+                    self._metrics.execution_path_by(str(info.path)).inc()
+                    self.calls.observe_ttft(request, info)
                 info.cached_tokens = result.usage.cached_tokens
                 info.cache_write_tokens = result.usage.cache_write_tokens
-                self.calls.observe_ttft(request, info)
-            first = Step(
-                (result.first_token_id,),
-                result.text,
-                result.finish_reason,
-                (result.logprobs,) if result.logprobs is not None else (),
-                result.prompt_logprobs,
-            )
-            if result.finish_reason is not None or result.kv_handle is None:
-                yield replace(first, finish_reason=result.finish_reason or FinishReason.STOP)
+            if first.finish_reason is not None or result.kv_handle is None:
+                yield replace(first, finish_reason=first.finish_reason or FinishReason.STOP)
                 return
             handed_off = False
+            steps = (
+                forked[0].decode(forked[1])
+                if forked is not None
+                else self._decode_leg(leg_request, plan.decode, result, info, progress)
+            )
             try:
                 yield first
-                async for step in self._decode_leg(
-                    leg_request, plan.decode, result, info, progress
-                ):
+                async for step in steps:
                     handed_off = True
                     yield step
             except LegFailed as failure:
@@ -262,8 +331,9 @@ class Executor:
                     avoid_prefill.add(prefill_slot.engine_id)
                 raise
             finally:
-                if not handed_off:
-                    # The decode engine never started: release the KV the producer holds.
+                if not handed_off and forked is None:
+                    # The decode engine never started: release the KV the producer holds (a
+                    # forked leg releases it once, for every choice).
                     self.calls.abort_later(prefill_slot, leg_request)
 
     async def _decode_leg(
@@ -276,7 +346,7 @@ class Executor:
     ) -> AsyncIterator[Step]:
         """:meth:`EngineCalls.decode` with the breaker fed; a failure another leg may get past
         is raised as :class:`LegFailed`."""
-        self._pool.call_started(slot)
+        slot.health.begin_call()
         got_delta = False
         try:
             async for step in self.calls.decode(
@@ -284,7 +354,7 @@ class Executor:
             ):
                 if not got_delta:
                     got_delta = True
-                    self._pool.call_succeeded(slot)
+                    slot.health.success()
                 yield step
         except RouterError as exc:
             producer_blamed = not got_delta and prefilled is not None and exc.code in PRODUCER_GONE

@@ -1,233 +1,198 @@
-"""``n > 1`` from one prefill and one KV transfer: the choices of one prompt forked on decode.
+"""``n > 1`` from one prefill and one KV transfer: the first leg of a prompt's choices, forked.
 
-:func:`forked_runs` plans the prompt once; when the plan is disaggregated and both engines fork
-(:data:`FORKING_KINDS`: the reference engine), it returns one chunk stream per choice, fed by
-one run: one Prefill with ``sampling.n = n`` (the engine samples every choice's first token,
-choice ``i`` as a request seeded with ``seed + i`` would, vLLM's rule), then one Decode whose
-``forks`` name the choices the first token did not end: the decode engine pulls the KV once
-and forks one sequence per choice. Otherwise it returns ``None`` and every choice runs as its
-own request (its own prefill and transfer, with failover and migration). vLLM
-engines take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine requests that would
-each pull the prompt's KV (docs/vllm.md). Which path ran is counted in
+:meth:`Executor.runs <services.router.execution.executor.Executor.runs>` plans a prompt of
+several choices once; when the plan is disaggregated and both engines fork (:func:`can_fork`:
+the reference engine), every choice runs as its own request whose *first leg* is one
+:class:`ForkedLeg` shared by all of them: one Prefill with ``sampling.n = n`` (the engine
+samples every choice's first token, choice ``i`` as a request seeded with ``seed + i`` would,
+vLLM's rule), with the executor's prefill failover (another prefill engine, then the local
+fallback, where each choice decodes locally), then one Decode whose ``forks`` name the choices
+the first token did not end: the decode engine pulls the KV once and forks one sequence per
+choice. Otherwise every choice runs as its own request from the start (its own prefill and
+transfer). vLLM engines take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine
+requests that would each pull the prompt's KV (docs/vllm.md). Which path ran is counted in
 ``pdserve_router_choices_total{path}``.
 
-The forked run has no failover or migration (the per-choice path has both): a failure of
-either engine ends every unfinished choice with the error, as an HTTP error before the
-response starts or an SSE error event after. Bounds are the executor's: ``prefill_timeout_s``
-for the Prefill call, ``decode_timeout_s`` for the whole Decode and ``decode_idle_timeout_s``
-between two of its messages. The calls and their timeouts are the executor's
-(:class:`~services.router.execution.engine_calls.EngineCalls`): a timeout is ``engine_timeout``,
-counted in ``pdserve_router_engine_timeouts_total``, fed to the engine's breaker and answered with
-an Abort of the request on that engine; a Decode that never sent a delta also releases the KV the
-prefill engine holds (an Abort there), as the executor's does.
+When the forked Decode breaks (the decode engine failed, stalled or went away, or could not
+get the KV), each unfinished choice gets the error as its own leg's failure: the executor
+continues it as a single request does (:mod:`services.router.execution.migration`: prefill
+failover when the producer is to blame, else migration; each choice counted), from the tokens
+that choice already sent. The continuations are per choice: their prompts differ (each ends
+with its choice's output). Bounds are the executor's: ``prefill_timeout_s`` for the Prefill
+call, ``decode_timeout_s`` for the whole Decode and ``decode_idle_timeout_s`` between two of its
+messages (a timeout is ``engine_timeout``, counted in ``pdserve_router_engine_timeouts_total``
+and answered with an Abort of the request on that engine); the engine's breaker is fed once per
+call, and a Decode that never sent a delta releases the KV the prefill engine holds (one Abort
+there), as the executor's does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.engines.requests import DecodeRequest, FinishReason, Fork, PrefillResult
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.execution.engine_calls import BACKSTOP_GRACE_S, EngineCalls
 from services.router.execution.generation import Chunk, GenerationRequest, RunInfo
-from services.router.execution.migration import is_engine_fault
+from services.router.execution.migration import (
+    PRODUCER_GONE,
+    LegFailed,
+    Step,
+    is_engine_fault,
+    is_migratable,
+)
 from services.router.metrics import RouterMetrics
-from services.router.scheduling.policies import PromptInfo
 from services.router.scheduling.pool import EnginePool, EngineSlot
-from services.router.scheduling.scheduler import Plan, Scheduler
+from services.router.scheduling.scheduler import Plan
 
 FORKING_KINDS = frozenset({"reference"})
 """Engine kinds whose prefill samples ``n`` first tokens and whose decode forks."""
 
-_Item = Chunk | BaseException
+Prefilled = tuple[PrefillResult | None, EngineSlot]
+"""A prefill's result and engine; ``None`` for the local fallback (the last engine tried)."""
 
 
-@dataclass(frozen=True)
-class ForkContext:
-    """What a forked run uses of its executor: the pool, the scheduler, the bounds, the
-    metrics and the executor's engine calls."""
-
-    pool: EnginePool
-    scheduler: Scheduler
-    settings: RouterSettings
-    metrics: RouterMetrics
-    calls: EngineCalls
-
-
-def forked_runs(
-    context: ForkContext, requests: list[GenerationRequest], infos: list[RunInfo]
-) -> list[_ChoiceStream] | None:
-    """One chunk stream per choice of one prompt (``requests[i]`` is choice ``i``), or
-    ``None`` when they cannot fork (see the module docstring); counted either way."""
-    if len(requests) < 2:
-        return None
-    base = requests[0]
-    prompt = PromptInfo(
-        base.prompt_token_ids,
-        context_tokens=len(base.prompt_token_ids) + base.sampling.max_tokens,
+def can_fork(plan: Plan) -> bool:
+    """Whether the choices planned on ``plan`` fork from one prefill and one transfer."""
+    return (
+        plan.prefill is not None
+        and plan.prefill.record.engine_kind in FORKING_KINDS
+        and plan.decode.record.engine_kind in FORKING_KINDS
     )
-    try:
-        plan = context.scheduler.plan(base.model, prompt)
-    except RouterError:
-        plan = None  # each choice plans again and answers the error through the usual path
-    if (
-        plan is None
-        or plan.prefill is None
-        or plan.prefill.record.engine_kind not in FORKING_KINDS
-        or plan.decode.record.engine_kind not in FORKING_KINDS
-    ):
-        context.metrics.choices.labels(path="per_choice").inc()
-        return None
-    context.metrics.choices.labels(path="forked").inc()
-    run = _ForkedRun(context, plan, base, len(requests), infos)
-    return [_ChoiceStream(run, i) for i in range(len(requests))]
 
 
-class _ChoiceStream:
-    """Choice ``index`` of a forked run. Reading it starts the run; closing every choice's
-    stream (read or not) cancels the run if it is still going."""
-
-    def __init__(self, run: _ForkedRun, index: int) -> None:
-        self._run = run
-        self._index = index
-        self._ended = False
-        self._closed = False
-
-    def __aiter__(self) -> _ChoiceStream:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self._ended or self._closed:
-            raise StopAsyncIteration
-        item = await self._run.next_item(self._index)
-        if isinstance(item, BaseException):
-            self._ended = True
-            raise item
-        if item.finish_reason is not None:
-            self._ended = True
-        return item
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self._run.release()
-
-
-class _ForkedRun:
-    """The one Prefill + Decode of a forked prompt, feeding one queue per choice. It starts
-    with the first choice stream read and is cancelled once every stream is closed."""
+class ForkedLeg:
+    """The first leg of ``n`` choices (see the module docstring). The run starts with the first
+    :meth:`prefilled` and is cancelled once every choice's stream is closed
+    (:meth:`release`)."""
 
     def __init__(
         self,
-        context: ForkContext,
         plan: Plan,
         request: GenerationRequest,
         n: int,
-        infos: list[RunInfo],
+        prefill: Callable[[], Awaitable[Prefilled]],
+        *,
+        pool: EnginePool,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+        calls: EngineCalls,
+        info: RunInfo,
     ) -> None:
-        assert plan.prefill is not None
-        self._context = context
-        self._calls = context.calls
-        self._prefill_slot: EngineSlot = plan.prefill
-        self._decode_slot = plan.decode
+        """``request``: choice 0 (the Decode's; the forks offset its seed); ``prefill``: the
+        executor's Prefill of it with ``n`` choices, with failover; ``info``: the run that counts
+        the shared calls' engine time."""
+        self.plan = plan
         self._request = request
         self._n = n
-        self._infos = infos
-        self._queues: list[asyncio.Queue[_Item]] = [asyncio.Queue() for _ in range(n)]
-        self._unfinished = set(range(n))
+        self._prefill = prefill
+        self._pool = pool
+        self._settings = settings
+        self._metrics = metrics
+        self._calls = calls
+        self._info = info
+        self._prefilled: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
+        self._queues: list[asyncio.Queue[Step | BaseException]] = [
+            asyncio.Queue() for _ in range(n)
+        ]
+        self._unfinished: set[int] = set()
         self._open = n
-        self._task: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    async def next_item(self, index: int) -> _Item:
+    async def prefilled(self) -> Prefilled:
+        """The shared Prefill's outcome (its error raised to every choice)."""
         if self._task is None:
-            self._task = asyncio.ensure_future(self._run())
-        return await self._queues[index].get()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return await asyncio.shield(self._prefilled)
+
+    def first_step(self, result: PrefillResult, index: int) -> Step:
+        """Choice ``index``'s first token."""
+        if index == 0:
+            token, text, finish = result.first_token_id, result.text, result.finish_reason
+            logprobs = result.logprobs
+        else:
+            more = result.more_choices[index - 1]
+            token, text, finish = more.token_id, more.text, more.finish_reason
+            logprobs = more.logprobs
+        return Step((token,), text, finish, (logprobs,) if logprobs else (), result.prompt_logprobs)
+
+    async def decode(self, index: int) -> AsyncIterator[Step]:
+        """Choice ``index``'s steps from the forked Decode; raises its failure (a
+        :class:`LegFailed` where another leg may get past it)."""
+        queue = self._queues[index]
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
 
     async def release(self) -> None:
         """One choice's stream is closed; the last one cancels the run if it is going."""
         self._open -= 1
-        if self._open == 0 and self._task is not None and not self._task.done():
+        if self._open > 0:
+            return
+        if not self._prefilled.done():
+            self._prefilled.cancel()
+        if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def _put(self, index: int, chunk: Chunk) -> None:
-        self._queues[index].put_nowait(chunk)
-        if chunk.finish_reason is not None:
-            self._unfinished.discard(index)
-
     async def _run(self) -> None:
-        stage = "prefill"
         try:
-            with self._context.pool.reserve(self._decode_slot):
-                result = await self._prefill()
-                stage = "decode"
-                forks = self._first_tokens(result)
-                if forks:
-                    await self._decode(result, forks)
+            result, slot = await self._prefill()
+            if result is not None:
+                self._check(result, slot)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = engine_error(exc, stage=stage)
-            for index in self._unfinished:
-                self._queues[index].put_nowait(error)
-
-    async def _prefill(self) -> PrefillResult:
-        request = self._request
-        result, elapsed = await self._calls.prefill(
-            self._prefill_slot,
-            replace(request, sampling=replace(request.sampling, n=self._n)),
-            self._infos[0],
-        )
-        self._context.metrics.ttft_phase_by("prefill").observe(elapsed)
-        return result
-
-    def _first_tokens(self, result: PrefillResult) -> list[Fork]:
-        """Send every choice's first token; the forks the decode engine continues."""
-        firsts = [
-            (result.first_token_id, result.text, result.finish_reason, result.logprobs),
-            *((f.token_id, f.text, f.finish_reason, f.logprobs) for f in result.more_choices),
+            if not self._prefilled.done():
+                self._prefilled.set_exception(exc)
+            return
+        if self._prefilled.done():  # every choice closed meanwhile
+            return
+        self._prefilled.set_result((result, slot))
+        if result is None or result.kv_handle is None:
+            return  # local fallback, or nothing to decode: each choice's leg goes on alone
+        forks = [
+            Fork(index, step.token_ids[0])
+            for index in range(self._n)
+            if (step := self.first_step(result, index)).finish_reason is None
         ]
-        if len(firsts) != self._n:
+        if forks:
+            self._unfinished = {fork.choice for fork in forks}
+            await self._decode(result, slot, forks)
+
+    def _check(self, result: PrefillResult, slot: EngineSlot) -> None:
+        if 1 + len(result.more_choices) != self._n:
             raise EngineRequestFailed(
-                f"prefill engine {self._prefill_slot.engine_id} returned {len(firsts)} first "
-                f"tokens for n={self._n}",
+                f"prefill engine {slot.engine_id} returned {1 + len(result.more_choices)} "
+                f"first tokens for n={self._n}",
                 code="protocol_mismatch",
             )
-        forks: list[Fork] = []
-        for index, (token, text, reason, logprobs) in enumerate(firsts):
-            info = self._infos[index]
-            info.path = "forked"
-            info.prefill_engine = self._prefill_slot.engine_id
-            info.decode_engine = self._decode_slot.engine_id
-            info.prompt_tokens = result.usage.prompt_tokens
-            info.cached_tokens = result.usage.cached_tokens
-            info.cache_write_tokens = result.usage.cache_write_tokens
-            info.completion_tokens = 1
-            finish = reason
-            if reason is None and result.kv_handle is not None:
-                forks.append(Fork(index, token))
-            else:
-                finish = reason or FinishReason.STOP
-            self._put(
-                index,
-                Chunk(
-                    text,
-                    1,
-                    finish,
-                    (logprobs,) if logprobs else (),
-                    result.prompt_logprobs,
-                    (token,),
-                ),
-            )
-        return forks
 
-    async def _decode(self, result: PrefillResult, forks: list[Fork]) -> None:
-        context, slot, request = self._context, self._decode_slot, self._request
-        settings = context.settings
-        whole_s, idle_s = settings.decode_timeout_s, settings.decode_idle_timeout_s
+    def _fail(self, error: RouterError, got_delta: bool) -> None:
+        """The forked Decode broke: feed the decode engine's breaker once and hand each
+        unfinished choice the failure, as the executor's ``_decode_leg`` would."""
+        slot = self.plan.decode
+        producer_blamed = not got_delta and error.code in PRODUCER_GONE
+        if is_engine_fault(error) and not producer_blamed:
+            self._pool.call_failed(slot)
+        for index in sorted(self._unfinished):
+            item: BaseException = error
+            if producer_blamed or is_migratable(error):
+                item = LegFailed(error, slot, None)
+            self._queues[index].put_nowait(item)
+        self._unfinished.clear()
+
+    async def _decode(self, result: PrefillResult, producer: EngineSlot, forks: list[Fork]) -> None:
+        slot, request = self.plan.decode, self._request
+        whole_s = self._settings.decode_timeout_s
+        idle_s = self._settings.decode_idle_timeout_s
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -238,7 +203,7 @@ class _ForkedRun:
             trace=request.trace,
         )
         started = time.perf_counter()
-        context.pool.call_started(slot)
+        slot.health.begin_call()
         stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
         first = True
         try:
@@ -255,22 +220,15 @@ class _ForkedRun:
                         "choice finished",
                         code="decode_truncated",
                     ) from None
-                except Exception as exc:
-                    error = (
-                        self._calls.decode_timed_out(request, slot, bound, first)
-                        if isinstance(exc, TimeoutError)
-                        else engine_error(exc, stage="decode")
-                    )
-                    if is_engine_fault(error):
-                        context.pool.call_failed(slot)
-                    raise error from exc
+                except TimeoutError as exc:
+                    raise self._calls.decode_timed_out(request, slot, bound, first) from exc
                 finally:
-                    self._infos[0].engine_wait_s += time.perf_counter() - waited
+                    self._info.engine_wait_s += time.perf_counter() - waited
                 if first:
                     first = False
-                    context.pool.call_succeeded(slot)
+                    slot.health.success()
                     handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
-                    context.metrics.ttft_phase_by("handoff").observe(handoff)
+                    self._metrics.ttft_phase_by("handoff").observe(handoff)
                 if delta.finish_reason is FinishReason.ERROR:
                     raise EngineRequestFailed(
                         f"decode engine {slot.engine_id} failed the request: "
@@ -283,21 +241,46 @@ class _ForkedRun:
                         "which is not running",
                         code="protocol_mismatch",
                     )
-                self._infos[delta.choice].completion_tokens += len(delta.token_ids)
-                self._put(
-                    delta.choice,
-                    Chunk(
-                        delta.text,
-                        len(delta.token_ids),
-                        delta.finish_reason,
-                        delta.logprobs,
-                        token_ids=tuple(delta.token_ids),
-                    ),
+                if delta.finish_reason is not None:
+                    self._unfinished.discard(delta.choice)
+                self._queues[delta.choice].put_nowait(
+                    Step(tuple(delta.token_ids), delta.text, delta.finish_reason, delta.logprobs)
                 )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(engine_error(exc, stage="decode"), not first)
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
             if first:
                 # The decode engine never started: release the KV the producer holds.
-                self._calls.abort_later(self._prefill_slot, request)
+                self._calls.abort_later(producer, request)
+
+
+class ForkedChoice:
+    """Choice ``index``'s chunk stream (the executor's run of it, whose first leg is ``leg``):
+    closing it, read or not, releases the shared leg."""
+
+    def __init__(self, run: AsyncIterator[Chunk], leg: ForkedLeg) -> None:
+        self._run = run
+        self._leg = leg
+        self._closed = False
+
+    def __aiter__(self) -> ForkedChoice:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await anext(self._run)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            aclose = getattr(self._run, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            await self._leg.release()

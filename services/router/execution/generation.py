@@ -2,9 +2,9 @@
 
 :class:`GenerationRequest` is built by the front end's engine client
 (:mod:`services.router.frontend.vllm.engine_client`) and run by the executor
-(:mod:`services.router.execution.executor`), or, for ``n > 1`` on engines that fork, by
-:mod:`services.router.execution.fork`; both yield :class:`Chunk` and fill a :class:`RunInfo`,
-which the front end turns into vLLM's outputs, headers, usage and metrics.
+(:mod:`services.router.execution.executor`; for ``n > 1`` on engines that fork, each choice's
+first leg is shared, :mod:`services.router.execution.fork`): it yields :class:`Chunk` and fills
+a :class:`RunInfo`, which the front end turns into vLLM's outputs, headers, usage and metrics.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class RunInfo:
 
 class ChunkStream(Protocol):
     """One choice's chunks, as the front end's engine client reads them: an executor run
-    (:meth:`~services.router.execution.executor.Executor.generate`) or one choice of a forked
-    run (:mod:`services.router.execution.fork`)."""
+    (:meth:`~services.router.execution.executor.Executor.generate`), wrapped as a
+    :class:`~services.router.execution.fork.ForkedChoice` where its first leg is shared."""
 
     def __anext__(self) -> Coroutine[Any, Any, Chunk]: ...
 

@@ -122,18 +122,16 @@ class Progress:
         self.generated: list[int] = []
         self._text: OutputText | None = None
         self.legs = 1
+        self.continuing = False
+        """Whether the current leg is a continuation (``legs > 1``)."""
         self.end_releases_incomplete = True
         """Whether the text ends with a trailing incomplete character (see :meth:`decode_on`)."""
         self._engine_kind: str | None = None
 
-    @property
-    def continuing(self) -> bool:
-        """Whether the current leg is a continuation."""
-        return self.legs > 1
-
     def next_leg(self, tokenizer: Tokenizer) -> None:
         """Start a continuation of what was produced so far."""
         self.legs += 1
+        self.continuing = True
         if self._engine_kind in CONTEXT_FREE_TEXT:
             return  # the engines' text stays exact across the join
         if self._text is None and self.generated:

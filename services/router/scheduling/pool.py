@@ -62,13 +62,13 @@ class EngineSlot:
     """Held after an outage (see the module docstring): chosen until then
     (``time.monotonic()``) unless its new generation is READY or a call fails first."""
 
-    @property
-    def engine_id(self) -> EngineId:
-        return self.record.engine_id
+    engine_id: EngineId = field(init=False)
+    """The record's (plain attributes: the request path reads them several times a call)."""
+    role: EngineRole = field(init=False)
 
-    @property
-    def role(self) -> EngineRole:
-        return self.record.role
+    def __post_init__(self) -> None:
+        self.engine_id = self.record.engine_id
+        self.role = self.record.role
 
     def compatible_with(self, other: EngineSlot) -> bool:
         """Whether KV can move between the two engines: same model, hash and block size."""
@@ -184,17 +184,12 @@ class EnginePool:
             self._close_later(slot.connector)
 
     # -- health feedback (services.router.scheduling.health) --------------------------------
-
-    def call_started(self, slot: EngineSlot) -> None:
-        """Right before a call on ``slot``: the first one after a breaker's back-off probes."""
-        slot.health.begin_call()
-
-    def call_succeeded(self, slot: EngineSlot) -> None:
-        slot.health.success()
+    # A call starts and succeeds on the slot's breaker itself (``slot.health.begin_call()``,
+    # ``.success()``); a failure comes here, where the pool's own state changes with it.
 
     def call_failed(self, slot: EngineSlot) -> None:
         """A call failed through the engine's fault: the router stops choosing it at once (a
-        held engine leaves the pool)."""
+        held engine leaves the pool; the breaker's trip is counted)."""
         if slot.held_until is not None and self._slots.get(slot.engine_id) is slot:
             self._release_held(slot, "failed")
         if slot.health.failure():

@@ -34,6 +34,7 @@ from services.control_plane.wire import (
     EngineState,
     EngineStatus,
 )
+from services.engines.errors import KVTransferFailed
 from services.engines.requests import (
     DecodeRequest,
     FinishReason,
@@ -223,6 +224,39 @@ class FakeEngine(EngineConnector):
 
     async def close(self) -> None:
         self.closed = True
+
+
+class BlamesProducer(FakeEngine):
+    """A decode engine whose pulls from ``dead`` fail (the producer died with the KV)."""
+
+    dead = "p1"
+
+    async def decode(
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        if request.kv_handle is not None and request.kv_handle.producer_engine_id == self.dead:
+            self.decodes.append(request)
+            raise KVTransferFailed("the producer is gone", "remote_disconnected")
+        async for delta in super().decode(request, timeout_s=timeout_s):
+            yield delta
+
+
+class FailsFirstLegs(FakeEngine):
+    """Fails every first leg mid-stream (``fail_decode_after``), never a continuation."""
+
+    async def decode(
+        self,
+        request: DecodeRequest,
+        *,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        if ".m" in request.request_id:
+            self.fail_decode_after = None
+        async for delta in super().decode(request, timeout_s=timeout_s):
+            yield delta
 
 
 class FakeFactory(ConnectorFactory):

@@ -4,21 +4,20 @@ real processes)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import openai
 import pytest
 
 from services.bench.sse import json_events
 from services.control_plane.wire import EngineRole
-from services.engines.errors import EngineFailed, KVTransferFailed, RequestAborted
-from services.engines.requests import DecodeRequest, TokenDelta
+from services.engines.errors import EngineFailed, RequestAborted
 from services.router.runtime import RouterRuntime
 from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.errors import EngineUnreachable
 from tests.unit.router.fakes import (
     MODEL,
+    BlamesProducer,
+    FailsFirstLegs,
     FakeEngine,
     FakeFactory,
     http,
@@ -71,39 +70,6 @@ def test_a_probe_that_never_reports_stops_blocking_after_its_lease() -> None:
     assert not breaker.available()
     clock.now += 3
     assert breaker.available()
-
-
-class BlamesProducer(FakeEngine):
-    """A decode engine whose pulls from ``dead`` fail (the producer died with the KV)."""
-
-    dead = "p1"
-
-    async def decode(
-        self,
-        request: DecodeRequest,
-        *,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[TokenDelta]:
-        if request.kv_handle is not None and request.kv_handle.producer_engine_id == self.dead:
-            self.decodes.append(request)
-            raise KVTransferFailed("the producer is gone", "remote_disconnected")
-        async for delta in super().decode(request, timeout_s=timeout_s):
-            yield delta
-
-
-class FailsFirstLegs(FakeEngine):
-    """Fails every first leg mid-stream (``fail_decode_after``), never a continuation."""
-
-    async def decode(
-        self,
-        request: DecodeRequest,
-        *,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[TokenDelta]:
-        if ".m" in request.request_id:
-            self.fail_decode_after = None
-        async for delta in super().decode(request, timeout_s=timeout_s):
-            yield delta
 
 
 async def completion(rt: RouterRuntime, **body: object) -> httpx.Response:

@@ -1,5 +1,7 @@
 """``n > 1`` on the router: one prefill and one forked decode on a pair that forks (reference
-engines), one request per choice otherwise; failures end every choice."""
+engines), one request per choice otherwise; a failure is each choice's, with the failover and
+migration of a single request: another prefill engine, the local fallback, or each unfinished
+choice continued on other engines (an error where none is left)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import httpx
 import pytest
 
 from services.bench.sse import json_events
-from services.control_plane.wire import EngineRole
+from services.control_plane.wire import EngineLoad, EngineRole
 from services.engines.errors import EngineFailed
 from services.router.runtime import RouterRuntime
+from services.serving.errors import EngineUnreachable
 from tests.unit.router.fakes import (
     MODEL,
+    BlamesProducer,
+    FailsFirstLegs,
     FakeFactory,
     http,
     outcomes,
@@ -24,10 +29,18 @@ from tests.unit.router.fakes import (
 )
 
 
-def pair(factory: FakeFactory, kind: str = "reference", **settings: object) -> RouterRuntime:
+def pair(
+    factory: FakeFactory, kind: str = "reference", *more: str, **settings: object
+) -> RouterRuntime:
+    """p1 and d1 of engine ``kind``, and ``more`` engines (``p2``, ``d2``: the role by the
+    first letter) which the least-loaded policy chooses only once p1 or d1 is left out."""
     rt = runtime(factory, **settings)
     rt.pool.update("p1", view("p1", EngineRole.PREFILL, engine_kind=kind))
     rt.pool.update("d1", view("d1", EngineRole.DECODE, engine_kind=kind))
+    for engine in more:
+        role = EngineRole.PREFILL if engine.startswith("p") else EngineRole.DECODE
+        busy = EngineLoad(queue_depth=5)
+        rt.pool.update(engine, view(engine, role, engine_kind=kind, load=busy))
     rt.pool._synced.set()
     return rt
 
@@ -129,7 +142,7 @@ async def test_a_stalled_forked_decode_times_out_and_is_aborted_on_both_engines(
 async def test_a_stalled_forked_prefill_times_out_and_is_aborted_on_the_prefill_engine(
     factory: FakeFactory,
 ) -> None:
-    rt = pair(factory, prefill_timeout_s=0.2)
+    rt = pair(factory, prefill_timeout_s=0.2, local_fallback=False)
     prefill = factory.engines["p1"]
     prefill.stall_prefill = True
     reply = await asyncio.wait_for(completion(rt, n=2, max_tokens=4), 5.0)
@@ -142,6 +155,101 @@ async def test_a_stalled_forked_prefill_times_out_and_is_aborted_on_the_prefill_
     assert prefill.aborted == prefill.stalled_calls_closed and len(prefill.aborted) == 1
     assert not factory.engines["d1"].decodes
     assert sample(rt, "pdserve_router_engine_timeouts_total", call="prefill", bound="deadline") == 1
+
+
+async def test_a_forked_prefill_with_no_engine_left_falls_back_to_local_choices(
+    factory: FakeFactory,
+) -> None:
+    """As a single request's: every prefill engine failed, so each choice runs locally on the
+    planned decode engine (counted once, as the prompt's fallback)."""
+    rt = pair(factory, prefill_timeout_s=0.2)
+    factory.engines["p1"].stall_prefill = True
+    reply = await asyncio.wait_for(completion(rt, n=2, max_tokens=4), 5.0)
+    await rt.executor.close()
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [choice["finish_reason"] for choice in body["choices"]] == ["length"] * 2
+    assert body["usage"]["completion_tokens"] == 2 * 4
+    assert len(factory.engines["p1"].aborted) == 1  # the stalled prefill, aborted once
+    decodes = factory.engines["d1"].decodes
+    assert len(decodes) == 2 and all(d.kv_handle is None and not d.forks for d in decodes)
+    assert sample(rt, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
+    assert sample(rt, "pdserve_router_execution_path_total", path="local") == 2
+
+
+async def test_a_forked_prefill_that_fails_is_forked_again_on_another_prefill_engine(
+    factory: FakeFactory,
+) -> None:
+    rt = pair(factory, "reference", "p2")
+    factory.engines["p1"].prefill_error = EngineUnreachable("connection refused", "127.0.0.1:1")
+    reply = await completion(rt, n=2, max_tokens=4, seed=5)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [choice["text"] for choice in body["choices"]] == [text_of(7, 101, 102, 103)] * 2
+    assert len(factory.engines["p1"].prefills) == 1 and len(factory.engines["p2"].prefills) == 1
+    (decode,) = factory.engines["d1"].decodes
+    assert [fork.choice for fork in decode.forks] == [0, 1]
+    assert decode.kv_handle is not None and decode.kv_handle.producer_engine_id == "p2"
+    retries = sample(
+        rt, "pdserve_router_prefill_retries_total", phase="connect", reason="engine_unreachable"
+    )
+    assert retries == 1
+    assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
+
+
+async def test_each_choice_of_a_fork_whose_producer_died_is_prefilled_again_elsewhere(
+    factory: FakeFactory,
+) -> None:
+    """d1 cannot pull the forked KV from p1: no choice had a decode token, so each is
+    continued from its first token by a prefill on p2 (counted per choice), and the KV p1
+    holds is released once."""
+    factory.engines["d1"] = BlamesProducer("d1")
+    rt = pair(factory, "reference", "p2")
+    reply = await completion(rt, n=2, max_tokens=4)
+    await rt.executor.close()
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [choice["finish_reason"] for choice in body["choices"]] == ["length"] * 2
+    assert body["usage"]["completion_tokens"] == 2 * 4
+    forked, *continued = factory.engines["d1"].decodes
+    assert len(forked.forks) == 2 and factory.engines["p1"].aborted == [forked.request_id]
+    assert sorted(d.request_id.rsplit(".", 1)[1] for d in continued) == ["m1", "m1"]
+    assert all(d.sampling.max_tokens == 3 and d.prompt_token_ids[-1] == 7 for d in continued)
+    assert len(factory.engines["p2"].prefills) == 2
+    retries = sample(
+        rt, "pdserve_router_prefill_retries_total", phase="kv_pull", reason="kv_transfer_failed"
+    )
+    assert retries == 2
+    assert sample(rt, "pdserve_router_circuit_trips_total", engine="d1", role="decode") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_choice_of_a_forked_decode_that_dies_migrates(
+    factory: FakeFactory, stream: bool
+) -> None:
+    """The forked decode fails after each choice's third token: each choice continues on d2
+    from its own tokens (its prompt and what is left), counted as a migration each; the
+    breaker of d1 trips once."""
+    factory.engines["d1"] = FailsFirstLegs("d1", fail_decode_after=2)
+    rt = pair(factory, "reference", "d2")
+    reply = await completion(rt, n=2, max_tokens=6, stream=stream, seed=5)
+    assert reply.status_code == 200, reply.text
+    finish: dict[int, str] = {}
+    for event in json_events(reply.text) if stream else [reply.json()]:
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"], "")
+    assert finish == {0: "length", 1: "length"}
+    (forked,) = factory.engines["d1"].decodes
+    assert len(forked.forks) == 2
+    moved = factory.engines["d2"].decodes
+    assert len(moved) == 2 and all(d.request_id.endswith(".m1") and not d.forks for d in moved)
+    assert all(d.sampling.max_tokens == 3 for d in moved)  # each choice had sent 3 tokens
+    assert all(d.sampling.output_tokens_in_prompt == 3 for d in moved)
+    assert sorted(d.sampling.seed for d in moved) == [5, 6]  # each choice's own seed
+    assert sample(rt, "pdserve_router_migrations_total", reason="decode_failed") == 2
+    assert sample(rt, "pdserve_router_circuit_trips_total", engine="d1", role="decode") == 1
+    assert outcomes(rt) == {"ok": 1}
 
 
 async def test_n_choices_at_temperature_zero_are_refused_before_any_engine_call(
