@@ -44,7 +44,11 @@ def _imported_packages(source: str, parts: tuple[str, ...]) -> set[tuple[str, in
             if node.level:
                 # The package of a module is its parts minus the file; __init__ is the package.
                 base = parts[: len(parts) - node.level]
-                modules = [".".join((*base, *([node.module] if node.module else [])))]
+                modules = (
+                    [".".join((*base, node.module))]
+                    if node.module
+                    else [".".join((*base, alias.name)) for alias in node.names]
+                )
             elif node.module:
                 modules = [node.module]
         for module in modules:
@@ -105,6 +109,7 @@ def test_the_check_finds_upward_and_sideways_imports() -> None:
         "serving (layer 5) imports router (layer 7)",
     ]
     assert _violations(Path("router/probe.py"), "from services.prefill import service\n")
+    assert _violations(Path("serving/probe.py"), "from .. import cli\n")
     assert (
         _violations(Path("serving/host/engine_host.py"), "from services.engines import backend\n")
         == []
@@ -147,12 +152,14 @@ def _router_violations(relative: Path, source: str) -> list[str]:
     found: list[str] = []
     for node in ast.walk(ast.parse(source)):
         modules: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.level:
-                base = module_parts[: len(module_parts) - node.level]
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = module_parts[: len(module_parts) - node.level]
+            if node.module:
                 modules = [".".join((*base, node.module))]
-            else:
-                modules = [node.module]
+            else:  # ``from .. import runtime``: each name may be a module
+                modules = [".".join((*base, alias.name)) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module]
         elif isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         for module in modules:
@@ -182,5 +189,9 @@ def test_the_routers_parts_import_only_from_the_parts_below_them() -> None:
 def test_the_router_check_finds_upward_imports() -> None:
     probe = "from services.router.runtime import RouterRuntime\n"
     assert _router_violations(Path("execution/fork.py"), probe)
+    assert _router_violations(Path("execution/fork.py"), "from .. import runtime\n")
+    assert _router_violations(Path("scheduling/pool.py"), "from ..execution import fork\n")
+    assert _router_violations(Path("frontend/vllm/app.py"), "import services.router.main\n")
     assert _router_violations(Path("metrics.py"), "from .scheduling.health import X\n")
     assert _router_violations(Path("frontend/ops.py"), probe) == []
+    assert _router_violations(Path("execution/fork.py"), "from . import migration\n") == []
