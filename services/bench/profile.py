@@ -57,6 +57,7 @@ from services.engines.sim.profile import (
     TtftPoint,
     parse_profile,
 )
+from services.topology import ModelShape
 
 REQUEST_TIMEOUT_S = 120.0
 """Bound on one measured request."""
@@ -94,10 +95,8 @@ class Fleet:
     engine_kind: str
     prefill: SideLayout | None
     decode: SideLayout
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
-    max_model_len: int
+    shape: ModelShape
+    """Layers, KV heads, block size and the shortest context (0 = none reported)."""
     num_blocks: int
 
     @property
@@ -105,21 +104,17 @@ class Fleet:
         return "colocated" if self.prefill is None else "disaggregated"
 
 
-@dataclass(frozen=True)
-class ModelGeometry:
-    """What ``config.json`` adds to the records."""
-
-    head_size: int
-    vocab_size: int
-    dtype: str
-
-
-async def read_fleet(settings: ControlPlaneSettings) -> Fleet:
-    """The READY engines' layout, from the control plane; :class:`ProfileError` when there is
-    no decode engine, or a side mixes layouts, kinds or models."""
+async def read_fleet(settings: ControlPlaneSettings, model: str | None = None) -> Fleet:
+    """The READY engines' layout (of base model ``model`` only, when given: a router serving
+    several), from the control plane; :class:`ProfileError` when there is no decode engine,
+    or a side mixes layouts, kinds or models."""
     control_plane = RedisControlPlane(settings)
     try:
-        views = [view for view in await control_plane.list_engines() if view.ready]
+        views = [
+            view
+            for view in await control_plane.list_engines()
+            if view.ready and (model is None or (view.record and view.record.model == model))
+        ]
     finally:
         await control_plane.close()
     return fleet_of(views)
@@ -151,10 +146,12 @@ def fleet_of(views: Sequence[EngineView]) -> Fleet:
         engine_kind=first.engine_kind,
         prefill=_side(by_role[EngineRole.PREFILL], "prefill"),
         decode=decode_side,
-        num_layers=first.num_layers,
-        num_kv_heads=first.num_kv_heads,
-        block_size=first.block_size,
-        max_model_len=min(lengths) if lengths else 0,
+        shape=ModelShape(
+            num_layers=first.num_layers,
+            num_kv_heads=first.num_kv_heads,
+            block_size=first.block_size,
+            max_model_len=min(lengths) if lengths else 0,
+        ),
         num_blocks=min(blocks),
     )
 
@@ -169,8 +166,9 @@ def _side(views: list[EngineView], role: str) -> SideLayout | None:
     return SideLayout(pp_size=pp, tp_size=tp)
 
 
-def read_model_geometry(path: Path) -> ModelGeometry:
-    """Head size, vocabulary and dtype from a Hugging Face ``config.json`` (or its folder)."""
+def read_model_geometry(path: Path) -> ModelShape:
+    """Head size, vocabulary and dtype from a Hugging Face ``config.json`` (or its folder);
+    the rest of the shape is the fleet's (:attr:`Fleet.shape`)."""
     file = path / "config.json" if path.is_dir() else path
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
@@ -178,7 +176,9 @@ def read_model_geometry(path: Path) -> ModelGeometry:
             config["hidden_size"] // config["num_attention_heads"]
         )
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-        return ModelGeometry(int(head_size), int(config["vocab_size"]), dtype)
+        return ModelShape(
+            head_size=int(head_size), vocab_size=int(config["vocab_size"]), dtype=dtype
+        )
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
         raise ProfileError(f"{file}: not a model config with the KV geometry: {exc}") from exc
 
@@ -315,7 +315,7 @@ def build_profile(
     *,
     name: str,
     fleet: Fleet,
-    geometry: ModelGeometry,
+    geometry: ModelShape,
     ttft: Sequence[TtftPoint],
     itl: Sequence[ItlPoint],
     router_url: str,
@@ -341,7 +341,7 @@ def build_profile(
             "TTFT ms by input tokens: " + ", ".join(f"{p.input_tokens} -> {p.ms:g}" for p in ttft),
             "ITL ms by (batch decoding, context tokens): "
             + ", ".join(f"({p.decoding:g}, {p.context_tokens}) -> {p.ms:g}" for p in itl),
-            f"KV capacity {fleet.num_blocks} blocks of {fleet.block_size} tokens",
+            f"KV capacity {fleet.num_blocks} blocks of {fleet.shape.block_size} tokens",
         ]
     )
     data = {
@@ -365,16 +365,16 @@ def build_profile(
         },
         "model": {
             "name": fleet.model,
-            "num_layers": fleet.num_layers,
-            "num_kv_heads": fleet.num_kv_heads,
+            "num_layers": fleet.shape.num_layers,
+            "num_kv_heads": fleet.shape.num_kv_heads,
             "head_size": geometry.head_size,
             "vocab_size": geometry.vocab_size,
-            "max_model_len": fleet.max_model_len or max(p.input_tokens for p in ttft) + 1,
+            "max_model_len": fleet.shape.max_model_len or max(p.input_tokens for p in ttft) + 1,
             "dtype": geometry.dtype,
         },
         "prefill": {"base_ms": a, "per_token_ms": b, "per_token_squared_ms": c},
         "decode": {"base_ms": d, "per_sequence_ms": e, "per_context_token_ms": f},
-        "kv_cache": {"num_blocks": fleet.num_blocks, "block_size": fleet.block_size},
+        "kv_cache": {"num_blocks": fleet.num_blocks, "block_size": fleet.shape.block_size},
         "scheduler": {
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": max_num_seqs,
@@ -393,22 +393,24 @@ async def profile_layout(
     settings: ControlPlaneSettings,
     *,
     name: str,
-    geometry: ModelGeometry,
+    geometry: ModelShape,
     sweep: Sweep,
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
+    model: str | None = None,
 ) -> SimProfile:
-    """Measure the layout behind ``router_url`` (see the module docstring)."""
-    fleet = await read_fleet(settings)
-    too_long = [n for n in (*sweep.input_lengths, *sweep.contexts) if fleet.max_model_len
-                and n + sweep.output_tokens > fleet.max_model_len]  # fmt: skip
+    """Measure the layout behind ``router_url`` (see the module docstring); ``model``: the
+    pools of that base model only (a router serving several)."""
+    fleet = await read_fleet(settings, model)
+    too_long = [n for n in (*sweep.input_lengths, *sweep.contexts) if fleet.shape.max_model_len
+                and n + sweep.output_tokens > fleet.shape.max_model_len]  # fmt: skip
     if too_long:
         raise ProfileError(
             f"prompts of {too_long} tokens and {sweep.output_tokens} generated do not fit the "
-            f"engines' context of {fleet.max_model_len}"
+            f"engines' context of {fleet.shape.max_model_len}"
         )
-    if fleet.max_model_len:
-        room = fleet.max_model_len - max(sweep.contexts)
+    if fleet.shape.max_model_len:
+        room = fleet.shape.max_model_len - max(sweep.contexts)
         sweep = replace(sweep, max_output_tokens=max(min(sweep.max_output_tokens, room), 1))
     limits = httpx.Limits(max_connections=max(sweep.batches) + 1)
     async with httpx.AsyncClient(base_url=router_url, limits=limits) as client:

@@ -27,24 +27,18 @@ from services.control_plane.synthetic import synthetic_records
 from services.engines.backend import BackendDescription, EngineBackend, EngineRegistration
 from services.engines.errors import EngineFailed
 from services.engines.requests import DecodeRequest, FinishReason, KVHandle, TokenDelta, Usage
+from services.topology import ModelShape
 
 
 @dataclass(frozen=True)
-class SyntheticShape:
+class SyntheticClaim:
     """The model and layout a synthetic engine claims (what it registers and publishes)."""
 
     engine_kind: str
     model: str
     compat_hash: str
-    pp_size: int
-    tp_size: int
-    layer_partition: tuple[int, ...] | None
-    num_layers: int
-    num_kv_heads: int
-    vocab_size: int
-    max_model_len: int
+    shape: ModelShape
     num_kv_blocks: int
-    block_size: int
     kv_lease_s: float
     kv_block_bytes: int = 0
     """The bytes of one KV block it claims (0 = unknown; the stub claims no KV geometry)."""
@@ -57,18 +51,18 @@ class SyntheticEngine(EngineBackend, abc.ABC):
     the handles they give out with :meth:`_hold` (an abort of a held request finds it).
     """
 
-    def __init__(self, shape: SyntheticShape) -> None:
-        self.shape = shape
+    def __init__(self, claim: SyntheticClaim) -> None:
+        self.claim = claim
         self._registration: EngineRegistration | None = None
         self._control_plane: RedisControlPlane | None = None
         self._held: dict[str, float] = {}
         self._block_ids = itertools.count()
 
     def describe(self) -> BackendDescription:
-        shape = self.shape
+        claim, shape = self.claim, self.claim.shape
         return BackendDescription(
-            model=shape.model,
-            compat_hash=shape.compat_hash,
+            model=claim.model,
+            compat_hash=claim.compat_hash,
             pp_size=shape.pp_size,
             tp_size=shape.tp_size,
             num_layers=shape.num_layers,
@@ -77,8 +71,8 @@ class SyntheticEngine(EngineBackend, abc.ABC):
             vocab_size=shape.vocab_size,
             max_model_len=shape.max_model_len,
             eos_token_ids=(),
-            engine_kind=shape.engine_kind,
-            kv_block_bytes=shape.kv_block_bytes,
+            engine_kind=claim.engine_kind,
+            kv_block_bytes=claim.kv_block_bytes,
         )
 
     async def start(self, registration: EngineRegistration) -> None:
@@ -102,7 +96,7 @@ class SyntheticEngine(EngineBackend, abc.ABC):
         self._registration = registration
 
     async def _publish(self, registration: EngineRegistration) -> None:
-        kind = self.shape.engine_kind
+        kind = self.claim.engine_kind
         if self._control_plane is None:
             raise EngineFailed(f"{kind} engine used before start()")
         view = await self._control_plane.get_engine(registration.engine_id)
@@ -113,9 +107,9 @@ class SyntheticEngine(EngineBackend, abc.ABC):
             )
         records = synthetic_records(
             view.record,
-            num_blocks=self.shape.num_kv_blocks,
+            num_blocks=self.claim.num_kv_blocks,
             layer_partition=(
-                list(self.shape.layer_partition) if self.shape.layer_partition else None
+                list(self.claim.shape.layer_partition) if self.claim.shape.layer_partition else None
             ),
         )
         await self._control_plane.publish_handshakes(view.record, list(records.values()))
@@ -130,10 +124,10 @@ class SyntheticEngine(EngineBackend, abc.ABC):
         return "".join(f" t{t}" for t in token_ids)
 
     def _first_token(self, prompt: Sequence[int]) -> int:
-        return (sum(prompt) + len(prompt)) % self.shape.vocab_size
+        return (sum(prompt) + len(prompt)) % self.claim.shape.vocab_size
 
     def _next_token(self, token: int) -> int:
-        return (token + 1) % self.shape.vocab_size
+        return (token + 1) % self.claim.shape.vocab_size
 
     @staticmethod
     def _last(request: DecodeRequest, generated: int, reason: FinishReason) -> TokenDelta:
@@ -150,10 +144,10 @@ class SyntheticEngine(EngineBackend, abc.ABC):
             generation=registration.generation,
             request_id=request_id,
             block_ids=tuple(
-                next(self._block_ids) % self.shape.num_kv_blocks for _ in range(num_blocks)
+                next(self._block_ids) % self.claim.num_kv_blocks for _ in range(num_blocks)
             ),
             num_tokens=num_tokens,
-            lease_expires_at_s=time.time() + self.shape.kv_lease_s,
+            lease_expires_at_s=time.time() + self.claim.kv_lease_s,
         )
         self._held[request_id] = handle.lease_expires_at_s
         return handle
@@ -163,5 +157,5 @@ class SyntheticEngine(EngineBackend, abc.ABC):
 
     def _require_registration(self) -> EngineRegistration:
         if self._registration is None:
-            raise EngineFailed(f"{self.shape.engine_kind} engine used before start()")
+            raise EngineFailed(f"{self.claim.engine_kind} engine used before start()")
         return self._registration

@@ -12,9 +12,11 @@ from services.topology.ranges import (
     kv_head_range,
     split_layers,
 )
+from services.topology.shape import ModelShape
 
 __all__ = [
     "EngineLayout",
+    "ModelShape",
     "PlannedRead",
     "Range",
     "WorkerShard",

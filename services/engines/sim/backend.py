@@ -63,7 +63,7 @@ from services.engines.requests import (
 from services.engines.sim.prefix_cache import SimPrefixCache
 from services.engines.sim.profile import SimProfile, load_profile
 from services.engines.sim.scheduler import SimScheduler, SimSequence
-from services.engines.synthetic import SyntheticEngine, SyntheticShape
+from services.engines.synthetic import SyntheticClaim, SyntheticEngine
 from services.kv_events.publisher import KVEventPublisher, PublisherMetrics
 from services.kv_transfer.metrics import KVTransferMetrics, RankPair
 
@@ -127,7 +127,7 @@ class SimBackend(SyntheticEngine):
         num_blocks = self.options.num_kv_blocks or profile.kv_cache.num_blocks
         model = profile.model
         super().__init__(
-            SyntheticShape(
+            SyntheticClaim(
                 engine_kind=SIM_KIND,
                 model=profile.served_model,
                 compat_hash=compute_compat_hash(
@@ -139,15 +139,14 @@ class SimBackend(SyntheticEngine):
                     kv_layout="HND",
                     engine_kind=SIM_KIND,
                 ),
-                pp_size=self.options.pp_size,
-                tp_size=self.options.tp_size,
-                layer_partition=self.options.layer_partition,
-                num_layers=model.num_layers,
-                num_kv_heads=model.num_kv_heads,
-                vocab_size=model.vocab_size,
-                max_model_len=model.max_model_len,
+                shape=dataclasses.replace(
+                    model.shape,
+                    block_size=block_size,
+                    pp_size=self.options.pp_size,
+                    tp_size=self.options.tp_size,
+                    layer_partition=self.options.layer_partition,
+                ),
                 num_kv_blocks=num_blocks,
-                block_size=block_size,
                 kv_lease_s=self.options.kv_lease_s,
                 kv_block_bytes=profile.kv_bytes_per_token * block_size,
             )

@@ -59,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from services.control_plane.aggregation import DTYPE_BYTES
 from services.engines.errors import EngineError
+from services.topology import ModelShape
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 """The shipped profiles, one ``<name>.json`` each."""
@@ -100,6 +101,18 @@ class ProfileModel(_Frozen):
     max_model_len: int = Field(ge=2)
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"] = "bfloat16"
     """The KV cache's dtype."""
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's shape (uncut: one engine of PP=1 x TP=1; no block size)."""
+        return ModelShape(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
 
 class PrefillTiming(_Frozen):

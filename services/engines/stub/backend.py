@@ -37,7 +37,8 @@ from services.engines.requests import (
     TokenDelta,
     Usage,
 )
-from services.engines.synthetic import SyntheticEngine, SyntheticShape
+from services.engines.synthetic import SyntheticClaim, SyntheticEngine
+from services.topology import ModelShape
 
 STUB_MODEL = "stub"
 
@@ -58,6 +59,19 @@ class StubOptions:
     kv_lease_s: float = 30.0
     token_delay_s: float = 0.0
     """Pause per generated token (and once per prefill): lets tests catch a request mid-way."""
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            pp_size=self.pp_size,
+            tp_size=self.tp_size,
+            layer_partition=self.layer_partition,
+        )
 
 
 @dataclass
@@ -80,19 +94,12 @@ class StubBackend(SyntheticEngine):
             block_size=self.options.block_size,
         )
         super().__init__(
-            SyntheticShape(
+            SyntheticClaim(
                 engine_kind="stub",
                 model=STUB_MODEL,
                 compat_hash=spec.compat_hash,
-                pp_size=self.options.pp_size,
-                tp_size=self.options.tp_size,
-                layer_partition=self.options.layer_partition,
-                num_layers=self.options.num_layers,
-                num_kv_heads=self.options.num_kv_heads,
-                vocab_size=self.options.vocab_size,
-                max_model_len=self.options.max_model_len,
+                shape=self.options.shape,
                 num_kv_blocks=self.options.num_kv_blocks,
-                block_size=self.options.block_size,
                 kv_lease_s=self.options.kv_lease_s,
             )
         )

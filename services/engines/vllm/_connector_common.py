@@ -22,7 +22,6 @@ from services.engines.vllm.contracts import RELEASE_REASONS
 from services.engines.vllm.handshake import (
     ConnectorSettings,
     ControlPlaneBridge,
-    ModelGeometry,
     RankTransferInfo,
 )
 from services.engines.vllm.layouts import (
@@ -31,9 +30,9 @@ from services.engines.vllm.layouts import (
     UnsupportedVllmLayout,
     VllmLayout,
     parse_layer_partition,
-    vllm_layer_ranges,
 )
 from services.engines.vllm.transfer_metrics import release_stat_key
+from services.topology import ModelShape
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,22 +67,22 @@ def layout_of(
     )
 
 
-def model_geometry(vllm_config: VllmConfig) -> ModelGeometry:
-    """Layers, KV heads, head size, KV dtype and vLLM's own stage split."""
+def model_shape(vllm_config: VllmConfig) -> ModelShape:
+    """Layers, KV heads, head size, KV dtype and the PP x TP cut; the layer partition is
+    ``VLLM_PP_LAYER_PARTITION``'s (vLLM's stages are :func:`vllm_layer_ranges` of it, not
+    :meth:`ModelShape.layout`'s even split)."""
     model = vllm_config.model_config
-    num_layers = model.get_total_num_hidden_layers()
+    parallel = vllm_config.parallel_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = str(model.dtype if cache_dtype == "auto" else cache_dtype).removeprefix("torch.")
-    return ModelGeometry(
-        num_layers=num_layers,
+    return ModelShape(
+        num_layers=model.get_total_num_hidden_layers(),
         num_kv_heads=model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
         dtype=dtype,
-        layer_ranges=vllm_layer_ranges(
-            num_layers,
-            vllm_config.parallel_config.pipeline_parallel_size,
-            parse_layer_partition(envs.VLLM_PP_LAYER_PARTITION),
-        ),
+        pp_size=parallel.pipeline_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        layer_partition=parse_layer_partition(envs.VLLM_PP_LAYER_PARTITION),
     )
 
 

@@ -40,7 +40,7 @@ from services.engines.vllm._connector_common import (
     CONTROL_PLANE_HOST,
     ControlPlaneClient,
     PdserveNixlStats,
-    model_geometry,
+    model_shape,
     rank_transfer_info,
 )
 
@@ -94,7 +94,7 @@ class SchedulerHandshake(ControlPlaneClient):
         records = build_records(
             view.record,
             ranks,
-            model_geometry(self.vllm_config),
+            model_shape(self.vllm_config),
             transfer_mode=self.pdserve.transfer_mode,
             perf_s=perf_s,
             wall_s=wall_s,

@@ -56,7 +56,7 @@ from services.engines.vllm._connector_common import (
     CONTROL_PLANE_HOST,
     ControlPlaneClient,
     PdserveNixlStats,
-    model_geometry,
+    model_shape,
 )
 
 logger = logging.getLogger(__name__)
@@ -455,4 +455,4 @@ class PullWorker(PlannedPullWorker, WorkerHandshake, NixlPullConnectorWorker):
 
     def _pdserve_init(self, settings: ConnectorSettings, layout: VllmLayout) -> None:
         super()._pdserve_init(settings, layout)
-        self.planned_init(model_geometry(self.vllm_config), get_pp_group().rank_in_group)
+        self.planned_init(model_shape(self.vllm_config), get_pp_group().rank_in_group)

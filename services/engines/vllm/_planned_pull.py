@@ -41,11 +41,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from services.control_plane.aggregation import EngineTopology
 from services.engines.vllm.handshake import (
     HandshakeResolutionError,
-    ModelGeometry,
     now_clocks,
     resolve_extras,
 )
-from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
+from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout, vllm_layer_ranges
 from services.engines.vllm.transfer_plan import (
     RankRead,
     RankTransferPlan,
@@ -53,7 +52,7 @@ from services.engines.vllm.transfer_plan import (
     plan_rank,
 )
 from services.kv_transfer.descriptors import RegionGeometry
-from services.topology import EngineLayout
+from services.topology import EngineLayout, ModelShape
 from services.topology.errors import LayoutError
 from services.topology.ranges import RankKey
 
@@ -103,15 +102,14 @@ class PlannedPullWorker:
     """Per request, each posted READ's notification (peer, producer rank, remote request,
     count), sent by hand should the READ fail; dropped once the request is reported."""
 
-    def planned_init(self, geometry: ModelGeometry, pp_rank: int) -> None:
+    def planned_init(self, shape: ModelShape, pp_rank: int) -> None:
         worker: Any = self
         self._pdserve_consumer = consumer_layout(
-            geometry.layer_ranges,
-            geometry.num_kv_heads,
+            vllm_layer_ranges(shape.num_layers, shape.pp_size, shape.layer_partition),
+            shape.num_kv_heads,
             worker.vllm_config.parallel_config.tensor_parallel_size,
         )
         self._pdserve_rank = (pp_rank, worker.tp_rank)
-        self._pdserve_geometry = geometry
         self._pdserve_peers = {}
         self._pdserve_local = None
         self._pdserve_notices = {}

@@ -49,8 +49,8 @@ from services.control_plane.wire import (
     HandshakeRecord,
     kv_block_len,
 )
-from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
-from services.topology import Range, kv_head_range
+from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout, vllm_layer_ranges
+from services.topology import ModelShape, kv_head_range
 
 logger = logging.getLogger(__name__)
 
@@ -231,35 +231,25 @@ class RankTransferInfo:
     nixl_payload: bytes
 
 
-@dataclass(frozen=True)
-class ModelGeometry:
-    """The model-wide facts a record needs (from vLLM's model and cache config)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str
-    layer_ranges: tuple[Range, ...]
-
-
 def build_records(
     engine: EngineRecord,
     ranks: Mapping[tuple[int, int], RankTransferInfo],
-    geometry: ModelGeometry,
+    shape: ModelShape,
     *,
     transfer_mode: TransferMode,
     perf_s: float,
     wall_s: float,
 ) -> list[HandshakeRecord]:
-    """One record per rank, or :class:`UnsupportedVllmLayout` when vLLM's registration does not
-    have the shape pdserve describes (an unexpected layout must fail at start-up, loudly)."""
-    element = DTYPE_BYTES.get(geometry.dtype)
+    """One record per rank of ``engine`` whose model is ``shape`` (cut into stages as vLLM cuts
+    them: :func:`vllm_layer_ranges`), or :class:`UnsupportedVllmLayout` when vLLM's registration
+    does not have the shape pdserve describes (an unexpected layout must fail at start-up,
+    loudly)."""
+    element = DTYPE_BYTES.get(shape.dtype)
     if element is None:
-        raise UnsupportedVllmLayout(f"KV cache dtype {geometry.dtype!r} is not supported")
-    if len(geometry.layer_ranges) != engine.pp_size:
-        raise UnsupportedVllmLayout(
-            f"{len(geometry.layer_ranges)} layer ranges for PP={engine.pp_size}"
-        )
+        raise UnsupportedVllmLayout(f"KV cache dtype {shape.dtype!r} is not supported")
+    layer_ranges = vllm_layer_ranges(shape.num_layers, shape.pp_size, shape.layer_partition)
+    if len(layer_ranges) != engine.pp_size:
+        raise UnsupportedVllmLayout(f"{len(layer_ranges)} layer ranges for PP={engine.pp_size}")
     records = []
     for (pp_rank, tp_rank), info in sorted(ranks.items()):
         if not (0 <= pp_rank < engine.pp_size and 0 <= tp_rank < engine.tp_size):
@@ -267,15 +257,15 @@ def build_records(
                 f"vLLM reported rank ({pp_rank}, {tp_rank}) outside PP={engine.pp_size} x "
                 f"TP={engine.tp_size}"
             )
-        layers = geometry.layer_ranges[pp_rank]
-        heads = kv_head_range(geometry.num_kv_heads, engine.tp_size, tp_rank)
+        layers = layer_ranges[pp_rank]
+        heads = kv_head_range(shape.num_kv_heads, engine.tp_size, tp_rank)
         where = f"rank ({pp_rank}, {tp_rank})"
         kv_layout = _kv_layout(len(info.region_base_addrs), len(layers), where)
         expected_len = kv_block_len(
             kv_layout,
             heads=len(heads),
             block_size=info.block_size,
-            head_size=geometry.head_size,
+            head_size=shape.head_size,
             element=element,
         )
         if info.block_len != expected_len:
@@ -301,8 +291,8 @@ def build_records(
                 block_len=info.block_len,
                 block_stride=info.block_stride,
                 block_size=info.block_size,
-                dtype=geometry.dtype,
-                head_size=geometry.head_size,
+                dtype=shape.dtype,
+                head_size=shape.head_size,
                 kv_layout=kv_layout,
                 layers=layers,
                 kv_heads=heads,

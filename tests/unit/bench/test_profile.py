@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from services.bench.profile import (
-    ModelGeometry,
     ProfileError,
     build_profile,
     fit_nonnegative,
@@ -23,6 +22,7 @@ from services.cli.main import main
 from services.control_plane.base import EngineView
 from services.control_plane.wire import EngineLoad, EngineRole
 from services.engines.sim.profile import ItlPoint, SideLayout, TtftPoint, parse_profile
+from services.topology import ModelShape
 from tests.unit.router.fakes import view
 
 
@@ -53,7 +53,7 @@ def test_the_fleet_is_read_from_the_ready_engines_records_and_loads() -> None:
     )
     assert (fleet.model, fleet.engine_kind, fleet.mode) == ("tiny", "reference", "disaggregated")
     assert fleet.prefill == SideLayout(tp_size=2) and fleet.decode == SideLayout()
-    assert (fleet.num_blocks, fleet.block_size, fleet.max_model_len) == (200, 4, 512)
+    assert (fleet.num_blocks, fleet.shape.block_size, fleet.shape.max_model_len) == (200, 4, 512)
     colocated = fleet_of([_view("d0", EngineRole.DECODE)])
     assert colocated.mode == "colocated" and colocated.prefill is None
 
@@ -85,7 +85,7 @@ def test_the_built_profile_loads_with_its_layout_points_and_fitted_timing() -> N
     profile = build_profile(
         name="measured",
         fleet=fleet,
-        geometry=ModelGeometry(head_size=64, vocab_size=384, dtype="float32"),
+        geometry=ModelShape(head_size=64, vocab_size=384, dtype="float32"),
         ttft=ttft,
         itl=itl,
         router_url="http://router:8000",
@@ -120,7 +120,7 @@ def test_the_decode_fit_uses_the_batch_that_decoded_in_the_window() -> None:
     profile = build_profile(
         name="measured",
         fleet=fleet,
-        geometry=ModelGeometry(head_size=64, vocab_size=384, dtype="float32"),
+        geometry=ModelShape(head_size=64, vocab_size=384, dtype="float32"),
         ttft=[TtftPoint(input_tokens=t, ms=5 + 0.1 * t) for t in (16, 64, 256)],
         itl=itl,
         router_url="http://router:8000",
@@ -138,7 +138,9 @@ def test_model_geometry_comes_from_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps({"hidden_size": 256, "num_attention_heads": 4, "vocab_size": 1000})
     )
-    assert read_model_geometry(tmp_path) == ModelGeometry(64, 1000, "bfloat16")
+    assert read_model_geometry(tmp_path) == ModelShape(
+        head_size=64, vocab_size=1000, dtype="bfloat16"
+    )
     with pytest.raises(ProfileError, match="KV geometry"):
         read_model_geometry(tmp_path / "missing.json")
 
