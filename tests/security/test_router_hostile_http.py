@@ -1,14 +1,14 @@
 """Hostile HTTP bodies on a real router (uvicorn, stub engines): 4xx answers, never a 5xx.
 
-Complements the schema fuzzing (``tests/unit/router/test_schema_fuzz.py``, generated from the
-OpenAPI spec) with inputs a schema does not generate: bodies that are not JSON, not UTF-8,
-nested 100k levels deep, megabytes long, of the wrong content type, with extreme numbers,
-duplicate keys, NaN, on both generation endpoints (each hostile field in a body that is valid
-otherwise). The router serves vLLM's OpenAI front end: every answer is vLLM's error envelope
-``{"error": {"message", "type", "param", "code"}}`` with ``code`` its HTTP status, except where
-vLLM's server answers FastAPI's plain ``{"detail": ...}`` (:data:`PLAIN_ANSWERS`: a body
-nested past Python's recursion limit, unknown routes and methods). After all of them the router
-still serves a normal request.
+Complements the schema fuzzing (``tests/unit/router/frontend/vllm/test_schema_fuzz.py``,
+generated from the OpenAPI spec) with inputs a schema does not generate: bodies that are not
+JSON, not UTF-8, nested 100k levels deep, megabytes long, of the wrong content type, with
+extreme numbers, duplicate keys, NaN, on both generation endpoints (each hostile field in a
+body that is valid otherwise). The router serves vLLM's OpenAI front end: every answer is
+vLLM's error envelope ``{"error": {"message", "type", "param", "code"}}`` with ``code`` its
+HTTP status, except where vLLM's server answers FastAPI's plain ``{"detail": ...}``
+(:data:`PLAIN_ANSWERS`: a body nested past Python's recursion limit, unknown routes and
+methods). After all of them the router still serves a normal request.
 """
 
 from __future__ import annotations

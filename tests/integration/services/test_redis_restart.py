@@ -232,7 +232,7 @@ async def test_a_router_serves_through_a_redis_outage_longer_than_the_lease_and_
                 role=EngineRole.DECODE,
             ) as dec,
             # Generous: a loaded machine may take long to register again; the expiry is
-            # tests/unit/router/test_outage_holdover.py's.
+            # tests/unit/router/scheduling/test_outage_holdover.py's.
             routed(cp_settings, control_plane_holdover_s=WAIT_S) as (rt, http),
         ):
             before = {s.engine_id: s.record.generation for s in rt.pool.slots()}

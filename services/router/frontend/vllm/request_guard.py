@@ -1,8 +1,8 @@
 """Request bodies vLLM 0.32's front end fails on instead of refusing: refused here first.
 
-Fuzzing the front end (``tests/unit/router/test_schema_fuzz.py``) found bodies that vLLM's
-own server answers with a 500 or with no answer at all, where a malformed request deserves a
-400 naming its field:
+Fuzzing the front end (``tests/unit/router/frontend/vllm/test_schema_fuzz.py``) found bodies
+that vLLM's own server answers with a 500 or with no answer at all, where a malformed request
+deserves a 400 naming its field:
 
 - ``structured_outputs`` that is neither an object nor null, on ``/v1/completions`` or
   ``/v1/chat/completions``: vLLM's ``check_structured_outputs_count`` validators call

@@ -56,6 +56,7 @@ class LogprobsEngine(FakeEngine):
         *,
         timeout_s: float | None = None,
         trace: TraceContext | None = None,
+        lora: object = None,
     ) -> PrefillResult:
         result = await super().prefill(
             request_id, prompt_token_ids, sampling, timeout_s=timeout_s, trace=trace

@@ -48,6 +48,7 @@ class SlowEngine(FakeEngine):
         *,
         timeout_s: float | None = None,
         trace: TraceContext | None = None,
+        lora: object = None,
     ) -> PrefillResult:
         self.prefills.append(request_id)
         self.started.set()
