@@ -162,9 +162,12 @@ class RouterSettings(BaseSettings):
     """With KV events: a prefill engine's score is this times the share of the prompt's full
     blocks it holds, minus its load (in-flight + queued requests); the highest wins. So a
     fully cached prompt is worth this many queued requests; 0 places by load only."""
-    decode_cache_weight: float = Field(default=4.0, ge=0)
-    """The same for the decode engine (its cached blocks are not moved over NIXL) and for
-    local placement."""
+    decode_cache_weight: float = Field(default=1.0, ge=0)
+    """The same for the decode engine, whose cached blocks are only not moved over NIXL: at 1
+    a prompt it holds wins among engines of equal load, never over one with a request less
+    in flight (at 4, conversations and shared system prompts gathered on one decode engine of
+    four: docs/benchmarks.md, 2026-11-28). Local placement, which computes the prompt there,
+    takes ``prefill_cache_weight``."""
     workers: int = Field(default=1, ge=1, le=64)
     """Router processes serving ``port`` together (``SO_REUSEPORT``: the kernel spreads
     connections over them). Each follows the control plane and reserves engines on its own,

@@ -24,9 +24,16 @@ Policies run on the request path, synchronously: no I/O, a few microseconds.
   :class:`~services.router.scheduling.kv_index.KVIndex`) are scored by what their events say
   they hold, on both pools: each candidate's score is ``weight * cached_share - load``
   (``cached_share``: the leading full blocks of the prompt it holds over the prompt's full
-  blocks; ``load``: :func:`load_score`; ``weight``: ``prefill_cache_weight`` or
-  ``decode_cache_weight``), the highest wins, ties rotate. A stale engine (its event stream
-  incomplete) holds nothing as far as the score goes: load only. A candidate list with no
+  blocks; ``load``: :func:`load_score`; ``weight``: ``prefill_cache_weight`` where the
+  engine computes the prompt, prefill and local placement, or ``decode_cache_weight`` for a
+  decode engine), the highest wins, ties rotate. The weights say what a cached block saves:
+  its compute on a prefill engine (4 by default: a fully cached prompt is worth four queued
+  requests), only its transfer on a decode engine, whose default of 1 makes the cache decide
+  among engines of equal load and never outweigh a request in flight: a decode engine that
+  held shared system prompts drew every new conversation and then kept each one's turns
+  (57 of 118 requests on one decode engine of four, the first token waiting behind them).
+  A stale engine (its event stream incomplete) holds nothing as far as the score goes: load
+  only. A candidate list with no
   event-publishing engine keeps the approximate behaviour above.
 
 Every ``choose`` leaves its reason in :attr:`RoutingPolicy.reason` (read by the scheduler
@@ -240,7 +247,7 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         *,
         events: KVIndex | None = None,
         prefill_cache_weight: float = 4.0,
-        decode_cache_weight: float = 4.0,
+        decode_cache_weight: float = 1.0,
     ) -> None:
         super().__init__()
         self._index = PrefixIndex(capacity_blocks)
@@ -250,7 +257,7 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         self._weights = {
             Stage.PREFILL: prefill_cache_weight,
             Stage.DECODE: decode_cache_weight,
-            Stage.LOCAL: decode_cache_weight,
+            Stage.LOCAL: prefill_cache_weight,
         }
 
     def choose(
@@ -330,7 +337,7 @@ def make_policy(
     prefix_load_slack: int,
     events: KVIndex | None = None,
     prefill_cache_weight: float = 4.0,
-    decode_cache_weight: float = 4.0,
+    decode_cache_weight: float = 1.0,
 ) -> RoutingPolicy:
     """The policy named in the settings (``events``: the KV-event index, for
     ``prefix_aware``)."""

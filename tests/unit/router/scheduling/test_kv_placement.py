@@ -4,6 +4,8 @@ on the old behaviour, and every decision counted."""
 
 from __future__ import annotations
 
+import contextlib
+
 from services.control_plane.wire import EngineLoad, EngineRole
 from services.kv_events.events import BlockStored, EventBatch
 from services.router.scheduling.policies import PromptInfo, Stage
@@ -165,3 +167,52 @@ def test_new_prompts_between_cached_ones_still_rotate_over_tied_engines():
         assert new.prefill is not None
         fresh.append(new.prefill.engine_id)
     assert sorted(fresh) == ["p1", "p1", "p2", "p2"]
+
+
+def test_a_decode_engine_holding_the_prompt_never_outweighs_a_request_in_flight():
+    """On the decode pool a cached block only saves its transfer (``decode_cache_weight`` 1):
+    the holder wins at equal load, an engine with a request less in flight wins otherwise."""
+    rt, index = setup(evented("p", PREFILL), evented("d1", DECODE), evented("d2", DECODE))
+    holds(rt, index, "d2", 8)  # 0.8 of the prompt, below local_cached_fraction
+    assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).decode.engine_id == "d2"
+    with rt.pool.reserve(rt.pool.get("d2")):
+        assert rt.scheduler.plan("tiny", PromptInfo(PROMPT)).decode.engine_id == "d1"
+    decisions = "pdserve_router_placement_decisions_total"
+    assert sample(rt, decisions, pool="decode", reason="cached") == 1
+    assert sample(rt, decisions, pool="decode", reason="load") == 1
+    # The prefill pool still weighs a cached prompt as four queued requests.
+    rt2, index2 = setup(
+        evented("p1", PREFILL), evented("p2", PREFILL, queue=3), evented("d", DECODE)
+    )
+    holds(rt2, index2, "p2", 10)
+    assert rt2.scheduler.plan("tiny", PromptInfo(PROMPT)).prefill.engine_id == "p2"
+
+
+def test_requests_in_flight_spread_over_decode_engines_though_one_holds_their_prefix():
+    """The herding a weight of 4 caused: a decode engine holding a shared system prompt (half
+    of each prompt) drew every concurrent conversation. At 1, concurrent requests spread."""
+    for weight, expected in ((4.0, [3, 1]), (1.0, [1, 1, 1])):
+        rt, index = setup(
+            evented("p", PREFILL),
+            *(evented(f"d{i}", DECODE) for i in (1, 2, 3)),
+            decode_cache_weight=weight,
+        )
+        holds(rt, index, "d1", 5)
+        placed: dict[str, int] = {}
+        with contextlib.ExitStack() as in_flight:
+            for _ in range(sum(expected)):
+                decode = rt.scheduler.plan("tiny", PromptInfo(PROMPT)).decode
+                in_flight.enter_context(rt.pool.reserve(decode))
+                placed[decode.engine_id] = placed.get(decode.engine_id, 0) + 1
+        assert sorted(placed.values(), reverse=True) == expected, (weight, placed)
+        assert placed["d1"] == expected[0]  # the holder took the first, at 4 the most
+
+
+def test_local_placement_weighs_a_cached_prompt_as_a_prefill_does():
+    """A local run computes the prompt on the engine, so its cached blocks are weighed with
+    ``prefill_cache_weight``: the holder wins with two requests queued (4 * 0.8 - 2 > 0)."""
+    rt, index = setup(evented("d1", DECODE), evented("d2", DECODE, queue=2), colocated=True)
+    holds(rt, index, "d2", 8)
+    plan = rt.scheduler.plan("tiny", PromptInfo(PROMPT))
+    assert plan.prefill is None and plan.local_reason == "colocated"
+    assert plan.decode.engine_id == "d2"
