@@ -7,7 +7,8 @@ relies on:
 
 - each (layer, K/V) tensor is one contiguous *region*; regions are ordered
   ``(layer0 K, layer0 V, layer1 K, ...)``, as :class:`~services.control_plane.wire.HandshakeRecord`
-  publishes them;
+  publishes them (:meth:`KVTransport.handshake_record
+  <services.kv_transfer.transport.KVTransport.handshake_record>`);
 - block ``b`` of a region starts at ``base + b * block_stride`` and is ``block_len`` bytes;
 - within a block, the local head ``h`` is the contiguous range starting at ``h * head_bytes``,
   so any head slice of one block of one layer is one contiguous range.
@@ -24,11 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from services.control_plane.aggregation import DTYPE_BYTES
+from services.control_plane.wire import KV_LAYOUT_HND, KV_REGIONS_PER_LAYER
 from services.kv_transfer.allocator import BlockAllocator
+from services.kv_transfer.descriptors import RegionGeometry
 from services.kv_transfer.protocol import BlockIds
 from services.topology import Range, WorkerShard
 
-KV_LAYOUT = "HND"
+KV_LAYOUT = KV_LAYOUT_HND
 
 
 @dataclass(frozen=True)
@@ -81,28 +84,6 @@ class KVPoolSpec:
     @property
     def total_bytes(self) -> int:
         return 2 * len(self.layers) * self.region_bytes
-
-
-@dataclass(frozen=True)
-class RegionLayout:
-    """Where a pool's regions are and how blocks sit in them: the memory half of a handshake.
-
-    Every field is named as its :class:`HandshakeRecord` counterpart:
-    :meth:`KVTransport.handshake_record` copies them by name.
-    """
-
-    memory_type: str
-    device_id: int
-    region_base_addrs: tuple[int, ...]
-    num_blocks: int
-    block_len: int
-    block_stride: int
-    block_size: int
-    dtype: str
-    head_size: int
-    kv_layout: str
-    layers: Range
-    kv_heads: Range
 
 
 class KVBlockPool:
@@ -174,22 +155,19 @@ class KVBlockPool:
         index = self.buffer.device.index
         return 0 if index is None else int(index)
 
-    def describe(self) -> RegionLayout:
-        """Addresses and geometry of the regions, as a handshake publishes them."""
-        return RegionLayout(
-            memory_type=self.memory_type,
-            device_id=self.device_id,
-            region_base_addrs=tuple(int(t.data_ptr()) for t in self.regions()),
+    def geometry(self) -> RegionGeometry:
+        """The regions as descriptor building reads them (as a handshake publishes them)."""
+        return RegionGeometry(
+            base_addrs=tuple(int(t.data_ptr()) for t in self.regions()),
+            layers=self.spec.layers,
+            kv_heads=self.spec.kv_heads,
             num_blocks=self.spec.num_blocks,
             block_len=self.spec.block_len,
             block_stride=self.spec.block_len,
-            block_size=self.spec.block_size,
-            dtype=self.spec.dtype,
-            head_size=self.spec.head_size,
-            kv_layout=KV_LAYOUT,
-            layers=self.spec.layers,
-            kv_heads=self.spec.kv_heads,
+            device_id=self.device_id,
+            memory_type=self.memory_type,
+            regions_per_layer=KV_REGIONS_PER_LAYER[KV_LAYOUT],
         )
 
 
-__all__ = ["KV_LAYOUT", "KVBlockPool", "KVPoolSpec", "RegionLayout"]
+__all__ = ["KV_LAYOUT", "KVBlockPool", "KVPoolSpec"]

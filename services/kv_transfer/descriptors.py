@@ -14,16 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from services.control_plane.wire import KV_REGIONS_PER_LAYER, HandshakeRecord
 from services.topology import Range
-
-if TYPE_CHECKING:
-    from services.kv_transfer.block_pool import RegionLayout
 
 _INDEX_LIMIT = 2**31 - 1
 
@@ -44,8 +40,8 @@ class RegionGeometry:
     """``KV_REGIONS_PER_LAYER`` of the record's layout: 2 (``HND``) or 1 (``HNC``)."""
 
     @classmethod
-    def of(cls, source: HandshakeRecord | RegionLayout) -> RegionGeometry:
-        """From a remote worker's handshake record or the local pool's layout (same fields)."""
+    def of(cls, source: HandshakeRecord) -> RegionGeometry:
+        """From a remote worker's handshake record (the local pool's: ``KVBlockPool.geometry``)."""
         return cls(
             base_addrs=source.region_base_addrs,
             layers=source.layers,

@@ -90,7 +90,7 @@ class NixlTransport(KVTransport):
         self._name = agent_name or (
             f"{identity.engine_id}-g{identity.generation}-{identity.label}-{uuid.uuid4().hex[:8]}"
         )
-        self._local = RegionGeometry.of(pool.describe())
+        self._local = pool.geometry()
         self._agent = NixlAgent(self._name, self._config, pool.buffer)
         self._peers: dict[PeerKey, _Peer] = {}
         self._local_dlists: dict[Range, Handle] = {}

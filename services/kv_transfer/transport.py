@@ -42,10 +42,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.control_plane.wire import EngineId, Generation, HandshakeRecord
+from services.control_plane.wire import KV_LAYOUT_HND, EngineId, Generation, HandshakeRecord
 from services.kv_transfer.allocator import BlockArray
 from services.kv_transfer.protocol import BlockIds, KVNotification, RequestId, WorkerIdentity
 from services.topology import PlannedRead, Range
@@ -173,10 +173,7 @@ class KVTransport(ABC):
         self, *, worker_id: str, compat_hash: str, extra: bytes = b""
     ) -> HandshakeRecord:
         """The record this worker publishes through the control plane (step 2)."""
-        layout = self.pool.describe()
-        # Field by field, not asdict(): that would turn the Range values into dicts.
-        memory = {f.name: getattr(layout, f.name) for f in fields(layout)}
-        ident = self.identity
+        pool, spec, ident = self.pool, self.pool.spec, self.identity
         return HandshakeRecord(
             engine_id=ident.engine_id,
             generation=ident.generation,
@@ -185,7 +182,18 @@ class KVTransport(ABC):
             worker_id=worker_id,
             agent_name=self.agent_name,
             agent_metadata=self.agent_metadata(),
-            **memory,
+            memory_type=pool.memory_type,
+            device_id=pool.device_id,
+            region_base_addrs=tuple(int(t.data_ptr()) for t in pool.regions()),
+            num_blocks=spec.num_blocks,
+            block_len=spec.block_len,
+            block_stride=spec.block_len,
+            block_size=spec.block_size,
+            dtype=spec.dtype,
+            head_size=spec.head_size,
+            kv_layout=KV_LAYOUT_HND,  # the pool's (block_pool.KV_LAYOUT)
+            layers=spec.layers,
+            kv_heads=spec.kv_heads,
             compat_hash=compat_hash,
             extra=extra,
         )

@@ -19,11 +19,11 @@ SPEC = KVPoolSpec(
 
 def test_one_block_of_one_layer_for_a_head_slice_is_contiguous():
     pool = KVBlockPool(SPEC)
-    layout = pool.describe()
+    layout = pool.geometry()
     assert layout.block_len == 4 * 16 * 8 * 2 and layout.block_stride == layout.block_len
     head_bytes = SPEC.head_bytes
     for region, tensor in enumerate(pool.regions()):
-        base = layout.region_base_addrs[region]
+        base = layout.base_addrs[region]
         assert tensor.is_contiguous() and tensor.shape == (6, 4, 16, 8)
         for block in (0, 5):
             for head in range(4):
@@ -33,8 +33,8 @@ def test_one_block_of_one_layer_for_a_head_slice_is_contiguous():
                 )
     k3, v3 = pool.layer_kv(3)
     assert (
-        k3.data_ptr() == layout.region_base_addrs[2]
-        and v3.data_ptr() == layout.region_base_addrs[3]
+        k3.data_ptr() == layout.base_addrs[2]
+        and v3.data_ptr() == layout.base_addrs[3]
     )
     with pytest.raises(IndexError):
         pool.layer_kv(5)

@@ -32,8 +32,8 @@ def make_pool(layout: EngineLayout, rank: tuple[int, int]) -> KVBlockPool:
 def loopback_read(
     local: KVBlockPool, remote: KVBlockPool, read: PlannedRead, local_ids, remote_ids
 ) -> None:
-    local_geom = RegionGeometry.of(local.describe())
-    remote_geom = RegionGeometry.of(remote.describe())
+    local_geom = local.geometry()
+    remote_geom = remote.geometry()
     peer_layers = remote.spec.layers.intersect(local.spec.layers)
     assert peer_layers is not None
     local_rows = slice_descriptors(local_geom, local.spec.layers, read.kv_heads)
