@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from services.metrics import LATENCY_BUCKETS_S, Metrics
+
 M = TypeVar("M", bound=Counter)
 
 HOLDOVER_OUTCOMES = ("held", "confirmed", "replaced", "failed", "expired")
@@ -24,24 +26,7 @@ InflightSamples = Callable[[], Iterable[tuple[str, str, int]]]
 CircuitSamples = Callable[[], Iterable[tuple[str, str, str]]]
 """``(engine, role, breaker state)`` of every READY engine, read at scrape time."""
 
-_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    60,
-)
+_LATENCY_BUCKETS = (*LATENCY_BUCKETS_S, 60.0)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
@@ -68,11 +53,11 @@ IGNORED_FIELD_LABELS = 32
 the series stay bounded)."""
 
 
-class RouterMetrics:
+class RouterMetrics(Metrics):
     """``pdserve_router_*``; see docs/metrics.md for names and labels."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(registry)
         r = self.registry
         self.requests = Counter(
             "pdserve_router_requests_total",
