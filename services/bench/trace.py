@@ -31,18 +31,26 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench.procs import children_with_arg, cpu_seconds, descendants
-from services.bench.routing import SETTINGS, blind_to_the_cache
+from services.bench.routing import SETTINGS
 from services.bench.routing import _kv_bytes as kv_bytes
-from services.bench.soak import percentiles_ms, wait_endpoints
+from services.bench.soak import wait_endpoints
 from services.bench.sse import StreamFailed, cached_tokens, completion_events
+from services.bench.trace_figures import (
+    Sent,
+    comparison,
+    phase_means,
+    plot,
+    summarize,
+    ttft_phases,
+)
 from services.bench.trace_file import (
     BLOCK_TOKENS,
     Prompts,
@@ -83,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--itl-slo-ms", type=float, default=100.0)
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the figures")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="start every setting's stack of a fleet first, then replay through all at once "
+        "(a loaded machine's noise falls on each alike; the engines and routers share it)",
+    )
     parser.add_argument("--router", default=None, help="replay through this running router")
     parser.add_argument(
         "--prefill-engines", type=int, default=1, help="with --router: the oracle's fleet"
@@ -90,27 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
-
-
-@dataclass
-class Sent:
-    """One trace request's result."""
-
-    index: int
-    prompt_tokens: int
-    reusable_tokens: int
-    oracle_tokens: int = 0
-    scheduled_s: float = 0.0
-    lag_s: float = 0.0
-    """How late it was sent against the trace's clock."""
-    ok: bool = False
-    cached_tokens: int = 0
-    ttft_s: float | None = None
-    itls_s: list[float] = field(default_factory=list)
-    prefill_engine: str | None = None
-    decode_engine: str | None = None
-    path: str | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,19 +164,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             for prefill, decode in fleets:
                 oracle = _oracle(workload, prefill, capacity, profile, args)
-                for policy in policies:
-                    name = f"{policy}/{prefill}:{decode}"
-                    work_dir = root / f"{policy}-{prefill}-{decode}"
-                    results[name] = _run_setting(
-                        args, policy, prefill, decode, work_dir, workload, oracle
-                    )
+                results.update(_run_fleet(args, policies, prefill, decode, root, workload, oracle))
     report = {
         "workload": _workload_figures(args, workload, capacity),
         "settings": results,
-        "comparison": _comparison(results),
+        "comparison": comparison(results),
     }
     if args.plot is not None:
-        _plot(results, args.plot)
+        plot(results, args.plot)
     return report
 
 
@@ -231,15 +219,21 @@ def _workload_figures(
     }
 
 
-def _run_setting(
-    args: argparse.Namespace,
-    policy: str,
-    prefill: int,
-    decode: int,
-    work_dir: Path,
-    workload: Workload,
-    oracle: list[int],
-) -> dict[str, Any]:
+@dataclass
+class _Stack:
+    """One setting's running stack."""
+
+    up: DetachedProcess
+    prefill: int
+    decode: int
+    endpoints: dict[str, Any]
+    router_pids: list[int]
+    engine_pids: list[int]
+
+
+def _start(
+    args: argparse.Namespace, policy: str, prefill: int, decode: int, work_dir: Path
+) -> _Stack:
     router_args, _ = SETTINGS[policy]
     work_dir.mkdir(parents=True, exist_ok=True)
     up = DetachedProcess.pdserve_up(
@@ -253,19 +247,65 @@ def _run_setting(
     )  # fmt: skip
     try:
         endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
-        router_pids = [
-            pid for parent in children_with_arg(up.pid, "router") for pid in descendants(parent)
-        ]
-        engine_pids = [
-            int(engine["pid"]) for engine in endpoints["engines"].values() if engine.get("pid")
-        ]
-        figures = replay_figures(
-            args, str(endpoints["router"]), workload, oracle, router_pids, engine_pids, endpoints
-        )
-        figures["fleet"] = {"prefill": prefill, "decode": decode}
-        return figures
-    finally:
+    except BaseException:
         up.stop()
+        raise
+    router_pids = [
+        pid for parent in children_with_arg(up.pid, "router") for pid in descendants(parent)
+    ]
+    engine_pids = [
+        int(engine["pid"]) for engine in endpoints["engines"].values() if engine.get("pid")
+    ]
+    return _Stack(up, prefill, decode, endpoints, router_pids, engine_pids)
+
+
+def _replay_on(
+    args: argparse.Namespace, stack: _Stack, workload: Workload, oracle: list[int]
+) -> dict[str, Any]:
+    endpoints = stack.endpoints
+    figures = replay_figures(
+        args, str(endpoints["router"]), workload, oracle, stack.router_pids, stack.engine_pids,
+        endpoints,
+    )  # fmt: skip
+    figures["fleet"] = {"prefill": stack.prefill, "decode": stack.decode}
+    return figures
+
+
+def _run_fleet(
+    args: argparse.Namespace,
+    policies: list[str],
+    prefill: int,
+    decode: int,
+    root: Path,
+    workload: Workload,
+    oracle: list[int],
+) -> dict[str, Any]:
+    """Every setting on this fleet: one after the other, or with ``--together`` all stacks
+    started first and the trace replayed through each at once (the machine's load, whatever
+    it is, falls on every setting alike)."""
+    results: dict[str, Any] = {}
+    if not args.together:
+        for policy in policies:
+            stack = _start(args, policy, prefill, decode, root / f"{policy}-{prefill}-{decode}")
+            try:
+                results[f"{policy}/{prefill}:{decode}"] = _replay_on(args, stack, workload, oracle)
+            finally:
+                stack.up.stop()
+        return results
+    stacks: dict[str, _Stack] = {}
+    try:
+        for policy in policies:
+            work_dir = root / f"{policy}-{prefill}-{decode}"
+            stacks[f"{policy}/{prefill}:{decode}"] = _start(args, policy, prefill, decode, work_dir)
+        with ThreadPoolExecutor(len(stacks)) as pool:
+            futures = {
+                name: pool.submit(_replay_on, args, stack, workload, oracle)
+                for name, stack in stacks.items()
+            }
+            return {name: future.result() for name, future in futures.items()}
+    finally:
+        for stack in stacks.values():
+            stack.up.stop()
 
 
 def replay_figures(
@@ -289,7 +329,7 @@ def replay_figures(
     elapsed = time.perf_counter() - started
     figures = summarize(sent, args, elapsed)
     figures["kv_bytes_moved"] = kv_bytes(metrics) - moved_before if metrics else None
-    figures["ttft_phases_mean_ms"] = _phase_means(phases_before, ttft_phases(routers))
+    figures["ttft_phases_mean_ms"] = phase_means(phases_before, ttft_phases(routers))
     done = figures["requests"] - figures["errors"]
     if router_pids and done:
         used = cpu_seconds(router_pids) - router_before
@@ -370,128 +410,3 @@ async def _complete(
         result.error = f"{type(exc).__name__}: {exc}"
     if not result.ok and result.error is None:
         result.error = "stream ended without usage"
-
-
-def summarize(sent: list[Sent], args: argparse.Namespace, elapsed_s: float) -> dict[str, Any]:
-    """A setting's figures (see the module docstring)."""
-    done = [s for s in sent if s.ok]
-    reusable = sum(s.reusable_tokens for s in done)
-    oracle = sum(s.oracle_tokens for s in done)
-    cached = sum(min(s.cached_tokens, s.prompt_tokens) for s in done)
-    prompt = sum(s.prompt_tokens for s in done)
-    ttft_slo, itl_slo = args.ttft_slo_ms / 1000, args.itl_slo_ms / 1000
-
-    def met(s: Sent) -> bool:
-        itl = sum(s.itls_s) / len(s.itls_s) if s.itls_s else 0.0
-        return s.ttft_s is not None and s.ttft_s <= ttft_slo and itl <= itl_slo
-
-    good = sum(met(s) for s in done)
-    span_s = max((s.scheduled_s for s in sent), default=0.0) or elapsed_s
-    errors = [s.error for s in sent if not s.ok]
-
-    def share(part: int, whole: int) -> float | None:
-        return round(part / whole, 4) if whole else None
-
-    return {
-        "requests": len(sent),
-        "errors": len(errors),
-        "first_errors": errors[:3],
-        "problems": blind_to_the_cache(reusable, cached),
-        "elapsed_s": round(elapsed_s, 2),
-        "prompt_tokens": prompt,
-        "reusable_tokens": reusable,
-        "cached_tokens": cached,
-        "oracle_tokens": oracle,
-        "cached_share": share(cached, reusable),
-        "oracle_share": share(oracle, reusable),
-        "cached_share_of_oracle": share(cached, oracle),
-        "local_runs": sum(s.path == "local" for s in done),
-        "ttft_ms": percentiles_ms([s.ttft_s for s in done if s.ttft_s is not None]),
-        "itl_ms": percentiles_ms([itl for s in done for itl in s.itls_s]),
-        "goodput_per_s": round(good / span_s, 3) if span_s else None,
-        "within_slo_share": share(good, len(sent)),
-        "send_lag_ms": percentiles_ms([s.lag_s for s in sent]),
-        "prefill_engines": len({s.prefill_engine for s in done if s.prefill_engine}),
-    }
-
-
-def ttft_phases(urls: list[str]) -> dict[str, tuple[float, float]]:
-    """``phase -> (sum s, count)`` of the routers' ``pdserve_router_ttft_phase_seconds``:
-    where a disaggregated request's first token waited (prefill, KV hand-off, the decode
-    engine's first token)."""
-    phases: dict[str, tuple[float, float]] = {}
-    for url in urls:
-        text = httpx.get(url, timeout=30).text
-        for family in text_string_to_metric_families(text):
-            if family.name != "pdserve_router_ttft_phase_seconds":
-                continue
-            for sample in family.samples:
-                phase = sample.labels.get("phase", "")
-                total, count = phases.get(phase, (0.0, 0.0))
-                if sample.name.endswith("_sum"):
-                    phases[phase] = (total + sample.value, count)
-                elif sample.name.endswith("_count"):
-                    phases[phase] = (total, count + sample.value)
-    return phases
-
-
-def _phase_means(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, float | None]:
-    means: dict[str, float | None] = {}
-    for phase, (total, count) in after.items():
-        old_total, old_count = before.get(phase, (0.0, 0.0))
-        done = count - old_count
-        means[phase] = round((total - old_total) / done * 1000, 2) if done > 0 else None
-    return means
-
-
-def _comparison(results: dict[str, Any]) -> dict[str, Any]:
-    """Per fleet: each setting's cached share, its ratio to round-robin's and to the oracle's,
-    and its TTFT p50 beside the approximate policy's."""
-    rows: dict[str, Any] = {}
-    for name, figures in results.items():
-        fleet = name.partition("/")[2]
-        if not fleet:
-            continue
-        base = results.get(f"round_robin/{fleet}", {})
-        approximate = results.get(f"approximate/{fleet}", {})
-        share, base_share = figures.get("cached_share"), base.get("cached_share")
-        rows[name] = {
-            "cached_share": share,
-            "cached_share_of_oracle": figures.get("cached_share_of_oracle"),
-            "over_round_robin": round(share / base_share, 2) if share and base_share else None,
-            "ttft_p50_ms": figures["ttft_ms"]["p50"],
-            "approximate_ttft_p50_ms": approximate.get("ttft_ms", {}).get("p50"),
-        }
-    return rows
-
-
-def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    figure, (shares, ttfts) = plt.subplots(1, 2, figsize=(10, 4))
-    by_policy: dict[str, list[tuple[int, Any]]] = {}
-    for name, figures in results.items():
-        policy = name.partition("/")[0]
-        engines = figures.get("fleet", {}).get("prefill", 0)
-        by_policy.setdefault(policy, []).append((engines, figures))
-    for policy, points in sorted(by_policy.items()):
-        points.sort(key=lambda point: point[0])
-        xs = [x for x, _ in points]
-        shares.plot(xs, [f["cached_share"] or 0 for _, f in points], marker="o", label=policy)
-        ttfts.plot(xs, [f["ttft_ms"]["p50"] or 0 for _, f in points], marker="o", label=policy)
-    oracle = sorted(by_policy.get(next(iter(by_policy), ""), []), key=lambda point: point[0])
-    if oracle:
-        xs = [x for x, _ in oracle]
-        shares.plot(xs, [f["oracle_share"] or 0 for _, f in oracle], "k--", label="oracle")
-    shares.set(xlabel="prefill engines", ylabel="cached share of reusable tokens", ylim=(0, 1.05))
-    ttfts.set(xlabel="prefill engines", ylabel="TTFT p50 (ms)")
-    shares.legend()
-    ttfts.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)

@@ -10,14 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.trace import (
-    SHIPPED_TRACE,
-    Sent,
-    _phase_means,
-    add_arguments,
-    load_workload,
-    summarize,
-)
+from services.bench.trace import SHIPPED_TRACE, add_arguments, load_workload
+from services.bench.trace_figures import Sent, phase_means, summarize
 from services.bench.trace_file import (
     Prompts,
     TraceError,
@@ -120,8 +114,38 @@ def test_the_shipped_trace_reuses_and_the_figures_say_when_nothing_was_cached() 
 def test_where_the_first_token_waited_is_each_phases_mean_over_the_run() -> None:
     before = {"prefill": (1.0, 10.0)}
     after = {"prefill": (3.0, 20.0), "handoff": (0.1, 10.0), "first_decode_token": (0.5, 0.0)}
-    assert _phase_means(before, after) == {
+    assert phase_means(before, after) == {
         "prefill": 200.0,
         "handoff": 10.0,
         "first_decode_token": None,
     }
+
+
+def test_the_figures_say_how_placement_spread_and_queued_requests() -> None:
+    """Per engine counts (most first) and, from the client's clock, how many requests were
+    already on a request's prefill engine (sent, no first token) or decode engine (sent, not
+    finished) when it was sent: what decode herding looks like in the figures."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([str(SHIPPED_TRACE)])
+
+    def sent(index: int, at_s: float, prefill: str, decode: str) -> Sent:
+        # first token 0.1 s after sending, then 4 tokens 0.1 s apart: done at +0.5 s
+        return Sent(
+            index, 4000, 0, scheduled_s=at_s, ok=True, ttft_s=0.1, itls_s=[0.1] * 4,
+            prefill_engine=prefill, decode_engine=decode, path="disaggregated",
+        )  # fmt: skip
+
+    requests = [
+        sent(0, 0.0, "p1", "d1"),
+        sent(1, 0.05, "p1", "d1"),  # p1 still prefilling request 0; d1 streaming it
+        sent(2, 0.3, "p2", "d1"),  # d1 streams 0 and 1, p2 idle
+        sent(3, 0.35, "p2", "d2"),  # p2 prefilling request 2, d2 idle
+    ]
+    figures = summarize(requests, args, elapsed_s=1.0)
+    assert figures["requests_per_prefill_engine"] == [2, 2]
+    assert figures["requests_per_decode_engine"] == [3, 1]
+    ahead = figures["ahead_on_arrival"]
+    assert ahead["prefill_busy_share"] == 0.5  # requests 1 and 3
+    assert ahead["prefill_mean"] == 0.5
+    assert ahead["decode_mean"] == 0.75  # 1 behind 0; 2 behind 0 and 1
