@@ -84,6 +84,8 @@ class EngineSpec:
     """The engine's KV-event replay endpoint (empty = none)."""
     kv_block_bytes: int = 0
     """The bytes of one KV block of the whole engine (0 = unknown)."""
+    max_loras: int = 0
+    """LoRA adapters the engine runs at once (0 = it serves none)."""
 
     def record(
         self, generation: Generation, *, lease_ttl_ms: int, registered_at_ms: int

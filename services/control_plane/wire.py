@@ -34,13 +34,16 @@ from services.topology import Range
 #      written before it still decode; so were the load's prefix_cache_reported and
 #      cached_block_hashes (a router that predates them refuses such a load record as
 #      malformed: upgrade routers before engines); so was the load's kv_events_seq (-1 when
-#      absent: unknown).
+#      absent: unknown); so were the record's max_loras (0: no LoRA) and the load's
+#      lora_adapters (empty).
 PROTOCOL_VERSION = 1
 
 MAX_RECORD_BYTES = 4 * 1024 * 1024
 MAX_REPORTED_BLOCKS = 1024
 """Most prefix-cache block hashes a load record carries (about 9 KiB of msgpack)."""
 """Upper bound of one encoded value (NIXL agent metadata dominates; a few KiB to ~1 MiB)."""
+MAX_REPORTED_ADAPTERS = 256
+"""Most LoRA adapter names a load record carries."""
 MAX_REGIONS = 8192
 """Upper bound of registered KV regions per worker (2 per layer: K and V)."""
 MAX_ID_LENGTH = 128
@@ -135,6 +138,10 @@ class EngineRecord:
     kv_block_bytes: int = 0
     """The bytes of one KV block of the whole engine (every layer's K and V, every KV head):
     what a KV transfer moves per block; 0 = unknown."""
+    max_loras: int = 0
+    """LoRA adapters the engine runs at once in a batch (vLLM's ``max_loras``); 0 = it serves
+    no adapter (the reference engine, vLLM without ``--enable-lora``). Which adapters it holds
+    is on its load record (:attr:`EngineLoad.lora_adapters`)."""
 
     @property
     def world_size(self) -> int:
@@ -235,6 +242,10 @@ class EngineLoad:
     host cannot see: vLLM's lives in its engine core). A router whose subscription stays behind
     it marks the engine stale (``silent``: docs/kv-events.md, "Precise placement from KV
     events")."""
+    lora_adapters: tuple[str, ...] = ()
+    """The names of the LoRA adapters the engine holds loaded (at most
+    :data:`MAX_REPORTED_ADAPTERS`, sorted): the router prefers these engines for a request
+    naming one (docs/router.md, "LoRA adapters")."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ from services.config.control_plane import ControlPlaneSettings
 from services.control_plane.aggregation import DTYPE_BYTES
 from services.control_plane.base import EngineSpec
 from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
+from services.engines.errors import LoRANotServed
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.kv_events.endpoints import advertised
 
@@ -74,6 +76,8 @@ class BackendDescription:
     """The KV-event replay endpoint, as bound (same rules)."""
     kv_block_bytes: int = 0
     """The bytes of one KV block of the whole engine (:func:`kv_block_bytes`); 0 = unknown."""
+    max_loras: int = 0
+    """LoRA adapters the engine runs at once (vLLM's ``max_loras``); 0 = it serves none."""
 
     def spec(self, engine_id: EngineId, role: EngineRole, endpoint: str) -> EngineSpec:
         """The control-plane spec of an engine with this description (what the host registers):
@@ -189,6 +193,26 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Stop every rank and withdraw its handshake. Idempotent."""
+
+    async def load_lora(self, adapter: LoRAAdapter, *, replace: bool = False) -> tuple[str, ...]:
+        """Load ``adapter`` (again under its name with ``replace``, or when its path changed)
+        so requests naming it run without loading it first; returns the names of the adapters
+        the engine holds after. A failed load leaves what the engine held as it was. Raises
+        :class:`~services.engines.errors.LoRANotServed` on an engine without LoRA slots (this
+        default), ``LoRAAdapterNotFound`` for a folder with no adapter, ``InvalidRequest``
+        for one the engine refuses (the message is the engine's)."""
+        raise LoRANotServed(
+            f"the {self.describe().engine_kind} engine serves no LoRA adapter "
+            f"(asked to load {adapter.name!r})"
+        )
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unload adapter ``name``; ``False`` when the engine does not hold it. Raises
+        :class:`~services.engines.errors.LoRANotServed` on an engine without LoRA slots."""
+        raise LoRANotServed(
+            f"the {self.describe().engine_kind} engine serves no LoRA adapter "
+            f"(asked to unload {name!r})"
+        )
 
     @abc.abstractmethod
     def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -16,6 +16,10 @@
     │                               wrong stage)
     ├── RequestError                request-scoped serving errors (the backend seam's contract)
     │   ├── InvalidRequest (ValueError)  bad parameters or token ids      -> INVALID_ARGUMENT
+    │   │   └── LoRANotServed       a LoRA adapter on an engine without
+    │   │                           LoRA slots (reference, no --enable-lora) -> INVALID_ARGUMENT
+    │   ├── LoRAAdapterNotFound     no adapter in the folder named (vLLM's
+    │   │                           LoRAAdapterNotFoundError message)      -> NOT_FOUND
     │   ├── DuplicateRequest        a request id already running here     -> ALREADY_EXISTS
     │   ├── UnknownKVHandle         no held KV under that handle here     -> NOT_FOUND
     │   ├── KVLeaseExpired          the handle's lease ran out            -> FAILED_PRECONDITION
@@ -76,6 +80,15 @@ class InvalidRequest(RequestError, ValueError):
     """Bad sampling parameters or token ids; the message names the field."""
 
 
+class LoRANotServed(InvalidRequest):
+    """A LoRA adapter asked of an engine that registered no LoRA slots; the message names the
+    engine."""
+
+
+class LoRAAdapterNotFound(RequestError):
+    """An adapter folder the engine finds no adapter in (vLLM's message)."""
+
+
 class DuplicateRequest(RequestError):
     """A request id that is already running on this engine."""
 
@@ -134,6 +147,8 @@ __all__ = [
     "InvalidRequest",
     "KVLeaseExpired",
     "KVTransferFailed",
+    "LoRAAdapterNotFound",
+    "LoRANotServed",
     "ModelConfigError",
     "ProducerUnavailable",
     "RequestAborted",

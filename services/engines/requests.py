@@ -17,7 +17,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from services.control_plane.wire import EngineId, Generation
-from services.engines.errors import InvalidRequest
+from services.engines.errors import InvalidRequest, LoRANotServed
+from services.engines.lora import LoRAAdapter
 from services.engines.trace_context import TraceContext
 
 if TYPE_CHECKING:
@@ -171,10 +172,30 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    lora_slots: int = 0
+    """LoRA adapters the engine runs at once (0: it takes no request with an adapter)."""
+    engine_kind: str = ""
 
     @classmethod
     def of(cls, description: BackendDescription) -> RequestLimits:
-        return cls(vocab_size=description.vocab_size, max_model_len=description.max_model_len)
+        return cls(
+            vocab_size=description.vocab_size,
+            max_model_len=description.max_model_len,
+            lora_slots=description.max_loras,
+            engine_kind=description.engine_kind,
+        )
+
+
+def validate_lora(adapter: LoRAAdapter, limits: RequestLimits) -> LoRAAdapter:
+    """``adapter`` when it is well formed and the engine runs adapters;
+    :class:`LoRANotServed` (naming the engine's kind) when it has no LoRA slots."""
+    adapter.validate()
+    if limits.lora_slots <= 0:
+        raise LoRANotServed(
+            f"LoRA adapter {adapter.name!r}: this {limits.engine_kind or 'pdserve'} engine serves "
+            "no LoRA adapter (it registered no LoRA slots)"
+        )
+    return adapter
 
 
 def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
@@ -350,6 +371,8 @@ class PrefillRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trace: TraceContext | None = None
     """The caller's W3C trace context (gRPC metadata, not a message field), valid when set."""
+    lora: LoRAAdapter | None = None
+    """The LoRA adapter to run with (:func:`validate_lora` passed); ``None``: the base model."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +407,9 @@ class DecodeRequest:
     deltas carry their fork's choice and it ends once every fork finished."""
     trace: TraceContext | None = None
     """The caller's W3C trace context (gRPC metadata, not a message field), valid when set."""
+    lora: LoRAAdapter | None = None
+    """The LoRA adapter to run with (with ``kv_handle``: the one the producer's prefill ran
+    with, whose KV this continues); ``None``: the base model."""
 
     @property
     def sequences(self) -> int:

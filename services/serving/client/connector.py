@@ -11,7 +11,8 @@ import abc
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from services.engines.errors import EngineStalled
+from services.engines.errors import EngineStalled, LoRANotServed
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import DecodeRequest, PrefillResult, SamplingParams, TokenDelta
 from services.engines.trace_context import TraceContext
 from services.serving.wire.convert import merge_deltas
@@ -42,8 +43,10 @@ class EngineConnector(abc.ABC):
         *,
         timeout_s: float | None = None,
         trace: TraceContext | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> PrefillResult:
-        """Prefill on this engine; the KV is held for a consumer until the handle's lease."""
+        """Prefill on this engine (with LoRA adapter ``lora`` when given); the KV is held for
+        a consumer until the handle's lease."""
 
     @abc.abstractmethod
     def decode(
@@ -89,6 +92,18 @@ class EngineConnector(abc.ABC):
             if aclose is not None:
                 await aclose()
         return merge_deltas(steps) if steps else TokenDelta((), "")
+
+    async def load_lora(
+        self, adapter: LoRAAdapter, *, load_inplace: bool = False, timeout_s: float | None = None
+    ) -> tuple[str, ...]:
+        """Load ``adapter`` on this engine (``EngineService.LoadLoRA``); the names of the
+        adapters it holds after. This default: a connector that carries no LoRA call."""
+        raise LoRANotServed(f"this engine connector carries no LoRA call ({adapter.name!r})")
+
+    async def unload_lora(self, name: str, *, timeout_s: float | None = None) -> bool:
+        """Unload adapter ``name`` (``EngineService.UnloadLoRA``); ``False`` when the engine
+        did not hold it. This default: a connector that carries no LoRA call."""
+        raise LoRANotServed(f"this engine connector carries no LoRA call ({name!r})")
 
     @abc.abstractmethod
     async def abort(self, request_id: str, *, trace: TraceContext | None = None) -> bool:

@@ -21,6 +21,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.control_plane.wire import EngineLoad
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import (
     DecodeRequest,
     PrefillRequest,
@@ -143,12 +144,13 @@ class GrpcAioEngineClient(EngineConnector):
         *,
         timeout_s: float | None = None,
         trace: TraceContext | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> PrefillResult:
         """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is.
         ``trace`` (the request's W3C trace context) goes as the call's metadata."""
         stubs = self._connect()
         message = convert.prefill_request_to_proto(
-            PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
+            PrefillRequest(request_id, tuple(prompt_token_ids), sampling, lora=lora)
         )
         with self._translated("Prefill"):
             response = await stubs.prefill.Prefill(
@@ -204,6 +206,27 @@ class GrpcAioEngineClient(EngineConnector):
                 engine_pb2.AbortRequest(request_id=request_id),
                 timeout=timeout_s,
                 metadata=to_metadata(trace),
+            )
+        return response.found
+
+    async def load_lora(
+        self, adapter: LoRAAdapter, *, load_inplace: bool = False, timeout_s: float | None = None
+    ) -> tuple[str, ...]:
+        stubs = self._connect()
+        with self._translated("LoadLoRA"):
+            response = await stubs.engine.LoadLoRA(
+                engine_pb2.LoadLoRARequest(
+                    adapter=convert.lora_to_proto(adapter), load_inplace=load_inplace
+                ),
+                timeout=timeout_s,
+            )
+        return tuple(response.names)
+
+    async def unload_lora(self, name: str, *, timeout_s: float | None = None) -> bool:
+        stubs = self._connect()
+        with self._translated("UnloadLoRA"):
+            response = await stubs.engine.UnloadLoRA(
+                engine_pb2.UnloadLoRARequest(name=name), timeout=timeout_s
             )
         return response.found
 

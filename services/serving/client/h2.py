@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import (
     DecodeRequest,
     PrefillRequest,
@@ -38,6 +39,8 @@ _PREFILL = b"/pdserve.v1.PrefillService/Prefill"
 _DECODE = b"/pdserve.v1.DecodeService/Decode"
 _DECODE_ONCE = b"/pdserve.v1.DecodeService/DecodeOnce"
 _ABORT = b"/pdserve.v1.EngineService/Abort"
+_LOAD_LORA = b"/pdserve.v1.EngineService/LoadLoRA"
+_UNLOAD_LORA = b"/pdserve.v1.EngineService/UnloadLoRA"
 
 
 class H2EngineClient(EngineConnector):
@@ -70,7 +73,8 @@ class H2EngineClient(EngineConnector):
         )
         # A failed call's status as the engine's error class (services.serving.wire.status).
         self._errors = {
-            rpc: _StatusAsError(target, rpc) for rpc in ("Prefill", "Decode", "DecodeOnce", "Abort")
+            rpc: _StatusAsError(target, rpc)
+            for rpc in ("Prefill", "Decode", "DecodeOnce", "Abort", "LoadLoRA", "UnloadLoRA")
         }
 
     async def prefill(
@@ -81,11 +85,12 @@ class H2EngineClient(EngineConnector):
         *,
         timeout_s: float | None = None,
         trace: TraceContext | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> PrefillResult:
         """Prefill on this engine; the result's ``kv_handle`` goes to a decode engine as is.
         ``trace`` (the request's W3C trace context) goes as the call's metadata."""
         message = convert.prefill_request_to_proto(
-            PrefillRequest(request_id, tuple(prompt_token_ids), sampling)
+            PrefillRequest(request_id, tuple(prompt_token_ids), sampling, lora=lora)
         )
         with self._errors["Prefill"]:
             data = await self._channel.unary(
@@ -146,6 +151,22 @@ class H2EngineClient(EngineConnector):
             )
         return _parsed(engine_pb2.AbortResponse(), data, "Abort", self.target).found
 
+    async def load_lora(
+        self, adapter: LoRAAdapter, *, load_inplace: bool = False, timeout_s: float | None = None
+    ) -> tuple[str, ...]:
+        payload = engine_pb2.LoadLoRARequest(
+            adapter=convert.lora_to_proto(adapter), load_inplace=load_inplace
+        ).SerializeToString()
+        with self._errors["LoadLoRA"]:
+            data = await self._channel.unary(_LOAD_LORA, payload, timeout_s=timeout_s)
+        return tuple(_parsed(engine_pb2.LoRAAdapters(), data, "LoadLoRA", self.target).names)
+
+    async def unload_lora(self, name: str, *, timeout_s: float | None = None) -> bool:
+        payload = engine_pb2.UnloadLoRARequest(name=name).SerializeToString()
+        with self._errors["UnloadLoRA"]:
+            data = await self._channel.unary(_UNLOAD_LORA, payload, timeout_s=timeout_s)
+        return _parsed(engine_pb2.UnloadLoRAResponse(), data, "UnloadLoRA", self.target).found
+
     async def close(self) -> None:
         """Close the connection (in-flight calls fail); the next call opens a new one."""
         await self._channel.close()
@@ -173,7 +194,12 @@ class _StatusAsError:
 
 
 _Message = TypeVar(
-    "_Message", prefill_pb2.PrefillResponse, decode_pb2.DecodeChunk, engine_pb2.AbortResponse
+    "_Message",
+    prefill_pb2.PrefillResponse,
+    decode_pb2.DecodeChunk,
+    engine_pb2.AbortResponse,
+    engine_pb2.LoRAAdapters,
+    engine_pb2.UnloadLoRAResponse,
 )
 
 

@@ -22,6 +22,7 @@ import grpc.aio
 
 from services.engines.backend import BackendDescription, EngineBackend
 from services.engines.errors import EngineDraining, EngineFailed, RequestError
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import RequestLimits
 from services.proto_gen.pdserve.v1 import engine_pb2, engine_pb2_grpc
 from services.serving.host.metrics import EngineServiceMetrics
@@ -113,7 +114,8 @@ class ServingState:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    """Abort and GetLoad: served in every state, draining included."""
+    """Abort and GetLoad: served in every state, draining included; LoadLoRA and UnloadLoRA
+    while the engine admits requests (READY, not draining)."""
 
     def __init__(self, state: ServingState) -> None:
         self.state = state
@@ -143,4 +145,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 generation=self.state.generation,
                 draining=self.state.draining,
             )
+        raise AssertionError("unreachable: rpc() aborts the call on error")
+
+    async def LoadLoRA(  # noqa: N802 (gRPC method name)
+        self,
+        request: engine_pb2.LoadLoRARequest,
+        context: grpc.aio.ServicerContext[engine_pb2.LoadLoRARequest, engine_pb2.LoRAAdapters],
+    ) -> engine_pb2.LoRAAdapters:
+        async with self.state.rpc("LoadLoRA", context):
+            adapter = convert.lora_from_proto(request.adapter)
+            held = await self.state.backend.load_lora(adapter, replace=request.load_inplace)
+            return engine_pb2.LoRAAdapters(names=list(held))
+        raise AssertionError("unreachable: rpc() aborts the call on error")
+
+    async def UnloadLoRA(  # noqa: N802 (gRPC method name)
+        self,
+        request: engine_pb2.UnloadLoRARequest,
+        context: grpc.aio.ServicerContext[
+            engine_pb2.UnloadLoRARequest, engine_pb2.UnloadLoRAResponse
+        ],
+    ) -> engine_pb2.UnloadLoRAResponse:
+        async with self.state.rpc("UnloadLoRA", context):
+            LoRAAdapter(request.name, "-").validate()  # the name's bounds
+            found = await self.state.backend.unload_lora(request.name)
+            return engine_pb2.UnloadLoRAResponse(found=found)
         raise AssertionError("unreachable: rpc() aborts the call on error")

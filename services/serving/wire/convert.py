@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from services.control_plane.wire import EngineLoad
 from services.engines.errors import InvalidRequest
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import (
     MAX_N,
     DecodeRequest,
@@ -33,10 +34,11 @@ from services.engines.requests import (
     SamplingParams,
     TokenDelta,
     validate_continuation,
+    validate_lora,
     validate_prompt,
 )
 from services.engines.trace_context import TraceContext
-from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2
+from services.proto_gen.pdserve.v1 import decode_pb2, engine_pb2, prefill_pb2, types_pb2
 from services.serving.wire.fields import (
     finish_from_proto,
     finish_to_proto,
@@ -59,11 +61,33 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequest:
-    return prefill_pb2.PrefillRequest(
+    message = prefill_pb2.PrefillRequest(
         request_id=request.request_id,
         token_ids=list(request.prompt_token_ids),
         sampling=sampling_to_proto(request.sampling),
     )
+    if request.lora is not None:
+        message.lora.CopyFrom(lora_to_proto(request.lora))
+    return message
+
+
+def lora_to_proto(adapter: LoRAAdapter) -> types_pb2.LoRAAdapter:
+    return types_pb2.LoRAAdapter(name=adapter.name, path=adapter.path)
+
+
+def lora_from_proto(message: types_pb2.LoRAAdapter) -> LoRAAdapter:
+    """The adapter, well formed (:meth:`LoRAAdapter.validate`)."""
+    adapter = LoRAAdapter(message.name, message.path)
+    adapter.validate()
+    return adapter
+
+
+def _request_lora(
+    message: prefill_pb2.PrefillRequest | decode_pb2.DecodeRequest, limits: RequestLimits
+) -> LoRAAdapter | None:
+    if not message.HasField("lora"):
+        return None
+    return validate_lora(lora_from_proto(message.lora), limits)
 
 
 def prefill_request_from_proto(
@@ -83,7 +107,7 @@ def prefill_request_from_proto(
         else SamplingParams()
     )
     validate_continuation(sampling, len(prompt))
-    return PrefillRequest(request_id, prompt, sampling, trace)
+    return PrefillRequest(request_id, prompt, sampling, trace, _request_lora(message, limits))
 
 
 def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:
@@ -165,6 +189,8 @@ def decode_request_to_proto(
         message.first_token_id = request.first_token_id
     for fork in request.forks:
         message.forks.add(choice=fork.choice, first_token_id=fork.first_token_id)
+    if request.lora is not None:
+        message.lora.CopyFrom(lora_to_proto(request.lora))
     if idle_timeout_s is not None:
         message.idle_timeout_s = idle_timeout_s
     return message
@@ -248,6 +274,7 @@ def decode_request_from_proto(
         first_token_id=first_token_id,
         forks=forks,
         trace=trace,
+        lora=_request_lora(message, limits),
     )
 
 

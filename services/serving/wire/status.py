@@ -22,6 +22,8 @@ from services.engines.errors import (
     InvalidRequest,
     KVLeaseExpired,
     KVTransferFailed,
+    LoRAAdapterNotFound,
+    LoRANotServed,
     ProducerUnavailable,
     RequestAborted,
     UnknownKVHandle,
@@ -35,6 +37,8 @@ Metadata = tuple[tuple[str, str], ...]
 
 _CODE_OF: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    LoRANotServed: grpc.StatusCode.INVALID_ARGUMENT,
+    LoRAAdapterNotFound: grpc.StatusCode.NOT_FOUND,
     DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
     UnknownKVHandle: grpc.StatusCode.NOT_FOUND,
     KVLeaseExpired: grpc.StatusCode.FAILED_PRECONDITION,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto_gen.pdserve.v1 import types_pb2 as pdserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\xb6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x05\x66orks\x18\x08 \x03(\x0b\x32\x10.pdserve.v1.Fork\x12\x1b\n\x0eidle_timeout_s\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_first_token_idB\x11\n\x0f_idle_timeout_sJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\ncoalesce_sR\x0e\x63oalesce_first\".\n\x04\x46ork\x12\x0e\n\x06\x63hoice\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\"\xdd\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x1a\n\rkv_transfer_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x0e\n\x06\x63hoice\x18\t \x01(\r\x12\x1a\n\rcached_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_kv_transfer_sB\x10\n\x0e_cached_tokens2\x91\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12@\n\nDecodeOnce\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunkb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\xdd\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x05\x66orks\x18\x08 \x03(\x0b\x32\x10.pdserve.v1.Fork\x12\x1b\n\x0eidle_timeout_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12%\n\x04lora\x18\n \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterB\x11\n\x0f_first_token_idB\x11\n\x0f_idle_timeout_sJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\ncoalesce_sR\x0e\x63oalesce_first\".\n\x04\x46ork\x12\x0e\n\x06\x63hoice\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\"\xdd\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x1a\n\rkv_transfer_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x0e\n\x06\x63hoice\x18\t \x01(\r\x12\x1a\n\rcached_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_kv_transfer_sB\x10\n\x0e_cached_tokens2\x91\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12@\n\nDecodeOnce\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunkb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=64
-  _globals['_DECODEREQUEST']._serialized_end=374
-  _globals['_FORK']._serialized_start=376
-  _globals['_FORK']._serialized_end=422
-  _globals['_DECODECHUNK']._serialized_start=425
-  _globals['_DECODECHUNK']._serialized_end=774
-  _globals['_DECODESERVICE']._serialized_start=777
-  _globals['_DECODESERVICE']._serialized_end=922
+  _globals['_DECODEREQUEST']._serialized_end=413
+  _globals['_FORK']._serialized_start=415
+  _globals['_FORK']._serialized_end=461
+  _globals['_DECODECHUNK']._serialized_start=464
+  _globals['_DECODECHUNK']._serialized_end=813
+  _globals['_DECODESERVICE']._serialized_start=816
+  _globals['_DECODESERVICE']._serialized_end=961
 # @@protoc_insertion_point(module_scope)

@@ -32,6 +32,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     FORKS_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     """The producer's first token (required with kv_handle; not repeated in the stream)."""
@@ -54,6 +55,12 @@ class DecodeRequest(_message.Message):
         finished (an ERROR ends all). At most 128 forks, distinct choices.
         """
 
+    @_builtins.property
+    def lora(self) -> _types_pb2.LoRAAdapter:
+        """Run with this LoRA adapter (unset: the base model): with kv_handle, the adapter the
+        producer's prefill ran with. Refused as in PrefillRequest.lora.
+        """
+
     def __init__(
         self,
         *,
@@ -64,10 +71,11 @@ class DecodeRequest(_message.Message):
         first_token_id: _builtins.int | None = ...,
         forks: _abc.Iterable[Global___Fork] | None = ...,
         idle_timeout_s: _builtins.float | None = ...,
+        lora: _types_pb2.LoRAAdapter | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "first_token_id", b"first_token_id", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "first_token_id", b"first_token_id", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "lora", b"lora", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "first_token_id", b"first_token_id", "forks", b"forks", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "_idle_timeout_s", b"_idle_timeout_s", "first_token_id", b"first_token_id", "forks", b"forks", "idle_timeout_s", b"idle_timeout_s", "kv_handle", b"kv_handle", "lora", b"lora", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015

@@ -22,23 +22,32 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from services.proto_gen.pdserve.v1 import types_pb2 as pdserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa4\x01\n\tLoadStats\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x32\x8b\x01\n\rEngineService\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x15.pdserve.v1.LoadStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"Q\n\x0fLoadLoRARequest\x12(\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapter\x12\x14\n\x0cload_inplace\x18\x02 \x01(\x08\"\x1d\n\x0cLoRAAdapters\x12\r\n\x05names\x18\x01 \x03(\t\"!\n\x11UnloadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"#\n\x12UnloadLoRAResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa4\x01\n\tLoadStats\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x32\x9b\x02\n\rEngineService\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x15.pdserve.v1.LoadStats\x12\x41\n\x08LoadLoRA\x12\x1b.pdserve.v1.LoadLoRARequest\x1a\x18.pdserve.v1.LoRAAdapters\x12K\n\nUnloadLoRA\x12\x1d.pdserve.v1.UnloadLoRARequest\x1a\x1e.pdserve.v1.UnloadLoRAResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ABORTREQUEST']._serialized_start=39
-  _globals['_ABORTREQUEST']._serialized_end=73
-  _globals['_ABORTRESPONSE']._serialized_start=75
-  _globals['_ABORTRESPONSE']._serialized_end=105
-  _globals['_GETLOADREQUEST']._serialized_start=107
-  _globals['_GETLOADREQUEST']._serialized_end=123
-  _globals['_LOADSTATS']._serialized_start=126
-  _globals['_LOADSTATS']._serialized_end=290
-  _globals['_ENGINESERVICE']._serialized_start=293
-  _globals['_ENGINESERVICE']._serialized_end=432
+  _globals['_LOADLORAREQUEST']._serialized_start=63
+  _globals['_LOADLORAREQUEST']._serialized_end=144
+  _globals['_LORAADAPTERS']._serialized_start=146
+  _globals['_LORAADAPTERS']._serialized_end=175
+  _globals['_UNLOADLORAREQUEST']._serialized_start=177
+  _globals['_UNLOADLORAREQUEST']._serialized_end=210
+  _globals['_UNLOADLORARESPONSE']._serialized_start=212
+  _globals['_UNLOADLORARESPONSE']._serialized_end=247
+  _globals['_ABORTREQUEST']._serialized_start=249
+  _globals['_ABORTREQUEST']._serialized_end=283
+  _globals['_ABORTRESPONSE']._serialized_start=285
+  _globals['_ABORTRESPONSE']._serialized_end=315
+  _globals['_GETLOADREQUEST']._serialized_start=317
+  _globals['_GETLOADREQUEST']._serialized_end=333
+  _globals['_LOADSTATS']._serialized_start=336
+  _globals['_LOADSTATS']._serialized_end=500
+  _globals['_ENGINESERVICE']._serialized_start=503
+  _globals['_ENGINESERVICE']._serialized_end=786
 # @@protoc_insertion_point(module_scope)

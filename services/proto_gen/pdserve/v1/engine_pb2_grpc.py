@@ -44,6 +44,16 @@ class EngineServiceStub:
                 request_serializer=pdserve_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__pb2.LoadStats.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.v1.EngineService/LoadLoRA',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.v1.EngineService/UnloadLoRA',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -64,6 +74,31 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Load a LoRA adapter (vLLM's add_lora) so requests naming it run without loading it first;
+        with load_inplace, load it again under its name (new weights, or a new path). Answers the
+        adapters the engine holds after. An engine keeps serving what it held when a load fails.
+        Errors:
+        FAILED_PRECONDITION the engine has no LoRA slots (the reference engine, or vLLM without
+        --enable-lora); the message names the engine
+        ALREADY_EXISTS      an adapter of that name is held from another path (no load_inplace)
+        NOT_FOUND           no adapter at path (vLLM's LoRAAdapterNotFoundError message)
+        INVALID_ARGUMENT    a bad name or path, or an adapter the engine refuses (vLLM's
+        message: a rank above max_lora_rank, modules of another model...)
+        UNAVAILABLE         the engine is draining
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Unload a LoRA adapter (vLLM's remove_lora); found = false when the engine does not hold
+        it. Errors: FAILED_PRECONDITION (no LoRA slots), INVALID_ARGUMENT (a bad name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +111,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__pb2.LoadStats.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.LoadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +177,60 @@ class EngineService:
             '/pdserve.v1.EngineService/GetLoad',
             pdserve_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             pdserve_dot_v1_dot_engine__pb2.LoadStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineService/LoadLoRA',
+            pdserve_dot_v1_dot_engine__pb2.LoadLoRARequest.SerializeToString,
+            pdserve_dot_v1_dot_engine__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineService/UnloadLoRA',
+            pdserve_dot_v1_dot_engine__pb2.UnloadLoRARequest.SerializeToString,
+            pdserve_dot_v1_dot_engine__pb2.UnloadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,23 @@ class EngineServiceStub:
     """
     GetLoad: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.LoadStats]
     """Load figures (also published on every control-plane heartbeat)."""
+    LoadLoRA: _grpc.UnaryUnaryMultiCallable[_engine_pb2.LoadLoRARequest, _engine_pb2.LoRAAdapters]
+    """Load a LoRA adapter (vLLM's add_lora) so requests naming it run without loading it first;
+    with load_inplace, load it again under its name (new weights, or a new path). Answers the
+    adapters the engine holds after. An engine keeps serving what it held when a load fails.
+    Errors:
+      FAILED_PRECONDITION the engine has no LoRA slots (the reference engine, or vLLM without
+                          --enable-lora); the message names the engine
+      ALREADY_EXISTS      an adapter of that name is held from another path (no load_inplace)
+      NOT_FOUND           no adapter at path (vLLM's LoRAAdapterNotFoundError message)
+      INVALID_ARGUMENT    a bad name or path, or an adapter the engine refuses (vLLM's
+                          message: a rank above max_lora_rank, modules of another model...)
+      UNAVAILABLE         the engine is draining
+    """
+    UnloadLoRA: _grpc.UnaryUnaryMultiCallable[_engine_pb2.UnloadLoRARequest, _engine_pb2.UnloadLoRAResponse]
+    """Unload a LoRA adapter (vLLM's remove_lora); found = false when the engine does not hold
+    it. Errors: FAILED_PRECONDITION (no LoRA slots), INVALID_ARGUMENT (a bad name).
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -52,6 +69,23 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
     GetLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.LoadStats]  # type: ignore[assignment]
     """Load figures (also published on every control-plane heartbeat)."""
+    LoadLoRA: _aio.UnaryUnaryMultiCallable[_engine_pb2.LoadLoRARequest, _engine_pb2.LoRAAdapters]  # type: ignore[assignment]
+    """Load a LoRA adapter (vLLM's add_lora) so requests naming it run without loading it first;
+    with load_inplace, load it again under its name (new weights, or a new path). Answers the
+    adapters the engine holds after. An engine keeps serving what it held when a load fails.
+    Errors:
+      FAILED_PRECONDITION the engine has no LoRA slots (the reference engine, or vLLM without
+                          --enable-lora); the message names the engine
+      ALREADY_EXISTS      an adapter of that name is held from another path (no load_inplace)
+      NOT_FOUND           no adapter at path (vLLM's LoRAAdapterNotFoundError message)
+      INVALID_ARGUMENT    a bad name or path, or an adapter the engine refuses (vLLM's
+                          message: a rank above max_lora_rank, modules of another model...)
+      UNAVAILABLE         the engine is draining
+    """
+    UnloadLoRA: _aio.UnaryUnaryMultiCallable[_engine_pb2.UnloadLoRARequest, _engine_pb2.UnloadLoRAResponse]  # type: ignore[assignment]
+    """Unload a LoRA adapter (vLLM's remove_lora); found = false when the engine does not hold
+    it. Errors: FAILED_PRECONDITION (no LoRA slots), INVALID_ARGUMENT (a bad name).
+    """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -71,5 +105,34 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.LoadStats, _abc.Awaitable[_engine_pb2.LoadStats]]:
         """Load figures (also published on every control-plane heartbeat)."""
+
+    @_abc_1.abstractmethod
+    def LoadLoRA(
+        self,
+        request: _engine_pb2.LoadLoRARequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.LoRAAdapters, _abc.Awaitable[_engine_pb2.LoRAAdapters]]:
+        """Load a LoRA adapter (vLLM's add_lora) so requests naming it run without loading it first;
+        with load_inplace, load it again under its name (new weights, or a new path). Answers the
+        adapters the engine holds after. An engine keeps serving what it held when a load fails.
+        Errors:
+          FAILED_PRECONDITION the engine has no LoRA slots (the reference engine, or vLLM without
+                              --enable-lora); the message names the engine
+          ALREADY_EXISTS      an adapter of that name is held from another path (no load_inplace)
+          NOT_FOUND           no adapter at path (vLLM's LoRAAdapterNotFoundError message)
+          INVALID_ARGUMENT    a bad name or path, or an adapter the engine refuses (vLLM's
+                              message: a rank above max_lora_rank, modules of another model...)
+          UNAVAILABLE         the engine is draining
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoRA(
+        self,
+        request: _engine_pb2.UnloadLoRARequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.UnloadLoRAResponse, _abc.Awaitable[_engine_pb2.UnloadLoRAResponse]]:
+        """Unload a LoRA adapter (vLLM's remove_lora); found = false when the engine does not hold
+        it. Errors: FAILED_PRECONDITION (no LoRA slots), INVALID_ARGUMENT (a bad name).
+        """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

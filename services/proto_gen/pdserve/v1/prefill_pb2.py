@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from services.proto_gen.pdserve.v1 import types_pb2 as pdserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"e\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xfa\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12+\n\x08logprobs\x18\t \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12,\n\x0cmore_choices\x18\x0b \x03(\x0b\x32\x16.pdserve.v1.FirstToken\"\x8a\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs2T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\x8c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12%\n\x04lora\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapter\"\xfa\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12+\n\x08logprobs\x18\t \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12,\n\x0cmore_choices\x18\x0b \x03(\x0b\x32\x16.pdserve.v1.FirstToken\"\x8a\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs2T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=64
-  _globals['_PREFILLREQUEST']._serialized_end=165
-  _globals['_PREFILLRESPONSE']._serialized_start=168
-  _globals['_PREFILLRESPONSE']._serialized_end=546
-  _globals['_FIRSTTOKEN']._serialized_start=549
-  _globals['_FIRSTTOKEN']._serialized_end=687
-  _globals['_PREFILLSERVICE']._serialized_start=689
-  _globals['_PREFILLSERVICE']._serialized_end=773
+  _globals['_PREFILLREQUEST']._serialized_start=65
+  _globals['_PREFILLREQUEST']._serialized_end=205
+  _globals['_PREFILLRESPONSE']._serialized_start=208
+  _globals['_PREFILLRESPONSE']._serialized_end=586
+  _globals['_FIRSTTOKEN']._serialized_start=589
+  _globals['_FIRSTTOKEN']._serialized_end=727
+  _globals['_PREFILLSERVICE']._serialized_start=729
+  _globals['_PREFILLSERVICE']._serialized_end=813
 # @@protoc_insertion_point(module_scope)

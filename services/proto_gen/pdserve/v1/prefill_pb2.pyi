@@ -28,21 +28,30 @@ class PrefillRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> _types_pb2.SamplingParams: ...
+    @_builtins.property
+    def lora(self) -> _types_pb2.LoRAAdapter:
+        """Run with this LoRA adapter (unset: the base model). An engine without LoRA slots refuses
+        it with INVALID_ARGUMENT naming itself; an adapter folder it cannot load: INVALID_ARGUMENT
+        (vLLM's message), NOT_FOUND when the folder is missing.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _types_pb2.SamplingParams | None = ...,
+        lora: _types_pb2.LoRAAdapter | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

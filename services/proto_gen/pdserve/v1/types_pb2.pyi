@@ -5,7 +5,9 @@ Types shared by the pdserve engine services. Version 1; fields are only ever add
 History: SamplingParams fields 9-19 (vLLM's sampling parameters) and TokenLogprobs added
 later; then SamplingParams.n (20), with PrefillResponse.more_choices, DecodeRequest.forks and
 DecodeChunk.choice (n > 1 forked from one prefill and one KV transfer); a server that predates them ignores them, so the router checks an engine's kind
-before it sends a non-default value (see docs/architecture.md).
+before it sends a non-default value (see docs/architecture.md). Then LoRAAdapter (a request's
+adapter, PrefillRequest.lora and DecodeRequest.lora; EngineService.LoadLoRA/UnloadLoRA): the
+router sends one only to engines that registered LoRA slots (EngineRecord.max_loras > 0).
 """
 
 from collections import abc as _abc
@@ -222,6 +224,39 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__spaces_between_special_tokens) -> _WhichOneofReturnType__spaces_between_special_tokens | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class LoRAAdapter(_message.Message):
+    """A LoRA adapter as vLLM's server names it (--lora-modules, /v1/load_lora_adapter): the
+    engine runs the request with it, loading it from path first when it does not hold it (or
+    holds another path under that name). Prefill and decode of one request carry the same
+    adapter: vLLM keys its prefix cache by (name, path), so the KV the prefill made with it is
+    the KV the decode continues.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """1-128 characters, as the router's /v1/models lists it."""
+    path: _builtins.str
+    """The adapter's folder on the engine's file system (adapter_config.json and weights in the
+    PEFT layout), at most 4096 characters.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoRAAdapter: _TypeAlias = LoRAAdapter  # noqa: Y015
 
 @_typing.final
 class TokenLogprobs(_message.Message):

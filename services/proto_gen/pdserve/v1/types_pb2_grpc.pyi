@@ -5,7 +5,9 @@ Types shared by the pdserve engine services. Version 1; fields are only ever add
 History: SamplingParams fields 9-19 (vLLM's sampling parameters) and TokenLogprobs added
 later; then SamplingParams.n (20), with PrefillResponse.more_choices, DecodeRequest.forks and
 DecodeChunk.choice (n > 1 forked from one prefill and one KV transfer); a server that predates them ignores them, so the router checks an engine's kind
-before it sends a non-default value (see docs/architecture.md).
+before it sends a non-default value (see docs/architecture.md). Then LoRAAdapter (a request's
+adapter, PrefillRequest.lora and DecodeRequest.lora; EngineService.LoadLoRA/UnloadLoRA): the
+router sends one only to engines that registered LoRA slots (EngineRecord.max_loras > 0).
 """
 
 from collections import abc as _abc
