@@ -32,10 +32,7 @@ def test_one_block_of_one_layer_for_a_head_slice_is_contiguous():
                     == base + block * layout.block_len + head * head_bytes
                 )
     k3, v3 = pool.layer_kv(3)
-    assert (
-        k3.data_ptr() == layout.base_addrs[2]
-        and v3.data_ptr() == layout.base_addrs[3]
-    )
+    assert k3.data_ptr() == layout.base_addrs[2] and v3.data_ptr() == layout.base_addrs[3]
     with pytest.raises(IndexError):
         pool.layer_kv(5)
 
