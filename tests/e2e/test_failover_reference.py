@@ -1,8 +1,10 @@
 """Zero lost requests when one engine process dies: a real ``pdserve up`` stack (reference
 engine, its own Redis) with two prefill and two decode engines, under a steady load of
 concurrent streamed and non-streamed requests sent with the official ``openai`` client: greedy,
-greedy with output penalties, and seeded sampled (``SAMPLING``), each deterministic, so a
-request that continued on other engines must give an unbroken run's text.
+greedy with output penalties, seeded sampled, and seeded sampled with two choices (``n = 2``:
+forked from one prefill and one transfer, each choice continuing alone when its engine fails)
+(``SAMPLING``), each deterministic, so a request that continued on other engines must give an
+unbroken run's text.
 
 Each scenario starts from the whole stack, whatever ran before it (:func:`whole`: ``pdserve up``
 restarts an engine a scenario killed, and the scenario waits for it), so they pass in any order:
@@ -55,15 +57,17 @@ WAIT_BOUND_S = 90.0
 MAX_TOKENS = 32
 PROMPTS = tuple(
     f"prompt {index}: " + "the quick brown fox jumps over the lazy dog " * (2 + index % 3)
-    for index in range(6)
+    for index in range(8)
 )
 SAMPLING = (
     {"temperature": 0},
     {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 1.0},
     {"temperature": 1.0, "seed": 1234},
+    {"temperature": 1.0, "seed": 4321, "n": 2},
 )
-"""Prompt ``i``'s sampling is ``SAMPLING[i % 3]``: a continuation must count the tokens before
-it in the output penalties and continue the seeded random stream after their draws."""
+"""Prompt ``i``'s sampling is ``SAMPLING[i % 4]``: a continuation must count the tokens before
+it in the output penalties and continue the seeded random stream after their draws (each
+choice of ``n = 2`` its own, seeded ``seed + i``)."""
 
 
 @dataclass
@@ -97,35 +101,40 @@ class Load:
 
 
 async def one_request(client: openai.AsyncOpenAI, outcome: Outcome) -> None:
-    """One completion of its prompt (``SAMPLING``); records the text or the error, never
-    raises."""
+    """One completion of its prompt (``SAMPLING``); records the text (its choices' texts
+    joined by `` | ``) or the error, never raises."""
+    sampling = SAMPLING[outcome.prompt % len(SAMPLING)]
     body = {
         "model": MODEL,
         "prompt": PROMPTS[outcome.prompt],
         "max_tokens": MAX_TOKENS,
-        **SAMPLING[outcome.prompt % len(SAMPLING)],
+        **sampling,
         "extra_body": {"ignore_eos": True, "repetition_penalty": 1.2},
     }
+    n = int(sampling.get("n", 1))
     try:
         async with asyncio.timeout(REQUEST_BOUND_S):
             if outcome.stream:
                 raw = await client.completions.with_raw_response.create(**body, stream=True)
                 outcome.decode_engine = raw.headers.get("x-pdserve-decode-engine")
-                finish = None
+                texts: dict[int, str] = {}
+                finish: dict[int, str | None] = {}
                 async for event in raw.parse():
                     for choice in event.choices:
-                        outcome.text += choice.text
+                        texts[choice.index] = texts.get(choice.index, "") + choice.text
                         outcome.chunks += 1
-                        finish = choice.finish_reason or finish
-                if finish != "length":
+                        finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+                outcome.text = " | ".join(texts[index] for index in sorted(texts))
+                if finish != dict.fromkeys(range(n), "length"):
                     outcome.error = f"finish_reason {finish!r}"
             else:
                 raw = await client.completions.with_raw_response.create(**body)
                 outcome.decode_engine = raw.headers.get("x-pdserve-decode-engine")
                 result = raw.parse()
-                outcome.text = result.choices[0].text
+                choices = sorted(result.choices, key=lambda choice: choice.index)
+                outcome.text = " | ".join(choice.text for choice in choices)
                 assert result.usage is not None
-                if result.usage.completion_tokens != MAX_TOKENS:
+                if len(choices) != n or result.usage.completion_tokens != n * MAX_TOKENS:
                     outcome.error = f"usage {result.usage}"
     except TimeoutError:
         outcome.error = "client bound hit (a hang)"
@@ -137,8 +146,8 @@ async def one_request(client: openai.AsyncOpenAI, outcome: Outcome) -> None:
 
 @contextlib.asynccontextmanager
 async def steady_load(url: str, workers: int = 4) -> AsyncIterator[Load]:
-    """``workers`` clients, alternating streamed and non-streamed, cycling over the prompts,
-    until the block exits; then every request in flight is awaited."""
+    """``workers`` clients cycling over the prompts (each sampling streamed and not), until
+    the block exits; then every request in flight is awaited."""
     load = Load()
     stop = asyncio.Event()
     client = openai.AsyncOpenAI(
@@ -148,9 +157,9 @@ async def steady_load(url: str, workers: int = 4) -> AsyncIterator[Load]:
     async def worker(index: int) -> None:
         count = 0
         while not stop.is_set():
-            outcome = Outcome(
-                prompt=(index + count) % len(PROMPTS), stream=(index + count) % 2 == 0
-            )
+            prompt = (index + count) % len(PROMPTS)
+            # Streamed: the first half of the prompts, so each sampling is both.
+            outcome = Outcome(prompt=prompt, stream=prompt < len(PROMPTS) // 2)
             load.outcomes.append(outcome)
             await one_request(client, outcome)
             count += 1
