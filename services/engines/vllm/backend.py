@@ -94,6 +94,7 @@ class _VllmModules:
     arg_utils: Any
     async_llm: Any
     config: Any
+    loggers: Any
 
 
 def _import_vllm() -> _VllmModules:
@@ -106,6 +107,7 @@ def _import_vllm() -> _VllmModules:
             arg_utils=importlib.import_module("vllm.engine.arg_utils"),
             async_llm=importlib.import_module("vllm.v1.engine.async_llm"),
             config=importlib.import_module("vllm.config"),
+            loggers=importlib.import_module("vllm.v1.metrics.loggers"),
         )
     except ImportError as exc:
         raise EngineFailed(
@@ -212,11 +214,21 @@ class VllmBackend(EngineBackend):
         )
         backend = self
 
-        class _LoadRecorder:
-            """vLLM stat logger keeping the latest scheduler stats for :meth:`load`."""
+        base: Any = modules.loggers.PrometheusStatLogger
 
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                self.engine_index = engine_index
+        class _LoadRecorder(base):  # type: ignore[misc]
+            """vLLM's one stat logger here, keeping the latest scheduler stats for :meth:`load`.
+
+            A subclass of vLLM's ``PrometheusStatLogger`` so that vLLM adds no default one
+            (``StatLoggerManager`` skips its own when given a subclass): that one records every
+            engine step and finished request into ``prometheus_client``'s global registry, which
+            no endpoint of the engine host serves (its ``/metrics`` is the host's own registry);
+            with vLLM's logging one, about 19 us of the host's CPU per engine step, for nothing
+            (docs/benchmarks.md, 2026-11-28, issue 51). Its ``__init__`` is not called: no
+            ``vllm:*`` series are built; every method ``StatLoggerManager`` calls is overridden."""
+
+            def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+                self.engine_indexes = engine_indexes or [0]
                 # AsyncLLM builds its stat loggers after the engine core reported the blocks.
                 backend._kv_blocks_total = int(vllm_config.cache_config.num_gpu_blocks or 0)
 
@@ -238,7 +250,10 @@ class VllmBackend(EngineBackend):
             def log(self) -> None:
                 return None
 
-            def record_sleep_state(self, is_awake: int, level: int) -> None:
+            def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+                return None
+
+            def record_admission_rejection(self, reason: str) -> None:
                 return None
 
         # The model load takes minutes: off the event loop, so the host keeps heartbeating (the
@@ -264,7 +279,11 @@ class VllmBackend(EngineBackend):
             "vLLM starts its engine core and workers by %s",
             os.environ.get(START_METHOD_ENV, "fork (vLLM's default)"),
         )
-        return modules.async_llm.AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
+        # disable_log_stats: no LoggingStatLogger either (it logs only when asked through
+        # do_log_stats, which nothing here calls); ``stat_loggers`` still get every step's stats.
+        return modules.async_llm.AsyncLLM.from_vllm_config(
+            vllm_config, stat_loggers=stat_loggers, disable_log_stats=True
+        )
 
     def _kv_events_args(self, modules: _VllmModules) -> dict[str, Any]:
         """vLLM publishes KV events (with prefix caching, which they describe) when asked."""

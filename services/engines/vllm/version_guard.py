@@ -107,6 +107,12 @@ ENGINE_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.engine.async_llm", "AsyncLLM.from_vllm_config"),
     ("vllm.utils.system_utils", "get_mp_context"),  # reads VLLM_WORKER_MULTIPROC_METHOD
     ("vllm.v1.engine.async_llm", "AsyncLLM._run_output_handler"),  # backend.py starts it
+    # backend.py's load recorder replaces it (every method StatLoggerManager calls overridden)
+    ("vllm.v1.metrics.loggers", "PrometheusStatLogger.record"),
+    ("vllm.v1.metrics.loggers", "PrometheusStatLogger.record_sleep_state"),
+    ("vllm.v1.metrics.loggers", "PrometheusStatLogger.record_admission_rejection"),
+    ("vllm.v1.metrics.loggers", "PrometheusStatLogger.log"),
+    ("vllm.v1.metrics.loggers", "PrometheusStatLogger.log_engine_initialized"),
     # _connector_worker.WorkerHandshake (both workers): overridden, then called
     *_on(
         _NIXL,
