@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import replace
 
 from services.control_plane.wire import EngineId
@@ -143,14 +143,7 @@ class Executor:
         avoid_decode: set[EngineId] = set()
         kv_failovers = migrations = 0
         last_error: RouterError | None = None
-        moving: str | None = None  # a migration's reason, counted once its leg has engines
-
-        def planned() -> None:
-            nonlocal moving
-            if moving is not None:
-                info.migrations += 1
-                self._metrics.migrations.labels(reason=moving).inc()
-                moving = None
+        moving: str | None = None  # a migration's reason: its leg counts it once it has engines
 
         while True:
             if progress.left() <= 0:  # the broken leg had sent every token already
@@ -162,9 +155,10 @@ class Executor:
                 info,
                 avoid_prefill,
                 avoid_decode,
-                planned,
+                moving,
                 None if progress.continuing else forked,
             )
+            moving = None
             try:
                 try:
                     step = await anext(leg)
@@ -233,11 +227,12 @@ class Executor:
         info: RunInfo,
         avoid_prefill: set[EngineId],
         avoid_decode: set[EngineId],
-        planned: Callable[[], None],
+        moving: str | None,
         forked: tuple[ForkedLeg, int] | None,
     ) -> AsyncGenerator[Step, None]:
-        """One leg of ``request`` (see services.router.execution.migration): plan (then
-        ``planned()``), prefill, decode; ``forked``: the plan, Prefill and Decode are choice
+        """One leg of ``request`` (see services.router.execution.migration): plan (a migration,
+        ``moving`` its reason, counted once planned), prefill, decode; ``forked``: the plan,
+        Prefill and Decode are choice
         ``index`` of a shared ``(leg, index)``. Raises :class:`LegFailed` when another leg may
         succeed, :class:`NoContinuation` when a continuation finds no engines, the error itself
         otherwise."""
@@ -265,7 +260,9 @@ class Executor:
                 if not continuing:
                     raise
                 raise NoContinuation(exc) from exc
-        planned()
+        if moving is not None:
+            info.migrations += 1
+            self._metrics.migrations.labels(reason=moving).inc()
         progress.decode_on(plan.decode.record.engine_kind)
         if not continuing and forked is None:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
