@@ -263,6 +263,22 @@ class RouterMetrics(Metrics):
             ["pool", "reason"],
             registry=r,
         )
+        self.lora_loads = Counter(
+            "pdserve_router_lora_loads_total",
+            "LoRA adapter loads onto engines, by pool (prefill, decode, local; api: "
+            "/v1/load_lora_adapter or --lora-modules, one per engine) and outcome (ok, "
+            "failed); a request placed on an engine that does not hold its adapter counts "
+            "one (the engine loads it first: docs/router.md, LoRA adapters).",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.lora_evictions = Counter(
+            "pdserve_router_lora_evictions_total",
+            "LoRA adapters an engine stopped holding without an unload through the router "
+            "(its LRU made room for another), by engine role.",
+            ["role"],
+            registry=r,
+        )
         self.cached_tokens = self._loop_histogram(
             "pdserve_router_cached_tokens",
             "Prompt tokens the chosen engine holds per request, by pool, as the router's "

@@ -84,6 +84,7 @@ class EngineCalls:
                         request.sampling,
                         timeout_s=bound_s + BACKSTOP_GRACE_S,
                         trace=request.trace,
+                        lora=request.lora,
                     )
         except Exception as exc:
             info.engine_wait_s += time.perf_counter() - started
@@ -129,6 +130,7 @@ class EngineCalls:
             kv_handle=prefilled.kv_handle if prefilled else None,
             first_token_id=prefilled.first_token_id if prefilled else None,
             trace=request.trace,
+            lora=request.lora,
         )
         if not request.stream:
             delta = await self._decode_once(request, decode_request, slot, prefilled, info)

@@ -106,6 +106,7 @@ class Executor:
         prompt = PromptInfo(
             base.prompt_token_ids,
             context_tokens=len(base.prompt_token_ids) + base.sampling.max_tokens,
+            lora_name=base.lora_name,
         )
         try:
             plan = self._scheduler.plan(base.model, prompt)
@@ -248,6 +249,7 @@ class Executor:
         prompt = PromptInfo(
             leg_request.prompt_token_ids,
             context_tokens=len(leg_request.prompt_token_ids) + leg_request.sampling.max_tokens,
+            lora_name=leg_request.lora_name,
         )
         if forked is not None:
             plan = forked[0].plan

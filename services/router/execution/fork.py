@@ -201,6 +201,7 @@ class ForkedLeg:
             first_token_id=forks[0].first_token_id,
             forks=tuple(forks),
             trace=request.trace,
+            lora=request.lora,
         )
         started = time.perf_counter()
         slot.health.begin_call()

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import FinishReason, SamplingParams, TokenLogprobs
 from services.engines.trace_context import TraceContext
 
@@ -33,6 +34,13 @@ class GenerationRequest:
     trace: TraceContext | None = None
     """The W3C trace context of the HTTP request (valid; ``None`` when it had none or an
     invalid one): every engine call of the request sends it as gRPC metadata."""
+    lora: LoRAAdapter | None = None
+    """The LoRA adapter the request runs with on every engine (prefill, decode, each leg);
+    ``None``: the base model ``model``."""
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
 
 
 @dataclass(frozen=True)

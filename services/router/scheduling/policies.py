@@ -91,9 +91,16 @@ class PromptInfo:
         return not max_model_len or self.context_tokens <= max_model_len
 
     def block_hashes(self, block_size: int) -> list[int]:
+        """The approximate view's keys of the prompt's full blocks: as engines report them
+        (:func:`prompt_block_hashes`), and chained from the adapter for a LoRA request (an
+        adapter's KV is not the base model's, nor another adapter's)."""
         hashes = self._hashes.get(block_size)
         if hashes is None:
-            hashes = prompt_block_hashes(self.token_ids, block_size)
+            if self.lora_name is None:
+                hashes = prompt_block_hashes(self.token_ids, block_size)
+            else:
+                root = chain_root("", self.lora_name)
+                hashes = block_keys(self.token_ids, block_size, root)
             self._hashes[block_size] = hashes
         return hashes
 

@@ -58,6 +58,11 @@ class EngineSlot:
     """No longer READY: chosen by nobody, closed when ``inflight`` drops to 0."""
     health: CircuitBreaker = field(default_factory=CircuitBreaker)
     """This router's circuit breaker on the engine (``services.router.scheduling.health``)."""
+    lora_unloads: set[str] = field(default_factory=set)
+    """LoRA adapters this router unloaded from the engine that its load record still listed:
+    their leaving is no eviction."""
+    reported_adapters: frozenset[str] = frozenset()
+    """The LoRA adapters the engine's last load record listed."""
     held_until: float | None = None
     """Held after an outage (see the module docstring): chosen until then
     (``time.monotonic()``) unless its new generation is READY or a call fails first."""
@@ -234,6 +239,7 @@ class EnginePool:
         self._registered_models[engine_id] = record.model
         load = view.load or EngineLoad()
         if current is not None and current.record == record:
+            self._count_evictions(current, load)
             current.load = load
             if current.held_until is not None:  # Redis came back with its registration
                 current.held_until = None
@@ -244,7 +250,11 @@ class EnginePool:
                     self._metrics.holdovers.labels(outcome="replaced").inc()
                 self._remove(current)
             current = EngineSlot(
-                record, self._connectors.connect(record), load, health=self._breaker()
+                record,
+                self._connectors.connect(record),
+                load,
+                health=self._breaker(),
+                reported_adapters=frozenset(load.lora_adapters),
             )
             self._slots[engine_id] = current
             self._ordered.clear()
@@ -259,6 +269,18 @@ class EnginePool:
                 listener.joined(current)
         self._export_load(current)
         self._export_ready()
+
+    def _count_evictions(self, slot: EngineSlot, load: EngineLoad) -> None:
+        """Count the adapters that left ``slot``'s load record without an unload through this
+        router (its LRU made room: ``pdserve_router_lora_evictions_total``)."""
+        now = frozenset(load.lora_adapters)
+        gone, slot.reported_adapters = slot.reported_adapters - now, now
+        if not gone:
+            return
+        evicted = gone - slot.lora_unloads
+        slot.lora_unloads -= gone
+        if evicted:
+            self._metrics.lora_evictions.labels(role=slot.role.value).inc(len(evicted))
 
     def _holds(self, slot: EngineSlot, view: EngineView | None, resync: str | None) -> bool:
         """Whether ``slot``, which the control plane no longer lists READY, stays (held)."""

@@ -31,6 +31,11 @@ the prompt tokens the chosen engines hold (``pdserve_router_cached_tokens{pool}`
 blocks a disaggregated request's decode engine lacks (``pdserve_router_kv_blocks_moved``, and
 in bytes, ``pdserve_router_kv_bytes_moved``, for engines whose record gives their block bytes).
 
+A request naming a LoRA adapter (``PromptInfo.lora_name``) runs only on engines with LoRA
+slots, and each stage prefers the engines that hold the adapter (:mod:`.adapters`); a
+placement on an engine that must load it first is counted in
+``pdserve_router_lora_loads_total``.
+
 Health (``services.router.scheduling.health``): engines whose circuit breaker is open are not
 chosen; a request that failed over or migrated also names engines to ``avoid``. When every decode
 engine of the model has an open breaker (and none is avoided), they are chosen anyway: a decode
@@ -50,6 +55,7 @@ from services.control_plane.wire import EngineId, EngineRole
 from services.router.config import RouterSettings
 from services.router.errors import NoEngineAvailable
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.adapters import lora_capable, prefer_holders
 from services.router.scheduling.policies import PromptInfo, RoutingPolicy, Stage
 from services.router.scheduling.pool import EnginePool, EngineSlot
 
@@ -99,6 +105,13 @@ class Scheduler:
             for s in self._pool.slots(DECODE_ROLES)
             if s.record.model == model and s.engine_id not in avoid_decode
         ]
+        capable = lora_capable(decodes, prompt.lora_name)
+        if decodes and not capable:
+            raise self._unavailable(
+                f"no READY decode engine of {model!r} serves LoRA adapters "
+                f"(adapter {prompt.lora_name!r})"
+            )
+        decodes = capable
         if not decodes:
             registered = self._pool.registered_models()
             if model not in registered:
@@ -129,6 +142,7 @@ class Scheduler:
             and s.engine_id not in avoid_prefill
             and prompt.fits(s.record.max_model_len)
         ]
+        prefills = lora_capable(prefills, prompt.lora_name)
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
         healthy = [p for p in paired if p.health.available()]
         if not healthy:
@@ -154,10 +168,10 @@ class Scheduler:
         paired = healthy
         if len(prompt.token_ids) <= self._settings.local_max_prompt_tokens:
             return self._local(decodes, prompt, "short_prompt")
-        prefill = self._policy.choose(paired, prompt, Stage.PREFILL)
+        prefill, prefill_loads = self._choose(paired, prompt, Stage.PREFILL)
         prefill_reason = self._policy.reason
         partners = [d for d in decodes if d.compatible_with(prefill)]
-        decode = self._policy.choose(partners, prompt, Stage.DECODE)
+        decode, decode_loads = self._choose(partners, prompt, Stage.DECODE)
         decode_reason = self._policy.reason
         # Hashing the prompt is only needed when the policy knows of cached blocks (never for
         # round_robin / least_loaded); local_cached_fraction > 0, so 0 cached never qualifies.
@@ -168,6 +182,7 @@ class Scheduler:
         ):
             self._policy.routed(decode, prompt)
             self._count("local", "cached_prompt", cached * block_size)
+            self._count_load("local", decode_loads)
             return Plan(decode=decode, prefill=None, local_reason="cached_prompt")
         self._count(
             "prefill",
@@ -175,6 +190,8 @@ class Scheduler:
             self._policy.cached_blocks(prefill, prompt) * prefill.record.block_size,
         )
         self._count("decode", decode_reason, cached * block_size)
+        self._count_load("prefill", prefill_loads)
+        self._count_load("decode", decode_loads)
         blocks = -(-len(prompt.token_ids) // block_size)
         self._metrics.kv_blocks_moved.observe(blocks - cached)
         if decode.record.kv_block_bytes:
@@ -190,6 +207,19 @@ class Scheduler:
         if outage_s > 0:
             message += f" (the control plane has been unreachable for {outage_s:.0f} s)"
         return NoEngineAvailable(message)
+
+    def _choose(
+        self, candidates: list[EngineSlot], prompt: PromptInfo, stage: Stage
+    ) -> tuple[EngineSlot, bool]:
+        """The policy's choice among ``candidates``, those holding the request's LoRA adapter
+        when any does (:mod:`.adapters`), and whether the chosen engine loads it first."""
+        preferred, loads = prefer_holders(candidates, prompt.lora_name)
+        return self._policy.choose(preferred, prompt, stage), loads
+
+    def _count_load(self, pool: str, loads: bool) -> None:
+        """Count the adapter load a placement on an engine without it causes."""
+        if loads:
+            self._metrics.lora_loads.labels(pool=pool, outcome="ok").inc()
 
     def _count(self, pool: str, reason: str, cached_tokens: int) -> None:
         self._metrics.placement_by(pool, reason).inc()
@@ -207,10 +237,12 @@ class Scheduler:
             and prompt.fits(s.record.max_model_len)
             and s.health.available()
         ]
+        candidates = lora_capable(candidates, prompt.lora_name)
         if not candidates:
             return None
-        chosen = self._policy.choose(candidates, prompt, Stage.PREFILL)
+        chosen, loads = self._choose(candidates, prompt, Stage.PREFILL)
         self._metrics.placement_by("prefill", self._policy.reason).inc()
+        self._count_load("prefill", loads)
         self._policy.routed(chosen, prompt)
         return chosen
 
@@ -229,9 +261,10 @@ class Scheduler:
         return any(p.compatible_with(d) for p in prefills for d in decodes)
 
     def _local(self, candidates: list[EngineSlot], prompt: PromptInfo, reason: str) -> Plan:
-        decode = self._policy.choose(candidates, prompt, Stage.LOCAL)
+        decode, loads = self._choose(candidates, prompt, Stage.LOCAL)
         self._count(
             "local", reason, self._policy.cached_blocks(decode, prompt) * decode.record.block_size
         )
+        self._count_load("local", loads)
         self._policy.routed(decode, prompt)
         return Plan(decode=decode, prefill=None, local_reason=reason)

@@ -35,6 +35,7 @@ from services.control_plane.wire import (
     EngineStatus,
 )
 from services.engines.errors import KVTransferFailed
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import (
     DecodeRequest,
     FinishReason,
@@ -95,6 +96,12 @@ class FakeEngine(EngineConnector):
     aborted: list[str] = field(default_factory=list)
     traces: list[tuple[str, str, TraceContext | None]] = field(default_factory=list)
     """``(call, request id, trace context)`` of every call (prefill, decode, abort)."""
+    loras: list[tuple[str, str, LoRAAdapter | None]] = field(default_factory=list)
+    """``(call, request id, LoRA adapter)`` of every prefill and decode."""
+    lora_loads: list[tuple[LoRAAdapter, bool]] = field(default_factory=list)
+    """``(adapter, load_inplace)`` of every ``load_lora``."""
+    lora_load_error: Exception | None = None
+    held_loras: tuple[str, ...] = ()
     closed: bool = False
 
     async def prefill(
@@ -105,8 +112,10 @@ class FakeEngine(EngineConnector):
         *,
         timeout_s: float | None = None,
         trace: TraceContext | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> PrefillResult:
         self.prefills.append(request_id)
+        self.loras.append(("prefill", request_id, lora))
         self.traces.append(("prefill", request_id, trace))
         if self.prefill_error is not None:
             raise self.prefill_error
@@ -143,6 +152,7 @@ class FakeEngine(EngineConnector):
     ) -> AsyncIterator[TokenDelta]:
         self.decodes.append(request)
         self.traces.append(("decode", request.request_id, request.trace))
+        self.loras.append(("decode", request.request_id, request.lora))
         if self.decode_error is not None:
             raise self.decode_error
         if request.forks:  # one sequence per fork, interleaved, each tagged with its choice
@@ -221,6 +231,20 @@ class FakeEngine(EngineConnector):
         self.aborted.append(request_id)
         self.traces.append(("abort", request_id, trace))
         return True
+
+    async def load_lora(
+        self, adapter: LoRAAdapter, *, load_inplace: bool = False, timeout_s: float | None = None
+    ) -> tuple[str, ...]:
+        self.lora_loads.append((adapter, load_inplace))
+        if self.lora_load_error is not None:
+            raise self.lora_load_error
+        self.held_loras = tuple(sorted({*self.held_loras, adapter.name}))
+        return self.held_loras
+
+    async def unload_lora(self, name: str, *, timeout_s: float | None = None) -> bool:
+        found = name in self.held_loras
+        self.held_loras = tuple(n for n in self.held_loras if n != name)
+        return found
 
     async def close(self) -> None:
         self.closed = True

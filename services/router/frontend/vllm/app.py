@@ -29,6 +29,7 @@ from services.router.frontend.vllm.engine_client import (
     PdserveEngineClient,
 )
 from services.router.frontend.vllm.ignored_fields import count_ignored_fields
+from services.router.frontend.vllm.lora import adopt
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,9 @@ def create_vllm_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with build_runtime() as runtime:
             app.state.runtime = runtime
-            await init_app_state(
-                PdserveEngineClient(frontend, runtime), app.state, args, SUPPORTED_TASKS
-            )
+            client = PdserveEngineClient(frontend, runtime)
+            await init_app_state(client, app.state, args, SUPPORTED_TASKS)
+            adopt(app.state.openai_serving_models, client.loras)
             yield
 
     app.router.lifespan_context = lifespan

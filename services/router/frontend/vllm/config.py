@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm import AsyncEngineArgs
-from vllm.config import VllmConfig
+from vllm.config import LoRAConfig, VllmConfig
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.renderers import renderer_from_config
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -96,10 +96,15 @@ ENGINE_GROUPS = frozenset(
         "AttentionConfig",
         "MambaConfig",
         "ObservabilityConfig",
+        "LoRAConfig",
     }
 )
 """Groups of vLLM's server flags that configure the engine only (the front end builds the
 model config, its structured-outputs and logging config, nothing else: :func:`build_frontend`)."""
+FRONTEND_LORA_FLAGS = frozenset({"enable_lora"})
+"""The one flag of vLLM's ``LoRAConfig`` group the front end applies: ``--enable-lora`` lets
+requests name adapters (vLLM's input processor refuses them otherwise); the rest (ranks,
+slots) configure the engines, which register their slots (``max_loras``)."""
 ENGINE_FLAGS = frozenset(
     {
         "speculative_config",
@@ -160,6 +165,8 @@ def frontend_args(
                 parser.error(
                     f"{flag} is not applied by pdserve's router: {SERVER_FLAGS[action.dest]}"
                 )
+            if action.dest in FRONTEND_LORA_FLAGS:
+                continue
             if group.title in ENGINE_GROUPS or action.dest in ENGINE_FLAGS:
                 parser.error(
                     f"{flag} configures vLLM's engine, not its front end: give it to the "
@@ -170,7 +177,9 @@ def frontend_args(
 
 
 def build_frontend(args: argparse.Namespace) -> Frontend:
-    """The config, renderer and input processor of vLLM's front end for ``args``."""
+    """The config, renderer and input processor of vLLM's front end for ``args``; with
+    ``--enable-lora`` its config has a LoRA config (vLLM's defaults: the front end only asks
+    whether there is one; the engines' flags size their slots)."""
     engine_args = AsyncEngineArgs.from_cli_args(args)
     model_config = engine_args.create_model_config()
     model_config.quantization = None  # as vLLM's render server: no weights are loaded here
@@ -178,6 +187,7 @@ def build_frontend(args: argparse.Namespace) -> Frontend:
         model_config=model_config,
         logging_config=engine_args.create_logging_config(),
         structured_outputs_config=engine_args.create_structured_outputs_config(),
+        lora_config=LoRAConfig() if args.enable_lora else None,
     )
     renderer = renderer_from_config(vllm_config)
     return Frontend(

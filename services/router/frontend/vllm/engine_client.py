@@ -54,7 +54,9 @@ from services.router.errors import InvalidRequestError, RouterError
 from services.router.execution.generation import ChunkStream, GenerationRequest, RunInfo
 from services.router.frontend import trace_headers as trace_of
 from services.router.frontend.engine_support import check_engines
+from services.router.frontend.served_names import ServedName, ServedNames
 from services.router.frontend.vllm.config import Frontend
+from services.router.frontend.vllm.lora import LoRAFanout, lora_refusal
 from services.router.metrics import RouterMetrics
 from services.router.runtime import RouterRuntime
 
@@ -199,13 +201,20 @@ def _logprob_rows(
 class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyped here)
     """vLLM's ``EngineClient`` (``vllm/engine/protocol.py``) over pdserve's executor."""
 
-    def __init__(self, frontend: Frontend, runtime: RouterRuntime) -> None:
+    def __init__(
+        self, frontend: Frontend, runtime: RouterRuntime, names: ServedNames | None = None
+    ) -> None:
         self.vllm_config = frontend.vllm_config
         self.model_config = frontend.vllm_config.model_config
         self.renderer = frontend.renderer
         self.input_processor = frontend.input_processor
         self.runtime = runtime
         self.model = frontend.served_model_name
+        self.names = names if names is not None else ServedNames()
+        """What a request's ``model`` runs on (the router's one name table, shared by every
+        base model's client when several are served)."""
+        self.names.add_base(self.model, self.model)
+        self.loras = LoRAFanout(runtime.pool, self.names, runtime.metrics, self.model)
         self._outputs = OutputProcessor(frontend.renderer.tokenizer, log_stats=False)
 
     # --- what vLLM's serving classes call per request ---------------------------------------
@@ -283,23 +292,30 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 child.sampling_params = child_params
                 children.append((child, parent))
         trace = trace_of.from_vllm(trace_headers, self.runtime.metrics)
+        served = self._served(lora_request)
         try:
             generations = [
                 GenerationRequest(
                     request_id=child.request_id,
-                    model=self.model,
+                    model=served.model,
                     prompt_token_ids=tuple(child.prompt_token_ids),
                     sampling=engine_sampling(child.sampling_params),
                     arrival_s=arrival_s,
                     stream=params.output_kind.name != "FINAL_ONLY",
                     trace=trace,
+                    lora=served.adapter,
                 )
                 for child, _ in children
             ]
             records = [
-                slot.record for slot in self.runtime.pool.slots() if slot.record.model == self.model
+                slot.record
+                for slot in self.runtime.pool.slots()
+                if slot.record.model == served.model
             ]
             check_engines(records, generations[0].sampling)
+            refusal = None if served.adapter is None else lora_refusal(records, served.name)
+            if refusal is not None:
+                raise InvalidRequestError(refusal, param="model", code="unsupported_parameter")
         except RouterError as error:
             raise vllm_error(error) from error
         queue = RequestOutputCollector(params.output_kind, request.request_id)
@@ -417,6 +433,21 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
         finally:
             await stream.aclose()
 
+    def _served(self, lora_request: Any) -> ServedName:
+        """What the request runs on: the base model, or the adapter vLLM's front end resolved
+        (``lora_request``) in the router's name table (:mod:`..served_names`)."""
+        name = self.model if lora_request is None else str(lora_request.lora_name)
+        served = self.names.resolve(name)
+        if served is None:  # unloaded between vLLM's check and here
+            raise GracefulHTTPError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND)
+        return served
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """vLLM's ``add_lora`` (``--lora-modules``, ``/v1/load_lora_adapter``): loaded on every
+        engine of the adapter's base model (:class:`~.lora.LoRAFanout`)."""
+        await self.loras.load(lora_request)
+        return True
+
     # --- the rest of vLLM's EngineClient: not offered through the router -------------------
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
@@ -447,4 +478,4 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
 
     encode = start_profile = stop_profile = reset_mm_cache = reset_encoder_cache = _not_served
     reset_prefix_cache = sleep = release_kv_cache_memory = wake_up = _not_served
-    is_sleeping = add_lora = pause_generation = resume_generation = is_paused = _not_served
+    is_sleeping = pause_generation = resume_generation = is_paused = _not_served
