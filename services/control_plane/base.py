@@ -56,8 +56,9 @@ class EngineSpec:
     One engine is described by three types, each a field-for-field subset of the next, copied
     by name (:meth:`record`, ``BackendDescription.spec``) so that a new field is one edit per
     type and a test (``tests/unit/test_engine_types.py``) fails when the sets drift:
-    ``BackendDescription`` (what the backend knows of its model and layout, plus what only
-    the serving side needs: vocabulary, EOS ids) -> ``EngineSpec`` (+ engine id, role,
+    ``BackendDescription`` (what the backend knows of its model and layout, the model's
+    shape as one ``topology.ModelShape`` whose registered fields the spec carries flat, plus
+    what only the serving side needs: vocabulary, EOS ids) -> ``EngineSpec`` (+ engine id, role,
     endpoint) -> ``EngineRecord`` (+ what the control plane assigns: generation, lease,
     registration time). Three stay because the record is the wire format stored in Redis
     (flat, versioned by its fields), the spec is what a host may choose, and the

@@ -24,6 +24,6 @@ class DecodeService(RoleService):
         gate = ProducerGate(
             producer_views,
             compat_hash=description.compat_hash,
-            block_size=description.block_size,
+            block_size=description.shape.block_size,
         )
         return DecodeServicer(state, gate)

@@ -40,6 +40,7 @@ from services.engines.errors import LoRANotServed
 from services.engines.lora import LoRAAdapter
 from services.engines.requests import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.kv_events.endpoints import advertised
+from services.topology import ModelShape
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,13 @@ class EngineRegistration:
 
 @dataclass(frozen=True)
 class BackendDescription:
-    """The model- and layout-dependent parts of an engine's control-plane spec."""
+    """The model- and layout-dependent parts of an engine's control-plane spec: the model's
+    shape (the spec carries its registered fields flat: :data:`REGISTERED_SHAPE_FIELDS`) and
+    what else the backend knows before it has an id or an address."""
 
     model: str
     compat_hash: str
-    pp_size: int
-    tp_size: int
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
-    vocab_size: int
-    max_model_len: int
+    shape: ModelShape
     eos_token_ids: tuple[int, ...]
     pp_aware: bool = True
     engine_kind: str = "reference"
@@ -84,7 +81,10 @@ class BackendDescription:
         ``endpoint`` is the advertised gRPC ``HOST:PORT``, whose host also replaces a wildcard
         in the KV-event endpoints."""
         shared = {f.name for f in dataclasses.fields(EngineSpec)} - SPEC_ONLY_FIELDS
-        values = {name: getattr(self, name) for name in shared}
+        values = {
+            name: getattr(self.shape if name in REGISTERED_SHAPE_FIELDS else self, name)
+            for name in shared
+        }
         host = endpoint.rpartition(":")[0] or endpoint
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             if values[name]:
@@ -92,17 +92,20 @@ class BackendDescription:
         return EngineSpec(engine_id=engine_id, role=role, endpoint=endpoint, **values)
 
 
-def kv_block_bytes(
-    *, num_layers: int, num_kv_heads: int, block_size: int, head_size: int, dtype: str
-) -> int:
+def kv_block_bytes(shape: ModelShape) -> int:
     """The bytes of one KV block of a whole engine: K and V of every layer and KV head, in the
-    KV cache's ``dtype`` (0 for a dtype :data:`DTYPE_BYTES` does not know)."""
-    element = DTYPE_BYTES.get(dtype, 0)
-    return 2 * num_layers * num_kv_heads * block_size * head_size * element
+    KV cache's dtype (0 for a dtype :data:`DTYPE_BYTES` does not know)."""
+    element = DTYPE_BYTES.get(shape.dtype, 0)
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.block_size * shape.head_size * element
 
 
 SPEC_ONLY_FIELDS = frozenset({"engine_id", "role", "endpoint"})
 """The fields of :class:`EngineSpec` a description does not have (the host knows them)."""
+
+REGISTERED_SHAPE_FIELDS = frozenset(
+    {"pp_size", "tp_size", "num_layers", "num_kv_heads", "block_size", "max_model_len"}
+)
+"""The fields of a description's :class:`ModelShape` its spec (and record) carries, flat."""
 
 
 class EngineBackend(abc.ABC):

@@ -179,8 +179,8 @@ class RequestLimits:
     @classmethod
     def of(cls, description: BackendDescription) -> RequestLimits:
         return cls(
-            vocab_size=description.vocab_size,
-            max_model_len=description.max_model_len,
+            vocab_size=description.shape.vocab_size,
+            max_model_len=description.shape.max_model_len,
             lora_slots=description.max_loras,
             engine_kind=description.engine_kind,
         )

@@ -59,17 +59,11 @@ class SyntheticEngine(EngineBackend, abc.ABC):
         self._block_ids = itertools.count()
 
     def describe(self) -> BackendDescription:
-        claim, shape = self.claim, self.claim.shape
+        claim = self.claim
         return BackendDescription(
             model=claim.model,
             compat_hash=claim.compat_hash,
-            pp_size=shape.pp_size,
-            tp_size=shape.tp_size,
-            num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads,
-            block_size=shape.block_size,
-            vocab_size=shape.vocab_size,
-            max_model_len=shape.max_model_len,
+            shape=claim.shape,
             eos_token_ids=(),
             engine_kind=claim.engine_kind,
             kv_block_bytes=claim.kv_block_bytes,

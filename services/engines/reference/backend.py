@@ -79,6 +79,7 @@ from services.kv_events.publisher import KVEventPublisher, PublisherMetrics
 from services.kv_transfer.block_pool import KV_LAYOUT
 from services.tokenization.errors import TokenizerFilesError
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
+from services.topology import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -143,26 +144,26 @@ class ReferenceBackend(EngineBackend):
     def describe(self) -> BackendDescription:
         config = self.config
         publisher = self._kv_event_publisher()
+        shape = ModelShape(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_size=config.head_dim,
+            dtype=self.options.dtype,
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_position_embeddings,
+            block_size=self.options.block_size,
+            pp_size=self.options.pp_size,
+            tp_size=self.options.tp_size,
+            layer_partition=self.options.layer_partition,
+        )
         return BackendDescription(
             model=self.options.served_model_name(),
             compat_hash=self.compat_hash,
-            pp_size=self.options.pp_size,
-            tp_size=self.options.tp_size,
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            block_size=self.options.block_size,
-            vocab_size=config.vocab_size,
-            max_model_len=config.max_position_embeddings,
+            shape=shape,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             kv_events_endpoint=publisher.endpoints.events if publisher else "",
             kv_events_replay_endpoint=publisher.endpoints.replay if publisher else "",
-            kv_block_bytes=kv_block_bytes(
-                num_layers=config.num_hidden_layers,
-                num_kv_heads=config.num_key_value_heads,
-                block_size=self.options.block_size,
-                head_size=config.head_dim,
-                dtype=self.options.dtype,
-            ),
+            kv_block_bytes=kv_block_bytes(shape),
         )
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:

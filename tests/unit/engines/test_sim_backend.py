@@ -154,9 +154,9 @@ def test_the_registry_builds_sim_engines_from_a_profile_and_refuses_other_flags(
     )
     assert isinstance(backend, SimBackend)
     description = backend.describe()
-    assert description.engine_kind == "sim" and description.pp_size == 2
+    assert description.engine_kind == "sim" and description.shape.pp_size == 2
     assert description.model == load_profile().served_model
-    block_bytes = load_profile().kv_bytes_per_token * description.block_size
+    block_bytes = load_profile().kv_bytes_per_token * description.shape.block_size
     assert description.kv_block_bytes == block_bytes
     assert backend.load().kv_blocks_total == 64
     assert backend.options.time_scale == 1.0

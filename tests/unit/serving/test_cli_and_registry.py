@@ -66,7 +66,7 @@ def test_bad_settings_exit_2_with_a_clear_message(
 def test_registry_builds_the_stub_and_names_unknown_engines() -> None:
     backend = create_backend("stub", EngineOptions(pp_size=2, num_kv_blocks=10))
     assert isinstance(backend, StubBackend)
-    assert backend.describe().pp_size == 2
+    assert backend.describe().shape.pp_size == 2
     assert backend.load().kv_blocks_total == 10
     with pytest.raises(UnknownEngine, match="choose one of"):
         create_backend("tensorrt", EngineOptions())
@@ -120,7 +120,8 @@ def test_registry_builds_the_vllm_backend_from_service_flags(tmp_path) -> None:
     with pytest.raises(EngineOptionsError, match="does not take --otlp-traces-endpoint"):
         create_backend("stub", EngineOptions(otlp_traces_endpoint="http://collector:4317"))
     description = backend.describe()
-    assert (description.pp_size, description.tp_size, description.block_size) == (2, 1, 16)
+    shape = description.shape
+    assert (shape.pp_size, shape.tp_size, shape.block_size) == (2, 1, 16)
     assert description.engine_kind == "vllm"
     # The tiny model's KV block: K and V of every layer and KV head, float32 by default.
     config = json.loads((model / "config.json").read_text())

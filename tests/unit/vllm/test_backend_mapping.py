@@ -68,7 +68,8 @@ PARAMS = {
 
 def test_describe_reads_config_only(model_dir: Path) -> None:
     description = describe_model(VllmEngineOptions(model_dir, pp_size=2, tp_size=2))
-    assert (description.num_layers, description.num_kv_heads, description.vocab_size) == (7, 2, 384)
+    shape = description.shape
+    assert (shape.num_layers, shape.num_kv_heads, shape.vocab_size) == (7, 2, 384)
     assert description.engine_kind == "vllm" and description.pp_aware
 
 
