@@ -37,6 +37,9 @@ client). Goodput: requests per second that met them (arrivals within the measure
   compares with S times the profile's figures (the overhead is the path's, not scaled): the
   simulator's timing, on a machine whose engine hosts cannot stream 32 sequences of 5 ms steps
   in real time.
+- **trace** (``--trace FILE``): the planner's cached-share effect, on a trace replayed through
+  fixed pools and read by two planners, with and without the cached share
+  (:mod:`services.bench.goodput_trace`).
 
 ``client`` figures say whether the load generator kept up: how late requests were sent
 against their schedule (p99), in the same run.
@@ -57,6 +60,7 @@ from typing import Any
 
 import httpx
 
+from services.bench import goodput_trace
 from services.bench.procs import children_with_arg
 from services.bench.profile import Sweep, measure_itl, measure_ttft
 from services.bench.soak import percentiles_ms, wait_endpoints
@@ -105,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "second (the profile's figures scaled alike): for a machine whose hosts cannot stream "
         "the profile's tokens a second in real time",
     )
+    goodput_trace.add_arguments(parser)
     parser.add_argument("--plot", type=Path, default=None, help="write goodput vs rate (PNG)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -163,6 +168,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["plot"] = str(args.plot)
         if args.step:
             result["step"] = _step(args, slo, root)
+        if args.trace is not None:
+            result["trace"] = goodput_trace.run(args, root)
     return result
 
 

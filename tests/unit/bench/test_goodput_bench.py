@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from services.bench import goodput_trace
 from services.bench.goodput import (
     Outcome,
     Slo,
@@ -20,7 +23,13 @@ from services.bench.goodput import (
     unshared,
 )
 from services.bench.procs import children_with_arg
+from services.bench.trace import SHIPPED_TRACE, load_workload
+from services.bench.trace_file import BLOCK_TOKENS, oracle_tokens
 from services.engines.sim.profile import load_profile
+from services.planner.config import PlannerSettings
+from services.planner.main import build_planner
+from services.planner.observe import RouterSnapshot
+from services.planner.plan import step_record
 
 
 def test_layouts_are_every_split_and_colocated() -> None:
@@ -103,3 +112,52 @@ def test_every_request_of_the_sweep_has_its_own_first_block() -> None:
     firsts = {tuple(unshared(prompt, n)[:16]) for n in range(3000)}
     assert len(firsts) == 3000
     assert unshared(prompt, 5)[2:] == prompt[2:] and len(unshared([50], 7)) == 1
+
+
+def test_the_trace_run_shows_what_the_cached_share_saves_the_planner() -> None:
+    """The headline of ``--trace``: two real planners read the shipped trace's load (its
+    rate at the default time scale, mean prompt, and the offline oracle's cached tokens on
+    the default fleet, as the router would count them), one with the cached share and one
+    without; the bench's figures from their JSON lines say how many prefill engines the cache
+    saves. Goes to zero (fails) if the planner stops reading the cached share."""
+    parser = argparse.ArgumentParser()
+    goodput_trace.add_arguments(parser)
+    args = parser.parse_args(["--trace", str(SHIPPED_TRACE)])
+    profile = load_profile()
+    workload = load_workload(
+        argparse.Namespace(
+            trace=args.trace, kv_blocks=None, block_tokens=BLOCK_TOKENS, max_requests=None
+        ),
+        profile,
+    )
+    requests = workload.requests
+    prefill_engines = int(args.trace_fleet.partition(":")[0])
+    capacity = profile.kv_cache.num_blocks * profile.kv_cache.block_size
+    cached = oracle_tokens(
+        requests, prefill_engines, capacity, engine_block=profile.kv_cache.block_size
+    )
+    span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
+    rate = len(requests) / (span_s * args.trace_time_scale)
+    prompt, hit = sum(r.input_length for r in requests) / len(requests), sum(cached) / len(cached)
+    assert hit > 0.5 * prompt  # the trace mostly hits
+    figures = {}
+    for name, use in (("cached", True), ("blind", False)):
+        planner = build_planner(
+            PlannerSettings(ttft_ms=150, itl_ms=12.5, prefill_max=64, cached_tokens=use)
+        )
+        lines = []
+        for interval in range(6):
+            n = rate * 2.0 * interval
+            snapshot = RouterSnapshot(
+                at_s=2.0 * interval, requests=n, ttft_sum_s=0, ttft_count=0, itl_sum_s=0,
+                itl_count=0, ready_prefill=prefill_engines, ready_decode=2,
+                prompt_tokens=(n * prompt, n), generation_tokens=(n * 32, n),
+                prefill_cached_tokens=(n * hit, n),
+            )  # fmt: skip
+            lines.append(json.loads(json.dumps(step_record(planner.step(snapshot)))))
+        figures[name] = goodput_trace.planner_figures(lines)
+    assert figures["cached"]["intervals"] == figures["blind"]["intervals"] == 5
+    assert figures["blind"]["cached_tokens_mean"] == 0
+    effect = goodput_trace.cached_share_effect(figures["cached"], figures["blind"])
+    assert effect["prefill_engines_saved"] >= 1, (figures, effect)
+    assert effect["prefill_need_ratio"] < 1
