@@ -9,6 +9,7 @@ wire (``services.control_plane.wire``). Pure code: no I/O, no third-party import
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from services.topology.ranges import EngineLayout
@@ -32,6 +33,13 @@ class ModelShape:
     tp_size: int = 1
     layer_partition: tuple[int, ...] | None = None
     """Layers per PP stage (``None``: :func:`~services.topology.split_layers`'s even split)."""
+
+    @classmethod
+    def of(cls, source: object) -> ModelShape:
+        """The shape ``source`` holds under these fields' names (an engine's options, a
+        profile's model); what it does not hold stays unknown."""
+        names = (f.name for f in dataclasses.fields(cls))
+        return cls(**{name: getattr(source, name) for name in names if hasattr(source, name)})
 
     @property
     def world_size(self) -> int:

@@ -105,14 +105,7 @@ class ProfileModel(_Frozen):
     @property
     def shape(self) -> ModelShape:
         """The model's shape (uncut: one engine of PP=1 x TP=1; no block size)."""
-        return ModelShape(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            dtype=self.dtype,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )
+        return ModelShape.of(self)
 
 
 class PrefillTiming(_Frozen):

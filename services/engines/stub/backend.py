@@ -62,16 +62,7 @@ class StubOptions:
 
     @property
     def shape(self) -> ModelShape:
-        return ModelShape(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            pp_size=self.pp_size,
-            tp_size=self.tp_size,
-            layer_partition=self.layer_partition,
-        )
+        return ModelShape.of(self)
 
 
 @dataclass
