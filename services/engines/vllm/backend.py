@@ -116,6 +116,52 @@ def _import_vllm() -> _VllmModules:
         ) from exc
 
 
+def load_recorder(backend: VllmBackend, base: Any) -> type:
+    """The stat logger class :class:`VllmBackend` gives ``AsyncLLM`` (``stat_loggers``), on
+    ``base``: vLLM's ``PrometheusStatLogger`` (a function of the backend, so that vLLM is
+    imported only when an engine starts)."""
+
+    class _LoadRecorder(base):  # type: ignore[misc]
+        """vLLM's one stat logger here, keeping the latest scheduler stats for :meth:`load`.
+
+        A subclass of vLLM's ``PrometheusStatLogger`` so that vLLM adds no default one
+        (``StatLoggerManager`` skips its own when given a subclass): that one records every
+        engine step and finished request into ``prometheus_client``'s global registry, which
+        no endpoint of the engine host serves (its ``/metrics`` is the host's own registry);
+        with vLLM's logging one, about 19 us of the host's CPU per engine step, for nothing
+        (docs/benchmarks.md, 2026-11-28, issue 51). Its ``__init__`` is not called: no
+        ``vllm:*`` series are built; every method ``StatLoggerManager`` calls is overridden."""
+
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            self.engine_indexes = engine_indexes or [0]
+            # AsyncLLM builds its stat loggers after the engine core reported the blocks.
+            backend._kv_blocks_total = int(vllm_config.cache_config.num_gpu_blocks or 0)
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if scheduler_stats is not None:
+                if backend.transfers is not None:
+                    backend.transfers.record(scheduler_stats.kv_connector_stats)
+                backend._stats = {
+                    "running": float(scheduler_stats.num_running_reqs),
+                    "waiting": float(scheduler_stats.num_waiting_reqs),
+                    "kv_usage": float(scheduler_stats.kv_cache_usage),
+                }
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+        def log(self) -> None:
+            return None
+
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            return None
+
+        def record_admission_rejection(self, reason: str) -> None:
+            return None
+
+    return _LoadRecorder
+
+
 class VllmBackend(EngineBackend):
     """:class:`EngineBackend` over vLLM's ``AsyncLLM`` (GPU). See the module docstring."""
 
@@ -212,56 +258,14 @@ class VllmBackend(EngineBackend):
             otlp_traces_endpoint=self.options.otlp_traces_endpoint,
             **self._kv_events_args(modules),
         )
-        backend = self
-
-        base: Any = modules.loggers.PrometheusStatLogger
-
-        class _LoadRecorder(base):  # type: ignore[misc]
-            """vLLM's one stat logger here, keeping the latest scheduler stats for :meth:`load`.
-
-            A subclass of vLLM's ``PrometheusStatLogger`` so that vLLM adds no default one
-            (``StatLoggerManager`` skips its own when given a subclass): that one records every
-            engine step and finished request into ``prometheus_client``'s global registry, which
-            no endpoint of the engine host serves (its ``/metrics`` is the host's own registry);
-            with vLLM's logging one, about 19 us of the host's CPU per engine step, for nothing
-            (docs/benchmarks.md, 2026-11-28, issue 51). Its ``__init__`` is not called: no
-            ``vllm:*`` series are built; every method ``StatLoggerManager`` calls is overridden."""
-
-            def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
-                self.engine_indexes = engine_indexes or [0]
-                # AsyncLLM builds its stat loggers after the engine core reported the blocks.
-                backend._kv_blocks_total = int(vllm_config.cache_config.num_gpu_blocks or 0)
-
-            def record(
-                self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
-            ) -> None:
-                if scheduler_stats is not None:
-                    if backend.transfers is not None:
-                        backend.transfers.record(scheduler_stats.kv_connector_stats)
-                    backend._stats = {
-                        "running": float(scheduler_stats.num_running_reqs),
-                        "waiting": float(scheduler_stats.num_waiting_reqs),
-                        "kv_usage": float(scheduler_stats.kv_cache_usage),
-                    }
-
-            def log_engine_initialized(self) -> None:
-                return None
-
-            def log(self) -> None:
-                return None
-
-            def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
-                return None
-
-            def record_admission_rejection(self, reason: str) -> None:
-                return None
+        recorder = load_recorder(self, modules.loggers.PrometheusStatLogger)
 
         # The model load takes minutes: off the event loop, so the host keeps heartbeating (the
         # lease must outlive the load, or the connector's publication finds no registration).
         # AsyncLLM tolerates construction off-loop: its output handler then starts lazily, and
         # is started here, back on the loop, as AsyncLLM does when constructed on one.
         try:
-            engine = await asyncio.to_thread(self._start_async_llm, modules, args, [_LoadRecorder])
+            engine = await asyncio.to_thread(self._start_async_llm, modules, args, [recorder])
         except Exception as exc:  # vLLM raises many types at start-up; all are fatal here
             raise EngineFailed(f"vLLM failed to start: {exc}") from exc
         engine._run_output_handler()
