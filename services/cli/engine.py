@@ -106,6 +106,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-lease-s", type=float, help="how long a prefill engine holds KV for its consumer"
     )
     engine.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="vllm: serve LoRA adapters (vLLM's --enable-lora): the engine registers its slots "
+        "(--max-loras) and runs requests naming an adapter with it",
+    )
+    engine.add_argument(
+        "--max-loras", type=int, help="vllm: adapters run at once in a batch (default 1)"
+    )
+    engine.add_argument(
+        "--max-lora-rank", type=int, help="vllm: the largest adapter rank (default 16)"
+    )
+    engine.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="vllm: adapters kept loaded, least recently used evicted beyond (default: "
+        "--max-loras)",
+    )
+    engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="vllm: adapters loaded before the engine is READY (implies --enable-lora)",
+    )
+    engine.add_argument(
         "--stub-token-delay-s", type=float, default=0.0, help=argparse.SUPPRESS
     )  # stub engine only (tests)
     engine.add_argument("--stub-vocab-size", type=int, help=argparse.SUPPRESS)  # (benchmarks)
@@ -179,6 +206,14 @@ def build_settings(args: argparse.Namespace, tool: ToolSettings) -> EngineServic
     )
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` (vLLM's ``--lora-modules`` short form) as ``(name, path)``."""
+    name, sep, path = value.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 FORKING_ENGINES = frozenset({"vllm", "reference"})
 """Engines whose processes this host forks unless ``--start-method`` says otherwise."""
 
@@ -219,6 +254,11 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
             stub_vocab_size=args.stub_vocab_size,
             sim_profile=args.sim_profile,
             sim_time_scale=args.sim_time_scale,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            lora_modules=tuple(args.lora_modules),
         )
         registry = CollectorRegistry()
         backend = create_backend(args.engine, options, registry=registry)

@@ -72,6 +72,22 @@ class EngineOptions:
     kv_events: bool = True
     """Publish KV-cache events (reference, vLLM and sim engines; the stub publishes none):
     ``--no-kv-events`` turns them off."""
+    enable_lora: bool = False
+    """vLLM only: serve LoRA adapters (vLLM's ``--enable-lora``; implied by ``lora_modules``)."""
+    max_loras: int | None = None
+    """vLLM only: adapters run at once in a batch (default 1), the engine's registered slots."""
+    max_lora_rank: int | None = None
+    """vLLM only: the largest adapter rank accepted (default 16)."""
+    max_cpu_loras: int | None = None
+    """vLLM only: adapters kept loaded, least recently used evicted beyond (default: max_loras)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """vLLM only: ``(name, path)`` of adapters loaded at start."""
+
+    @property
+    def lora(self) -> bool:
+        """Whether the engine serves LoRA adapters."""
+        return self.enable_lora or bool(self.lora_modules)
+
     sim_profile: str | None = None
     """Sim engine only: a shipped profile's name or a profile file's path (default: the
     shipped ``llama-3.1-8b-h100``)."""
@@ -113,6 +129,10 @@ def _refuse_vllm_only(options: EngineOptions, engine: str) -> None:
         "--enforce-eager": options.enforce_eager or None,
         "--otlp-traces-endpoint": options.otlp_traces_endpoint,
         "--transfer-mode": options.transfer_mode,
+        "--enable-lora/--lora-modules": options.lora or None,
+        "--max-loras": options.max_loras,
+        "--max-lora-rank": options.max_lora_rank,
+        "--max-cpu-loras": options.max_cpu_loras,
     }
     given = [flag for flag, value in vllm_only.items() if value is not None]
     if given:
@@ -175,9 +195,28 @@ def _vllm(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:
             else {}
         ),
         **({"kv_lease_s": int(options.kv_lease_s)} if options.kv_lease_s is not None else {}),
+        **_lora_options(options),
     )
     backend: EngineBackend = backend_module.VllmBackend(vllm_options, registry=registry)
     return backend
+
+
+def _lora_options(options: EngineOptions) -> dict[str, object]:
+    """``VllmEngineOptions``' LoRA fields: slots (1 by default) when LoRA is on, else none;
+    the sizing flags alone, without ``--enable-lora``, are refused (they would be ignored)."""
+    if not options.lora:
+        sizing = {"--max-loras": options.max_loras, "--max-lora-rank": options.max_lora_rank}
+        sizing["--max-cpu-loras"] = options.max_cpu_loras
+        given = [flag for flag, value in sizing.items() if value is not None]
+        if given:
+            raise EngineOptionsError(f"{', '.join(given)} need --enable-lora")
+        return {}
+    return {
+        "max_loras": options.max_loras or 1,
+        **({"max_lora_rank": options.max_lora_rank} if options.max_lora_rank else {}),
+        "max_cpu_loras": options.max_cpu_loras,
+        "lora_modules": options.lora_modules,
+    }
 
 
 def _stub(options: EngineOptions, registry: CollectorRegistry) -> EngineBackend:

@@ -39,6 +39,7 @@ from services.engines.errors import (
     InvalidRequest,
     KVTransferFailed,
 )
+from services.engines.lora import LoRAAdapter
 from services.engines.requests import (
     DecodeRequest,
     FinishReason,
@@ -52,6 +53,7 @@ from services.engines.trace_context import TraceContext
 from services.engines.vllm import detokenizer
 from services.engines.vllm.contracts import decide_model_runner
 from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
+from services.engines.vllm.lora import VllmAdapters
 from services.engines.vllm.options import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     START_METHOD_ENV,
@@ -61,6 +63,7 @@ from services.engines.vllm.options import (
     graph_args,
     kv_events_config,
     kv_transfer_config,
+    lora_args,
 )
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
 from services.engines.vllm.request_mapping import (
@@ -194,6 +197,8 @@ class VllmBackend(EngineBackend):
         """vLLM's KV cache size in blocks, known once its engine core profiled memory."""
         self._idle = asyncio.Event()
         self._idle.set()
+        self.adapters = VllmAdapters("vllm", options.max_loras)
+        """The LoRA adapters this engine holds (:mod:`.lora`); named for the engine at start."""
 
     def describe(self) -> BackendDescription:
         return self._description
@@ -257,6 +262,7 @@ class VllmBackend(EngineBackend):
             worker_extension_cls=WORKER_EXTENSION,
             otlp_traces_endpoint=self.options.otlp_traces_endpoint,
             **self._kv_events_args(modules),
+            **lora_args(self.options),
         )
         recorder = load_recorder(self, modules.loggers.PrometheusStatLogger)
 
@@ -271,6 +277,12 @@ class VllmBackend(EngineBackend):
         engine._run_output_handler()
         self._engine = engine
         self._registration = registration
+        self.adapters.engine_id = registration.engine_id
+        for name, path in self.options.lora_modules:
+            try:
+                await self.adapters.load(engine, LoRAAdapter(name, path), replace=False)
+            except Exception as exc:  # a bad --lora-modules folder: the engine does not serve
+                raise EngineFailed(f"LoRA module {name}={path}: {exc}") from exc
 
     def _start_async_llm(self, modules: _VllmModules, args: Any, stat_loggers: list[Any]) -> Any:
         """vLLM's ``AsyncLLM.from_engine_args`` in its two steps, with the start method of its
@@ -322,11 +334,14 @@ class VllmBackend(EngineBackend):
         prompt: Sequence[int],
         kwargs: dict[str, Any],
         trace: TraceContext | None,
+        lora: LoRAAdapter | None = None,
     ) -> AsyncIterator[Any]:
         """``AsyncLLM.generate`` of one request. ``trace`` (the caller's W3C trace context) is
         vLLM's ``trace_headers`` when its tracing is configured, so its request span is a child
-        of the caller's (without, vLLM would drop it and log a warning per request)."""
+        of the caller's (without, vLLM would drop it and log a warning per request). ``lora``:
+        run with that adapter (loaded first when this engine does not hold it)."""
         engine = self._require_engine()
+        lora_request = None if lora is None else await self.adapters.request_for(engine, lora)
         sampling_module = importlib.import_module("vllm.sampling_params")
         constraint = kwargs.pop("structured_outputs", None)
         if constraint is not None:
@@ -349,12 +364,15 @@ class VllmBackend(EngineBackend):
                     if trace is not None and self.options.otlp_traces_endpoint
                     else None
                 ),
+                lora_request=lora_request,
             ):
                 yield output
         finally:
             self._running.discard(request_id)
             if not self._running:
                 self._idle.set()
+            if lora_request is not None and self._engine is not None:
+                self.adapters.refresh_soon(self._engine)  # vLLM may have evicted another
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         request_id, prompt_token_ids, sampling = (
@@ -370,6 +388,7 @@ class VllmBackend(EngineBackend):
             prompt_token_ids,
             prefill_sampling(sampling, prompt_token_ids),
             request.trace,
+            request.lora,
         ):
             final = output
             prompt_logprobs = prompt_logprobs or prompt_logprobs_of(
@@ -428,7 +447,9 @@ class VllmBackend(EngineBackend):
         produced = 1 if request.kv_handle is not None else 0
         first = True
         sampling = request.sampling
-        async for output in self._generate(request.request_id, prompt, kwargs, request.trace):
+        async for output in self._generate(
+            request.request_id, prompt, kwargs, request.trace, request.lora
+        ):
             completion = output.outputs[0]
             produced += len(completion.token_ids)
             reason = finish_reason_of(completion.finish_reason)
@@ -500,7 +521,15 @@ class VllmBackend(EngineBackend):
             running_requests=int(stats.get("running", len(self._running))),
             kv_blocks_free=int(total * (1.0 - stats.get("kv_usage", 0.0))),
             kv_blocks_total=total,
+            lora_adapters=self.adapters.held,
         )
+
+    async def load_lora(self, adapter: LoRAAdapter, *, replace: bool = False) -> tuple[str, ...]:
+        await self.adapters.load(self._require_engine(), adapter, replace=replace)
+        return self.adapters.held
+
+    async def unload_lora(self, name: str) -> bool:
+        return await self.adapters.unload(self._require_engine(), name)
 
     async def drain(self, timeout_s: float) -> int:
         self._draining = True

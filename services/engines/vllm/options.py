@@ -31,7 +31,6 @@ from services.engines.vllm.layouts import (
     check_local_layout,
 )
 from services.engines.vllm.platform import Platform, installed_platform
-from services.topology import ModelShape
 
 GPU_BLOCK_SIZE = 16
 """vLLM's default block size on GPUs."""
@@ -87,6 +86,17 @@ class VllmEngineOptions:
     and has run no torch kernel, so there is no OpenMP pool for a child to inherit broken. A
     process that may have run one (a test process that made a model) must not fork."""
 
+    max_loras: int = 0
+    """LoRA adapters vLLM runs at once in a batch (vLLM's ``--max-loras``; it then runs with
+    ``enable_lora``); 0 = no LoRA: the engine registers no slots and refuses adapters."""
+    max_lora_rank: int = 16
+    """The largest adapter rank vLLM accepts (``--max-lora-rank``: 1, 8, 16, 32, 64...)."""
+    max_cpu_loras: int | None = None
+    """Adapters vLLM keeps loaded (its LRU evicts beyond); ``None``: ``max_loras``."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """``(name, path)`` of adapters loaded at start (``--lora-modules name=path``), before the
+    engine registers as READY."""
+
     def served_model_name(self) -> str:
         return self.model_name or Path(self.model_dir).resolve().name
 
@@ -110,6 +120,18 @@ def graph_args(options: VllmEngineOptions, platform: Platform, config: Any) -> d
         mode = config.CompilationMode.DYNAMO_TRACE_ONCE
         return {"compilation_config": config.CompilationConfig(mode=mode, backend="eager")}
     return {"enforce_eager": True}
+
+
+def lora_args(options: VllmEngineOptions) -> dict[str, Any]:
+    """vLLM's LoRA engine arguments: none without slots (``max_loras == 0``)."""
+    if options.max_loras <= 0:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": options.max_loras,
+        "max_lora_rank": options.max_lora_rank,
+        "max_cpu_loras": options.max_cpu_loras,
+    }
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
@@ -140,17 +162,6 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
     dtype = options.dtype if options.dtype != "auto" else str(config.get("torch_dtype", "bfloat16"))
     model = options.served_model_name()
     platform = installed_platform()
-    shape = ModelShape(
-        num_layers=layers,
-        num_kv_heads=kv_heads,
-        head_size=head_size,
-        dtype=dtype,
-        vocab_size=vocab,
-        max_model_len=max_len,
-        block_size=options.resolved_block_size(platform),
-        pp_size=options.pp_size,
-        tp_size=options.tp_size,
-    )
     return BackendDescription(
         model=model,
         compat_hash=compute_compat_hash(
@@ -162,11 +173,24 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
             kv_layout=KV_LAYOUT_HNC,
             engine_kind="vllm",
         ),
-        shape=shape,
+        pp_size=options.pp_size,
+        tp_size=options.tp_size,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        block_size=options.resolved_block_size(platform),
+        vocab_size=vocab,
+        max_model_len=max_len,
         eos_token_ids=eos_ids,
         pp_aware=True,
         engine_kind="vllm",
-        kv_block_bytes=kv_block_bytes(shape),
+        kv_block_bytes=kv_block_bytes(
+            num_layers=layers,
+            num_kv_heads=kv_heads,
+            block_size=options.resolved_block_size(platform),
+            head_size=head_size,
+            dtype=dtype,
+        ),
+        max_loras=max(0, options.max_loras),
     )
 
 

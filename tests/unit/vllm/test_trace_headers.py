@@ -47,6 +47,7 @@ class RecordingAsyncLLM:
         request_id: str,
         *,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[Any]:
         self.trace_headers.append(trace_headers)
         completion = SimpleNamespace(
