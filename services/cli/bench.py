@@ -74,6 +74,12 @@ BENCHMARKS = (
         "greedy outputs",
     ),
     Benchmark(
+        "relay",
+        "services.bench.relay",
+        "a decode host's gRPC server CPU per streamed token: one message per token and stream "
+        "against one message per engine step for every stream",
+    ),
+    Benchmark(
         "chaos",
         "services.bench.chaos",
         "load through pdserve up (2 prefill, 2 decode) while engine processes fail: "
