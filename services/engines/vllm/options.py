@@ -31,6 +31,7 @@ from services.engines.vllm.layouts import (
     check_local_layout,
 )
 from services.engines.vllm.platform import Platform, installed_platform
+from services.topology import ModelShape
 
 GPU_BLOCK_SIZE = 16
 """vLLM's default block size on GPUs."""
@@ -162,6 +163,17 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
     dtype = options.dtype if options.dtype != "auto" else str(config.get("torch_dtype", "bfloat16"))
     model = options.served_model_name()
     platform = installed_platform()
+    shape = ModelShape(
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        vocab_size=vocab,
+        max_model_len=max_len,
+        block_size=options.resolved_block_size(platform),
+        pp_size=options.pp_size,
+        tp_size=options.tp_size,
+    )
     return BackendDescription(
         model=model,
         compat_hash=compute_compat_hash(
@@ -173,23 +185,11 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
             kv_layout=KV_LAYOUT_HNC,
             engine_kind="vllm",
         ),
-        pp_size=options.pp_size,
-        tp_size=options.tp_size,
-        num_layers=layers,
-        num_kv_heads=kv_heads,
-        block_size=options.resolved_block_size(platform),
-        vocab_size=vocab,
-        max_model_len=max_len,
+        shape=shape,
         eos_token_ids=eos_ids,
         pp_aware=True,
         engine_kind="vllm",
-        kv_block_bytes=kv_block_bytes(
-            num_layers=layers,
-            num_kv_heads=kv_heads,
-            block_size=options.resolved_block_size(platform),
-            head_size=head_size,
-            dtype=dtype,
-        ),
+        kv_block_bytes=kv_block_bytes(shape),
         max_loras=max(0, options.max_loras),
     )
 
