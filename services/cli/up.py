@@ -356,9 +356,18 @@ def _engine_child(
         *(["--block-size", str(args.block_size)] if args.block_size else []),
         *(["--dtype", args.dtype] if args.dtype else []),
         *(["--sim-profile", args.sim_profile] if args.sim_profile else []),
+        *_lora_argv(args),
         *args.engine_arg,
     )
     return ChildProcess(name, argv, logs / f"{name}.log", role=role, env=secrets)
+
+
+def _lora_argv(args: argparse.Namespace) -> list[str]:
+    """The LoRA flags of every engine and of the router's front end (both spell them as
+    vLLM does): ``--enable-lora`` and the adapters to load at start."""
+    if not (args.enable_lora or args.lora_modules):
+        return []
+    return ["--enable-lora", *(["--lora-modules", *args.lora_modules] if args.lora_modules else [])]
 
 
 def _planner_child(args: argparse.Namespace, router_url: str, logs: Path) -> ChildProcess:
@@ -423,7 +432,7 @@ def _frontend_argv(args: argparse.Namespace, model: Path | None) -> list[str]:
             max_model_len=synthetic.max_model_len,
         )
         served = ["--served-model-name", synthetic.name]
-    flags = list(args.frontend_arg)
+    flags = [*_lora_argv(args), *args.frontend_arg]
     for index, arg in enumerate(args.engine_arg):
         if arg.startswith("--max-model-len="):
             flags.append(arg)

@@ -86,6 +86,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra argument for every pdserve prefill/decode (repeatable)",
     )
     parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="vllm: serve LoRA adapters (vLLM's --enable-lora on the engines and the router's "
+        "front end; size the engines with --engine-arg=--max-loras=N and "
+        "--engine-arg=--max-lora-rank=R); load them at run time through the router's "
+        "/v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as vLLM's server",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="vllm: LoRA adapters to serve from the start (vLLM's --lora-modules; implies "
+        "--enable-lora): every engine loads them before it is READY, the router lists them "
+        "in /v1/models",
+    )
+    parser.add_argument(
         "--autoscale",
         action="store_true",
         help="run pdserve planner over the router and start/drain engines to its desired "

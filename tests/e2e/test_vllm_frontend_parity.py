@@ -6,6 +6,12 @@ timestamps aside, floats within 1e-3.
 
 Structured outputs (``response_format``, ``structured_outputs``, ``tool_choice`` required or
 named) are rows like the others: the constrained output through PD equals vLLM's own.
+
+LoRA (issue 48): both serve the same random adapter from the start (``--lora-modules``); rows
+naming it run with it on prefill and decode and answer as vLLM's server does, logprobs
+included. Both take adapters at run time (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): loads,
+unloads, bad folders and unknown names answer alike
+(:func:`test_lora_adapters_at_run_time_as_on_vllm_server`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import pytest
 
 from services.bench.sse import json_events
 from services.control_plane.local_redis import free_port
+from services.engines.reference.tiny_lora import make_tiny_lora
 from services.engines.reference.tiny_model import make_tiny_model
 from tests.e2e.up_system import UpSystem
 
@@ -38,6 +45,9 @@ FRONTEND_FLAGS = (
     "--max-model-len=512",
 )
 START_TIMEOUT_S = 900.0
+ADAPTER = "sql"
+"""The adapter both servers load at start (``--lora-modules``)."""
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 PROMPT = "The quick brown fox jumps over the lazy dog while prefill reads the prompt"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOOLS = [
@@ -112,6 +122,12 @@ MATRIX: list[Row] = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 600}),  # 400: context
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "no_such_field": 1, "guided_json": {}}),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "model": "nope"}),  # 404
+    # LoRA through PD: the adapter's KV made on prefill is what decode continues
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "model": ADAPTER, "logprobs": 2}),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 12, "model": ADAPTER, "stream": True},
+    ),
     (
         "/v1/completions",
         {
@@ -231,16 +247,36 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[str, str]]:
-    """vLLM's own server and ``pdserve up --engine vllm``, started together."""
+def adapters(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[str, Path]:
+    """Random adapters of the tiny checkpoint (PEFT layout): ``sql`` (served from the start),
+    ``chat`` (loaded at run time), ``big`` (rank 32, above the default max_lora_rank 16) and
+    ``empty`` (a folder with no adapter in it)."""
+    root = tmp_path_factory.mktemp("adapters")
+    (root / "empty").mkdir()
+    return {
+        ADAPTER: make_tiny_lora(root / ADAPTER, model_dir, seed=1),
+        "chat": make_tiny_lora(root / "chat", model_dir, seed=2),
+        "big": make_tiny_lora(root / "big", model_dir, rank=32, seed=3),
+        "empty": root / "empty",
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, adapters: dict[str, Path]
+) -> Iterator[tuple[str, str]]:
+    """vLLM's own server and ``pdserve up --engine vllm``, started together, both serving
+    :data:`ADAPTER` and taking adapters at run time."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    lora = f"{ADAPTER}={adapters[ADAPTER]}"
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--dtype", "float32", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
         "--block-size", "32", "--served-model-name", MODEL, *FRONTEND_FLAGS,
+        "--enable-lora", "--lora-modules", lora,
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **LORA_ENV}
     with log.open("wb") as out:
         vllm = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     pd = UpSystem(
@@ -248,7 +284,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         "--engine", "vllm", "--model", str(model_dir), "--dtype", "float32",
         "--block-size", "32", "--engine-arg=--enforce-eager", "--port", "0", "--no-restart",
         *(f"--frontend-arg={flag}" for flag in FRONTEND_FLAGS),
-        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2"},  # every request disaggregated
+        "--lora-modules", lora,
+        # every request disaggregated
+        env={"PDSERVE_ROUTER_LOCAL_CACHED_FRACTION": "2", **LORA_ENV},
         scrub_env=True,
     )  # fmt: skip
     try:
@@ -402,3 +440,60 @@ def test_openai_client_parse_and_tools_as_on_vllm_server(servers: tuple[str, str
         )
     assert answers[0] == answers[1]
     assert answers[0][0][1]  # something was generated (an object or its start)
+
+
+def test_lora_adapters_at_run_time_as_on_vllm_server(
+    servers: tuple[str, str], adapters: dict[str, Path]
+) -> None:
+    """Issue 48: on both servers, ``/v1/models`` lists the adapter (parent, root); a run-time
+    load answers alike and the adapter answers alike token for token (disaggregated here);
+    base-model answers are unchanged by the adapters beside them; a folder with no adapter is
+    vLLM's 404, a rank above max_lora_rank vLLM's 500 with vLLM's message, an unknown name
+    vLLM's 404 body, and neither failure changes what is served; an unload answers alike and
+    its name is then unknown on both."""
+    answers: list[list[Any]] = []
+    for url in servers:
+        seen: list[Any] = []
+
+        def post(path: str, body: dict[str, Any], url: str = url) -> tuple[int, Any]:
+            answer = httpx.post(f"{url}{path}", json=body, timeout=300)
+            is_json = answer.headers.get("content-type", "").startswith("application/json")
+            return answer.status_code, answer.json() if is_json else answer.text
+
+        def complete(model: str, url: str = url) -> tuple[int, Any]:
+            status, body, headers = send(
+                url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 10}
+            )
+            if status == 200 and url == servers[1]:
+                assert headers["x-pdserve-execution-path"] == "disaggregated"
+            return status, body["choices"][0]["text"] if status == 200 else body
+
+        def models(url: str = url) -> list[tuple[str, Any, Any]]:
+            cards = httpx.get(f"{url}/v1/models", timeout=60).json()["data"]
+            return [(c["id"], c.get("parent"), c.get("root")) for c in cards]
+
+        assert models()[1:] == [(ADAPTER, MODEL, str(adapters[ADAPTER]))]
+        base = complete(MODEL)
+        chat = {"lora_name": "chat", "lora_path": str(adapters["chat"])}
+        seen.append(post("/v1/load_lora_adapter", chat))
+        seen.append(complete("chat"))
+        seen.append(complete(ADAPTER))
+        assert complete(MODEL) == base  # unchanged by the adapters loaded beside it
+        assert len({base[1], seen[1][1], seen[2][1]}) == 3  # each adapter changes the answer
+        empty = post(
+            "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": str(adapters["empty"])}
+        )
+        seen.append(empty)
+        big = post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(adapters["big"])})
+        seen.append((big[0], big[1]["error"]["type"]))
+        assert "LoRA rank 32 is greater than max_lora_rank 16." in big[1]["error"]["message"]
+        seen.append(complete("big"))
+        seen.append(complete("chat"))  # the failed loads changed nothing
+        seen.append(post("/v1/unload_lora_adapter", {"lora_name": "chat"}))
+        seen.append(complete("chat"))
+        seen.append(models())
+        answers.append(seen)
+    vllm, ours = answers
+    assert ours == vllm
+    assert ours[0] == (200, "Success: LoRA adapter 'chat' added successfully.")
+    assert ours[3][0] == 404 and ours[4][0] == 500 and ours[5][0] == 404
