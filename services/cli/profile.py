@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="the served model's config.json (or its folder): head size, vocabulary, dtype",
     )
+    parser.add_argument(
+        "--served-model",
+        metavar="NAME",
+        help="profile the pools of this base model only (a router serving several; the name "
+        "its engines register)",
+    )
     parser.add_argument("--out", metavar="FILE", type=Path, required=True, help="profile file")
     parser.add_argument("--name", help="the profile's name (default: the output file's stem)")
     parser.add_argument(
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace, control_plane: ControlPlaneSettings) -> int:
                 sweep=sweep,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
+                model=args.served_model,
             )
         )
     except ProfileError as exc:

@@ -14,9 +14,10 @@ from typing import get_args
 
 from pydantic import ValidationError
 
+from services.cli.model_spec import parse_model_spec
 from services.cli.settings import ToolSettings
 from services.engines.vllm.version_guard import VllmVersionMismatch
-from services.router.config import PolicyName, RouterSettings
+from services.router.config import PolicyName, RouterSettings, ServedModelSettings
 from services.router.main import run as serve_router
 from services.router.main import vllm_frontend_args
 from services.router.workers import serve_workers
@@ -43,6 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help="the model's name, as its engines register it (default: the --tokenizer "
         "folder's name)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        type=_served_model,
+        metavar="DIR[,name=NAME][,frontend-arg=FLAG...]",
+        help="a base model to serve (repeatable; after --tokenizer's when that is given): its "
+        "checkpoint folder, the name its engines register (default: the folder's) and vLLM "
+        "flags of its own front end; a request goes to the model its 'model' field names",
     )
     parser.add_argument("--policy", choices=get_args(PolicyName), help="routing policy")
     parser.add_argument(
@@ -78,13 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _served_model(text: str) -> ServedModelSettings:
+    spec = parse_model_spec(text, {"name"})
+    return ServedModelSettings(
+        tokenizer=spec.path,
+        served_model_name=spec.options.get("name"),
+        frontend_args=list(spec.frontend_args),
+    )
+
+
 def build_settings(args: argparse.Namespace, tools: ToolSettings) -> RouterSettings:
     """Environment settings with the flags on top."""
     overrides: dict[str, object] = {"control_plane": tools.control_plane}
     names = (
         "host", "port", "tokenizer", "policy", "local_max_prompt_tokens", "colocated",
         "workers", "worker_metrics_port", "frontend_args", "served_model_name",
-        "kv_events",
+        "kv_events", "models",
     )  # fmt: skip
     for name in names:
         value = getattr(args, name, None)
@@ -102,11 +122,11 @@ def run(args: argparse.Namespace, tools: ToolSettings) -> int:
     except ValidationError as exc:
         print(f"pdserve router: invalid settings: {exc}")
         return 2
-    if settings.tokenizer is None:
+    if settings.tokenizer is None and not settings.models:
         print(
-            "pdserve router: --tokenizer is required: the checkpoint folder of the model the "
-            "engines serve (pdserve make-synthetic-checkpoint writes one for stub and sim "
-            "engines)",
+            "pdserve router: --tokenizer is required (or a --model per base model): the "
+            "checkpoint folder of the model the engines serve (pdserve "
+            "make-synthetic-checkpoint writes one for stub and sim engines)",
             file=sys.stderr,
         )
         return 2

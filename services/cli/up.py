@@ -44,10 +44,12 @@ from typing import Any
 
 import httpx
 
+from services.cli.model_spec import format_model_spec
 from services.cli.settings import ToolSettings
 from services.cli.status import describe, render_table
 from services.cli.up_args import TINY_MODEL_DIR
 from services.cli.up_autoscale import autoscale, planner_argv_flags
+from services.cli.up_models import UpModel, engine_names, up_models
 from services.cli.up_supervise import KeptEngines, supervise
 from services.config import ControlPlaneSettings
 from services.config.control_plane import split_url_password
@@ -79,6 +81,7 @@ class StartupFailed(Exception):
 def run(args: argparse.Namespace, settings: ToolSettings) -> int:
     try:
         policy = restart_policy(args)
+        up_models(args, None)  # each --model's options, checked before anything starts
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -201,14 +204,14 @@ async def _run_system(
     prometheus: LocalPrometheus | None,
     policy: RestartPolicy,
 ) -> int:
-    model = _model_dir(args)
+    models = up_models(args, _model_dir(args))
     # A password given in the URL travels in the children's environment, not their argv.
     redis_url, password = split_url_password(control_plane.redis.url)
     secrets = {} if password is None else {PASSWORD_ENV: password}
     common = ["--redis", redis_url, "--namespace", control_plane.namespace]
     logs = args.work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engines = _engine_children(args, model, common, logs, secrets)
+    engines = _engine_children(args, models, common, logs, secrets)
     children.extend(engines)
     deadline = time.monotonic() + args.ready_timeout_s
     try:
@@ -217,7 +220,7 @@ async def _run_system(
         await _wait_ready(engines, stop, deadline)
         if stop.is_set():
             return 0
-        router = _router_child(args, model, common, logs, secrets)
+        router = _router_child(args, models, common, logs, secrets)
         children.append(router)
         await router.start()
         await _wait_ready([router], stop, deadline)
@@ -259,7 +262,7 @@ async def _run_system(
             planner=planner,
             children=children,
             new_engine=lambda role, index: _engine_child(
-                args, model, common, logs, secrets, role, index
+                args, models[0], common, logs, secrets, role, index
             ),
             poll_s=args.autoscale_poll_s,
             scale_down_timeout_s=args.scale_down_timeout_s,
@@ -288,9 +291,10 @@ async def _start_prometheus(prometheus: LocalPrometheus, endpoints: dict[str, An
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
-    given: Path | None = args.model
-    if args.engine in MODEL_FREE_ENGINES or given is not None:
-        return given
+    """The model of a run without ``--model``: the tiny checkpoint (made on first use), none
+    for the engines that load no model."""
+    if args.engine in MODEL_FREE_ENGINES or args.model:
+        return None
     model: Path = args.work_dir / TINY_MODEL_DIR
     if not (model / "config.json").is_file():
         # Imported here: torch, which only this path needs.
@@ -303,39 +307,35 @@ def _model_dir(args: argparse.Namespace) -> Path | None:
 
 def _engine_children(
     args: argparse.Namespace,
-    model: Path | None,
+    models: list[UpModel],
     common: list[str],
     logs: Path,
     secrets: dict[str, str],
 ) -> list[ChildProcess]:
-    layouts = [("decode", args.decode_replicas, args.decode_pp, args.decode_tp)]
-    if not args.colocated:
-        layouts.insert(0, ("prefill", args.prefill_replicas, args.prefill_pp, args.prefill_tp))
+    """Every model's prefill and decode engines (:func:`engine_names`)."""
+    engines = engine_names(models)
     children = [
         _engine_child(args, model, common, logs, secrets, role, index)
-        for role, replicas, _, _ in layouts
-        for index in range(replicas)
+        for model, role, index in engines
     ]
     if args.engine == "vllm":
-        _bind_vllm_cpu_threads(children, [pp * tp for _, n, pp, tp in layouts for _ in range(n)])
+        world_sizes = [model.pools[role].pp * model.pools[role].tp for model, role, _ in engines]
+        _bind_vllm_cpu_threads(children, world_sizes)
     return children
 
 
 def _engine_child(
     args: argparse.Namespace,
-    model: Path | None,
+    model: UpModel,
     common: list[str],
     logs: Path,
     secrets: dict[str, str],
     role: str,
     index: int,
 ) -> ChildProcess:
-    """Engine ``<role>-<index>`` with the run's layout for its role and every engine flag."""
-    pp, tp = (
-        (args.prefill_pp, args.prefill_tp)
-        if role == "prefill"
-        else (args.decode_pp, args.decode_tp)
-    )
+    """Engine ``<role>-<index>`` of ``model``, with its layout for the role and every
+    engine flag."""
+    pp, tp = model.pools[role].pp, model.pools[role].tp
     name = f"{role}-{index}"
     argv = pdserve_argv(
         role,
@@ -352,7 +352,7 @@ def _engine_child(
         "127.0.0.1:0",
         "--metrics-port",
         "0",
-        *(["--model", str(model)] if model is not None else []),
+        *(["--model", str(model.path)] if model.path is not None else []),
         *(["--block-size", str(args.block_size)] if args.block_size else []),
         *(["--dtype", args.dtype] if args.dtype else []),
         *(["--sim-profile", args.sim_profile] if args.sim_profile else []),
@@ -396,7 +396,7 @@ def _bind_vllm_cpu_threads(engines: list[ChildProcess], world_sizes: list[int]) 
 
 def _router_child(
     args: argparse.Namespace,
-    model: Path | None,
+    models: list[UpModel],
     common: list[str],
     logs: Path,
     secrets: dict[str, str],
@@ -408,7 +408,7 @@ def _router_child(
         args.host,
         "--port",
         str(args.port),
-        *_frontend_argv(args, model),
+        *_frontend_argv(args, models),
         *(["--colocated"] if args.colocated else []),
         *(["--workers", str(args.router_workers)] if args.router_workers != 1 else []),
         *args.router_arg,
@@ -416,29 +416,37 @@ def _router_child(
     return ChildProcess("router", argv, logs / "router.log", role="router", env=secrets)
 
 
-def _frontend_argv(args: argparse.Namespace, model: Path | None) -> list[str]:
-    """The checkpoint the router's front end (vLLM's) reads, and its vLLM flags: the engines'
-    checkpoint, or for the engines that load none (stub, sim) the synthetic one of the model
-    they register, written into the work folder; the front end's context is the engines'
-    (their ``--max-model-len``)."""
+def _frontend_argv(args: argparse.Namespace, models: list[UpModel]) -> list[str]:
+    """The router's front ends (vLLM's), one per model (``pdserve router --model``): the
+    checkpoint each reads and its own vLLM flags; the run's flags for all of them
+    (``--frontend-arg``; the engines' context, their ``--max-model-len``). A model's
+    checkpoint is its engines', or for the engines that load none (stub, sim) the synthetic
+    one of the model they register, written into the work folder."""
     served: list[str] = []
-    if model is None:
+    for model in models:
+        if model.path is not None:
+            served.append(format_model_spec(model.path, {}, model.frontend_args))
+            continue
         synthetic = synthetic_model(
             args.engine, sim_profile=args.sim_profile, stub_vocab_size=_stub_vocab(args)
         )
-        model = write_synthetic_checkpoint(
+        checkpoint = write_synthetic_checkpoint(
             args.work_dir / f"{synthetic.name}-checkpoint",
             vocab_size=synthetic.vocab_size,
             max_model_len=synthetic.max_model_len,
         )
-        served = ["--served-model-name", synthetic.name]
+        options = {"name": synthetic.name}
+        served.append(format_model_spec(checkpoint, options, model.frontend_args))
     flags = [*_lora_argv(args), *args.frontend_arg]
     for index, arg in enumerate(args.engine_arg):
         if arg.startswith("--max-model-len="):
             flags.append(arg)
         elif arg == "--max-model-len" and index + 1 < len(args.engine_arg):
             flags.append(f"--max-model-len={args.engine_arg[index + 1]}")
-    return ["--tokenizer", str(model), *served, *(f"--frontend-arg={flag}" for flag in flags)]
+    return [
+        *(f"--model={spec}" for spec in served),
+        *(f"--frontend-arg={flag}" for flag in flags),
+    ]
 
 
 def _stub_vocab(args: argparse.Namespace) -> int | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from services.cli.up_models import model_spec
+
 TINY_MODEL_DIR = "tiny-model"
 
 
@@ -25,9 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        type=Path,
-        default=None,
-        help=f"model folder (default: the tiny checkpoint, made in WORK_DIR/{TINY_MODEL_DIR})",
+        action="append",
+        type=model_spec,
+        default=[],
+        metavar="DIR[,KEY=VALUE...]",
+        help="a base model to serve: its folder (engines register it by the folder's name), "
+        "then its own pools and front-end flags: prefill-replicas=N, prefill-pp=N, "
+        "prefill-tp=N, decode-replicas=N, decode-pp=N, decode-tp=N (default: the flags of "
+        "those names), frontend-arg=FLAG (repeatable). Repeat for several base models behind "
+        "the one router (default: the tiny checkpoint, made in "
+        f"WORK_DIR/{TINY_MODEL_DIR})",
     )
     parser.add_argument(
         "--engine",
@@ -44,8 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill engines' TP size")
     parser.add_argument("--decode-pp", type=int, default=1, help="decode engines' PP size")
     parser.add_argument("--decode-tp", type=int, default=1, help="decode engines' TP size")
-    parser.add_argument("--prefill-replicas", type=int, default=1, help="prefill engines")
-    parser.add_argument("--decode-replicas", type=int, default=1, help="decode engines")
+    parser.add_argument(
+        "--prefill-replicas", type=int, default=1, help="prefill engines (of each model)"
+    )
+    parser.add_argument(
+        "--decode-replicas", type=int, default=1, help="decode engines (of each model)"
+    )
     parser.add_argument(
         "--colocated",
         action="store_true",

@@ -60,6 +60,23 @@ class EngineGrpcSettings(BaseModel):
         )
 
 
+class ServedModelSettings(BaseModel):
+    """One more base model the router serves (``PDSERVE_ROUTER_MODELS``, ``pdserve router
+    --model``): its engines register it under ``served_model_name`` and it gets a front end
+    of its own (tokenizer, chat template, context: vLLM's state for that model)."""
+
+    tokenizer: Path
+    """The model's checkpoint folder, which its front end reads (as ``tokenizer``)."""
+    served_model_name: str | None = None
+    """The name its engines register (``EngineRecord.model``); ``None``: the folder's name."""
+    frontend_args: list[str] = Field(default_factory=list)
+    """vLLM server flags of this model's front end, after the router's ``frontend_args``."""
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.tokenizer.resolve().name
+
+
 class RouterSettings(BaseSettings):
     """Everything the router reads. ``control_plane`` comes from the shared tool settings
     (``PDSERVE_CONTROL_PLANE__...`` and ``--redis``), the rest from ``PDSERVE_ROUTER_...``;
@@ -94,6 +111,11 @@ class RouterSettings(BaseSettings):
     served_model_name: str | None = None
     """The model's name (the one its engines register); ``None``:
     the ``tokenizer`` folder's name, the engines' default."""
+    models: list[ServedModelSettings] = Field(default_factory=list)
+    """The base models served (after ``tokenizer``'s, when it is set), each with its own front
+    end and its own engines' pools (``PDSERVE_ROUTER_MODELS='[{"tokenizer": "/models/a"},
+    {"tokenizer": "/models/b"}]'``); a request goes to the model its ``model`` field names,
+    one that names none to the first (docs/router.md, Several base models)."""
     policy: PolicyName = "prefix_aware"
     """How engines are chosen: ``round_robin``; ``least_loaded`` (the router's in-flight
     reservations plus each engine's reported queue); ``prefix_aware`` (least-loaded decode,
@@ -218,8 +240,27 @@ class RouterSettings(BaseSettings):
             return self.control_plane_holdover_s
         return 3 * self.control_plane.lease_ttl_s
 
+    def served_models(self) -> list[ServedModelSettings]:
+        """Every base model served: ``tokenizer``'s (when set) first, then ``models``; a router
+        of one model is a list of one. ``ValueError`` when there is none."""
+        served = list(self.models)
+        if self.tokenizer is not None:
+            first = ServedModelSettings(
+                tokenizer=self.tokenizer, served_model_name=self.served_model_name
+            )
+            served.insert(0, first)
+        if not served:
+            raise ValueError(
+                "the router needs tokenizer (or models): the checkpoint folder its front end reads"
+            )
+        return served
+
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:
+        names = [model.name for model in self.served_models()] if self.models else []
+        doubled = sorted({name for name in names if names.count(name) > 1})
+        if doubled:
+            raise ValueError(f"two served models have the same name: {', '.join(doubled)}")
         if any(not key.get_secret_value() for key in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")
         if self.worker_metrics_port and self.worker_metrics_port + self.workers - 1 > 65535:

@@ -124,28 +124,30 @@ def _vllm_app(
     settings: RouterSettings,
     runtime_context: Callable[[], contextlib.AbstractAsyncContextManager[RouterRuntime]],
 ) -> FastAPI:
-    """vLLM's front end (``services.router.frontend.vllm``) for ``settings.tokenizer``."""
-    args = vllm_frontend_args(settings)
+    """vLLM's front end (``services.router.frontend.vllm``), one per served model."""
+    served = vllm_frontend_args(settings)
     from services.router.frontend.vllm.app import create_vllm_app  # noqa: PLC0415
     from services.router.frontend.vllm.config import build_frontend  # noqa: PLC0415
 
-    return create_vllm_app(build_frontend(args), runtime_context, ops)
+    return create_vllm_app([build_frontend(args) for args in served], runtime_context, ops)
 
 
-def vllm_frontend_args(settings: RouterSettings) -> argparse.Namespace:
-    """vLLM's server flags of ``settings``' front end (``SystemExit`` with vLLM's usage
-    message on a flag vLLM or the router refuses; ``VllmVersionMismatch`` on another vLLM)."""
+def vllm_frontend_args(settings: RouterSettings) -> list[argparse.Namespace]:
+    """vLLM's server flags of each served model's front end, ``settings.served_models()``'s
+    order (``SystemExit`` with vLLM's usage message on a flag vLLM or the router refuses;
+    ``VllmVersionMismatch`` on another vLLM)."""
     # before the front end's modules import vLLM's
     check_vllm(FRONTEND_SYMBOLS, FRONTEND_INSTANCE_ATTRIBUTES)
     from services.router.frontend.vllm.config import frontend_args  # noqa: PLC0415
 
-    if settings.tokenizer is None:
-        raise ValueError("the router needs tokenizer: the checkpoint folder its front end reads")
-    name = settings.served_model_name or settings.tokenizer.resolve().name
-    args = frontend_args(settings.tokenizer, name, settings.frontend_args)
-    if settings.api_keys:
-        args.api_key = [key.get_secret_value() for key in settings.api_keys]
-    return args
+    served = []
+    for model in settings.served_models():
+        flags = [*settings.frontend_args, *model.frontend_args]
+        args = frontend_args(model.tokenizer, model.name, flags)
+        if settings.api_keys:
+            args.api_key = [key.get_secret_value() for key in settings.api_keys]
+        served.append(args)
+    return served
 
 
 def uvicorn_config(app: FastAPI, settings: RouterSettings) -> uvicorn.Config:

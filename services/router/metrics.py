@@ -186,6 +186,34 @@ class RouterMetrics(Metrics):
             "request that failed mid-stream counts what it had generated).",
             _TOKEN_BUCKETS,
         )
+        # Per served base model: the ``model`` label is a name the router serves (its front
+        # ends), never a request's text; a name no model serves is answered (404) by the
+        # first model's front end and counted under it.
+        self.model_requests = Counter(
+            "pdserve_router_model_requests_total",
+            "Generation requests answered, by served base model and outcome (as "
+            "pdserve_router_requests_total).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.model_prompt_tokens = Counter(
+            "pdserve_router_model_prompt_tokens_total",
+            "Prompt tokens of the requests that reached an engine, by served base model.",
+            ["model"],
+            registry=r,
+        )
+        self.model_generation_tokens = Counter(
+            "pdserve_router_model_generation_tokens_total",
+            "Tokens generated, by served base model.",
+            ["model"],
+            registry=r,
+        )
+        self.model_e2e = self._loop_histogram(
+            "pdserve_router_model_e2e_latency_seconds",
+            "Generation request arrival to its last byte, by served base model.",
+            _LATENCY_BUCKETS,
+            ["model"],
+        )
         self.engine_inflight = InflightGauge()
         r.register(self.engine_inflight)
         self.engine_load = Gauge(
@@ -373,6 +401,17 @@ class RouterMetrics(Metrics):
                 new.append(name)
             self.ignored_fields.labels(field=label).inc()
         return new
+
+    def observe_model(
+        self, model: str, outcome: str, elapsed_s: float, tokens: tuple[int, int] | None
+    ) -> None:
+        """One generation request of served base model ``model``: its outcome, latency and
+        (when it reached an engine) its prompt and generated tokens."""
+        self.model_requests.labels(model=model, outcome=outcome).inc()
+        self.model_e2e.labels(model).observe(elapsed_s)
+        if tokens is not None:
+            self.model_prompt_tokens.labels(model=model).inc(tokens[0])
+            self.model_generation_tokens.labels(model=model).inc(tokens[1])
 
     def _loop_histogram(
         self,

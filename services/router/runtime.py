@@ -24,7 +24,8 @@ class RouterRuntime:
     settings: RouterSettings
     metrics: RouterMetrics
     tokenizer: Tokenizer
-    """The checkpoint's tokenizer (a migration's text so far; the front end has vLLM's)."""
+    """The (first) served model's tokenizer (a migration's text so far; the front end has
+    vLLM's); the executor has every model's."""
     pool: EnginePool
     scheduler: Scheduler
     executor: Executor
@@ -47,12 +48,12 @@ class RouterRuntime:
         metrics: RouterMetrics,
         tokenizer: Tokenizer | None = None,
     ) -> RouterRuntime:
+        model_tokenizers: dict[str, Tokenizer] = {}
         if tokenizer is None:
-            tokenizer = (
-                load_tokenizer(settings.tokenizer)
-                if settings.tokenizer is not None
-                else ByteTokenizer()
-            )
+            served = settings.served_models() if settings.tokenizer or settings.models else []
+            model_tokenizers = {model.name: load_tokenizer(model.tokenizer) for model in served}
+            first = next(iter(model_tokenizers.values()), None)
+            tokenizer = first if first is not None else ByteTokenizer()
         pool = EnginePool(
             connectors,
             metrics,
@@ -95,7 +96,14 @@ class RouterRuntime:
             tokenizer=tokenizer,
             pool=pool,
             scheduler=scheduler,
-            executor=Executor(pool, scheduler, settings, metrics, tokenizer=tokenizer),
+            executor=Executor(
+                pool,
+                scheduler,
+                settings,
+                metrics,
+                tokenizer=tokenizer,
+                model_tokenizers=model_tokenizers,
+            ),
             api_keys=tuple(key.get_secret_value().encode() for key in settings.api_keys),
             kv_events=feed,
         )

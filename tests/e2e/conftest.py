@@ -13,12 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from tests.e2e.up_system import UpSystem
 
 SHARED_REFERENCE = "shared-reference-stacks"
 """The ``xdist_group`` of the modules that use these stacks."""
 MODEL = "tiny-model"
+OTHER_MODEL = "tiny-qwen"
+"""The shared PD stack's second base model (:func:`other_model_dir`)."""
+OTHER_MODEL_SPEC = TinyModelSpec(
+    model_type="qwen2",
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    intermediate_size=64,
+    max_position_embeddings=256,
+)
+"""Another shape (and architecture) than the tiny checkpoint's: its KV does not fit the tiny
+model's engines (another compatibility hash), and its context is shorter."""
 
 
 def started(work_dir: Path, model_dir: Path, *args: str, env: dict[str, str]) -> Iterator[UpSystem]:
@@ -37,16 +50,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared PD stack's second base model (seed 1, :data:`OTHER_MODEL_SPEC`)."""
+    directory = tmp_path_factory.mktemp("shared-other-model") / OTHER_MODEL
+    return make_tiny_model(directory, seed=1, spec=OTHER_MODEL_SPEC)
+
+
+@pytest.fixture(scope="session")
 def reference_pd(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, other_model_dir: Path
 ) -> Iterator[UpSystem]:
-    """Two prefill engines (PP=2 each: a pipeline's hand-off on every request) and one decode
-    engine (PP=1, TP=1), prefix-aware routing, every request disaggregated (a prompt the decode
-    engine holds is not run there alone). vLLM's front end (the default with a checkpoint) with
-    usage's cached tokens, the hermes tool parser and request chat templates trusted."""
+    """Two base models behind the one router. The tiny checkpoint: two prefill engines (PP=2
+    each: a pipeline's hand-off on every request, ``prefill-0``, ``prefill-1``) and one
+    decode engine (PP=1, TP=1, ``decode-0``); :data:`OTHER_MODEL`: one prefill and one decode
+    engine (``prefill-2``, ``decode-1``). Prefix-aware routing, every request disaggregated (a
+    prompt the decode engine holds is not run there alone). vLLM's front end (the default
+    with a checkpoint) with usage's cached tokens, the hermes tool parser and request chat
+    templates trusted."""
     yield from started(
         tmp_path_factory.mktemp("shared-reference-pd"),
         tiny_model_dir,
+        "--model",
+        f"{other_model_dir},prefill-replicas=1,prefill-pp=1",
         "--prefill-replicas",
         "2",
         "--prefill-pp",

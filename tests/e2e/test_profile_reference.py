@@ -35,6 +35,7 @@ def test_profile_of_the_reference_pd_stack_loads_and_follows_its_measurements(
         "--redis", endpoints["redis"],
         "--namespace", endpoints["namespace"],
         "--model-config", str(tiny_model_dir),
+        "--served-model", MODEL,  # (the stack serves a second model beside it)
         "--out", str(out),
         "--input-lengths", ",".join(map(str, INPUT_LENGTHS)),
         "--batches", "1,4",

@@ -4,21 +4,33 @@ The two shared ``pdserve up`` systems on the same tiny checkpoint (tests/e2e/con
 disaggregated (two prefill engines of PP=2, one decode engine of TP=1, every request
 disaggregated) and ``--colocated`` (one decode engine serving whole requests). Greedy output
 must be identical, stop strings must end generation without being returned, and a seeded
-sampled request must repeat exactly.
+sampled request must repeat exactly. The PD stack also serves a second base model of another
+shape (issue 48): both answer through the one router, each on its own pools only.
 """
 
 from __future__ import annotations
 
+import re
+import time
+
+import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import SHARED_REFERENCE
+from tests.e2e.conftest import OTHER_MODEL, SHARED_REFERENCE
 from tests.e2e.up_system import UpSystem
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(SHARED_REFERENCE)]
 
 MODEL = "tiny-model"
 PROMPTS = ["Hello, world! How are you", "The prefill reads the whole prompt at once, and"]
+POOLS = {
+    MODEL: ({"prefill-0", "prefill-1"}, {"decode-0"}),
+    OTHER_MODEL: ({"prefill-2"}, {"decode-1"}),
+}
+"""Each base model's prefill and decode engines in the shared PD stack (tests/e2e/conftest.py)."""
+METRICS_BOUND_S = 60.0
+"""How long an engine's relayed transfer series may lag (each rank sends them every second)."""
 
 
 def client_of(system: UpSystem) -> openai.OpenAI:
@@ -72,3 +84,63 @@ def test_seeded_sampling_repeats_and_chat_works(reference_pd: UpSystem) -> None:
         assert raw.headers["x-pdserve-execution-path"] == "disaggregated"
         texts.add(raw.parse().choices[0].message.content)
     assert len(texts) == 1
+
+
+def test_two_base_models_answer_through_one_router_each_on_its_own_pools(
+    reference_pd: UpSystem,
+) -> None:
+    """``pdserve up --model A --model B,...``: ``/v1/models`` lists both, each request runs on
+    its model's prefill and decode engines (a prefill never pairs across models: the decode
+    engines pulled KV from their own model's prefill engines only), the router counts each
+    model's requests under its name, and a name neither serves is vLLM's 404."""
+    client = client_of(reference_pd)
+    assert [model.id for model in client.models.list()] == [MODEL, OTHER_MODEL]
+    counted = "pdserve_router_model_requests_total"
+    before = {model: reference_pd.metric(counted, model=model, outcome="ok") for model in POOLS}
+    texts = {}
+    for model in (MODEL, OTHER_MODEL, OTHER_MODEL, MODEL):
+        raw = client.completions.with_raw_response.create(
+            model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0
+        )
+        assert raw.parse().model == model
+        assert raw.headers["x-pdserve-execution-path"] == "disaggregated"
+        prefills, decodes = POOLS[model]
+        assert raw.headers["x-pdserve-prefill-engine"] in prefills
+        assert raw.headers["x-pdserve-decode-engine"] in decodes
+        texts.setdefault(model, set()).add(raw.parse().choices[0].text)
+    assert all(len(answers) == 1 for answers in texts.values())  # greedy: one answer a model
+    for model, (prefills, decodes) in POOLS.items():
+        assert reference_pd.metric(counted, model=model, outcome="ok") == before[model] + 2
+        for decode in decodes:
+            assert _producers(reference_pd, decode) <= prefills, (model, decode)
+    assert _producers(reference_pd, "decode-1") == POOLS[OTHER_MODEL][0]
+
+    answer = httpx.post(
+        f"{reference_pd.url}/v1/completions",
+        json={"model": "nobody", "prompt": "Hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert answer.status_code == 404
+    assert answer.json()["error"] == {
+        "message": f"The model `nobody` does not exist. Valid aliases: {MODEL}, {OTHER_MODEL}.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    router_metrics = httpx.get(f"{reference_pd.url}/metrics", timeout=10).text
+    assert 'model="nobody"' not in router_metrics  # no label from a request's text
+
+
+def _producers(system: UpSystem, decode: str) -> set[str]:
+    """The prefill engines ``decode`` pulled KV from (its transfer series' producers), once
+    its ranks relayed a first pull."""
+    url = system.endpoints["metrics"][decode]
+    series = r"^pdserve_kv_transfer_latency_seconds_count\{[^}]*"
+    pattern = re.compile(series + r'producer_engine="([^"]+)"')
+    deadline = time.monotonic() + METRICS_BOUND_S
+    while True:
+        text = httpx.get(url, timeout=10).text
+        found = {m.group(1) for line in text.splitlines() if (m := pattern.match(line))}
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.bench.sse import json_events
-from tests.e2e.conftest import SHARED_REFERENCE
+from tests.e2e.conftest import OTHER_MODEL, SHARED_REFERENCE
 from tests.e2e.faults.probes import metric
 from tests.e2e.up_system import UpSystem, hang_up_mid_stream, healthy_router
 
@@ -241,7 +241,8 @@ def test_endpoints_clients_call(system: UpSystem) -> None:
     assert httpx.get(f"{system.url}/version", timeout=10).json()["version"] == "0.32.0"
     assert httpx.get(f"{system.url}/ping", timeout=10).status_code == 200
     models = httpx.get(f"{system.url}/v1/models", timeout=10).json()["data"]
-    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 512)]
+    # (the shared stack's second base model is listed after the first, with its own context)
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 512), (OTHER_MODEL, 256)]
     tokens = post(system.url, "/tokenize", {"model": MODEL, "prompt": PROMPT}).json()["tokens"]
     text = post(system.url, "/detokenize", {"model": MODEL, "tokens": tokens}).json()["prompt"]
     assert PROMPT in text

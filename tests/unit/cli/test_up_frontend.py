@@ -12,7 +12,9 @@ from transformers import AutoTokenizer
 
 from services.cli.main import build_parser
 from services.cli.main import main as cli_main
+from services.cli.model_spec import ModelSpec, parse_model_spec
 from services.cli.up import _frontend_argv
+from services.cli.up_models import up_models
 from services.engines.registry import UnknownEngine, synthetic_model
 from services.engines.sim.profile import DEFAULT_PROFILE, load_profile
 from services.engines.stub.backend import STUB_MODEL, StubOptions
@@ -22,7 +24,14 @@ from services.tokenization.tokenizer import ByteTokenizer, load_tokenizer
 
 def frontend_of(*argv: str, model: Path | None, work_dir: Path) -> list[str]:
     args = build_parser().parse_args(["up", "--work-dir", str(work_dir), *argv])
-    return _frontend_argv(args, model)
+    return _frontend_argv(args, up_models(args, model))
+
+
+def served(argv: list[str]) -> list[ModelSpec]:
+    """The router's ``--model`` values in ``argv``, parsed as the router reads them."""
+    prefix = "--model="
+    specs = [arg[len(prefix) :] for arg in argv if arg.startswith(prefix)]
+    return [parse_model_spec(spec, {"name"}) for spec in specs]
 
 
 @pytest.mark.parametrize("engine", ["reference", "vllm"])
@@ -38,14 +47,36 @@ def test_an_engine_with_a_checkpoint_gets_it_read_by_the_front_end(
         work_dir=tmp_path,
     )
     context = "--frontend-arg=--max-model-len=256"  # the engines' context is the front end's
-    assert argv == ["--tokenizer", str(tmp_path), "--frontend-arg=--a", context]
+    assert argv == [f"--model={tmp_path.resolve()}", "--frontend-arg=--a", context]
+
+
+def test_each_model_gets_a_front_end_with_its_own_flags(tmp_path: Path) -> None:
+    """``pdserve up --model A --model B,...``: the router serves both, in order, each model's
+    ``frontend-arg`` for its own front end only, the run's flags for both."""
+    first, second = tmp_path / "a", tmp_path / "b,c"  # (a comma in a folder's name)
+    argv = frontend_of(
+        "--model",
+        str(first),
+        "--model",
+        f"{second},decode-tp=2,frontend-arg=--chat-template=x,y.jinja",
+        "--frontend-arg=--a",
+        model=None,
+        work_dir=tmp_path,
+    )
+    specs = served(argv)
+    assert [(spec.path, spec.frontend_args) for spec in specs] == [
+        (first.resolve(), ()),
+        (second.resolve(), ("--chat-template=x,y.jinja",)),
+    ]
+    assert argv[-1] == "--frontend-arg=--a"
 
 
 def test_stub_engines_get_a_synthetic_checkpoint_of_their_model(tmp_path: Path) -> None:
     argv = frontend_of("--engine", "stub", model=None, work_dir=tmp_path)
-    folder = Path(argv[argv.index("--tokenizer") + 1])
+    [spec] = served(argv)
+    folder = spec.path
     assert folder == (tmp_path / f"{STUB_MODEL}-checkpoint").resolve()
-    assert argv[argv.index("--served-model-name") + 1] == STUB_MODEL
+    assert spec.options == {"name": STUB_MODEL}
     config = json.loads((folder / "config.json").read_text())
     assert config["vocab_size"] == StubOptions().vocab_size
     assert config["max_position_embeddings"] == StubOptions().max_model_len
@@ -53,14 +84,14 @@ def test_stub_engines_get_a_synthetic_checkpoint_of_their_model(tmp_path: Path) 
         "--engine", "stub", "--engine-arg=--stub-vocab-size=384", model=None, work_dir=tmp_path
     )
     assert json.loads((folder / "config.json").read_text())["vocab_size"] == 384
-    assert sized[sized.index("--served-model-name") + 1] == STUB_MODEL
+    assert served(sized)[0].options == {"name": STUB_MODEL}
 
 
 def test_sim_engines_get_the_synthetic_checkpoint_of_their_profile(tmp_path: Path) -> None:
     profile = load_profile(DEFAULT_PROFILE)
-    argv = frontend_of("--engine", "sim", model=None, work_dir=tmp_path)
-    assert argv[argv.index("--served-model-name") + 1] == profile.served_model
-    config = json.loads(Path(argv[argv.index("--tokenizer") + 1], "config.json").read_text())
+    [spec] = served(frontend_of("--engine", "sim", model=None, work_dir=tmp_path))
+    assert spec.options == {"name": profile.served_model}
+    config = json.loads((spec.path / "config.json").read_text())
     assert config["vocab_size"] == profile.model.vocab_size
     assert config["max_position_embeddings"] == profile.model.max_model_len
     with pytest.raises(UnknownEngine):

@@ -3,7 +3,8 @@
 vLLM's ``build_app`` and ``init_app_state`` build the app vLLM's server serves (every route,
 its middleware, its exception handlers), over :class:`~.engine_client.PdserveEngineClient`
 instead of ``AsyncLLM``. pdserve keeps its own ``/health`` (a READY engine pair, not a local
-engine) and ``/metrics`` (the router's registry), and adds :class:`PdserveHeaders`.
+engine) and ``/metrics`` (the router's registry), and adds :class:`PdserveHeaders`. Each
+served base model has its own vLLM state, chosen per request (:mod:`.model_states`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.datastructures import State
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
@@ -30,6 +32,12 @@ from services.router.frontend.vllm.engine_client import (
 )
 from services.router.frontend.vllm.ignored_fields import count_ignored_fields
 from services.router.frontend.vllm.lora import adopt
+from services.router.frontend.vllm.model_states import (
+    MODEL_SCOPE_KEY,
+    ModelDispatch,
+    ModelStates,
+    models_router,
+)
 from services.router.runtime import RouterRuntime
 
 logger = logging.getLogger(__name__)
@@ -42,24 +50,26 @@ Send = Callable[[Message], Awaitable[None]]
 GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 """Paths whose answers carry the ``x-pdserve-*`` headers (the path is the ``endpoint`` label)."""
 
-PDSERVE_ROUTES = frozenset({"/health", "/metrics"})
-"""vLLM's routes that pdserve answers itself (``services.router.frontend.ops``)."""
+PDSERVE_ROUTES = frozenset({"/health", "/metrics", "/v1/models"})
+"""vLLM's routes that pdserve answers itself (``services.router.frontend.ops``; ``/v1/models``
+over every served model: :mod:`.model_states`)."""
 
 SUPPORTED_TASKS = ("generate",)
 
 
 def create_vllm_app(
-    frontend: Frontend,
+    frontends: list[Frontend],
     build_runtime: Callable[[], contextlib.AbstractAsyncContextManager[RouterRuntime]],
     ops_router: Any,
 ) -> FastAPI:
-    """vLLM's app for ``frontend``; ``build_runtime`` enters the router's runtime (pool,
-    executor, control plane) for the app's lifetime; ``ops_router`` serves pdserve's
-    ``/health`` and ``/metrics``."""
-    args = frontend.args
+    """vLLM's app for ``frontends`` (one per served base model, the first answering what
+    names none); ``build_runtime`` enters the router's runtime (pool, executor, control
+    plane) for the app's lifetime; ``ops_router`` serves pdserve's ``/health`` and
+    ``/metrics``."""
+    args = frontends[0].args
     root = logging.getLogger()
     level = root.level
-    app: FastAPI = build_app(args, SUPPORTED_TASKS, frontend.vllm_config.model_config)
+    app: FastAPI = build_app(args, SUPPORTED_TASKS, frontends[0].vllm_config.model_config)
     count_ignored_fields()
     # Importing vLLM's SageMaker routes (model_hosting_container_standards) sets the root
     # logger to ERROR, which would silence every pdserve warning (failover, migration...).
@@ -68,22 +78,32 @@ def create_vllm_app(
         route for route in app.router.routes if getattr(route, "path", None) not in PDSERVE_ROUTES
     ]
     app.include_router(ops_router)
+    app.include_router(models_router)
+    states = ModelStates(app.state._state)
+    app.state = states
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with build_runtime() as runtime:
-            app.state.runtime = runtime
-            client = PdserveEngineClient(frontend, runtime)
-            await init_app_state(client, app.state, args, SUPPORTED_TASKS)
-            adopt(app.state.openai_serving_models, client.loras)
-            yield
+            states.runtime = runtime
+            for frontend in frontends:
+                state = State()
+                client = PdserveEngineClient(frontend, runtime, states.served_names)
+                await init_app_state(client, state, frontend.args, SUPPORTED_TASKS)
+                adopt(state.openai_serving_models, client.loras)
+                states.add(frontend.served_model_name, state)
+            states.name_every_model()
+            try:
+                yield
+            finally:
+                states.clear()
 
     app.router.lifespan_context = lifespan
     # vLLM's build_app already built the middleware stack (``add_middleware`` refuses now):
     # PdserveHeaders goes outside it.
     if app.middleware_stack is None:
         app.middleware_stack = app.build_middleware_stack()
-    app.middleware_stack = PdserveHeaders(app.middleware_stack)
+    app.middleware_stack = PdserveHeaders(ModelDispatch(app.middleware_stack, states))
     return app
 
 
@@ -171,9 +191,14 @@ class PdserveHeaders:
             REQUEST_RUNS.reset(token)
             if runtime is not None:
                 outcome = _outcome(runs, status, error_status, disconnected=disconnected)
+                tokens = _tokens(infos)
                 runtime.executor.observe_end(
-                    arrival_s, endpoint, outcome, infos[0] if infos else None, _tokens(infos)
+                    arrival_s, endpoint, outcome, infos[0] if infos else None, tokens
                 )
+                model = scope.get(MODEL_SCOPE_KEY)
+                if model is not None:  # (the app's lifespan had built the models' states)
+                    elapsed_s = time.perf_counter() - arrival_s
+                    runtime.metrics.observe_model(model, outcome, elapsed_s, tokens)
 
 
 def _outcome(
