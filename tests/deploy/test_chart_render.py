@@ -327,3 +327,42 @@ def test_router_workers_share_the_port_and_each_is_scraped_on_its_own(chart: hel
         assert validate_manifest(found) == []
         scraped = {e["port"] for e in found.body["spec"][key]}
         assert scraped == {"metrics", "metrics-w0", "metrics-w1", "metrics-w2"}
+
+
+def test_each_entry_of_models_gets_its_own_engines_and_the_router_serves_every_model(
+    chart: helm.Chart,
+) -> None:
+    """``models``: each further base model gets prefill and decode StatefulSets of its own
+    (its path, the top-level layout with its overrides, selectors no other model's pods
+    match, no LoRA adapters: those are the first model's); the router's front end reads every
+    model (``--model``); what cannot work is refused (the planner, two folders of one name, an
+    override key the role does not have)."""
+    small = {"name": "small", "path": "/models/small", "decode": {"tp": 2}}
+    lora = {"enabled": True, "modules": [{"name": "sql", "path": "/models/adapters/sql"}]}
+    manifests = render(chart, {"models": [small], "lora": lora})
+    selectors = set()
+    for role, tp in (("prefill", "1"), ("decode", "2")):
+        workload = find(manifests, "StatefulSet", f"-{role}-small")
+        selectors.add(json.dumps(workload.body["spec"]["selector"], sort_keys=True))
+        selectors.add(
+            json.dumps(find(manifests, "StatefulSet", f"-{role}").body["spec"]["selector"])
+        )
+        (_, pod), *_ = pod_specs(workload)
+        args = container(pod)["args"]
+        assert args[args.index("--model") + 1] == "/models/small"
+        assert args[args.index("--tp") + 1] == tp
+        assert "--enable-lora" not in args
+        assert pod["metadata"]["labels"]["pdserve.io/model"] == "small"
+    assert len(selectors) == 4
+    router = find(manifests, "Deployment", "-router").body["spec"]["template"]
+    args = container(router)["args"]
+    assert args[args.index("--model") + 1] == "/models/small"
+    assert args[args.index("--tokenizer") + 1] == "/models/model"
+    refused = [
+        ({"planner": {"enabled": True}}, "the planner sizes one model's pools"),
+        ({"models": [{**small, "path": "/other/model"}]}, "another model's folder"),
+        ({"models": [{**small, "decode": {"tpp": 2}}]}, "decode.tpp is not a key of decode"),
+    ]
+    for values, message in refused:
+        with pytest.raises(helm.HelmRenderError, match=message):
+            render(chart, {"models": [small], **values})

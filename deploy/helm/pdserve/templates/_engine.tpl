@@ -139,7 +139,7 @@ args:
 {{- $drainBound := include "pdserve.engine.drainBound" . }}
 metadata:
   labels:
-    {{- include "pdserve.componentLabels" (dict "root" $root "component" .role) | nindent 4 }}
+    {{- include "pdserve.componentLabels" (dict "root" $root "component" (include "pdserve.engine.component" .)) | nindent 4 }}
     pdserve.io/member: {{ .member }}
     {{- if $serving }}
     pdserve.io/serving: "true"

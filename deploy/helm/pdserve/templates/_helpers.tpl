@@ -42,11 +42,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "pdserve.componentLabels" -}}
 {{ include "pdserve.labels" .root }}
 app.kubernetes.io/component: {{ .component }}
+{{- with .root.Values.pdserveModel }}
+pdserve.io/model: {{ . }}
+{{- end }}
 {{- end }}
 
 {{- define "pdserve.componentSelectorLabels" -}}
 {{ include "pdserve.selectorLabels" .root }}
 app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The component of a role's engines: the role, `<role>-<name>` for an entry of `models`
+(engines.yaml), so that no two models' workloads select each other's pods; the first model's
+keep a chart of one model's labels. */}}
+{{- define "pdserve.engine.component" -}}
+{{ .role }}{{ with .root.Values.pdserveModel }}-{{ . }}{{ end }}
 {{- end }}
 
 {{- define "pdserve.image" -}}

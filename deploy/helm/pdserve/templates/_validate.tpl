@@ -89,6 +89,31 @@ templates/validate.yaml, so `helm install`, `helm template` and `helm lint` all 
 {{- end }}
 {{- end }}
 
+{{- if $v.models }}
+{{- if $v.planner.enabled }}
+{{- $errors = append $errors "models and planner.enabled=true: the planner sizes one model's pools; serve several models without it" }}
+{{- end }}
+{{- $folders := list (base $v.model.path) }}
+{{- $names := list }}
+{{- range $m := $v.models }}
+{{- if has $m.name $names }}
+{{- $errors = append $errors (printf "models: two entries are named %s" $m.name) }}
+{{- end }}
+{{- $names = append $names $m.name }}
+{{- if has (base $m.path) $folders }}
+{{- $errors = append $errors (printf "models[%s].path=%s: another model's folder has the name %s, and engines register a model by its folder's name" $m.name $m.path (base $m.path)) }}
+{{- end }}
+{{- $folders = append $folders (base $m.path) }}
+{{- range $role := list "prefill" "decode" }}
+{{- range $key, $_ := (default dict (index $m $role)) }}
+{{- if not (hasKey (index $v $role) $key) }}
+{{- $errors = append $errors (printf "models[%s].%s.%s is not a key of %s" $m.name $role $key $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- if $errors }}
 {{- fail (printf "\n\npdserve: invalid values:\n  - %s\n" (join "\n  - " $errors)) }}
 {{- end }}
