@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from services.bench.sse import completion_events, event_data
-from services.bench.trace import SHIPPED_TRACE, add_arguments, load_workload, replay, summarize
+from services.bench.trace import SHIPPED_TRACE, add_arguments, load_workload, replay
+from services.bench.trace_figures import summarize
 from services.bench.trace_file import oracle_tokens
 from services.config import ControlPlaneSettings
 from services.control_plane.wire import EngineRole
