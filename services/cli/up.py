@@ -245,7 +245,7 @@ async def _run_system(
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 1
     _write_endpoints(args.work_dir, endpoints)
-    _print_welcome(router_url, await _served_model(router_url), endpoints, args.work_dir)
+    _print_welcome(router_url, await _served_models(router_url), endpoints, args.work_dir)
 
     def rewrite(trackers: dict[str, RestartTracker]) -> None:
         """After an engine's restart: its new addresses (and Prometheus's targets)."""
@@ -557,18 +557,25 @@ def _write_endpoints(work_dir: Path, endpoints: dict[str, Any]) -> None:
     temporary.replace(path)
 
 
-async def _served_model(router_url: str) -> str:
+async def _served_models(router_url: str) -> list[str]:
+    """The base models the router lists (``/v1/models`` cards without a parent)."""
     async with httpx.AsyncClient(timeout=5.0) as client:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
             response = await client.get(f"{router_url}/v1/models")
-            return str(response.json()["data"][0]["id"])
-    return "MODEL"
+            cards = response.json()["data"]
+            return [str(card["id"]) for card in cards if not card.get("parent")]
+    return []
 
 
-def _print_welcome(router_url: str, model: str, endpoints: dict[str, Any], work_dir: Path) -> None:
+def _print_welcome(
+    router_url: str, models: list[str], endpoints: dict[str, Any], work_dir: Path
+) -> None:
+    model = models[0] if models else "MODEL"
     request = json.dumps({"model": model, "prompt": "Hello, world!", "max_tokens": 16})
     print(f"\npdserve up: ready. OpenAI-compatible endpoint: {router_url}/v1", flush=True)
-    print(f"  model {model!r} on {len(endpoints['engines'])} engine(s)")
+    named = ", ".join(repr(name) for name in models) or repr(model)
+    plural = "s" if len(models) > 1 else ""
+    print(f"  model{plural} {named} on {len(endpoints['engines'])} engine(s)")
     print(f"  endpoints (router, every /metrics): {work_dir / 'endpoints.json'}")
     if "prometheus" in endpoints:
         print(f"  Prometheus (every /metrics, alert rules loaded): {endpoints['prometheus']}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services.cli.main import build_parser
 from services.cli.router import build_settings, run
@@ -38,3 +39,22 @@ def test_the_router_needs_the_checkpoint_its_front_end_reads(
     assert (chosen.tokenizer, chosen.served_model_name) == (tmp_path, "stub")
     with pytest.raises(SystemExit):
         settings_of("--frontend", "pdserve")  # the router's own front end is gone
+
+
+def test_each_model_flag_is_a_served_base_model_with_its_front_end_flags(tmp_path: Path) -> None:
+    """``--model DIR[,name=NAME][,frontend-arg=FLAG...]`` (repeatable) after ``--tokenizer``'s
+    model; two models of one name are refused."""
+    chosen = settings_of(
+        "--tokenizer",
+        str(tmp_path / "a"),
+        "--model",
+        f"{tmp_path / 'b'},name=bee,frontend-arg=--max-model-len=64",
+    )
+    served = chosen.served_models()
+    assert [(m.tokenizer, m.name) for m in served] == [
+        (tmp_path / "a", "a"),
+        (tmp_path / "b", "bee"),
+    ]
+    assert served[1].frontend_args == ["--max-model-len=64"]
+    with pytest.raises(ValidationError, match="two served models have the same name: a"):
+        settings_of("--tokenizer", str(tmp_path / "a"), "--model", str(tmp_path / "x" / "a"))
