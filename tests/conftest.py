@@ -4,6 +4,7 @@ throw-away certificates (openssl) for the TLS tests."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -35,10 +36,24 @@ def pytest_configure(config: pytest.Config) -> None:
     and the engines a test builds in-process may fork their processes as engine hosts do
     (tests/forked_engines.py): a process forked after its parent ran a parallel torch op can
     hang in its first one (libgomp is not fork-safe). Two test workers share two cores, so one
-    thread each is also what the machine has."""
+    thread each is also what the machine has. Bytecode is cached: see
+    :func:`_cache_bytecode`."""
+    _cache_bytecode()
     import torch  # noqa: PLC0415 - configured before any test imports it
 
     torch.set_num_threads(1)
+
+
+def _cache_bytecode() -> None:
+    """Python writes its bytecode caches (``__pycache__``) in the test run even where the
+    environment says not to (``PYTHONDONTWRITEBYTECODE``, set on the CI machine): the suite
+    starts hundreds of Python processes (``pdserve up``, routers, engine hosts, the CLI), each
+    importing the project, and without caches each one compiled every module it imported again,
+    as did each pytest worker for every test module (assertion rewriting). Cleared here, before
+    any worker or child starts, so they all inherit it; the caches are checked against their
+    sources, so an edited module is compiled again."""
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.hookimpl(tryfirst=True)
