@@ -130,3 +130,20 @@ def test_a_partial_load_report_says_where_it_failed():
     assert "loaded on 2 of 3 engines (partial)" in report.message()
     assert "d1: LoRA rank 16 is greater than max_lora_rank 8." in report.message()
     assert not LoadReport("sql", ("p0",), ()).partial
+
+
+def test_an_adapter_leaving_a_load_record_counts_as_an_eviction_unless_unloaded():
+    """``pdserve_router_lora_evictions_total``: what left an engine's heartbeat load record
+    without an unload through this router (its LRU made room); an unload is no eviction."""
+    rt = runtime_with(lora_view("d0", DECODE, held=("a", "b", "c")))
+    evictions = "pdserve_router_lora_evictions_total"
+    rt.pool.update("d0", lora_view("d0", DECODE, held=("a", "b")))
+    assert sample(rt, evictions, role="decode") == 1
+    (slot,) = rt.pool.slots()
+    slot.lora_unloads.add("b")  # as LoRAFanout.unload marks it before the engine drops it
+    rt.pool.update("d0", lora_view("d0", DECODE, held=("a",)))
+    assert sample(rt, evictions, role="decode") == 1
+    assert slot.lora_unloads == set()
+    rt.pool.update("d0", lora_view("d0", DECODE, held=("a", "d")))
+    rt.pool.update("d0", lora_view("d0", DECODE, held=()))
+    assert sample(rt, evictions, role="decode") == 3
