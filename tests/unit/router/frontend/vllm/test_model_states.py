@@ -12,6 +12,7 @@ import pytest
 from starlette.datastructures import State
 
 from services.control_plane.wire import EngineRole
+from services.engines.lora import LoRAAdapter
 from services.router.config import ServedModelSettings
 from services.router.frontend.vllm.model_states import ModelStates
 from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
@@ -105,6 +106,8 @@ def test_states_choose_a_served_model_or_the_first() -> None:
     states.add("b", second)
     assert states.choose("b") == ("b", second)
     assert states.choose("nobody") == ("a", first)
+    states.served_names.add_adapter(LoRAAdapter("sql", "/adapters/sql"), "b")
+    assert states.choose("sql") == ("b", second)  # an adapter goes to its base model's state
     assert states.choose(None) == ("a", first)
     with pytest.raises(ValueError, match="served twice"):
         states.add("a", State())
