@@ -58,6 +58,9 @@ FRONTEND_SYMBOLS: tuple[tuple[str, str], ...] = (
     # (whose record of a request's unknown fields frontend/vllm/ignored_fields.py counts)
     ("vllm.entrypoints.serve.engine.protocol", "OpenAIBaseModel.__log_extra_fields__"),
     ("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
+    # (frontend/vllm/model_states.py: /v1/models over every served model)
+    ("vllm.entrypoints.serve.engine.protocol", "ModelList"),
+    ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels.show_available_models"),
 )
 """What the router's front end (``services.router.frontend.vllm``) uses."""
 
@@ -65,6 +68,10 @@ FRONTEND_INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     # frontend/vllm/config.py walks vLLM's parser by group; argparse keeps both private
     ("vllm.utils.argparse_utils", "FlexibleArgumentParser._action_groups"),
     ("argparse", "_ArgumentGroup._group_actions"),
+    # frontend/vllm/model_states.py names every served model in each model's list, in place:
+    # its registry holds the same list
+    ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels.base_model_paths"),
+    ("vllm.entrypoints.openai.models.serving", "OpenAIModelRegistry.base_model_paths"),
 )
 """Instance attributes the router's front end reads (checked in the classes' source)."""
 

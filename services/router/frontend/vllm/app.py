@@ -79,7 +79,7 @@ def create_vllm_app(
     ]
     app.include_router(ops_router)
     app.include_router(models_router)
-    states = ModelStates(app.state._state)
+    states = ModelStates(app.state)
     app.state = states
 
     @contextlib.asynccontextmanager

@@ -51,23 +51,28 @@ _SELECTED: contextvars.ContextVar[State | None] = contextvars.ContextVar(
 
 class ModelStates(State):
     """The router app's ``app.state``: each served base model's vLLM state, and the app's own
-    (module docstring)."""
+    (``shared``: what vLLM's ``build_app`` set, the router's ``runtime``); module docstring.
+    Its own fields are set once in ``__init__`` (``object.__setattr__``, past the routing
+    ``__setattr__``) and read as plain attributes."""
 
     served_names: ServedNames
     """The one table of served names (base models and adapters)."""
+    _shared: State
+    _models: dict[str, State]
+    _own_names: dict[str, set[str]]
 
-    def __init__(self, shared: dict[str, Any] | None = None) -> None:
-        super().__init__(shared)
+    def __init__(self, shared: State) -> None:
+        super().__init__()
+        object.__setattr__(self, "_shared", shared)
         object.__setattr__(self, "_models", {})
         object.__setattr__(self, "_own_names", {})
         object.__setattr__(self, "served_names", ServedNames())
 
     def add(self, model: str, state: State) -> None:
         """Serve base model ``model`` (as its engines register it) with vLLM's ``state``."""
-        models: dict[str, State] = object.__getattribute__(self, "_models")
-        if model in models:
+        if model in self._models:
             raise ValueError(f"base model {model!r} is served twice")
-        models[model] = state
+        self._models[model] = state
         self.served_names.add_base(model, model)
 
     def name_every_model(self) -> None:
@@ -76,70 +81,63 @@ class ModelStates(State):
         every valid one (as vLLM's server with several ``--served-model-name``s); its own
         names stay first (vLLM answers under the first), and no request of another model
         reaches it (:class:`ModelDispatch`)."""
-        models: dict[str, State] = object.__getattribute__(self, "_models")
         own = {
             name: list(state.openai_serving_models.base_model_paths)
-            for name, state in models.items()
+            for name, state in self._models.items()
         }
-        for name, state in models.items():
+        for name, state in self._models.items():
             others = [path for other, paths in own.items() if other != name for path in paths]
             # (in place: vLLM's registry of the model holds the same list)
             state.openai_serving_models.base_model_paths[:] = [*own[name], *others]
-        own_names = {name: {path.name for path in paths} for name, paths in own.items()}
-        object.__setattr__(self, "_own_names", own_names)
+        self._own_names.clear()
+        self._own_names.update((name, {path.name for path in paths}) for name, paths in own.items())
 
     def own_cards(self, name: str, cards: list[Any]) -> list[Any]:
         """What model ``name``'s ``/v1/models`` listing says of it: its base names and its
         adapters, not the other models' names (:meth:`name_every_model`)."""
-        own: set[str] = object.__getattribute__(self, "_own_names").get(name, {name})
+        own = self._own_names.get(name, {name})
         return [card for card in cards if card.id in own or card.parent is not None]
 
     def clear(self) -> None:
         """Forget every model (the app's lifespan ended)."""
-        object.__getattribute__(self, "_models").clear()
+        self._models.clear()
+        self._own_names.clear()
         object.__setattr__(self, "served_names", ServedNames())
 
     def models(self) -> Iterator[tuple[str, State]]:
         """Every base model served and its state, in the order added."""
-        models: dict[str, State] = object.__getattribute__(self, "_models")
-        return iter(list(models.items()))
+        return iter(list(self._models.items()))
 
     def count(self) -> int:
-        return len(object.__getattribute__(self, "_models"))
+        return len(self._models)
 
     def choose(self, name: str | None) -> tuple[str, State] | None:
         """The base model and state a request naming ``name`` goes to: the one serving it,
         else the first (whose vLLM code answers an unknown name); ``None`` before any."""
-        models: dict[str, State] = object.__getattribute__(self, "_models")
         served = self.served_names.resolve(name)
-        if served is not None and served.model in models:
-            return served.model, models[served.model]
-        return next(iter(models.items()), None)
+        if served is not None and served.model in self._models:
+            return served.model, self._models[served.model]
+        return next(iter(self._models.items()), None)
 
     def _selected(self) -> State | None:
         """The request's model's state (the first model's outside a request)."""
         state = _SELECTED.get()
-        if state is None:
-            state = next(iter(object.__getattribute__(self, "_models").values()), None)
-        return state
+        return state if state is not None else next(iter(self._models.values()), None)
 
-    def __getattr__(self, key: Any) -> Any:
+    def __getattr__(self, key: str) -> Any:
         state = self._selected()
-        if state is not None:
-            own: dict[str, Any] = object.__getattribute__(state, "_state")
-            if key in own:
-                return own[key]
-        return super().__getattr__(key)
+        if state is not None and hasattr(state, key):
+            return getattr(state, key)
+        return getattr(self._shared, key)
 
-    def __setattr__(self, key: Any, value: Any) -> None:
+    def __setattr__(self, key: str, value: Any) -> None:
         """An attribute of the model's state is set there (vLLM's load tracking counts per
         model), any other on the app's own."""
         state = self._selected()
-        own: dict[str, Any] = object.__getattribute__(state, "_state") if state else {}
-        if key in own:
-            own[key] = value
-        else:
-            super().__setattr__(key, value)
+        setattr(state if state is not None and hasattr(state, key) else self._shared, key, value)
+
+    def __delattr__(self, key: str) -> None:
+        delattr(self._shared, key)
 
 
 class ModelDispatch:

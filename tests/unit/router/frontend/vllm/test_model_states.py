@@ -100,7 +100,7 @@ async def test_an_unknown_model_is_vllms_404_and_labels_no_metric(
 
 
 def test_states_choose_a_served_model_or_the_first() -> None:
-    states = ModelStates()
+    states = ModelStates(State())
     first, second = State(), State()
     states.add("a", first)
     states.add("b", second)
@@ -116,4 +116,4 @@ def test_states_choose_a_served_model_or_the_first() -> None:
     states.server_load_metrics += 1
     assert (first.server_load_metrics, states.server_load_metrics) == (1, 1)
     states.runtime = "shared"
-    assert "runtime" not in first._state and states.runtime == "shared"
+    assert not hasattr(first, "runtime") and states.runtime == "shared"
