@@ -2,9 +2,9 @@
 
 Starts, as subprocesses of this command: the embedded Redis (unless ``--redis`` names one),
 ``--prefill-replicas`` prefill engines and ``--decode-replicas`` decode engines (``pdserve
-prefill`` / ``pdserve decode`` with the chosen PP x TP), then the router (``pdserve router``).
-``--colocated`` starts decode engines only and a router that runs every request on one engine
-(no disaggregation), to compare against. Without ``--model`` the tiny test checkpoint is
+prefill`` / ``pdserve decode`` with the chosen PP x TP) and, beside them, the router (``pdserve
+router``). ``--colocated`` starts decode engines only and a router that runs every request on
+one engine (no disaggregation), to compare against. Without ``--model`` the tiny test checkpoint is
 generated into ``<work-dir>/tiny-model`` (no downloads), except for the engines that load no
 model (``--engine stub``; ``--engine sim``, whose ``--sim-profile`` goes to every engine): for
 them the router's front end reads a synthetic checkpoint of the model they register (their
@@ -214,16 +214,16 @@ async def _run_system(
     engines = _engine_children(args, models, common, logs, secrets)
     children.extend(engines)
     deadline = time.monotonic() + args.ready_timeout_s
+    # The router starts beside the engines, not once they are READY: its start is mostly
+    # importing vLLM's front end, which then overlaps the engines' own start; it follows the
+    # control plane and answers /health once it sees them READY (the wait below).
+    router = _router_child(args, models, common, logs, secrets)
+    children.append(router)
     try:
         for child in engines:
             await child.start()
-        await _wait_ready(engines, stop, deadline)
-        if stop.is_set():
-            return 0
-        router = _router_child(args, models, common, logs, secrets)
-        children.append(router)
         await router.start()
-        await _wait_ready([router], stop, deadline)
+        await _wait_ready([*engines, router], stop, deadline)
         if stop.is_set():
             return 0
         router_url = str((router.announced or {})["url"])
