@@ -32,6 +32,9 @@ disaggregation, nothing moved) and, over the requests whose KV did move, the **d
 share** the bytes imply (the reusable tokens the decode engine did not need moved; the KV bytes
 per token from the model's config); TTFT p50/p99 (streamed, from the client). ``comparison``
 puts each setting's shares beside ``approximate``'s.
+
+``--lora N`` (vLLM engines) runs each setting twice, on the base model and split over ``N``
+generated LoRA adapters (``services.bench.routing_lora``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.bench.routing_lora import adapter_of, run_lora
 from services.bench.routing_oracle import (
     LiveOracle,
     LiveSample,
@@ -102,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra argument for every engine (repeatable; e.g. --engine-arg=--enforce-eager)",
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="vllm: each setting also with the conversations split over N generated LoRA "
+        "adapters, beside the base model (services/bench/routing_lora.py)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
@@ -136,6 +149,8 @@ class Turn:
     conversation: int = 0
     """Which conversation and which of its turns (0 first)."""
     index: int = 0
+    adapter: str | None = None
+    """The LoRA adapter it ran with (``None``: the base model)."""
 
 
 @dataclass
@@ -151,6 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"pdserve bench routing: unknown setting(s) {unknown}; known: {SETTINGS}")
     workers = [int(count) for count in str(args.router_workers).split(",") if count]
+    if args.lora:
+        return run_lora(args, policies, workers, _run_setting, _workload_figures(args))
     results: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         root: Path = args.work_dir or Path(
@@ -171,12 +188,22 @@ def _workload_figures(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
         "engine", "dtype", "engine_arg", "conversations", "turns", "system_prompts",
         "system_tokens", "user_tokens", "reply_tokens", "max_tokens", "rate", "block_size",
-        "kv_blocks", "prefill_replicas", "decode_replicas", "seed",
+        "kv_blocks", "prefill_replicas", "decode_replicas", "lora", "seed",
     )  # fmt: skip
     return {key: getattr(args, key) for key in keys}
 
 
-def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: Path) -> Any:
+def _run_setting(
+    args: argparse.Namespace,
+    policy: str,
+    workers: int,
+    work_dir: Path,
+    *,
+    up_args: Sequence[str] = (),
+    adapters: Sequence[str] = (),
+) -> Any:
+    """One fresh stack (``up_args`` added to ``pdserve up``'s); conversations run with
+    ``adapters`` (:func:`~services.bench.routing_lora.adapter_of`) or the base model."""
     router_args, engine_args = SETTINGS[policy]
     engine_args = (
         *engine_args,
@@ -203,11 +230,13 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
         # with this flag, as vLLM's server does.
         "--frontend-arg=--enable-prompt-tokens-details",
         *(f"--engine-arg={arg}" for arg in engine_args),
+        *up_args,
     )
     try:
         endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
         router = str(endpoints["router"])
-        model = str(httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"])
+        listed = httpx.get(f"{router}/v1/models", timeout=30).json()["data"]
+        model = next(str(card["id"]) for card in listed if card.get("parent") is None)
         metrics = [str(url) for name, url in endpoints["metrics"].items() if name != "router"]
         moved_before = _kv_bytes(metrics)
         started = time.perf_counter()
@@ -215,7 +244,7 @@ def _run_setting(args: argparse.Namespace, policy: str, workers: int, work_dir: 
             redis=RedisSettings(url=str(endpoints["redis"])),
             namespace=str(endpoints["namespace"]),
         )
-        turns, oracle_health = asyncio.run(_load(args, router, model, control_plane))
+        turns, oracle_health = asyncio.run(_load(args, router, model, control_plane, adapters))
         elapsed = time.perf_counter() - started
         moved = _kv_bytes(metrics) - moved_before
         model_dir = args.model or work_dir / "tiny-model"
@@ -253,15 +282,23 @@ def _conversations(args: argparse.Namespace) -> list[Conversation]:
 
 
 async def _load(
-    args: argparse.Namespace, router: str, model: str, control_plane: ControlPlaneSettings
+    args: argparse.Namespace,
+    router: str,
+    model: str,
+    control_plane: ControlPlaneSettings,
+    adapters: Sequence[str],
 ) -> tuple[list[Turn], dict[str, object]]:
     async with follow_engines(control_plane) as live:
-        turns = await _conversations_through(args, router, model, live)
+        turns = await _conversations_through(args, router, model, live, adapters)
         return turns, live.health()
 
 
 async def _conversations_through(
-    args: argparse.Namespace, router: str, model: str, live: LiveOracle
+    args: argparse.Namespace,
+    router: str,
+    model: str,
+    live: LiveOracle,
+    adapters: Sequence[str] = (),
 ) -> list[Turn]:
     conversations = _conversations(args)
     oracle = NeverEvictOracle(args.block_size)
@@ -276,13 +313,14 @@ async def _conversations_through(
         async def chat(number: int, conversation: Conversation, delay_s: float) -> None:
             await asyncio.sleep(delay_s)
             prompt = list(conversation.system)
+            lora = adapter_of(number, args.system_prompts, adapters)
             for index, (user, reply) in enumerate(conversation.messages):
                 prompt += user
-                turn = Turn(len(prompt), oracle.reusable(prompt), live.at_send(prompt))
-                turn.conversation, turn.index = number, index
+                turn = Turn(len(prompt), oracle.reusable(prompt, lora), live.at_send(prompt, lora))
+                turn.conversation, turn.index, turn.adapter = number, index, lora
                 turns.append(turn)
-                await _complete(client, model, prompt, args, turn)
-                oracle.finished(prompt)
+                await _complete(client, lora or model, prompt, args, turn)
+                oracle.finished(prompt, lora)
                 prompt += reply
 
         delays, at = [], 0.0

@@ -22,9 +22,11 @@ the bench reads on its event loop), as the router's own index does: a block stor
 request's send and its scheduling on the engine is not in the oracle, so a request can find
 more cached than the oracle said (counted; the share caps each request at its oracle).
 
-The live oracle keys blocks by the chained hash of their whole prefix's token ids (root 0,
-one model, no LoRA), computed the same way for a prompt and for an engine's ``BlockStored``
-(which chains on the key of its parent's engine hash): an index of its own, not the router's
+The live oracle keys blocks by the chained hash of their whole prefix's token ids (root 0 for
+the base model; a root of the adapter's name for a LoRA adapter's, :func:`adapter_root`, as vLLM
+keys its cache by adapter and names it in ``BlockStored.lora_name``), computed the same way for
+a prompt and for an engine's ``BlockStored`` (which chains on the key of its parent's engine
+hash): an index of its own, not the router's
 (the bench is not to measure the router with the router's code), unbounded (a run is short).
 An engine's stream that loses events (``stale(lost=True)``) has its entries dropped and is
 counted in :meth:`LiveOracle.health`: a run with losses under-states the oracle.
@@ -51,18 +53,25 @@ from services.kv_events.events import (
     EngineBlockHash,
     EventBatch,
 )
-from services.kv_events.keys import BlockKey, block_keys, chain
+from services.kv_events.keys import BlockKey, block_keys, chain, chain_root
 from services.kv_events.subscriber import EventSubscriber
 
 logger = logging.getLogger(__name__)
 
 ROOT: BlockKey = 0
-"""The key a prompt's first block chains on (one model: no model or adapter to tell apart)."""
+"""The key a base-model prompt's first block chains on (one model: no model to tell apart)."""
 
 
-def prompt_keys(prompt: Sequence[int], block_size: int) -> list[BlockKey]:
-    """Keys of the full blocks of ``prompt``: key ``i`` covers ``[0, (i + 1) * block_size)``."""
-    return block_keys(prompt, block_size, ROOT)
+def adapter_root(lora: str | None) -> BlockKey:
+    """The key the first block of a prompt run with LoRA adapter ``lora`` chains on (:data:`ROOT`
+    without one): an adapter's blocks are never another's or the base model's."""
+    return ROOT if lora is None else chain_root("", lora)
+
+
+def prompt_keys(prompt: Sequence[int], block_size: int, lora: str | None = None) -> list[BlockKey]:
+    """Keys of the full blocks of ``prompt`` (run with adapter ``lora``): key ``i`` covers
+    ``[0, (i + 1) * block_size)``."""
+    return block_keys(prompt, block_size, adapter_root(lora))
 
 
 def countable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -87,13 +96,14 @@ class NeverEvictOracle:
         self.block_size = block_size
         self.known: set[BlockKey] = set()
 
-    def reusable(self, prompt: Sequence[int]) -> int:
-        """Tokens of ``prompt`` a finished prompt already had (leading full blocks)."""
-        found = leading(prompt_keys(prompt, self.block_size), self.known)
+    def reusable(self, prompt: Sequence[int], lora: str | None = None) -> int:
+        """Tokens of ``prompt`` a finished prompt of the same adapter already had (leading full
+        blocks)."""
+        found = leading(prompt_keys(prompt, self.block_size, lora), self.known)
         return min(found, countable_blocks(len(prompt), self.block_size)) * self.block_size
 
-    def finished(self, prompt: Sequence[int]) -> None:
-        self.known.update(prompt_keys(prompt, self.block_size))
+    def finished(self, prompt: Sequence[int], lora: str | None = None) -> None:
+        self.known.update(prompt_keys(prompt, self.block_size, lora))
 
 
 class EngineCache:
@@ -152,7 +162,7 @@ class EngineCache:
             self.problems["block_size"] += 1
             return
         if event.parent_block_hash is None:
-            previous = ROOT
+            previous = adapter_root(event.lora_name)
         else:
             parent = self.by_hash.get(event.parent_block_hash)
             if parent is None:
@@ -193,14 +203,14 @@ class LiveOracle:
     def __init__(self, caches: Sequence[EngineCache]) -> None:
         self.caches = list(caches)
 
-    def at_send(self, prompt: Sequence[int]) -> LiveSample:
+    def at_send(self, prompt: Sequence[int], lora: str | None = None) -> LiveSample:
         prefill = everywhere = 0
         by_engine: dict[str, int] = {}
         keys_by_size: dict[int, list[BlockKey]] = {}
         for cache in self.caches:
             size = cache.block_size
             if size not in keys_by_size:
-                keys_by_size[size] = prompt_keys(prompt, size)
+                keys_by_size[size] = prompt_keys(prompt, size, lora)
             blocks = min(cache.matched(keys_by_size[size]), countable_blocks(len(prompt), size))
             tokens = by_engine[cache.name] = blocks * size
             everywhere = max(everywhere, tokens)
