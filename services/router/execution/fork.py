@@ -152,6 +152,9 @@ class ForkedLeg:
         except Exception as exc:
             if not self._prefilled.done():
                 self._prefilled.set_exception(exc)
+                # Every choice awaiting it gets the error raised; when all of them closed just
+                # before (each awaits through a shield), nobody will: not an unretrieved error.
+                self._prefilled.exception()
             return
         if self._prefilled.done():  # every choice closed meanwhile
             return
