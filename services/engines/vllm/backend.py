@@ -33,26 +33,19 @@ from services.control_plane.wire import (
     EngineRole,
 )
 from services.engines.backend import BackendDescription, EngineBackend, EngineRegistration
-from services.engines.errors import (
-    EngineDraining,
-    EngineFailed,
-    InvalidRequest,
-    KVTransferFailed,
-)
+from services.engines.errors import EngineDraining, EngineFailed, InvalidRequest
 from services.engines.lora import LoRAAdapter
 from services.engines.requests import (
     DecodeRequest,
-    FinishReason,
     PrefillRequest,
     PrefillResult,
     TokenDelta,
     TokenLogprobs,
-    Usage,
 )
 from services.engines.trace_context import TraceContext
 from services.engines.vllm import detokenizer
 from services.engines.vllm.contracts import decide_model_runner
-from services.engines.vllm.logprobs import output_logprobs, prompt_logprobs_of
+from services.engines.vllm.logprobs import prompt_logprobs_of
 from services.engines.vllm.lora import VllmAdapters
 from services.engines.vllm.options import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -65,13 +58,17 @@ from services.engines.vllm.options import (
     kv_transfer_config,
     lora_args,
 )
+from services.engines.vllm.outputs import (
+    prefill_completion,
+    prefill_ended,
+    prefill_result,
+    token_delta,
+)
 from services.engines.vllm.platform import Platform, cpu_environment, installed_platform
 from services.engines.vllm.request_mapping import (
     OUTPUT_IN_PROMPT_PENALTIES,
     decode_sampling,
     encode_handle,
-    error_message,
-    finish_reason_of,
     prefill_sampling,
 )
 from services.engines.vllm.transfer_metrics import VllmTransferExporter
@@ -394,15 +391,10 @@ class VllmBackend(EngineBackend):
             prompt_logprobs = prompt_logprobs or prompt_logprobs_of(
                 prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs
             )
-        if final is None or not final.outputs or not final.outputs[0].token_ids:
-            raise EngineFailed(f"vLLM returned no token for {request_id}")
-        completion = final.outputs[0]
-        token = int(completion.token_ids[-1])
-        reason = finish_reason_of(completion.finish_reason)
-        ended = sampling.max_tokens == 1 or (reason is FinishReason.STOP)
+        completion = prefill_completion(request_id, final)
         assert self._registration is not None
         handle = None
-        if not ended and final.kv_transfer_params:
+        if not prefill_ended(request, completion) and final.kv_transfer_params:
             self._hold(request_id, final.kv_transfer_params)
             handle = encode_handle(
                 final.kv_transfer_params,
@@ -412,22 +404,8 @@ class VllmBackend(EngineBackend):
                 num_tokens=len(prompt_token_ids),
                 lease_s=self.options.kv_lease_s,
             )
-        firsts = output_logprobs(completion.token_ids, completion.logprobs, sampling.logprobs)
-        return PrefillResult(
-            request_id=request_id,
-            first_token_id=token,
-            text=completion.text,
-            kv_handle=handle,
-            finish_reason=None if handle is not None else (reason or FinishReason.LENGTH),
-            usage=Usage(
-                len(prompt_token_ids),
-                1,
-                int(final.num_cached_tokens or 0),
-                int(final.num_cache_creation_tokens or 0),
-            ),
-            prefill_s=time.monotonic() - started,
-            logprobs=firsts[-1] if firsts else None,
-            prompt_logprobs=prompt_logprobs,
+        return prefill_result(
+            request, final, handle, prompt_logprobs, prefill_s=time.monotonic() - started
         )
 
     def _hold(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
@@ -446,49 +424,17 @@ class VllmBackend(EngineBackend):
         )
         produced = 1 if request.kv_handle is not None else 0
         first = True
-        sampling = request.sampling
         async for output in self._generate(
             request.request_id, prompt, kwargs, request.trace, request.lora
         ):
-            completion = output.outputs[0]
-            produced += len(completion.token_ids)
-            reason = finish_reason_of(completion.finish_reason)
-            if (
-                first
-                and reason is FinishReason.ERROR
-                and not completion.token_ids
-                and request.kv_handle is not None
-            ):
-                # vLLM ended the request before its first token: loading the KV failed
-                # (kv_load_failure_policy=fail). Raised before any delta, so the router
-                # re-prefills elsewhere or decodes locally, counted, at once.
-                raise KVTransferFailed(error_message(request), "vllm_kv_load_failed")
-            yield TokenDelta(
-                token_ids=tuple(int(t) for t in completion.token_ids),
-                text=completion.text,
-                finish_reason=reason,
-                error=error_message(request) if reason is FinishReason.ERROR else None,
-                usage=Usage(
-                    len(request.prompt_token_ids),
-                    produced,
-                    int(output.num_cached_tokens or 0),
-                    int(output.num_cache_creation_tokens or 0),
-                )
-                if reason
-                else None,
-                cached_tokens=(
-                    int(output.num_cached_tokens or 0)
-                    if first and request.kv_handle is None
-                    else None
-                ),
-                logprobs=output_logprobs(
-                    completion.token_ids, completion.logprobs, sampling.logprobs
-                ),
-                prompt_logprobs=(
-                    prompt_logprobs_of(prompt, output.prompt_logprobs, kwargs["prompt_logprobs"])
-                    if first
-                    else ()
-                ),
+            produced += len(output.outputs[0].token_ids)
+            yield token_delta(
+                request,
+                output,
+                prompt=prompt,
+                prompt_logprobs=kwargs["prompt_logprobs"],
+                produced=produced,
+                first=first,
             )
             first = False
 

@@ -1,9 +1,9 @@
 """pdserve's engine requests in vLLM's terms and back: sampling parameters for the prefill and
 the decode (:func:`prefill_sampling`, :func:`decode_sampling`: the fields as
 :mod:`services.engines.sampling_fields` maps them, and the ``extra_args`` keys vLLM's workers
-read), the KV handle carried between them (:func:`encode_handle`, :func:`decode_handle`), and
-vLLM's finish reasons. Imports nothing of vLLM; the worker-side modules (``output_in_prompt``,
-``seeded_draws``) import their keys from here."""
+read), and the KV handle carried between them (:func:`encode_handle`, :func:`decode_handle`).
+vLLM's outputs back in pdserve's terms are :mod:`.outputs`. Imports nothing of vLLM; the
+worker-side modules (``output_in_prompt``, ``seeded_draws``) import their keys from here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from services.engines.errors import (
     EngineFailed,
     UnknownKVHandle,
 )
-from services.engines.requests import DecodeRequest, FinishReason, KVHandle, SamplingParams
+from services.engines.requests import KVHandle, SamplingParams
 from services.engines.sampling_fields import vllm_kwargs
 from services.engines.vllm.handshake import vllm_engine_id
 
@@ -157,24 +157,3 @@ def decode_handle(handle: KVHandle) -> dict[str, Any]:
             f"handle names {expected} but its params name {params['remote_engine_id']}"
         )
     return params
-
-
-def finish_reason_of(reason: str | None) -> FinishReason | None:
-    if reason is None:
-        return None
-    return {
-        "stop": FinishReason.STOP,
-        "length": FinishReason.LENGTH,
-        "abort": FinishReason.ABORT,
-    }.get(reason, FinishReason.ERROR)
-
-
-def error_message(request: DecodeRequest) -> str:
-    """What a request vLLM finished with an error is told (vLLM gives no message)."""
-    if request.kv_handle is None:
-        return "vLLM ended the request with an error"
-    return (
-        f"vLLM ended the request with an error: loading its KV from "
-        f"{request.kv_handle.producer_engine_id} "
-        "failed (kv_load_failure_policy=fail; the decode engine's log names the blocks)"
-    )
