@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from services.cli.main import build_parser
 from services.cli.main import main as cli_main
 from services.cli.model_spec import ModelSpec, parse_model_spec
-from services.cli.up import _frontend_argv
+from services.cli.up_children import frontend_argv
 from services.cli.up_models import up_models
 from services.engines.registry import UnknownEngine, synthetic_model
 from services.engines.sim.profile import DEFAULT_PROFILE, load_profile
@@ -24,7 +24,7 @@ from services.tokenization.tokenizer import ByteTokenizer, load_tokenizer
 
 def frontend_of(*argv: str, model: Path | None, work_dir: Path) -> list[str]:
     args = build_parser().parse_args(["up", "--work-dir", str(work_dir), *argv])
-    return _frontend_argv(args, up_models(args, model))
+    return frontend_argv(args, up_models(args, model))
 
 
 def served(argv: list[str]) -> list[ModelSpec]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import build_parser
-from services.cli.up import _engine_children
+from services.cli.up_children import engine_children
 from services.cli.up_models import up_models
 
 
@@ -30,7 +30,7 @@ def test_each_model_has_its_own_pools_and_layouts(tmp_path: Path) -> None:
         "--model",
         f"{second},prefill-replicas=1,prefill-pp=2,decode-tp=2",
     )
-    children = _engine_children(args, up_models(args, None), [], tmp_path, {})  # type: ignore[arg-type]
+    children = engine_children(args, up_models(args, None), [], tmp_path, {})  # type: ignore[arg-type]
     seen = [
         (c.name, flag(c.argv, "--model"), flag(c.argv, "--pp"), flag(c.argv, "--tp"))
         for c in children
