@@ -12,16 +12,8 @@ from pathlib import Path
 import pytest
 
 from services.bench import goodput_trace
-from services.bench.goodput import (
-    Outcome,
-    Slo,
-    _figures,
-    _layouts,
-    _plot,
-    _versus,
-    fidelity_output_tokens,
-    unshared,
-)
+from services.bench.goodput import _layouts, _plot, _versus, fidelity_output_tokens
+from services.bench.goodput_load import Outcome, Slo, figures_of, unshared
 from services.bench.procs import children_with_arg
 from services.bench.trace import SHIPPED_TRACE, load_workload
 from services.bench.trace_file import BLOCK_TOKENS, oracle_tokens
@@ -52,7 +44,7 @@ def test_goodput_counts_requests_meeting_the_slos_per_second_of_window() -> None
         Outcome(2.0, sent_s=2.2, ok=True, ttft_s=0.2, itl_s=0.01),
         Outcome(3.0, sent_s=3.0, ok=False, error="HTTP 503"),
     ]
-    figures = _figures(outcomes, slo, window_s=4.0)
+    figures = figures_of(outcomes, slo, window_s=4.0)
     assert figures["goodput"] == 0.5
     assert figures["slo_attainment"] == 0.5
     assert figures["errors"] == 1 and figures["first_errors"] == ["HTTP 503"]
