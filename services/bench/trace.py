@@ -40,7 +40,7 @@ import httpx
 
 from services.bench.procs import children_with_arg, cpu_seconds, descendants
 from services.bench.routing import SETTINGS
-from services.bench.routing import _kv_bytes as kv_bytes
+from services.bench.routing_figures import kv_bytes
 from services.bench.soak import wait_endpoints
 from services.bench.sse import StreamFailed, cached_tokens, completion_events
 from services.bench.trace_figures import (

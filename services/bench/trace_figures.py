@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.bench.routing import blind_to_the_cache
+from services.bench.routing_figures import blind_to_the_cache
 from services.bench.soak import percentiles_ms
 
 

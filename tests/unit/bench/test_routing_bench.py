@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from services.bench.routing import Turn, _conversations, _summarize, add_arguments, live_shares
+from services.bench.routing import _conversations, add_arguments
+from services.bench.routing_figures import Turn, live_shares, summarize
 from services.bench.routing_oracle import (
     EngineCache,
     LiveOracle,
@@ -54,7 +55,7 @@ def test_summary_shares() -> None:
     ]
     # 150 prompt tokens done, 80 reusable. The two disaggregated requests: 100 prompt tokens, 32
     # reusable; 68 + 16 tokens moved: their decode engines lacked 16 of the 32.
-    figures = _summarize(turns, moved_bytes=84 * 10.0, bytes_per_token=10.0, elapsed_s=1.0)
+    figures = summarize(turns, moved_bytes=84 * 10.0, bytes_per_token=10.0, elapsed_s=1.0)
     assert figures["requests"] == 4 and figures["errors"] == 1
     assert figures["local_runs"] == 1
     assert figures["first_errors"] == ["HTTP 503"]
@@ -67,10 +68,10 @@ def test_summary_shares() -> None:
 
 def test_a_workload_with_reuse_and_no_cached_token_reported_is_a_problem() -> None:
     turns = [Turn(60, 32, ok=True, cached_tokens=0, ttft_s=0.2, path="disaggregated")]
-    (problem,) = _summarize(turns, 0.0, None, 1.0)["problems"]
+    (problem,) = summarize(turns, 0.0, None, 1.0)["problems"]
     assert "no cached tokens reported though 32" in problem
     # Nothing reusable, nothing cached: no problem.
-    assert _summarize([Turn(60, 0, ok=True)], 0.0, None, 1.0)["problems"] == []
+    assert summarize([Turn(60, 0, ok=True)], 0.0, None, 1.0)["problems"] == []
 
 
 def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> EventBatch:

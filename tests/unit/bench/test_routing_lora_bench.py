@@ -8,7 +8,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from services.bench.routing import Turn, _conversations, _summarize, add_arguments
+from services.bench.routing import _conversations, add_arguments
+from services.bench.routing_figures import Turn, summarize
 from services.bench.routing_lora import adapter_of, lora_vs_base
 from services.bench.routing_oracle import EngineCache, LiveOracle, NeverEvictOracle
 from services.control_plane.wire import EngineRole
@@ -71,7 +72,7 @@ def _through_one_engine(adapters: Sequence[str]) -> dict[str, Any]:
             engine.apply(0, EventBatch(0.0, (stored,)))
             never.finished(prompt, lora)
             prompt += reply
-    return _summarize(turns, 0.0, None, 1.0)
+    return summarize(turns, 0.0, None, 1.0)
 
 
 def test_the_workload_split_over_adapters_caches_what_the_base_model_does() -> None:
