@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from services.engines.errors import InvalidRequest
 from services.engines.reference.batch import SequenceChunk
 from services.engines.reference.messages import PullDone
 from services.engines.reference.sampling import OutputText, make_generator
@@ -85,6 +86,37 @@ class SchedulerLimits:
         if forks <= 1:
             return needed
         return needed + (forks - 1) * (needed - len(prompt) // self.block_size)
+
+    def check(
+        self,
+        kind: RequestKind,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        handle: KVHandle | None,
+        first_token_id: int | None,
+        forks: tuple[Fork, ...],
+    ) -> None:
+        """:class:`InvalidRequest` for a request of ``kind`` that these limits cannot run or
+        that lacks what its kind needs (the scheduler's intake)."""
+        if not prompt:
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt of {len(prompt)} tokens leaves no room in the context of "
+                f"{self.max_model_len}"
+            )
+        if kind == "remote" and (handle is None or first_token_id is None):
+            raise InvalidRequest("a remote decode needs a kv_handle and a first_token_id")
+        if forks and (kind != "remote" or forks[0].first_token_id != first_token_id):
+            raise InvalidRequest("forks need a remote decode whose first_token_id is the first's")
+        if sampling.n > 1 and kind != "prefill":
+            raise InvalidRequest("n > 1 is for a prefill; a decode forks with forks")
+        if self.blocks_total(kind, prompt, sampling, len(forks)) > self.num_blocks:
+            raise InvalidRequest(
+                f"request needs more KV blocks than the engine has ({self.num_blocks}); "
+                "lower max_tokens"
+            )
 
 
 @dataclass(eq=False)

@@ -50,7 +50,6 @@ from services.engines.errors import (
     DuplicateRequest,
     EngineDraining,
     EngineOverloaded,
-    InvalidRequest,
     RequestAborted,
 )
 from services.engines.reference.batch import SequenceChunk
@@ -194,25 +193,10 @@ class Scheduler:
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already in flight")
         limits = self.limits
-        if not prompt:
-            raise InvalidRequest("prompt_token_ids must not be empty")
-        if len(prompt) >= limits.max_model_len:
-            raise InvalidRequest(
-                f"prompt of {len(prompt)} tokens leaves no room in the context of "
-                f"{limits.max_model_len}"
-            )
-        if kind == "remote" and (handle is None or first_token_id is None):
-            raise InvalidRequest("a remote decode needs a kv_handle and a first_token_id")
-        if forks and (kind != "remote" or forks[0].first_token_id != first_token_id):
-            raise InvalidRequest("forks need a remote decode whose first_token_id is the first's")
-        if sampling.n > 1 and kind != "prefill":
-            raise InvalidRequest("n > 1 is for a prefill; a decode forks with forks")
+        limits.check(
+            kind, prompt, sampling, handle=handle, first_token_id=first_token_id, forks=forks
+        )
         choice = forks[0].choice if forks else 0
-        if limits.blocks_total(kind, prompt, sampling, len(forks)) > limits.num_blocks:
-            raise InvalidRequest(
-                f"request needs more KV blocks than the engine has ({limits.num_blocks}); "
-                "lower max_tokens"
-            )
         if len(self._waiting) >= limits.max_queue:
             raise EngineOverloaded(f"queue full ({limits.max_queue} waiting)")
         released = (first_token_id,) if first_token_id is not None else ()
