@@ -54,7 +54,7 @@ from services.router.errors import InvalidRequestError, RouterError
 from services.router.execution.generation import ChunkStream, GenerationRequest, RunInfo
 from services.router.frontend import trace_headers as trace_of
 from services.router.frontend.engine_support import check_engines
-from services.router.frontend.served_names import ServedName, ServedNames
+from services.router.frontend.served_names import ServedNames
 from services.router.frontend.vllm.config import Frontend
 from services.router.frontend.vllm.lora import LoRAFanout, lora_refusal
 from services.router.metrics import RouterMetrics
@@ -291,33 +291,13 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
                 child.request_id = child_id
                 child.sampling_params = child_params
                 children.append((child, parent))
-        trace = trace_of.from_vllm(trace_headers, self.runtime.metrics)
-        served = self._served(lora_request)
-        try:
-            generations = [
-                GenerationRequest(
-                    request_id=child.request_id,
-                    model=served.model,
-                    prompt_token_ids=tuple(child.prompt_token_ids),
-                    sampling=engine_sampling(child.sampling_params),
-                    arrival_s=arrival_s,
-                    stream=params.output_kind.name != "FINAL_ONLY",
-                    trace=trace,
-                    lora=served.adapter,
-                )
-                for child, _ in children
-            ]
-            records = [
-                slot.record
-                for slot in self.runtime.pool.slots()
-                if slot.record.model == served.model
-            ]
-            check_engines(records, generations[0].sampling)
-            refusal = None if served.adapter is None else lora_refusal(records, served.name)
-            if refusal is not None:
-                raise InvalidRequestError(refusal, param="model", code="unsupported_parameter")
-        except RouterError as error:
-            raise vllm_error(error) from error
+        generations = self._generations(
+            [child for child, _ in children],
+            arrival_s,
+            params.output_kind.name != "FINAL_ONLY",
+            lora_request,
+            trace_headers,
+        )
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         for index, (child, child_parent) in enumerate(children):
             self._outputs.add_request(child, prompt_text, child_parent, index, queue)
@@ -433,14 +413,50 @@ class PdserveEngineClient(EngineClient):  # type: ignore[misc]  # (vLLM is untyp
         finally:
             await stream.aclose()
 
-    def _served(self, lora_request: Any) -> ServedName:
-        """What the request runs on: the base model, or the adapter vLLM's front end resolved
-        (``lora_request``) in the router's name table (:mod:`..served_names`)."""
+    def _generations(
+        self,
+        children: list[Any],
+        arrival_s: float,
+        stream: bool,
+        lora_request: Any,
+        trace_headers: Mapping[str, str] | None,
+    ) -> list[GenerationRequest]:
+        """The request's choices (vLLM's requests, ``children``) as pdserve runs them: its
+        sampling in the engines' spelling, its trace context checked, what it is served by (the
+        base model, or the adapter vLLM's front end resolved, ``lora_request``, in the router's
+        name table); refused (as vLLM's error) when an engine that may serve it cannot honour
+        it."""
+        trace = trace_of.from_vllm(trace_headers, self.runtime.metrics)
         name = self.model if lora_request is None else str(lora_request.lora_name)
         served = self.names.resolve(name)
         if served is None:  # unloaded between vLLM's check and here
             raise GracefulHTTPError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND)
-        return served
+        try:
+            generations = [
+                GenerationRequest(
+                    request_id=child.request_id,
+                    model=served.model,
+                    prompt_token_ids=tuple(child.prompt_token_ids),
+                    sampling=engine_sampling(child.sampling_params),
+                    arrival_s=arrival_s,
+                    stream=stream,
+                    trace=trace,
+                    lora=served.adapter,
+                )
+                for child in children
+            ]
+            records = [
+                slot.record
+                for slot in self.runtime.pool.slots()
+                if slot.record.model == served.model
+            ]
+            check_engines(records, generations[0].sampling)
+            refusal = None if served.adapter is None else lora_refusal(records, served.name)
+            if refusal is not None:
+                raise InvalidRequestError(refusal, param="model", code="unsupported_parameter")
+        except RouterError as error:
+            raise vllm_error(error) from error
+        return generations
 
     async def add_lora(self, lora_request: Any) -> bool:
         """vLLM's ``add_lora`` (``--lora-modules``, ``/v1/load_lora_adapter``): loaded on every
