@@ -53,7 +53,7 @@ from services.kv_transfer.nixl_agent import NixlConfig
 from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.producer import KVProducer
 from services.kv_transfer.protocol import WorkerIdentity
-from services.topology import EngineLayout, Range
+from services.topology import EngineLayout, ModelShape, Range
 
 PRODUCER_ENGINE = "bench-prefill"
 CONSUMER_ENGINE = "bench-decode"
@@ -91,11 +91,9 @@ class _Geometry:
             role=role,
             model="bench",
             compat_hash=self.compat_hash(),
-            pp_size=1,
-            tp_size=1,
-            num_layers=self.layers,
-            num_kv_heads=self.kv_heads,
-            block_size=self.block_size,
+            shape=ModelShape(
+                num_layers=self.layers, num_kv_heads=self.kv_heads, block_size=self.block_size
+            ),
             endpoint="localhost:0",
             pp_aware=True,
             lease_ttl_ms=60_000,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -130,26 +131,33 @@ def fleet_of(views: Sequence[EngineView]) -> Fleet:
     if not decode:
         raise ProfileError("no READY decode engine to profile")
     records = [v.record for v in (*by_role[EngineRole.PREFILL], *decode) if v.record is not None]
-    for what in ("model", "engine_kind", "num_layers", "num_kv_heads", "block_size"):
-        values = {getattr(record, what) for record in records}
+    for what in (
+        "model",
+        "engine_kind",
+        "shape.num_layers",
+        "shape.num_kv_heads",
+        "shape.block_size",
+    ):
+        values = {operator.attrgetter(what)(record) for record in records}
         if len(values) > 1:
-            raise ProfileError(f"the engines differ in {what} ({sorted(map(str, values))})")
+            name = what.removeprefix("shape.")
+            raise ProfileError(f"the engines differ in {name} ({sorted(map(str, values))})")
     first = decode[0].record
     decode_side = _side(decode, "decode")
     assert first is not None and decode_side is not None  # (views without a record: skipped)
     blocks = [view.load.kv_blocks_total for view in decode if view.load is not None]
     if not blocks or min(blocks) <= 0:
         raise ProfileError("the decode engines report no KV capacity (kv_blocks_total)")
-    lengths = [record.max_model_len for record in records if record.max_model_len > 0]
+    lengths = [record.shape.max_model_len for record in records if record.shape.max_model_len > 0]
     return Fleet(
         model=first.model,
         engine_kind=first.engine_kind,
         prefill=_side(by_role[EngineRole.PREFILL], "prefill"),
         decode=decode_side,
         shape=ModelShape(
-            num_layers=first.num_layers,
-            num_kv_heads=first.num_kv_heads,
-            block_size=first.block_size,
+            num_layers=first.shape.num_layers,
+            num_kv_heads=first.shape.num_kv_heads,
+            block_size=first.shape.block_size,
             max_model_len=min(lengths) if lengths else 0,
         ),
         num_blocks=min(blocks),
@@ -157,7 +165,9 @@ def fleet_of(views: Sequence[EngineView]) -> Fleet:
 
 
 def _side(views: list[EngineView], role: str) -> SideLayout | None:
-    layouts = {(v.record.pp_size, v.record.tp_size) for v in views if v.record is not None}
+    layouts = {
+        (v.record.shape.pp_size, v.record.shape.tp_size) for v in views if v.record is not None
+    }
     if not layouts:
         return None
     if len(layouts) > 1:

@@ -254,7 +254,7 @@ async def follow_engines(
     caches: list[EngineCache] = []
     try:
         for record in sorted(records, key=lambda r: r.engine_id):
-            cache = EngineCache(record.engine_id, record.role, record.block_size)
+            cache = EngineCache(record.engine_id, record.role, record.shape.block_size)
             subscriber = EventSubscriber(
                 record.kv_events_endpoint, record.kv_events_replay_endpoint, cache, context=context
             )

@@ -90,10 +90,10 @@ def describe(inspection: EngineInspection) -> dict[str, Any]:
             engine_kind=record.engine_kind,
             generation=record.generation,
             endpoint=record.endpoint,
-            pp_size=record.pp_size,
-            tp_size=record.tp_size,
-            num_layers=record.num_layers,
-            num_kv_heads=record.num_kv_heads,
+            pp_size=record.shape.pp_size,
+            tp_size=record.shape.tp_size,
+            num_layers=record.shape.num_layers,
+            num_kv_heads=record.shape.num_kv_heads,
             lease_ttl_s=record.lease_ttl_ms / 1000,
             registered_s_ago=round(time.time() - record.registered_at_ms / 1000, 1),
         )
@@ -117,8 +117,8 @@ def describe(inspection: EngineInspection) -> dict[str, Any]:
             where = rank_field(*problem.rank) if problem.rank else "engine"
             problems_by_rank.setdefault(where, []).append(problem.reason)
         grid = {}
-        for pp in range(record.pp_size):
-            for tp in range(record.tp_size):
+        for pp in range(record.shape.pp_size):
+            for tp in range(record.shape.tp_size):
                 name = rank_field(pp, tp)
                 if name in problems_by_rank:
                     grid[name] = ",".join(problems_by_rank[name])

@@ -105,18 +105,20 @@ def check_record(engine: EngineRecord, record: HandshakeRecord) -> list[Problem]
             f"record of {record.engine_id}@{record.generation} under "
             f"{engine.engine_id}@{engine.generation}",
         )
-    if not (0 <= record.pp_rank < engine.pp_size and 0 <= record.tp_rank < engine.tp_size):
-        bad("rank_out_of_grid", f"outside the {engine.pp_size} x {engine.tp_size} grid")
+    if not (
+        0 <= record.pp_rank < engine.shape.pp_size and 0 <= record.tp_rank < engine.shape.tp_size
+    ):
+        bad("rank_out_of_grid", f"outside the {engine.shape.pp_size} x {engine.shape.tp_size} grid")
     if record.pp_rank > 0 and not engine.pp_aware:
         bad("not_pp_aware", "engine is not PP-aware but published pp_rank > 0")
     if record.compat_hash != engine.compat_hash:
         bad("hash_mismatch", f"compat hash {record.compat_hash} != engine's {engine.compat_hash}")
-    if record.block_size != engine.block_size:
-        bad("block_size_mismatch", f"block size {record.block_size} != {engine.block_size}")
-    if record.layers.stop > engine.num_layers or not record.layers:
-        bad("layer_gap", f"layers {record.layers} outside [0,{engine.num_layers})")
-    if record.kv_heads.stop > engine.num_kv_heads or not record.kv_heads:
-        bad("head_coverage", f"KV heads {record.kv_heads} outside [0,{engine.num_kv_heads})")
+    if record.block_size != engine.shape.block_size:
+        bad("block_size_mismatch", f"block size {record.block_size} != {engine.shape.block_size}")
+    if record.layers.stop > engine.shape.num_layers or not record.layers:
+        bad("layer_gap", f"layers {record.layers} outside [0,{engine.shape.num_layers})")
+    if record.kv_heads.stop > engine.shape.num_kv_heads or not record.kv_heads:
+        bad("head_coverage", f"KV heads {record.kv_heads} outside [0,{engine.shape.num_kv_heads})")
     problems.extend(Problem("geometry", m, rank) for m in geometry_errors(record))
     return problems
 
@@ -232,8 +234,8 @@ def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:
 
     missing = [
         (pp, tp)
-        for pp in range(engine.pp_size)
-        for tp in range(engine.tp_size)
+        for pp in range(engine.shape.pp_size)
+        for tp in range(engine.shape.tp_size)
         if (pp, tp) not in records
     ]
     if missing:
@@ -247,10 +249,10 @@ def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:
     if problems:
         return Aggregation(EngineState.INVALID, tuple(problems), records)
     layout = EngineLayout(
-        num_layers=engine.num_layers,
-        num_kv_heads=engine.num_kv_heads,
-        pp_size=engine.pp_size,
-        tp_size=engine.tp_size,
+        num_layers=engine.shape.num_layers,
+        num_kv_heads=engine.shape.num_kv_heads,
+        pp_size=engine.shape.pp_size,
+        tp_size=engine.shape.tp_size,
         shards={key: WorkerShard(r.layers, r.kv_heads) for key, r in records.items()},
     )
     topology = EngineTopology(engine, records, layout)
@@ -272,9 +274,9 @@ def _consistency_problems(
                 Problem("contradictory", "dtype, head size or layout differs from rank (0, 0)", key)
             )
     expected_start = 0
-    for pp in range(engine.pp_size):
+    for pp in range(engine.shape.pp_size):
         stage = records[(pp, 0)].layers
-        for tp in range(engine.tp_size):
+        for tp in range(engine.shape.tp_size):
             if records[(pp, tp)].layers != stage:
                 problems.append(
                     Problem(
@@ -295,11 +297,16 @@ def _consistency_problems(
             )
         expected_start = stage.stop
         problems.extend(
-            _head_problems(engine, pp, [records[(pp, tp)].kv_heads for tp in range(engine.tp_size)])
+            _head_problems(
+                engine, pp, [records[(pp, tp)].kv_heads for tp in range(engine.shape.tp_size)]
+            )
         )
-    if expected_start != engine.num_layers:
+    if expected_start != engine.shape.num_layers:
         problems.append(
-            Problem("layer_gap", f"layers [{expected_start},{engine.num_layers}) owned by no stage")
+            Problem(
+                "layer_gap",
+                f"layers [{expected_start},{engine.shape.num_layers}) owned by no stage",
+            )
         )
     return problems
 
@@ -315,15 +322,15 @@ def _head_problems(engine: EngineRecord, pp: int, ranges: list[Range]) -> list[P
                 Problem(
                     "head_coverage",
                     f"stage {pp}: KV-head ranges {sorted(str(r) for r in holders)} do not tile "
-                    f"[0,{engine.num_kv_heads})",
+                    f"[0,{engine.shape.num_kv_heads})",
                 )
             ]
         position = heads.stop
-    if position != engine.num_kv_heads:
+    if position != engine.shape.num_kv_heads:
         return [
             Problem(
                 "head_coverage",
-                f"stage {pp}: heads [{position},{engine.num_kv_heads}) are held by no rank",
+                f"stage {pp}: heads [{position},{engine.shape.num_kv_heads}) are held by no rank",
             )
         ]
     if len(set(holders.values())) != 1:

@@ -42,6 +42,7 @@ from services.control_plane.wire import (
     Generation,
     HandshakeRecord,
 )
+from services.topology import ModelShape
 
 STOPPING_CALL_BOUND_S = 5.0
 """A process that is stopping waits this long at most for one control-plane call (deregister,
@@ -56,29 +57,25 @@ class EngineSpec:
     One engine is described by three types, each a field-for-field subset of the next, copied
     by name (:meth:`record`, ``BackendDescription.spec``) so that a new field is one edit per
     type and a test (``tests/unit/test_engine_types.py``) fails when the sets drift:
-    ``BackendDescription`` (what the backend knows of its model and layout, the model's
-    shape as one ``topology.ModelShape`` whose registered fields the spec carries flat, plus
-    what only the serving side needs: vocabulary, EOS ids) -> ``EngineSpec`` (+ engine id, role,
-    endpoint) -> ``EngineRecord`` (+ what the control plane assigns: generation, lease,
-    registration time). Three stay because the record is the wire format stored in Redis
-    (flat, versioned by its fields), the spec is what a host may choose, and the
-    description is the engine's, before it has an id or an address.
+    ``BackendDescription`` (what the backend knows of its model and layout, plus what only the
+    serving side needs: EOS ids) -> ``EngineSpec`` (+ engine id, role, endpoint) ->
+    ``EngineRecord`` (+ what the control plane assigns: generation, lease, registration time).
+    All three embed the model's shape as one ``topology.ModelShape``; the spec and the record
+    hold the part the record carries (:func:`~services.control_plane.wire.record_shape`), which
+    the record's codec writes flat. Three stay because the record is the wire format stored in
+    Redis (versioned by its fields), the spec is what a host may choose, and the description is
+    the engine's, before it has an id or an address.
     """
 
     engine_id: EngineId
     role: EngineRole
     model: str
     compat_hash: str
-    pp_size: int
-    tp_size: int
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
+    shape: ModelShape
+    """The model's shape: only :data:`~services.control_plane.wire.RECORD_SHAPE_FIELDS`."""
     endpoint: str
     pp_aware: bool = True
     engine_kind: str = "reference"
-    max_model_len: int = 0
-    """The engine's context in tokens (0 = unknown)."""
     kv_events_endpoint: str = ""
     """Where the engine publishes KV-cache events (``tcp://host:port``; empty = none)."""
     kv_events_replay_endpoint: str = ""
@@ -92,9 +89,8 @@ class EngineSpec:
         self, generation: Generation, *, lease_ttl_ms: int, registered_at_ms: int
     ) -> EngineRecord:
         """The record the control plane stores for this spec at ``generation``."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return EngineRecord(
-            **shared,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
             generation=generation,
             lease_ttl_ms=lease_ttl_ms,
             registered_at_ms=registered_at_ms,

@@ -86,12 +86,16 @@ class RedisControlPlane(ControlPlane):
 
     async def register(self, spec: EngineSpec) -> EngineRecord:
         validate_identifier(spec.engine_id)
-        if spec.pp_size < 1 or spec.tp_size < 1 or spec.num_layers < spec.pp_size:
-            raise ValueError(f"invalid layout PP={spec.pp_size} TP={spec.tp_size}")
-        if spec.pp_size > 1 and not spec.pp_aware:
+        if (
+            spec.shape.pp_size < 1
+            or spec.shape.tp_size < 1
+            or spec.shape.num_layers < spec.shape.pp_size
+        ):
+            raise ValueError(f"invalid layout PP={spec.shape.pp_size} TP={spec.shape.tp_size}")
+        if spec.shape.pp_size > 1 and not spec.pp_aware:
             raise PipelineParallelUnsupported(
                 f"engine {spec.engine_id} declares itself not PP-aware but asks for "
-                f"PP={spec.pp_size}"
+                f"PP={spec.shape.pp_size}"
             )
         counter = self.keys.generation_counter(spec.engine_id)
         now = _now_ms()
@@ -143,8 +147,8 @@ class RedisControlPlane(ControlPlane):
             spec.engine_id,
             record.generation,
             spec.role.value,
-            spec.pp_size,
-            spec.tp_size,
+            spec.shape.pp_size,
+            spec.shape.tp_size,
         )
         return record
 
@@ -195,7 +199,7 @@ class RedisControlPlane(ControlPlane):
             self.keys.handshake_version(eid, gen),
             self.keys.events,
         ]
-        args: list[Any] = [gen, self.lease_ttl_ms, engine.world_size]
+        args: list[Any] = [gen, self.lease_ttl_ms, engine.shape.world_size]
         args.append(self._event(engine, EventKind.HANDSHAKE))
         for record in records:
             args += [rank_field(record.pp_rank, record.tp_rank), record.worker_id, encode(record)]
@@ -281,7 +285,7 @@ class RedisControlPlane(ControlPlane):
                 "engine %s generation %d READY (%d ranks)",
                 engine.engine_id,
                 engine.generation,
-                engine.world_size,
+                engine.shape.world_size,
             )
         else:
             logger.warning(

@@ -15,7 +15,7 @@ from services.control_plane.wire import (
     HandshakeRecord,
     compute_compat_hash,
 )
-from services.topology import EngineLayout
+from services.topology import EngineLayout, ModelShape
 
 SYNTHETIC_MODEL = "synthetic/llama-like"
 
@@ -46,11 +46,13 @@ def synthetic_spec(
             num_kv_heads=num_kv_heads,
             kv_layout="HND",
         ),
-        pp_size=pp_size,
-        tp_size=tp_size,
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        block_size=block_size,
+        shape=ModelShape(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            pp_size=pp_size,
+            tp_size=tp_size,
+        ),
         endpoint=f"127.0.0.1:0/{engine_id}",
         pp_aware=pp_aware,
     )
@@ -66,13 +68,14 @@ def synthetic_records(
     worker_prefix: str = "worker",
 ) -> dict[tuple[int, int], HandshakeRecord]:
     """One consistent record per ``(pp, tp)`` of ``engine``'s grid."""
+    shape = engine.shape
     layout = EngineLayout.uniform(
-        engine.num_layers, engine.num_kv_heads, engine.pp_size, engine.tp_size, layer_partition
+        shape.num_layers, shape.num_kv_heads, shape.pp_size, shape.tp_size, layer_partition
     )
     records = {}
     for (pp, tp), shard in layout.shards.items():
-        block_len = len(shard.kv_heads) * engine.block_size * head_size * DTYPE_BYTES[dtype]
-        base = 0x10_0000_0000 * (1 + pp * engine.tp_size + tp)
+        block_len = len(shard.kv_heads) * shape.block_size * head_size * DTYPE_BYTES[dtype]
+        base = 0x10_0000_0000 * (1 + pp * shape.tp_size + tp)
         region_size = block_len * num_blocks
         records[(pp, tp)] = HandshakeRecord(
             engine_id=engine.engine_id,
@@ -88,7 +91,7 @@ def synthetic_records(
             num_blocks=num_blocks,
             block_len=block_len,
             block_stride=block_len,
-            block_size=engine.block_size,
+            block_size=shape.block_size,
             dtype=dtype,
             head_size=head_size,
             kv_layout="HND",

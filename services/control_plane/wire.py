@@ -8,7 +8,9 @@ dataclass field by field with strict type checks. It raises :class:`RecordDecode
 anything else. Nothing is ever pickled.
 
 Envelope: ``{"v": PROTOCOL_VERSION, "k": <record kind>, "d": {<field>: <value>}}``. Ranges travel
-as ``[start, stop]``, enums as their string value.
+as ``[start, stop]``, enums as their string value, an engine record's :class:`ModelShape` flat
+(its :data:`RECORD_SHAPE_FIELDS` beside the record's other fields, as written before the record
+embedded it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import msgpack
 
 from services.codec import MsgpackBounds, UnpackError, unpack_bounded
 from services.control_plane.errors import RecordDecodeError
-from services.topology import Range
+from services.topology import ModelShape, Range
 
 # Protocol history:
 #   1: first version (engine record, handshake record, status, load, event); the engine
@@ -35,7 +37,8 @@ from services.topology import Range
 #      cached_block_hashes (a router that predates them refuses such a load record as
 #      malformed: upgrade routers before engines); so was the load's kv_events_seq (-1 when
 #      absent: unknown); so were the record's max_loras (0: no LoRA) and the load's
-#      lora_adapters (empty).
+#      lora_adapters (empty). The engine record's shape fields became one embedded
+#      ModelShape in memory; the bytes stayed the same.
 PROTOCOL_VERSION = 1
 
 MAX_RECORD_BYTES = 4 * 1024 * 1024
@@ -114,20 +117,16 @@ class EngineRecord:
     role: EngineRole
     model: str
     compat_hash: str
-    pp_size: int
-    tp_size: int
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
+    shape: ModelShape
+    """The model's shape as the engine runs it: only :data:`RECORD_SHAPE_FIELDS` (the others
+    unknown). Its ``max_model_len`` (the context, prompt + output tokens) may be 0 = unknown:
+    the router then cannot check a request's length against it."""
     endpoint: str
     pp_aware: bool
     lease_ttl_ms: int
     registered_at_ms: int
     engine_kind: str = "reference"
     """The engine backend (``reference`` or ``vllm``), for operators."""
-    max_model_len: int = 0
-    """The engine's context (prompt + output tokens); 0 = unknown (the router then cannot
-    check a request's length against it)."""
     kv_events_endpoint: str = ""
     """Where the engine publishes its KV-cache events (a ZMQ PUB address, ``tcp://host:port``;
     ``services.kv_events``); empty = it publishes none. Part of this generation's record, so a
@@ -143,9 +142,34 @@ class EngineRecord:
     no adapter (the reference engine, vLLM without ``--enable-lora``). Which adapters it holds
     is on its load record (:attr:`EngineLoad.lora_adapters`)."""
 
-    @property
-    def world_size(self) -> int:
-        return self.pp_size * self.tp_size
+    def __post_init__(self) -> None:
+        if self.shape != record_shape(self.shape):
+            raise ValueError(
+                f"an engine record's shape carries only {', '.join(RECORD_SHAPE_FIELDS)}: "
+                f"{self.shape} (use record_shape())"
+            )
+
+
+RECORD_SHAPE_FIELDS = (
+    "pp_size",
+    "tp_size",
+    "num_layers",
+    "num_kv_heads",
+    "block_size",
+    "max_model_len",
+)
+"""The fields of an engine's :class:`ModelShape` its record carries, flat on the wire under these
+names (as before the record embedded the shape). The others stay unknown in a record: the compat
+hash covers head size and dtype, the handshake records the PP partition, and the vocabulary is
+the engine's own. Carrying another would make routers that predate it refuse the record."""
+
+_SHAPE_FIELDS_ADDED = frozenset({"max_model_len"})
+"""Shape fields added to protocol 1 after its first records: absent on the wire = unknown."""
+
+
+def record_shape(shape: ModelShape) -> ModelShape:
+    """``shape`` as an engine record carries it: :data:`RECORD_SHAPE_FIELDS`, the rest unknown."""
+    return ModelShape(**{name: getattr(shape, name) for name in RECORD_SHAPE_FIELDS})
 
 
 KV_LAYOUT_HND = "HND"
@@ -309,9 +333,16 @@ def _to_wire(value: Any) -> Any:
 
 
 def encode(record: Any) -> bytes:
-    """Encode a record dataclass into its versioned envelope."""
+    """Encode a record dataclass into its versioned envelope (a :class:`ModelShape` flat: its
+    :data:`RECORD_SHAPE_FIELDS` in place of the field that holds it)."""
     kind = _KINDS[type(record)]
-    payload = {f.name: _to_wire(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    payload: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, ModelShape):
+            payload.update((name, getattr(value, name)) for name in RECORD_SHAPE_FIELDS)
+        else:
+            payload[f.name] = _to_wire(value)
     data: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "k": kind, "d": payload}, use_bin_type=True)
     if len(data) > MAX_RECORD_BYTES:
         raise ValueError(f"{kind} record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
@@ -366,17 +397,32 @@ def _hints(cls: type[Any]) -> dict[str, Any]:
 def _build(cls: type[T], payload: dict[str, Any]) -> T:
     hints = _hints(cast(type[Any], cls))
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(payload) - set(known)
+    flat = {name for name in known if hints[name] is ModelShape}
+    wire_names = (set(known) - flat) | (set(RECORD_SHAPE_FIELDS) if flat else set())
+    unknown = set(payload) - wire_names
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}")
     values: dict[str, Any] = {}
     for name, spec in known.items():
-        if name not in payload:
-            if spec.default is dataclasses.MISSING:
-                raise ValueError(f"missing field {name!r}")
-            continue
-        values[name] = _convert(hints[name], payload[name], name)
+        if name in flat:
+            values[name] = _build_shape(payload)
+        elif name in payload:
+            values[name] = _convert(hints[name], payload[name], name)
+        elif spec.default is dataclasses.MISSING:
+            raise ValueError(f"missing field {name!r}")
     return cls(**values)
+
+
+def _build_shape(payload: dict[str, Any]) -> ModelShape:
+    """The :class:`ModelShape` a record carries flat (:data:`RECORD_SHAPE_FIELDS`)."""
+    hints = _hints(ModelShape)
+    values: dict[str, Any] = {}
+    for name in RECORD_SHAPE_FIELDS:
+        if name in payload:
+            values[name] = _convert(hints[name], payload[name], name)
+        elif name not in _SHAPE_FIELDS_ADDED:
+            raise ValueError(f"missing field {name!r}")
+    return ModelShape(**values)
 
 
 def _convert(expected: Any, value: Any, name: str) -> Any:
@@ -423,6 +469,7 @@ __all__ = [
     "KV_REGIONS_PER_LAYER",
     "MAX_RECORD_BYTES",
     "PROTOCOL_VERSION",
+    "RECORD_SHAPE_FIELDS",
     "EngineId",
     "EngineLoad",
     "EngineRecord",
@@ -437,5 +484,6 @@ __all__ = [
     "decode",
     "encode",
     "kv_block_len",
+    "record_shape",
     "validate_identifier",
 ]

@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 from services.config.control_plane import ControlPlaneSettings
 from services.control_plane.aggregation import DTYPE_BYTES
 from services.control_plane.base import EngineSpec
-from services.control_plane.wire import EngineId, EngineLoad, EngineRole, Generation
+from services.control_plane.wire import (
+    EngineId,
+    EngineLoad,
+    EngineRole,
+    Generation,
+    record_shape,
+)
 from services.engines.errors import LoRANotServed
 from services.engines.lora import LoRAAdapter
 from services.engines.requests import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
@@ -56,7 +62,7 @@ class EngineRegistration:
 @dataclass(frozen=True)
 class BackendDescription:
     """The model- and layout-dependent parts of an engine's control-plane spec: the model's
-    shape (the spec carries its registered fields flat: :data:`REGISTERED_SHAPE_FIELDS`) and
+    shape (the spec carries the part a record does: ``control_plane.wire.record_shape``) and
     what else the backend knows before it has an id or an address."""
 
     model: str
@@ -81,10 +87,8 @@ class BackendDescription:
         ``endpoint`` is the advertised gRPC ``HOST:PORT``, whose host also replaces a wildcard
         in the KV-event endpoints."""
         shared = {f.name for f in dataclasses.fields(EngineSpec)} - SPEC_ONLY_FIELDS
-        values = {
-            name: getattr(self.shape if name in REGISTERED_SHAPE_FIELDS else self, name)
-            for name in shared
-        }
+        values = {name: getattr(self, name) for name in shared}
+        values["shape"] = record_shape(self.shape)
         host = endpoint.rpartition(":")[0] or endpoint
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             if values[name]:
@@ -101,11 +105,6 @@ def kv_block_bytes(shape: ModelShape) -> int:
 
 SPEC_ONLY_FIELDS = frozenset({"engine_id", "role", "endpoint"})
 """The fields of :class:`EngineSpec` a description does not have (the host knows them)."""
-
-REGISTERED_SHAPE_FIELDS = frozenset(
-    {"pp_size", "tp_size", "num_layers", "num_kv_heads", "block_size", "max_model_len"}
-)
-"""The fields of a description's :class:`ModelShape` its spec (and record) carries, flat."""
 
 
 class EngineBackend(abc.ABC):

@@ -98,11 +98,11 @@ def producer_refusal(
             f"producer engine {producer} serves an incompatible model or KV layout "
             f"(compat hash {record.compat_hash} != {compat_hash})",
         )
-    if block_size is not None and record.block_size != block_size:
+    if block_size is not None and record.shape.block_size != block_size:
         return Refusal(
             ProducerUnavailable,
             "block_size",
-            f"producer engine {producer} uses blocks of {record.block_size} tokens, this "
+            f"producer engine {producer} uses blocks of {record.shape.block_size} tokens, this "
             f"engine {block_size}",
         )
     return None

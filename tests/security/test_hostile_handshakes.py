@@ -46,6 +46,7 @@ from services.kv_transfer.metrics import KVTransferMetrics
 from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.peer_sync import PeerSync
 from services.kv_transfer.protocol import WorkerIdentity
+from services.topology import ModelShape
 from tests.conftest import counter_value
 from tests.integration.kv_transfer.harness import DTYPE, WorkerProcess, compat_hash, spawn_workers
 from tests.integration.kv_transfer.harness import EngineSpec as HarnessSpec
@@ -125,11 +126,11 @@ def _engine_spec(model_hash: str) -> EngineSpec:
         role=EngineRole.PREFILL,
         model="test-model",
         compat_hash=model_hash,
-        pp_size=1,
-        tp_size=1,
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        block_size=HarnessSpec("x", 0, LAYERS, HEADS, 1, 1).block_size,
+        shape=ModelShape(
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            block_size=HarnessSpec("x", 0, LAYERS, HEADS, 1, 1).block_size,
+        ),
         endpoint="127.0.0.1:0",
     )
 

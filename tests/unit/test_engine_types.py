@@ -1,31 +1,28 @@
 """The three types that describe an engine stay field-for-field subsets of each other
-(``BackendDescription``, its model shape flattened, -> ``EngineSpec`` -> ``EngineRecord``),
-copied by name: a field added to one and not the others fails here instead of being dropped on
-the way to Redis."""
+(``BackendDescription`` -> ``EngineSpec`` -> ``EngineRecord``), copied by name, each embedding
+the model's shape as one ``ModelShape`` of which the record carries a fixed part: a field added
+to one and not the others, or to the shape and not decided for the record, fails here instead of
+being dropped on the way to Redis."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from services.control_plane.base import EngineSpec
-from services.control_plane.wire import EngineRecord, EngineRole
-from services.engines.backend import (
-    REGISTERED_SHAPE_FIELDS,
-    SPEC_ONLY_FIELDS,
-    BackendDescription,
-    kv_block_bytes,
+from services.control_plane.wire import (
+    RECORD_SHAPE_FIELDS,
+    EngineRecord,
+    EngineRole,
+    record_shape,
 )
+from services.engines.backend import SPEC_ONLY_FIELDS, BackendDescription, kv_block_bytes
 from services.kv_events.endpoints import advertised
 from services.topology import ModelShape
 
 
 def names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
-
-
-def description_names() -> set[str]:
-    """A description's fields with its shape's in place of ``shape``."""
-    return (names(BackendDescription) - {"shape"}) | names(ModelShape)
 
 
 def test_the_record_is_the_spec_plus_what_the_control_plane_assigns() -> None:
@@ -38,13 +35,20 @@ def test_the_record_is_the_spec_plus_what_the_control_plane_assigns() -> None:
 
 
 def test_the_spec_is_the_description_plus_what_the_host_knows() -> None:
-    assert names(EngineSpec) - description_names() == SPEC_ONLY_FIELDS
-    assert names(ModelShape) & names(EngineSpec) == REGISTERED_SHAPE_FIELDS
-    # What only the serving side needs (or the compat hash covers) stays out of the control
-    # plane.
-    assert description_names() - names(EngineSpec) == {
+    assert names(EngineSpec) - names(BackendDescription) == SPEC_ONLY_FIELDS
+    # What only the serving side needs stays out of the control plane.
+    assert names(BackendDescription) - names(EngineSpec) == {"eos_token_ids"}
+    for cls in (BackendDescription, EngineSpec, EngineRecord):
+        assert typing.get_type_hints(cls)["shape"] is ModelShape
+
+
+def test_the_record_carries_a_decided_part_of_the_shape() -> None:
+    assert set(RECORD_SHAPE_FIELDS) <= names(ModelShape)
+    # What the compat hash covers (head size, dtype), the handshakes carry (the PP partition)
+    # or only the serving side needs (the vocabulary) stays out of the record. A new shape
+    # field fails here until it is decided (carrying it changes the record's wire format).
+    assert names(ModelShape) - set(RECORD_SHAPE_FIELDS) == {
         "vocab_size",
-        "eos_token_ids",
         "head_size",
         "dtype",
         "layer_partition",
@@ -60,19 +64,32 @@ def test_every_value_survives_description_to_spec_to_record() -> None:
             tp_size=3,
             num_layers=6,
             num_kv_heads=4,
+            head_size=8,
+            dtype="bfloat16",
             block_size=32,
             vocab_size=100,
             max_model_len=2048,
+            layer_partition=(2, 4),
         ),
         eos_token_ids=(1,),
         pp_aware=False,
         engine_kind="vllm",
+        kv_block_bytes=7,
+        max_loras=2,
     )
     spec = description.spec("prefill-0", EngineRole.PREFILL, "host:1")
     record = spec.record(7, lease_ttl_ms=10_000, registered_at_ms=5)
-    for name in names(EngineSpec) - SPEC_ONLY_FIELDS:
-        source = description.shape if name in REGISTERED_SHAPE_FIELDS else description
-        assert getattr(record, name) == getattr(spec, name) == getattr(source, name)
+    for name in names(EngineSpec) - SPEC_ONLY_FIELDS - {"shape"}:
+        assert getattr(record, name) == getattr(spec, name) == getattr(description, name)
+    assert record.shape == spec.shape == record_shape(description.shape)
+    for name in RECORD_SHAPE_FIELDS:
+        assert getattr(record.shape, name) == getattr(description.shape, name), name
+    assert (record.shape.head_size, record.shape.dtype, record.shape.layer_partition) == (
+        0,
+        "",
+        None,
+    )
+    assert record.shape.world_size == 6
     assert (record.engine_id, record.role, record.endpoint) == (
         "prefill-0",
         EngineRole.PREFILL,

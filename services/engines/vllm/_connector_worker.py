@@ -169,7 +169,7 @@ class WorkerHandshake(ControlPlaneClient):
             return None
         # The record does not carry the peer's transfer mode (its handshake extras do): a peer
         # of the other mode is refused when its handshake is resolved (resolve_extras).
-        peer = VllmLayout(peer_role, own.mode, record.pp_size, record.tp_size)
+        peer = VllmLayout(peer_role, own.mode, record.shape.pp_size, record.shape.tp_size)
         return peer, notif_only
 
     def _on_peer_change(self, view: EngineView | None, engine_id: EngineId) -> None:

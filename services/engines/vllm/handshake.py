@@ -248,17 +248,19 @@ def build_records(
     if element is None:
         raise UnsupportedVllmLayout(f"KV cache dtype {shape.dtype!r} is not supported")
     layer_ranges = vllm_layer_ranges(shape.num_layers, shape.pp_size, shape.layer_partition)
-    if len(layer_ranges) != engine.pp_size:
-        raise UnsupportedVllmLayout(f"{len(layer_ranges)} layer ranges for PP={engine.pp_size}")
+    if len(layer_ranges) != engine.shape.pp_size:
+        raise UnsupportedVllmLayout(
+            f"{len(layer_ranges)} layer ranges for PP={engine.shape.pp_size}"
+        )
     records = []
     for (pp_rank, tp_rank), info in sorted(ranks.items()):
-        if not (0 <= pp_rank < engine.pp_size and 0 <= tp_rank < engine.tp_size):
+        if not (0 <= pp_rank < engine.shape.pp_size and 0 <= tp_rank < engine.shape.tp_size):
             raise UnsupportedVllmLayout(
-                f"vLLM reported rank ({pp_rank}, {tp_rank}) outside PP={engine.pp_size} x "
-                f"TP={engine.tp_size}"
+                f"vLLM reported rank ({pp_rank}, {tp_rank}) outside PP={engine.shape.pp_size} x "
+                f"TP={engine.shape.tp_size}"
             )
         layers = layer_ranges[pp_rank]
-        heads = kv_head_range(shape.num_kv_heads, engine.tp_size, tp_rank)
+        heads = kv_head_range(shape.num_kv_heads, engine.shape.tp_size, tp_rank)
         where = f"rank ({pp_rank}, {tp_rank})"
         kv_layout = _kv_layout(len(info.region_base_addrs), len(layers), where)
         expected_len = kv_block_len(
@@ -333,10 +335,11 @@ def resolve_extras(
         raise HandshakeResolutionError(
             f"{expected_engine_id} is gone: {engine.engine_id} is at generation {engine.generation}"
         )
-    if (engine.pp_size, engine.tp_size) != (remote_pp_size, remote_tp_size):
+    if (engine.shape.pp_size, engine.shape.tp_size) != (remote_pp_size, remote_tp_size):
         raise HandshakeResolutionError(
             f"{expected_engine_id}: kv_transfer_params say PP={remote_pp_size} "
-            f"TP={remote_tp_size}, the control plane PP={engine.pp_size} TP={engine.tp_size}"
+            f"TP={remote_tp_size}, the control plane "
+            f"PP={engine.shape.pp_size} TP={engine.shape.tp_size}"
         )
     extras = {}
     for pp_rank in range(remote_pp_size):

@@ -137,7 +137,7 @@ class KVIndex:
     def track(self, slot: EngineSlot) -> None:
         """Start an empty entry for ``slot`` (its events are followed from now on)."""
         if slot not in self._engines:
-            self._engines[slot] = _EngineBlocks(slot.record.model, slot.record.block_size)
+            self._engines[slot] = _EngineBlocks(slot.record.model, slot.record.shape.block_size)
 
     def forget(self, slot: EngineSlot) -> None:
         """Drop ``slot`` and its entries (it left the pool or was replaced by a new

@@ -296,7 +296,7 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         best: list[tuple[EngineSlot, int]] = []
         best_score = 0.0
         for slot in candidates:
-            full = prompt.full_blocks(slot.record.block_size)
+            full = prompt.full_blocks(slot.record.shape.block_size)
             cached = self.cached_blocks(slot, prompt) if full else 0
             score = (weight * cached / full if full else 0.0) - load_score(slot)
             if not best or score > best_score:
@@ -318,10 +318,10 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         if self._events is not None and self._publishes(slot):
             # Its events will say what it stored; the prompt names the parents they may name
             # that this router never saw stored (KVIndex.sent).
-            keys = prompt.block_keys(slot.record.model, slot.record.block_size)
+            keys = prompt.block_keys(slot.record.model, slot.record.shape.block_size)
             self._events.sent(slot, prompt.token_ids, keys)
             return
-        hashes = prompt.block_hashes(slot.record.block_size)
+        hashes = prompt.block_hashes(slot.record.shape.block_size)
         if slot.load.prefix_cache_reported:
             self._reported.add(slot, hashes)
         else:
@@ -329,9 +329,9 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
 
     def cached_blocks(self, slot: EngineSlot, prompt: PromptInfo) -> int:
         if self._events is not None and self._publishes(slot):
-            keys = prompt.block_keys(slot.record.model, slot.record.block_size)
+            keys = prompt.block_keys(slot.record.model, slot.record.shape.block_size)
             return self._events.matched(slot, keys)
-        hashes = prompt.block_hashes(slot.record.block_size)
+        hashes = prompt.block_hashes(slot.record.shape.block_size)
         if slot.load.prefix_cache_reported:
             return self._reported.matched(slot, hashes)
         return self._index.matched(slot, hashes)

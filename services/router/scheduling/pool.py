@@ -80,7 +80,7 @@ class EngineSlot:
         return (
             self.record.model == other.record.model
             and self.record.compat_hash == other.record.compat_hash
-            and self.record.block_size == other.record.block_size
+            and self.record.shape.block_size == other.record.shape.block_size
         )
 
 

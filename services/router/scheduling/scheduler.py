@@ -121,7 +121,7 @@ class Scheduler:
                 )
             other = " other than " + ", ".join(sorted(avoid_decode)) if avoid_decode else ""
             raise self._unavailable(f"no READY decode engine{other} serves {model!r}")
-        decodes = [s for s in decodes if prompt.fits(s.record.max_model_len)]
+        decodes = [s for s in decodes if prompt.fits(s.record.shape.max_model_len)]
         if not decodes:
             raise NoEngineAvailable(
                 f"no READY decode engine of {model!r} holds {prompt.context_tokens} tokens"
@@ -140,7 +140,7 @@ class Scheduler:
             for s in self._pool.slots(PREFILL_ROLES)
             if s.record.model == model
             and s.engine_id not in avoid_prefill
-            and prompt.fits(s.record.max_model_len)
+            and prompt.fits(s.record.shape.max_model_len)
         ]
         prefills = lora_capable(prefills, prompt.lora_name)
         paired = [p for p in prefills if any(p.compatible_with(d) for d in decodes)]
@@ -176,7 +176,7 @@ class Scheduler:
         # Hashing the prompt is only needed when the policy knows of cached blocks (never for
         # round_robin / least_loaded); local_cached_fraction > 0, so 0 cached never qualifies.
         cached = self._policy.cached_blocks(decode, prompt)
-        block_size = decode.record.block_size
+        block_size = decode.record.shape.block_size
         if cached and cached >= self._settings.local_cached_fraction * prompt.full_blocks(
             block_size
         ):
@@ -187,7 +187,7 @@ class Scheduler:
         self._count(
             "prefill",
             prefill_reason,
-            self._policy.cached_blocks(prefill, prompt) * prefill.record.block_size,
+            self._policy.cached_blocks(prefill, prompt) * prefill.record.shape.block_size,
         )
         self._count("decode", decode_reason, cached * block_size)
         self._count_load("prefill", prefill_loads)
@@ -234,7 +234,7 @@ class Scheduler:
             for s in self._pool.slots(PREFILL_ROLES)
             if s.engine_id not in tried
             and s.compatible_with(decode)
-            and prompt.fits(s.record.max_model_len)
+            and prompt.fits(s.record.shape.max_model_len)
             and s.health.available()
         ]
         candidates = lora_capable(candidates, prompt.lora_name)
@@ -263,7 +263,9 @@ class Scheduler:
     def _local(self, candidates: list[EngineSlot], prompt: PromptInfo, reason: str) -> Plan:
         decode, loads = self._choose(candidates, prompt, Stage.LOCAL)
         self._count(
-            "local", reason, self._policy.cached_blocks(decode, prompt) * decode.record.block_size
+            "local",
+            reason,
+            self._policy.cached_blocks(decode, prompt) * decode.record.shape.block_size,
         )
         self._count_load("local", loads)
         self._policy.routed(decode, prompt)

@@ -221,7 +221,7 @@ def _publish_stage(
         engine = decode(engine_bytes, EngineRecord)
         records = synthetic_records(engine)
         clients = [
-            RedisControlPlane(settings, ControlPlaneMetrics()) for _ in range(engine.tp_size)
+            RedisControlPlane(settings, ControlPlaneMetrics()) for _ in range(engine.shape.tp_size)
         ]
         try:
             for client in clients:

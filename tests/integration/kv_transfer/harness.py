@@ -41,7 +41,7 @@ from services.kv_transfer.metrics import KVTransferMetrics
 from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.producer import KVProducer
 from services.kv_transfer.protocol import WorkerIdentity
-from services.topology import EngineLayout
+from services.topology import EngineLayout, ModelShape
 
 BLOCK_SIZE = 4
 HEAD_SIZE = 8
@@ -90,11 +90,13 @@ def engine_record_bytes(spec: EngineSpec) -> bytes:
         role=EngineRole(spec.role),
         model="test-model",
         compat_hash=compat_hash(spec),
-        pp_size=spec.pp,
-        tp_size=spec.tp,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        block_size=spec.block_size,
+        shape=ModelShape(
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            block_size=spec.block_size,
+            pp_size=spec.pp,
+            tp_size=spec.tp,
+        ),
         endpoint="localhost:0",
         pp_aware=True,
         lease_ttl_ms=10_000,

@@ -26,6 +26,7 @@ from services.kv_transfer.metrics import KVTransferMetrics
 from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.peer_sync import PeerSync
 from services.kv_transfer.protocol import WorkerIdentity
+from services.topology import ModelShape
 from tests.integration.kv_transfer.harness import DTYPE, WorkerProcess, compat_hash
 from tests.integration.kv_transfer.harness import EngineSpec as HarnessSpec
 
@@ -40,11 +41,11 @@ def _spec(engine_id: str, role: EngineRole, model_hash: str) -> EngineSpec:
         role=role,
         model="test-model",
         compat_hash=model_hash,
-        pp_size=1,
-        tp_size=1,
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        block_size=HarnessSpec("x", 0, LAYERS, HEADS, 1, 1).block_size,
+        shape=ModelShape(
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            block_size=HarnessSpec("x", 0, LAYERS, HEADS, 1, 1).block_size,
+        ),
         endpoint="127.0.0.1:0",
     )
 

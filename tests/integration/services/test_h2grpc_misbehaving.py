@@ -30,6 +30,7 @@ from services.serving.h2grpc import CallFailed, H2GrpcChannel
 from services.serving.h2grpc.errors import Violation
 from services.serving.h2grpc.frames import DEFAULT_MAX_FRAME, MAX_HEADER_LIST_SIZE, ErrorCode
 from services.serving.h2grpc.hpack_decoder import HpackDecoder
+from services.topology import ModelShape
 from tests.integration.services import misbehaving_h2
 from tests.integration.services.misbehaving_h2 import Behaviour, MisbehavingServer
 
@@ -597,11 +598,7 @@ async def test_the_routers_connectors_count_an_engines_breaches_in_its_metrics()
             role=EngineRole.PREFILL,
             model="m",
             compat_hash="h",
-            pp_size=1,
-            tp_size=1,
-            num_layers=1,
-            num_kv_heads=1,
-            block_size=16,
+            shape=ModelShape(num_layers=1, num_kv_heads=1, block_size=16),
             endpoint=f"127.0.0.1:{port}",
             pp_aware=False,
             lease_ttl_ms=1000,

@@ -26,6 +26,7 @@ from services.engines.vllm.handshake import (
     vllm_engine_id,
 )
 from services.engines.vllm.layouts import TransferMode, UnsupportedVllmLayout
+from services.topology import ModelShape
 
 # vLLM 0.32.0 and torch 2.13.0 warn about their own internals on import; nothing of ours.
 VLLM_IMPORT_WARNINGS = [
@@ -44,11 +45,9 @@ def spec(engine_id: str, pp: int, tp: int, role: EngineRole = EngineRole.PREFILL
         role=role,
         model="tiny",
         compat_hash="c0ffee",
-        pp_size=pp,
-        tp_size=tp,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=KV_HEADS,
-        block_size=BLOCK,
+        shape=ModelShape(
+            num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS, block_size=BLOCK, pp_size=pp, tp_size=tp
+        ),
         endpoint="127.0.0.1:1",
         engine_kind="vllm",
     )
@@ -413,11 +412,7 @@ def test_only_peers_of_the_same_model_and_geometry_are_pre_warmed(
             role=EngineRole.PREFILL,
             model="tiny",
             compat_hash=compat_hash,
-            pp_size=1,
-            tp_size=2,
-            num_layers=7,
-            num_kv_heads=2,
-            block_size=32,
+            shape=ModelShape(num_layers=7, num_kv_heads=2, block_size=32, tp_size=2),
             endpoint="127.0.0.1:1",
             pp_aware=True,
             lease_ttl_ms=10_000,

@@ -29,7 +29,8 @@ from tests.unit.router.fakes import view
 def _view(engine_id: str, role: EngineRole, *, tp: int = 1, blocks: int = 100) -> EngineView:
     base = view(engine_id, role, load=EngineLoad(kv_blocks_total=blocks), max_model_len=512)
     assert base.record is not None
-    return dataclasses.replace(base, record=dataclasses.replace(base.record, tp_size=tp))
+    shape = dataclasses.replace(base.record.shape, tp_size=tp)
+    return dataclasses.replace(base, record=dataclasses.replace(base.record, shape=shape))
 
 
 def test_the_fit_recovers_exact_coefficients_and_never_goes_negative() -> None:

@@ -15,7 +15,7 @@ from services.control_plane.wire import (
     HandshakeRecord,
     encode,
 )
-from services.topology import Range
+from services.topology import ModelShape, Range
 
 
 def _engine(
@@ -28,11 +28,9 @@ def _engine(
         role=EngineRole.PREFILL,
         model=spec.model,
         compat_hash=spec.compat_hash,
-        pp_size=pp,
-        tp_size=tp,
-        num_layers=layers,
-        num_kv_heads=heads,
-        block_size=16,
+        shape=ModelShape(
+            num_layers=layers, num_kv_heads=heads, block_size=16, pp_size=pp, tp_size=tp
+        ),
         endpoint="127.0.0.1:1",
         pp_aware=True,
         lease_ttl_ms=1000,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -25,7 +26,7 @@ from services.control_plane.wire import (
     encode,
     validate_identifier,
 )
-from services.topology import Range
+from services.topology import ModelShape, Range
 
 
 def _engine() -> EngineRecord:
@@ -36,11 +37,7 @@ def _engine() -> EngineRecord:
         role=EngineRole.PREFILL,
         model=spec.model,
         compat_hash=spec.compat_hash,
-        pp_size=2,
-        tp_size=2,
-        num_layers=8,
-        num_kv_heads=8,
-        block_size=16,
+        shape=ModelShape(num_layers=8, num_kv_heads=8, block_size=16, pp_size=2, tp_size=2),
         endpoint="127.0.0.1:5000",
         pp_aware=True,
         lease_ttl_ms=5000,
@@ -129,6 +126,75 @@ def test_missing_required_field_is_a_schema_error() -> None:
     del raw["d"]["agent_metadata"]
     with pytest.raises(RecordDecodeError, match="missing field 'agent_metadata'"):
         decode(msgpack.packb(raw, use_bin_type=True), HandshakeRecord)
+
+
+def _flat_engine_payload() -> dict[str, object]:
+    """An engine record's body as written before the record embedded its shape (and before
+    ``max_model_len``): the format every reader keeps reading."""
+    return {
+        "engine_id": "engine-a",
+        "generation": 3,
+        "role": "prefill",
+        "model": "m",
+        "compat_hash": "h",
+        "pp_size": 2,
+        "tp_size": 2,
+        "num_layers": 8,
+        "num_kv_heads": 8,
+        "block_size": 16,
+        "endpoint": "127.0.0.1:5000",
+        "pp_aware": True,
+        "lease_ttl_ms": 5000,
+        "registered_at_ms": 1,
+    }
+
+
+def _engine_defaults() -> dict[str, object]:
+    return {
+        "engine_kind": "reference",
+        "kv_events_endpoint": "",
+        "kv_events_replay_endpoint": "",
+        "kv_block_bytes": 0,
+        "max_loras": 0,
+    }
+
+
+def test_an_engine_records_shape_travels_flat_under_the_old_names() -> None:
+    old = decode(_envelope(_flat_engine_payload(), kind="engine"), EngineRecord)
+    assert old.shape == ModelShape(
+        num_layers=8, num_kv_heads=8, block_size=16, pp_size=2, tp_size=2
+    )
+    assert old.shape.max_model_len == 0  # absent: unknown
+    record = replace(old, shape=replace(old.shape, max_model_len=4096))
+    body = msgpack.unpackb(encode(record), raw=False)["d"]
+    assert body == {**_flat_engine_payload(), "max_model_len": 4096, **_engine_defaults()}
+    assert decode(encode(record), EngineRecord) == record
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_layers": None}, "missing field 'num_layers'"),
+        ({"tp_size": "2"}, "tp_size: expected int"),
+        ({"block_size": True}, "block_size: expected int"),
+        ({"shape": {"num_layers": 8}}, "unknown fields \\['shape'\\]"),
+        ({"head_size": 128}, "unknown fields \\['head_size'\\]"),
+    ],
+    ids=["missing", "str-for-int", "bool-for-int", "nested-shape", "unregistered-field"],
+)
+def test_a_malformed_engine_record_shape_is_a_schema_error(
+    change: dict[str, object], message: str
+) -> None:
+    payload = {**_flat_engine_payload(), **change}
+    payload = {name: value for name, value in payload.items() if value is not None}
+    with pytest.raises(RecordDecodeError, match=message) as caught:
+        decode(_envelope(payload, kind="engine"), EngineRecord)
+    assert caught.value.reason == "schema"
+
+
+def test_an_engine_record_refuses_a_shape_it_would_not_carry() -> None:
+    with pytest.raises(ValueError, match="carries only"):
+        replace(_engine(), shape=ModelShape(num_layers=8, head_size=128))
 
 
 @settings(max_examples=300, deadline=None)

@@ -10,6 +10,7 @@ from services.control_plane.wire import EngineRecord, EngineRole, EngineState, E
 from services.engines.errors import InvalidRequest, ProducerUnavailable
 from services.engines.producer_check import control_plane_refusal, producer_refusal
 from services.engines.requests import KVHandle
+from services.topology import ModelShape
 
 HANDLE = KVHandle("prefill-a", 3, "req-1", (0, 1), 8, 2e9)
 
@@ -23,7 +24,16 @@ def view(
     block_size: int = 4,
 ) -> EngineView:
     record = EngineRecord(
-        "prefill-a", generation, role, "m", compat_hash, 1, 1, 7, 2, block_size, "h:1", True, 1, 0
+        "prefill-a",
+        generation,
+        role,
+        "m",
+        compat_hash,
+        ModelShape(num_layers=7, num_kv_heads=2, block_size=block_size),
+        "h:1",
+        True,
+        1,
+        0,
     )
     status = EngineStatus("prefill-a", generation, state, (), 1, 0)
     return EngineView("prefill-a", record, status, None)

@@ -25,6 +25,7 @@ from services.engines.producer_check import (
     producer_check_settings,
 )
 from services.engines.requests import KVHandle
+from services.topology import ModelShape
 
 HANDLE = KVHandle("prefill-a", 3, "req-1", (0, 1), 8, 2e9)
 MAX_STALE_S = 30.0
@@ -33,7 +34,16 @@ RETRY_AFTER_S = 1.0
 
 def view(generation: int = 3, state: EngineState = EngineState.READY) -> EngineView:
     record = EngineRecord(
-        "prefill-a", generation, EngineRole.PREFILL, "m", "c0", 1, 1, 7, 2, 4, "h:1", True, 1, 0
+        "prefill-a",
+        generation,
+        EngineRole.PREFILL,
+        "m",
+        "c0",
+        ModelShape(num_layers=7, num_kv_heads=2, block_size=4),
+        "h:1",
+        True,
+        1,
+        0,
     )
     return EngineView(
         "prefill-a", record, EngineStatus("prefill-a", generation, state, (), 1, 0), None

@@ -9,7 +9,7 @@ from services.control_plane.wire import EngineRecord, EngineRole, decode, encode
 from services.kv_transfer.block_pool import KVBlockPool, KVPoolSpec
 from services.kv_transfer.errors import PoolExhaustedError
 from services.kv_transfer.protocol import WorkerIdentity
-from services.topology import Range
+from services.topology import ModelShape, Range
 from tests.unit.kv_transfer.fakes import FakeTransport
 
 SPEC = KVPoolSpec(
@@ -47,11 +47,7 @@ def test_handshake_record_passes_the_control_plane_checks_and_the_wire():
         role=EngineRole.PREFILL,
         model="m",
         compat_hash="h" * 32,
-        pp_size=2,
-        tp_size=2,
-        num_layers=5,
-        num_kv_heads=8,
-        block_size=16,
+        shape=ModelShape(num_layers=5, num_kv_heads=8, block_size=16, pp_size=2, tp_size=2),
         endpoint="x:1",
         pp_aware=True,
         lease_ttl_ms=1000,

@@ -14,7 +14,7 @@ from services.kv_transfer.metrics import KVTransferMetrics
 from services.kv_transfer.producer import KVProducer
 from services.kv_transfer.protocol import KVNotification, WorkerIdentity
 from services.kv_transfer.transport import FailedRead, PeerTransferStats, PullResult
-from services.topology import EngineLayout, Range
+from services.topology import EngineLayout, ModelShape, Range
 from tests.unit.kv_transfer.fakes import FakeTransport
 
 PRODUCER = EngineLayout.uniform(4, 4, 2, 2)  # PP=2 x TP=2
@@ -28,11 +28,7 @@ def topology(generation: int) -> EngineTopology:
         role=EngineRole.PREFILL,
         model="m",
         compat_hash="h",
-        pp_size=2,
-        tp_size=2,
-        num_layers=4,
-        num_kv_heads=4,
-        block_size=4,
+        shape=ModelShape(num_layers=4, num_kv_heads=4, block_size=4, pp_size=2, tp_size=2),
         endpoint="x:1",
         pp_aware=True,
         lease_ttl_ms=1000,

@@ -54,6 +54,7 @@ from services.router.runtime import RouterRuntime
 from services.router.scheduling.connector import ConnectorFactory
 from services.serving.client.connector import EngineConnector
 from services.tokenization.synthetic_checkpoint import write_synthetic_checkpoint
+from services.topology import ModelShape
 
 MODEL = "tiny"
 """The model every fake engine registers (:func:`view`) and the app serves."""
@@ -315,16 +316,13 @@ def view(
         role=role,
         model=model,
         compat_hash=compat_hash,
-        pp_size=1,
-        tp_size=1,
-        num_layers=2,
-        num_kv_heads=2,
-        block_size=block_size,
+        shape=ModelShape(
+            num_layers=2, num_kv_heads=2, block_size=block_size, max_model_len=max_model_len
+        ),
         endpoint=f"127.0.0.1:{9000 + len(engine_id)}",
         pp_aware=True,
         lease_ttl_ms=5000,
         registered_at_ms=0,
-        max_model_len=max_model_len,
         engine_kind=engine_kind,
         kv_events_endpoint=kv_events_endpoint,
         kv_events_replay_endpoint=kv_events_replay_endpoint,
