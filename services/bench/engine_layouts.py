@@ -98,6 +98,3 @@ def layout_rows(results: Sequence[tuple[Layouts, Mapping[str, object]]]) -> list
         row["colocated_first_token_s"] = colocated["first_token_s"]
         rows.append(row)
     return rows
-
-
-__all__ = ["BASELINE", "Layouts", "layout_rows", "parse_layouts"]

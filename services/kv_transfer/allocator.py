@@ -104,6 +104,3 @@ class BlockAllocator:
         if bad.size:
             raise BlockStateError(f"block ids {bad[:8].tolist()} outside [0, {self._num_blocks})")
         return ids
-
-
-__all__ = ["BlockAllocator", "BlockArray", "block_array"]

@@ -168,6 +168,3 @@ class KVBlockPool:
             memory_type=self.memory_type,
             regions_per_layer=KV_REGIONS_PER_LAYER[KV_LAYOUT],
         )
-
-
-__all__ = ["KV_LAYOUT", "KVBlockPool", "KVPoolSpec"]

@@ -262,14 +262,3 @@ class ProducerLeases:
             expected=lease.expected,
             any_failed=lease.any_failed,
         )
-
-
-__all__ = [
-    "CompletionTracker",
-    "EngineCompletion",
-    "LeaseEnd",
-    "LeaseOutcome",
-    "NotificationOutcome",
-    "ProducerLeases",
-    "RankReport",
-]

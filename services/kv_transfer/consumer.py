@@ -258,6 +258,3 @@ class KVConsumer:
         for rank in result.unnotified:
             pair = self._pair(result.producer_engine, rank)
             self._metrics.notification_send_failures.labels(**pair.labels()).inc()
-
-
-__all__ = ["FailurePolicy", "KVConsumer", "PullAction", "PullOutcome"]

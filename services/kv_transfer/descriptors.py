@@ -124,6 +124,3 @@ def slice_indices(
         rows * np.int32(num_blocks), blocks.astype(np.int32)
     ).reshape(-1)
     return indices
-
-
-__all__ = ["RegionGeometry", "slice_descriptors", "slice_indices"]

@@ -197,26 +197,3 @@ def map_nixl_errors(operation: str, *, fatal: bool = False) -> Iterator[None]:
         if fatal and isinstance(exc, RuntimeError):
             raise TransportFatalError(f"{operation}: {exc}") from exc
         raise
-
-
-__all__ = [
-    "BlockPoolError",
-    "BlockStateError",
-    "CompletionError",
-    "DuplicateReportError",
-    "IncompatiblePeerError",
-    "KVTransferError",
-    "LeaseError",
-    "NotificationDecodeError",
-    "PeerError",
-    "PoolExhaustedError",
-    "PullSpecError",
-    "RemoteDisconnectedError",
-    "StaleGenerationError",
-    "TransferError",
-    "TransferTimeoutError",
-    "TransportFatalError",
-    "UnknownPeerError",
-    "UnknownRankError",
-    "map_nixl_errors",
-]

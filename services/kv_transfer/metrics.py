@@ -165,6 +165,3 @@ class KVTransferMetrics(Metrics):
             consumer_engine=consumer_engine or "unknown",
             producer_rank=rank_label(producer_rank),
         ).inc()
-
-
-__all__ = ["KVTransferMetrics", "RankPair"]

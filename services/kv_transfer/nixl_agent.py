@@ -175,6 +175,3 @@ class NixlAgent:
     def deregister(self) -> None:
         with map_nixl_errors("deregister memory"):
             self._agent.deregister_memory(self._registration)
-
-
-__all__ = ["Handle", "NixlAgent", "NixlConfig"]

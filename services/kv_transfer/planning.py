@@ -59,6 +59,3 @@ def notification_plan(consumer: EngineLayout, producer: EngineLayout) -> Notific
         notifiers={remote: len(who) for remote, who in readers.items()},
         notify_only={rank: tuple(remotes) for rank, remotes in notify_only.items()},
     )
-
-
-__all__ = ["NotificationPlan", "notification_plan", "reads_for"]

@@ -131,6 +131,3 @@ class KVProducer:
             self._metrics.leased_blocks.labels(
                 producer_engine=ident.engine_id, producer_rank=ident.label
             ).set(self.leases.held_blocks)
-
-
-__all__ = ["KVProducer", "ProducerEvents"]

@@ -136,16 +136,3 @@ def decode_notification(data: bytes) -> KVNotification:
         expected_notifiers=_int(expected, "expected_notifiers", minimum=1),
         ok=ok,
     )
-
-
-__all__ = [
-    "MAX_NOTIFICATION_BYTES",
-    "NOTIFICATION_VERSION",
-    "BlockIds",
-    "KVNotification",
-    "RequestId",
-    "WorkerIdentity",
-    "decode_notification",
-    "encode_notification",
-    "rank_label",
-]

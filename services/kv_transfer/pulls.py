@@ -122,6 +122,3 @@ class PullState:
             setup_seconds=self.setup_seconds,
             unnotified=tuple(self.unnotified),
         )
-
-
-__all__ = ["NO_NOTIFY_REASONS", "PeerKey", "PullState", "ReadState"]

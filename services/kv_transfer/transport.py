@@ -262,13 +262,3 @@ class KVTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Abort pending pulls, forget peers, deregister the pool. Idempotent."""
-
-
-__all__ = [
-    "FailedRead",
-    "KVTransport",
-    "Notifications",
-    "PeerTransferStats",
-    "PullResult",
-    "PullSpec",
-]

@@ -183,12 +183,3 @@ def plan_rank(
         for remote_rank in duties.notify_only.get(rank, ())
     )
     return RankTransferPlan(rank, local, remote, reads, notify_only)
-
-
-__all__ = [
-    "RankRead",
-    "RankTransferPlan",
-    "consumer_layout",
-    "plan_rank",
-    "producer_layout",
-]
