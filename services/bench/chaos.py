@@ -30,7 +30,6 @@ import os
 import random
 import signal
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +39,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench.procs import descendants
-from services.bench.soak import (
-    make_prompt,
-    percentiles_ms,
-    wait_endpoints,
-)
+from services.bench.soak import make_prompt, percentiles_ms
 from services.bench.sse import StreamFailed, completion_events
+from services.bench.up_stack import served_model, wait_endpoints, work_root
 from services.supervision import DetachedProcess
 
 FAULTS = ("stop-decode", "kill-decode", "kill-prefill")
@@ -86,10 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         raise SystemExit(f"pdserve bench chaos: unknown fault(s) {unknown}; known: {FAULTS}")
-    with contextlib.ExitStack() as stack:
-        work_dir: Path = args.work_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-chaos-"))
-        )
+    with work_root(args.work_dir, "chaos") as work_dir:
         return _run_in(args, faults, work_dir)
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -100,7 +93,7 @@ def _run_in(args: argparse.Namespace, faults: list[str], work_dir: Path) -> dict
     try:
         endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
         router = str(endpoints["router"])
-        model = str(httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"])
+        model = served_model(router)
         before = _router_counters(router)
         started = time.perf_counter()
         outcomes = asyncio.run(_load(args, endpoints, model, faults, injected))

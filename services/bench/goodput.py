@@ -50,9 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +60,7 @@ import httpx
 from services.bench import goodput_trace
 from services.bench.goodput_load import Slo, figures_of, open_loop, start_stack
 from services.bench.profile import Sweep, measure_itl, measure_ttft
+from services.bench.up_stack import work_root
 from services.engines.sim.profile import ItlPoint, SimProfile, TtftPoint, load_profile
 
 
@@ -114,10 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     slo = Slo(args.ttft_ms / 1000, args.itl_ms / 1000)
     result: dict[str, Any] = {"setup": _setup(args)}
-    with contextlib.ExitStack() as stack:
-        root: Path = args.work_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-goodput-"))
-        )
+    with work_root(args.work_dir, "goodput") as root:
         if args.fidelity:
             result["fidelity"] = _fidelity(args, root)
         if not args.no_sweep:

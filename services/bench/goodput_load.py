@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 
 from services.bench.procs import children_with_arg
-from services.bench.soak import percentiles_ms, wait_endpoints
+from services.bench.soak import percentiles_ms
 from services.bench.sse import StreamFailed, completion_events
+from services.bench.up_stack import wait_endpoints
 from services.supervision import DetachedProcess
 
 SAMPLE_S = 0.5

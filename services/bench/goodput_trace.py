@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.routing import SETTINGS
-from services.bench.soak import wait_endpoints
 from services.bench.trace import SHIPPED_TRACE, load_workload, replay_figures
 from services.bench.trace_file import BLOCK_TOKENS, oracle_tokens
+from services.bench.up_stack import wait_endpoints
 from services.engines.sim.profile import load_profile
 from services.serving.ready import READY_PREFIX, pdserve_argv
 from services.supervision import DetachedProcess

@@ -42,11 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import random
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,8 +66,8 @@ from services.bench.routing_oracle import (
     NeverEvictOracle,
     follow_engines,
 )
-from services.bench.soak import wait_endpoints
-from services.bench.sse import StreamFailed, cached_tokens, completion_events
+from services.bench.sse import stream_routed
+from services.bench.up_stack import wait_endpoints, work_root
 from services.config import ControlPlaneSettings, RedisSettings
 from services.supervision import DetachedProcess
 
@@ -150,10 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.lora:
         return run_lora(args, policies, workers, _run_setting, _workload_figures(args))
     results: dict[str, Any] = {}
-    with contextlib.ExitStack() as stack:
-        root: Path = args.work_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-routing-"))
-        )
+    with work_root(args.work_dir, "routing") as root:
         for count in workers:
             for policy in policies:
                 name = f"{policy}/workers={count}"
@@ -300,7 +295,9 @@ async def _conversations_through(
                 turn = Turn(len(prompt), oracle.reusable(prompt, lora), live.at_send(prompt, lora))
                 turn.conversation, turn.index, turn.adapter = number, index, lora
                 turns.append(turn)
-                await _complete(client, lora or model, prompt, args, turn)
+                await stream_routed(
+                    client, lora or model, prompt, args.max_tokens, args.request_timeout_s, turn
+                )
                 oracle.finished(prompt, lora)
                 prompt += reply
 
@@ -315,42 +312,3 @@ async def _conversations_through(
             )
         )
     return turns
-
-
-async def _complete(
-    client: httpx.AsyncClient,
-    model: str,
-    prompt: list[int],
-    args: argparse.Namespace,
-    turn: Turn,
-) -> None:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    try:
-        async with client.stream(
-            "POST", "/v1/completions", json=body, timeout=args.request_timeout_s
-        ) as reply:
-            turn.prefill_engine = reply.headers.get("x-pdserve-prefill-engine")
-            turn.decode_engine = reply.headers.get("x-pdserve-decode-engine")
-            turn.path = reply.headers.get("x-pdserve-execution-path")
-            async for event in completion_events(reply):
-                if turn.ttft_s is None and any(c.get("text") for c in event.get("choices", [])):
-                    turn.ttft_s = time.perf_counter() - sent
-                usage = event.get("usage")
-                if usage:
-                    turn.cached_tokens = cached_tokens(usage)
-                    turn.ok = True
-    except StreamFailed as exc:
-        turn.error = str(exc)
-    except httpx.HTTPError as exc:
-        turn.error = f"{type(exc).__name__}: {exc}"
-    if not turn.ok and turn.error is None:
-        turn.error = "stream ended without usage"

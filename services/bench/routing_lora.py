@@ -24,11 +24,11 @@ model's (within :data:`TOLERANCE`: a run's shares move by a request or two).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from services.bench.up_stack import work_root
 
 TOLERANCE = 0.02
 """How far below the base model's share the adapters' may be and still meet the goal."""
@@ -83,10 +83,7 @@ def run_lora(
         raise SystemExit("pdserve bench routing --lora: needs --engine vllm (adapters run on vLLM)")
     results: dict[str, Any] = {}
     comparison: dict[str, Any] = {}
-    with contextlib.ExitStack() as stack:
-        root: Path = args.work_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-routing-lora-"))
-        )
+    with work_root(args.work_dir, "routing-lora") as root:
         args = argparse.Namespace(**vars(args))
         args.model, adapters = make_adapters(root, args.model, args.lora)
         names = list(adapters)

@@ -35,7 +35,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,8 @@ import httpx
 from services.bench.procs import descendants
 from services.bench.sse import event_data
 from services.bench.stats import percentiles
-from services.supervision import ChildExited, DetachedProcess
+from services.bench.up_stack import served_model, wait_endpoints, work_root
+from services.supervision import DetachedProcess
 
 #: Prompt lengths in words, cycled through. The tiny model's context is 512 tokens and a word
 #: of these prompts is about 3 tokens, so the longest (~400 tokens) plus ``--max-tokens`` fits:
@@ -96,10 +96,7 @@ class Outcome:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with contextlib.ExitStack() as stack:
-        work_dir: Path = args.work_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-soak-"))
-        )
+    with work_root(args.work_dir, "soak") as work_dir:
         return _run_in(args, work_dir)
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -109,7 +106,7 @@ def _run_in(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     try:
         endpoints = wait_endpoints(up, work_dir, args.ready_timeout_s)
         lengths = [int(n) for n in str(args.prompt_words).split(",") if n.strip()]
-        model = _served_model(str(endpoints["router"]))
+        model = served_model(str(endpoints["router"]))
         asyncio.run(_load(args, endpoints, model, lengths, args.warmup, seed=1))
         before = process_rss(up.pid, endpoints)
         started = time.perf_counter()
@@ -133,21 +130,6 @@ def start_up(work_dir: Path, args: argparse.Namespace) -> DetachedProcess:
         str(args.decode_tp),
         *(["--model", str(args.model)] if args.model is not None else []),
     )
-
-
-def wait_endpoints(up: DetachedProcess, work_dir: Path, timeout_s: float) -> dict[str, Any]:
-    path = work_dir / "endpoints.json"
-    try:
-        up.wait_for_file(path, timeout_s)
-    except (ChildExited, TimeoutError):
-        tail = up.output()[-3000:]
-        raise RuntimeError(f"pdserve up did not become ready:\n{tail}") from None
-    endpoints: dict[str, Any] = json.loads(path.read_text())
-    return endpoints
-
-
-def _served_model(router: str) -> str:
-    return str(httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
 def rss_mib(pid: int) -> float | None:

@@ -6,15 +6,16 @@ A line of an event stream ends at CR, LF or CRLF and nowhere else (the HTML stan
 completion's text may hold (the simulated engines' byte-level texts do): a JSON event cut there
 no longer parses. :class:`EventStreamDecoder` is the standard's parser as a sans-IO core (text
 in, the data of each dispatched event out); :func:`event_data` and :func:`iter_event_data` read
-a response with it.
+a response with it. :func:`stream_routed` is the routing benchmarks' one streamed completion.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -131,3 +132,63 @@ def cached_tokens(usage: dict[str, Any]) -> int:
     reports no details: ``--enable-prompt-tokens-details`` off)."""
     details = usage.get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)
+
+
+class RoutedRecord(Protocol):
+    """What :func:`stream_routed` records of one completion (a benchmark's per-request
+    result)."""
+
+    ok: bool
+    error: str | None
+    ttft_s: float | None
+    cached_tokens: int
+    prefill_engine: str | None
+    decode_engine: str | None
+    path: str | None
+
+
+async def stream_routed(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float,
+    record: RoutedRecord,
+) -> list[float]:
+    """One greedy streamed completion of exactly ``max_tokens`` tokens through the router,
+    recorded in ``record``: the engines and path the router answered with (its
+    ``x-pdserve-*`` headers), the TTFT from the client, the usage's cached tokens (``ok`` once
+    the usage came) or the error. Returns when each event with text came
+    (``time.perf_counter``), for the gaps between them. Never raises for the stream's errors."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    texts: list[float] = []
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as reply:
+            record.prefill_engine = reply.headers.get("x-pdserve-prefill-engine")
+            record.decode_engine = reply.headers.get("x-pdserve-decode-engine")
+            record.path = reply.headers.get("x-pdserve-execution-path")
+            async for event in completion_events(reply):
+                if any(choice.get("text") for choice in event.get("choices", [])):
+                    texts.append(time.perf_counter())
+                    if record.ttft_s is None:
+                        record.ttft_s = texts[0] - sent
+                usage = event.get("usage")
+                if usage:
+                    record.cached_tokens = cached_tokens(usage)
+                    record.ok = True
+    except StreamFailed as exc:
+        record.error = str(exc)
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    if not record.ok and record.error is None:
+        record.error = "stream ended without usage"
+    return texts

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import tempfile
+import itertools
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,8 +40,7 @@ import httpx
 from services.bench.procs import children_with_arg, cpu_seconds, descendants
 from services.bench.routing import SETTINGS
 from services.bench.routing_figures import kv_bytes
-from services.bench.soak import wait_endpoints
-from services.bench.sse import StreamFailed, cached_tokens, completion_events
+from services.bench.sse import stream_routed
 from services.bench.trace_figures import (
     Sent,
     comparison,
@@ -60,6 +58,7 @@ from services.bench.trace_file import (
     read_trace,
     reusable_tokens,
 )
+from services.bench.up_stack import served_model, wait_endpoints, work_root
 from services.engines.sim.profile import DEFAULT_PROFILE, SimProfile, load_profile
 from services.supervision import DetachedProcess
 
@@ -158,10 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         oracle = _oracle(workload, args.prefill_engines, capacity, profile, args)
         results["router"] = replay_figures(args, str(args.router), workload, oracle)
     else:
-        with contextlib.ExitStack() as stack:
-            root: Path = args.work_dir or Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-trace-"))
-            )
+        with work_root(args.work_dir, "trace") as root:
             for prefill, decode in fleets:
                 oracle = _oracle(workload, prefill, capacity, profile, args)
                 results.update(_run_fleet(args, policies, prefill, decode, root, workload, oracle))
@@ -318,7 +314,7 @@ def replay_figures(
     endpoints: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay the workload through ``router`` and summarize (CPU of the pids given)."""
-    model = str(httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"])
+    model = served_model(router)
     urls: dict[str, str] = (endpoints or {}).get("metrics", {})
     metrics = [str(url) for name, url in urls.items() if not name.startswith("router")]
     routers = [str(url) for name, url in urls.items() if name.startswith("router")]
@@ -360,53 +356,10 @@ async def replay(
             result.lag_s = time.perf_counter() - begin - result.scheduled_s
             max_tokens = max(1, min(request.output_length, args.max_output_tokens))
             prompt = workload.prompts[result.index]
-            await _complete(client, model, prompt, max_tokens, args, result)
+            texts = await stream_routed(
+                client, model, prompt, max_tokens, args.request_timeout_s, result
+            )
+            result.itls_s = [later - at for at, later in itertools.pairwise(texts)]
 
         await asyncio.gather(*(one(result) for result in results))
     return results
-
-
-async def _complete(
-    client: httpx.AsyncClient,
-    model: str,
-    prompt: list[int],
-    max_tokens: int,
-    args: argparse.Namespace,
-    result: Sent,
-) -> None:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    last: float | None = None
-    try:
-        async with client.stream(
-            "POST", "/v1/completions", json=body, timeout=args.request_timeout_s
-        ) as reply:
-            result.prefill_engine = reply.headers.get("x-pdserve-prefill-engine")
-            result.decode_engine = reply.headers.get("x-pdserve-decode-engine")
-            result.path = reply.headers.get("x-pdserve-execution-path")
-            async for event in completion_events(reply):
-                if any(choice.get("text") for choice in event.get("choices", [])):
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft_s = now - sent
-                    else:
-                        result.itls_s.append(now - last)
-                    last = now
-                usage = event.get("usage")
-                if usage:
-                    result.cached_tokens = cached_tokens(usage)
-                    result.ok = True
-    except StreamFailed as exc:
-        result.error = str(exc)
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    if not result.ok and result.error is None:
-        result.error = "stream ended without usage"

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 
 from services.control_plane.local_redis import LocalRedisServer
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.vllm.platform import THREADS_BIND_ENV, rank_cpus
 from services.serving.ready import pdserve_argv
 from tests.e2e.faults.probes import load_of
 from tests.e2e.test_failover_reference import (
@@ -614,6 +615,11 @@ class TestPushPrefillPP2:
         )
         assert engine_metric(system, "prefill-0", "pdserve_kv_transfer_expired_leases_total") == 0
         assert engine_metric(system, "prefill-0", "pdserve_kv_transfer_failures_total") == 0
+        # A transfer is counted once, where it starts: vLLM times only the transfers its worker
+        # initiates (here the prefill's WRITEs; in pull mode the decode's READs), so the decode
+        # engine exports none of its own, and the dashboards' sums count each push once.
+        assert engine_metric(system, "decode-0", count) == 0
+        assert engine_metric(system, "decode-0", "pdserve_kv_transfer_bytes_total") == 0
 
     def test_streamed_chat_and_concurrent_requests(
         self,
@@ -824,6 +830,36 @@ class TestPullPP1:
             own = engine_metric(system, engine, count, consumer_engine=engine)
             assert own == engine_metric(system, engine, count)
             assert engine_metric(system, engine, "pdserve_kv_transfer_failures_total") == 0
+
+    def test_every_workers_threads_run_on_its_engines_cores(self, system: UpSystem) -> None:
+        """vLLM's NIXL worker pins the thread that runs the forward pass to the machine's last
+        core, whatever the engine's binding: pdserve moves the worker back (docs/vllm.md). Here
+        (three engines on two cores) the prefill is bound to core 0, which the pin left."""
+        for engine, info in system.endpoints["engines"].items():
+            host = int(info["pid"])
+            environ = Path(f"/proc/{host}/environ").read_bytes().split(b"\0")
+            binding = dict(
+                entry.decode().partition("=")[::2] for entry in environ if b"=" in entry
+            )[THREADS_BIND_ENV]
+            ranks = rank_cpus(binding)
+            assert ranks is not None, binding
+            cores = frozenset().union(*ranks)
+            workers = [
+                pid
+                for pid in descendants(host)
+                if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker")
+            ]
+            assert workers, f"{engine}: no vLLM worker below its host {host}"
+            for pid in workers:
+                outside = {}
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    try:  # (a thread that ended meanwhile has no binding to check)
+                        mask = os.sched_getaffinity(int(task.name))
+                    except ProcessLookupError:
+                        continue
+                    if not mask <= cores:
+                        outside[int(task.name)] = sorted(mask)
+                assert not outside, f"{engine} ({binding}): worker {pid}'s threads {outside}"
 
     def test_vllm_bench_serve_random_dataset_has_no_failed_request(
         self, system: UpSystem, model_dir: Path, tmp_path: Path

