@@ -2,9 +2,10 @@
 process starts outlives it, and a stop ends within its bound
 (:mod:`~services.lifetime.parent_death`); a fixed port taken by another process is refused
 before anything starts, and a port chosen for a later bind is one the kernel does not hand out
-meanwhile (:mod:`~services.lifetime.ports`). No import from the rest
-of ``services``: Redis, Prometheus, engine ranks, vLLM's engine core and ``pdserve up``'s
-children all use it."""
+meanwhile (:mod:`~services.lifetime.ports`); a process whose stop released everything ends
+without the interpreter's finalization (:mod:`~services.lifetime.process_exit`). No import from
+the rest of ``services``: Redis, Prometheus, engine ranks, vLLM's engine core and
+``pdserve up``'s children all use it."""
 
 from services.lifetime.parent_death import (
     WATCH_PARENT_ENV,
@@ -13,11 +14,13 @@ from services.lifetime.parent_death import (
     parent_death_preexec,
 )
 from services.lifetime.ports import PortTaken, check_free, ports_to_bind_later
+from services.lifetime.process_exit import end_process
 
 __all__ = [
     "WATCH_PARENT_ENV",
     "PortTaken",
     "check_free",
+    "end_process",
     "end_stop_within",
     "exit_with_parent",
     "parent_death_preexec",

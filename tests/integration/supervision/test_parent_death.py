@@ -1,7 +1,8 @@
 """Nothing a process starts outlives it, with real processes: a child started through
 ``parent_death_preexec`` (what ``pdserve up`` gives its engines, router, Redis and Prometheus),
 a ``multiprocessing`` child that calls ``exit_with_parent`` (reference ranks, vLLM's engine
-core), the stop bound of ``end_stop_within``, and the busy-port check of ``pdserve up``."""
+core), the stop bound of ``end_stop_within``, the busy-port check of ``pdserve up``, and the
+fast exit of ``end_process`` (what an engine host ends with after a clean stop)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,44 @@ def test_a_stop_that_overruns_its_bound_is_killed() -> None:
     _, stderr = process.communicate(timeout=BOUND_S)
     assert process.returncode == -signal.SIGKILL
     assert "hung stop did not stop within 0s of being told to; killing it" in stderr
+
+
+def test_end_process_exits_as_python_would_less_the_finalization(tmp_path: Path) -> None:
+    # What a normal exit does that anyone sees: a non-daemon thread finishes, atexit handlers
+    # run (logging.shutdown flushes a buffering handler), stdout in a pipe is flushed. What it
+    # skips: a module global's __del__ (the interpreter's module teardown).
+    log = tmp_path / "buffered.log"
+    script = textwrap.dedent(
+        f"""
+        import atexit, logging, logging.handlers, sys, threading, time
+        from services.lifetime import end_process
+
+        class Finalized:
+            def __del__(self):
+                print("finalized", flush=True)
+
+        kept = Finalized()
+        buffered = logging.handlers.MemoryHandler(
+            1000, flushLevel=logging.CRITICAL, target=logging.FileHandler({str(log)!r})
+        )
+        logging.getLogger().addHandler(buffered)
+        logging.getLogger().warning("logged before the exit")
+        atexit.register(print, "atexit ran")
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+        sys.stdout.write("unflushed")
+        end_process(3)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        check=False,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["unflushedthread done", "atexit ran"]
+    assert log.read_text() == "logged before the exit\n"
 
 
 def test_a_taken_port_is_refused_naming_its_holder() -> None:
