@@ -14,6 +14,7 @@ each next token is the previous one plus one (mod vocab), rendered as text ``" t
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import itertools
 import time
@@ -47,8 +48,9 @@ class SyntheticClaim:
 class SyntheticEngine(EngineBackend, abc.ABC):
     """Registration, republication, handles, tokens and text of an engine with no model.
 
-    Subclasses implement admission and pacing (prefill, decode, abort, load, drain) and record
-    the handles they give out with :meth:`_hold` (an abort of a held request finds it).
+    Subclasses implement admission and pacing (prefill, decode, abort, load), record the
+    handles they give out with :meth:`_hold` (an abort of a held request finds it), refuse new
+    requests once ``_draining`` and keep ``_idle`` set while nothing runs (:meth:`drain`).
     """
 
     def __init__(self, claim: SyntheticClaim) -> None:
@@ -57,6 +59,9 @@ class SyntheticEngine(EngineBackend, abc.ABC):
         self._control_plane: RedisControlPlane | None = None
         self._held: dict[str, float] = {}
         self._block_ids = itertools.count()
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def describe(self) -> BackendDescription:
         claim = self.claim
@@ -107,6 +112,26 @@ class SyntheticEngine(EngineBackend, abc.ABC):
             ),
         )
         await self._control_plane.publish_handshakes(view.record, list(records.values()))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting, let running and queued requests finish within ``timeout_s``, abort
+        the rest; held handles are dropped (nothing real is held)."""
+        self._draining = True
+        self._held.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        aborted = 0
+        for request_id in self._in_flight():
+            aborted += await self.abort(request_id)
+        # Aborted streams end at their next step; a consumer that stopped reading may never
+        # take that step, and the host's server stop cancels it then.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+        return aborted
+
+    @abc.abstractmethod
+    def _in_flight(self) -> list[str]:
+        """The requests running or queued now: what :meth:`drain` aborts when time is up."""
 
     async def stop(self) -> None:
         control_plane, self._control_plane = self._control_plane, None

@@ -165,9 +165,6 @@ class SimBackend(SyntheticEngine):
         self._stopped = False
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._draining = False
         self._failure: EngineFailed | None = None
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -463,21 +460,8 @@ class SimBackend(SyntheticEngine):
             kv_events_seq=-1 if self._kv_events is None else self._kv_events.next_seq - 1,
         )
 
-    async def drain(self, timeout_s: float) -> int:
-        """Stop admitting, let running and queued requests finish within ``timeout_s``, abort
-        the rest; held handles are dropped (nothing real is held)."""
-        self._draining = True
-        self._held.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        aborted = 0
-        for request_id in list(self._streams):
-            aborted += await self.abort(request_id)
-        # Aborted streams end at their next read; the host's server stop cancels a stream
-        # whose consumer stopped reading.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), 5.0)
-        return aborted
+    def _in_flight(self) -> list[str]:
+        return list(self._streams)
 
     async def stop(self) -> None:
         self._stopped = True

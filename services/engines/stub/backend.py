@@ -15,7 +15,6 @@ the simulated engine (:mod:`services.engines.sim`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -96,9 +95,6 @@ class StubBackend(SyntheticEngine):
         )
         self._running: dict[str, _Running] = {}
         self._free_blocks = self.options.num_kv_blocks
-        self._draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     def _admit(self, request_id: str, num_tokens: int) -> _Running:
         if self._draining:
@@ -201,18 +197,5 @@ class StubBackend(SyntheticEngine):
             kv_blocks_total=self.options.num_kv_blocks,
         )
 
-    async def drain(self, timeout_s: float) -> int:
-        """Stop admitting, wait for running requests; held handles are dropped (nothing real
-        is held, see the module docstring)."""
-        self._draining = True
-        self._held.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        aborted = len(self._running)
-        for running in self._running.values():
-            running.aborted.set()
-        # Aborted streams end at their next step; a consumer that stopped reading may never
-        # take that step, and the host's server stop cancels it then.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), 5.0)
-        return aborted
+    def _in_flight(self) -> list[str]:
+        return list(self._running)

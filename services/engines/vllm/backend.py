@@ -372,24 +372,20 @@ class VllmBackend(EngineBackend):
                 self.adapters.refresh_soon(self._engine)  # vLLM may have evicted another
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        request_id, prompt_token_ids, sampling = (
-            request.request_id,
-            request.prompt_token_ids,
-            request.sampling,
-        )
+        request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
         started = time.monotonic()
         final: Any = None
         prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         async for output in self._generate(
             request_id,
             prompt_token_ids,
-            prefill_sampling(sampling, prompt_token_ids),
+            prefill_sampling(request.sampling, prompt_token_ids),
             request.trace,
             request.lora,
         ):
             final = output
             prompt_logprobs = prompt_logprobs or prompt_logprobs_of(
-                prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs
+                prompt_token_ids, output.prompt_logprobs, request.sampling.prompt_logprobs
             )
         completion = prefill_completion(request_id, final)
         assert self._registration is not None
