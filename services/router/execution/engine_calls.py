@@ -1,10 +1,18 @@
-"""The router's calls to one engine, with the router's own bounds, and the backstop Abort.
+"""The router's calls to the engines, with the router's own bounds, prefill failover and the
+backstop Abort.
 
 :class:`EngineCalls` (one per router process, :attr:`Executor.calls
 <services.router.execution.Executor.calls>`) is used by the executor
 (:mod:`services.router.execution.executor`) and the forked ``n > 1`` run
 (:mod:`services.router.execution.fork`), so a timeout is counted, aborted on the engine and worded
-in one place.
+in one place, and a Prefill fails over the same way for both.
+
+Prefill failover (:meth:`EngineCalls.prefill`): a Prefill that failed through the engine (a
+retryable error: overloaded, draining, unreachable, failed, timed out) is retried on the
+scheduler's next compatible prefill engine, at most ``max_prefill_attempts`` in all, each retry
+counted in ``pdserve_router_prefill_retries_total{phase, reason}``; with none left the decode
+engine runs the request itself (``pdserve_router_fallbacks_total{reason="prefill_failed"}``), or
+with ``local_fallback`` off the error is the answer. Bad input is never retried.
 
 Bounds: the router times every engine call itself, so it can say which bound tripped. A Prefill
 call has ``prefill_timeout_s``; a Decode stream has ``decode_timeout_s`` as a whole and
@@ -24,10 +32,15 @@ answered 504 before the first byte or as an SSE error event after), sends the en
 router's bound plus ``BACKSTOP_GRACE_S``: a backstop, so the engine gives up even if the
 router's cancellation never reaches it.
 
-Every call feeds the engine's circuit breaker through the pool (started, then succeeded or, on
-an engine fault, failed) and adds the time it waited to ``RunInfo.engine_wait_s``, and every
-call of a request, its Aborts included, carries the request's W3C trace context
-(``GenerationRequest.trace``) to the engine.
+Every call feeds the engine's circuit breaker (started, then succeeded or, on an engine fault,
+failed through :meth:`EnginePool.call_failed
+<services.router.scheduling.pool.EnginePool.call_failed>`): a Prefill through its reservation
+(:meth:`EnginePool.call <services.router.scheduling.pool.EnginePool.call>`: started on entering,
+succeeded on leaving without an error), a Decode through the leg that streams it (the
+executor's, the fork's: started right before the call, succeeded on its first delta; its engine's
+reservation spans the whole leg, the prefill included). Every call adds the time it waited to
+``RunInfo.engine_wait_s``, and every call of a request, its Aborts included, carries the
+request's W3C trace context (``GenerationRequest.trace``) to the engine.
 """
 
 from __future__ import annotations
@@ -43,9 +56,11 @@ from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError, engine_error
 from services.router.execution.deadline import StreamBounds
 from services.router.execution.generation import GenerationRequest, RunInfo
-from services.router.execution.migration import Step, is_engine_fault
+from services.router.execution.migration import Step, is_engine_fault, prefill_phase
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.policies import PromptInfo
 from services.router.scheduling.pool import EnginePool, EngineSlot
+from services.router.scheduling.scheduler import Plan, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +75,87 @@ ABORT_ON = frozenset({"engine_timeout", "engine_unreachable"})
 class EngineCalls:
     """Bounded engine calls and best-effort aborts; see the module docstring."""
 
-    def __init__(self, pool: EnginePool, settings: RouterSettings, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        scheduler: Scheduler,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+    ) -> None:
         self._pool = pool
+        self._scheduler = scheduler
         self._settings = settings
         self._metrics = metrics
         self._background: set[asyncio.Task[bool]] = set()
 
     async def prefill(
+        self, request: GenerationRequest, plan: Plan, prompt: PromptInfo, info: RunInfo
+    ) -> tuple[PrefillResult | None, EngineSlot]:
+        """The first successful Prefill of ``request`` and its engine, from ``plan``'s prefill
+        engine on (a retryable failure retried on the scheduler's next compatible engine, at
+        most ``max_prefill_attempts`` in all, each retry counted), or ``(None, last engine)``
+        for a local fallback after every attempt failed (counted). Raises when retrying cannot
+        help."""
+        assert plan.prefill is not None
+        slot = plan.prefill
+        tried = {slot.engine_id}
+        attempt = 1
+        while True:
+            info.prefill_engine = slot.engine_id
+            try:
+                result, elapsed = await self._prefill_on(slot, request, info)
+            except RouterError as error:
+                if not (isinstance(error, EngineRequestFailed) and error.retryable):
+                    raise
+                following = (
+                    self._scheduler.next_prefill(plan.decode, prompt, tried)
+                    if attempt < self._settings.max_prefill_attempts
+                    else None
+                )
+                if following is None:
+                    if not self._settings.local_fallback:
+                        raise
+                    logger.warning(
+                        "request %s: prefill failed on %s (%s) with no engine left to retry; "
+                        "running it locally on %s",
+                        request.request_id,
+                        slot.engine_id,
+                        error.code,
+                        plan.decode.engine_id,
+                    )
+                    self._metrics.fallbacks.labels(reason="prefill_failed").inc()
+                    return None, slot
+                logger.warning(
+                    "request %s: prefill failed on %s (%s); retrying on %s",
+                    request.request_id,
+                    slot.engine_id,
+                    error.code,
+                    following.engine_id,
+                )
+                self._metrics.prefill_retries.labels(
+                    phase=prefill_phase(error), reason=error.code
+                ).inc()
+                slot = following
+                tried.add(slot.engine_id)
+                attempt += 1
+                continue
+            if info.path is None:
+                info.path = "retried" if attempt > 1 else "disaggregated"
+                self._metrics.ttft_phase_by("prefill").observe(elapsed)
+            return result, slot
+
+    async def _prefill_on(
         self, slot: EngineSlot, request: GenerationRequest, info: RunInfo
     ) -> tuple[PrefillResult, float]:
-        """One Prefill of ``request`` on ``slot`` within ``prefill_timeout_s``: the result and
-        the seconds it took. Raises the call's :class:`RouterError` (a timeout counted; after a
-        timeout or an unreachable engine, the request is aborted there)."""
+        """One Prefill of ``request`` on ``slot`` within ``prefill_timeout_s``, a reserved call
+        that feeds the engine's breaker (:meth:`EnginePool.call
+        <services.router.scheduling.pool.EnginePool.call>`): the result and the seconds it took.
+        Raises the call's :class:`RouterError` (a timeout counted; after a timeout or an
+        unreachable engine, the request is aborted there)."""
         started = time.perf_counter()
         bound_s = self._settings.prefill_timeout_s
-        slot.health.begin_call()
         try:
-            with self._pool.reserve(slot):
+            with self._pool.call(slot):
                 async with asyncio.timeout(bound_s):
                     result = await slot.connector.prefill(
                         request.request_id,
@@ -98,7 +177,6 @@ class EngineCalls:
             if error.code in ABORT_ON:
                 self.abort_later(slot, request)
             raise error from exc
-        slot.health.success()
         elapsed = time.perf_counter() - started
         info.engine_wait_s += elapsed
         return result, elapsed
@@ -280,8 +358,8 @@ class EngineCalls:
     ) -> None:
         """``whole``: the delta is the whole answer (a unary decode), so its wait times no
         first token and no inter-token gap."""
-        if prefilled is None:
-            self.observe_ttft(request, info)
+        if prefilled is None:  # a local run's first token
+            self._metrics.ttft_by(str(info.path)).observe(time.perf_counter() - request.arrival_s)
             return
         handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
         self._metrics.ttft_phase_by("handoff").observe(handoff)
@@ -290,10 +368,6 @@ class EngineCalls:
         self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff, 0.0))
         # The prefill's token went out first; the gap to the decode's first is an ITL.
         self._metrics.itl.observe(waited_s)
-
-    def observe_ttft(self, request: GenerationRequest, info: RunInfo) -> None:
-        """The request's time to first token, by its path."""
-        self._metrics.ttft_by(str(info.path)).observe(time.perf_counter() - request.arrival_s)
 
     def abort_later(self, slot: EngineSlot, request: GenerationRequest) -> None:
         """Best-effort abort of ``request`` (timed out or orphaned), without delaying the

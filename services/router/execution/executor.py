@@ -11,12 +11,13 @@ a failure after it raises :class:`~services.router.errors.EngineRequestFailed` f
 generator, which the streaming layer turns into an error event (never a silent truncation).
 
 Disaggregated: Prefill on the prefill engine (retried on another compatible engine when the
-failure is the engine's, at most ``max_prefill_attempts`` in all, each retry counted), the first
-token goes out, then Decode with the KV handle on the decode engine. Local: Decode without a
-handle. A decode stream that ends without a finish reason is an error (``decode_truncated``).
-A request whose decode engine, or the producer of its KV, fails continues on other engines
-(:mod:`services.router.execution.migration`: legs, prefill failover, migration); every engine call
-feeds the engine's circuit breaker (:mod:`services.router.scheduling.health`).
+failure is the engine's, :meth:`EngineCalls.prefill`), the first token goes out, then Decode
+with the KV handle on the decode engine. Local: Decode without a handle. A decode stream that
+ends without a finish reason is an error (``decode_truncated``). A request whose decode engine,
+or the producer of its KV, fails continues on other engines
+(:mod:`services.router.execution.migration`: legs, prefill failover, migration; the request's
+output across them is a :class:`Progress`); every engine call feeds the engine's circuit
+breaker (:mod:`services.router.scheduling.health`).
 
 Bounds: every engine call is timed by the router itself, aborted on the engine when a bound
 trips and counted (:mod:`services.router.execution.engine_calls`). The request, its chunks and its
@@ -34,29 +35,126 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import replace
 
 from services.control_plane.wire import EngineId
-from services.engines.requests import FinishReason, PrefillResult
+from services.engines.requests import FinishReason, PrefillResult, SamplingParams
 from services.router.config import RouterSettings
 from services.router.errors import EngineRequestFailed, RouterError
 from services.router.execution.engine_calls import EngineCalls
-from services.router.execution.fork import ForkedChoice, ForkedLeg, can_fork
+from services.router.execution.fork import ForkedChoice, ForkedLeg, forked_leg
 from services.router.execution.generation import Chunk, ChunkStream, GenerationRequest, RunInfo
 from services.router.execution.migration import (
     PRODUCER_GONE,
     LegFailed,
     NoContinuation,
-    Progress,
     Step,
     is_engine_fault,
     is_migratable,
-    prefill_phase,
 )
 from services.router.metrics import RouterMetrics
-from services.router.scheduling.policies import PromptInfo
 from services.router.scheduling.pool import EnginePool, EngineSlot
-from services.router.scheduling.scheduler import Plan, Scheduler
+from services.router.scheduling.scheduler import Scheduler
+from services.tokenization.output_text import OutputText
 from services.tokenization.tokenizer import ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+ENDS_BEFORE_INCOMPLETE = frozenset({"vllm"})
+"""Engine kinds whose text ends before a trailing incomplete UTF-8 character (vLLM's
+detokenizer never releases one); the others release it, as ``U+FFFD``, when the request ends.
+A continued request's text, which the router detokenizes, ends as its last engine's would."""
+CONTEXT_FREE_TEXT = frozenset({"stub", "sim"})
+"""Engine kinds whose text for a token depends on that token alone (the synthetic engines'
+``" t<id>"``): a continuation on them keeps the engines' text. The router's tokenizer could not
+reproduce it (their ids run past its vocabulary: a drained sim engine's request once failed
+there instead of migrating)."""
+
+
+class Progress:
+    """A request's output across legs: the tokens so far, and (from the first continuation
+    on) the router's own detokenization of them (:mod:`services.router.execution.migration`,
+    "Text")."""
+
+    def __init__(self, prompt_token_ids: tuple[int, ...], sampling: SamplingParams) -> None:
+        self._prompt = prompt_token_ids
+        self._sampling = sampling
+        self.generated: list[int] = []
+        self._text: OutputText | None = None
+        self.legs = 1
+        self.continuing = False
+        """Whether the current leg is a continuation (``legs > 1``)."""
+        self.engine_kind: str | None = None
+        """The kind of the current leg's decode engine (set once it is planned): the request's
+        text ends by its rule (:data:`ENDS_BEFORE_INCOMPLETE`), and keeps its text where it is
+        context-free (:data:`CONTEXT_FREE_TEXT`)."""
+
+    def next_leg(self, tokenizer: Tokenizer) -> None:
+        """Start a continuation of what was produced so far."""
+        self.legs += 1
+        self.continuing = True
+        if self.engine_kind in CONTEXT_FREE_TEXT:
+            return  # the engines' text stays exact across the join
+        if self._text is None and self.generated:
+            # Replaying the tokens marks released what the engines released (the same rule).
+            self._text = OutputText(
+                tokenizer,
+                self._sampling.stop,
+                already_released=self.generated,
+                include_stop=self._sampling.include_stop_str_in_output,
+                min_tokens=self._sampling.min_tokens,
+            )
+
+    def prompt(self) -> tuple[int, ...]:
+        """The current leg's prompt: the original one plus every token produced so far."""
+        return self._prompt + tuple(self.generated)
+
+    def sampling(self) -> SamplingParams:
+        """The current leg's sampling: what is left of ``max_tokens`` and ``min_tokens``; the
+        prompt's logprobs went out with the first leg; the tokens so far, at the end of the
+        leg's prompt, counted as output (``output_tokens_in_prompt``: the output penalties and
+        a seeded random stream continue as in an unbroken run)."""
+        if not self.generated:
+            return self._sampling
+        return replace(
+            self._sampling,
+            max_tokens=self.left(),
+            min_tokens=max(self._sampling.min_tokens - len(self.generated), 0),
+            prompt_logprobs=None,
+            output_tokens_in_prompt=len(self.generated),
+        )
+
+    def left(self) -> int:
+        return self._sampling.max_tokens - len(self.generated)
+
+    def add(self, step: Step) -> tuple[str, FinishReason | None]:
+        """Record ``step``; the text to send the client and the finish reason (a stop string
+        the router found across the join finishes the request with ``stop``)."""
+        self.generated.extend(step.token_ids)
+        if self._text is None:
+            return step.text, step.finish_reason
+        ids = step.token_ids
+        if (
+            step.finish_reason is FinishReason.STOP
+            and ids
+            and ids[-1] in self._sampling.stop_token_ids
+        ):
+            ids = ids[:-1]  # a stop id is never returned as text
+        pieces = []
+        for token_id in ids:
+            pieces.append(self._text.add(token_id))
+            if self._text.stopped:
+                return "".join(pieces), FinishReason.STOP
+        if step.finish_reason is not None:
+            pieces.append(
+                self._text.flush(incomplete=self.engine_kind not in ENDS_BEFORE_INCOMPLETE)
+            )
+        return "".join(pieces), step.finish_reason
+
+    def finish_text(self) -> str:
+        """Text still held when the request ends without another step (``max_tokens`` were
+        all produced when the broken leg ended)."""
+        if self._text is None:
+            return ""
+        return self._text.flush(incomplete=self.engine_kind not in ENDS_BEFORE_INCOMPLETE)
 
 
 class Executor:
@@ -80,7 +178,7 @@ class Executor:
         self._metrics = metrics
         self._tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self._model_tokenizers = dict(model_tokenizers or {})
-        self.calls = EngineCalls(pool, settings, metrics)
+        self.calls = EngineCalls(pool, scheduler, settings, metrics)
         """The engine calls and their aborts (shared with :mod:`services.router.execution.fork`)."""
 
     def runs(self, requests: list[GenerationRequest], infos: list[RunInfo]) -> list[ChunkStream]:
@@ -88,47 +186,23 @@ class Executor:
         ``infos[i]``), each run by :meth:`generate`, with failover and migration. Where the
         plan's engines fork, the choices' first leg is one :class:`ForkedLeg` (one prefill and
         one transfer, :mod:`services.router.execution.fork`); which path ran is counted."""
-        leg = self._forked_leg(requests, infos) if len(requests) > 1 else None
+        leg = None
+        if len(requests) > 1:
+            leg = forked_leg(
+                requests,
+                infos,
+                self._scheduler,
+                self.calls,
+                pool=self._pool,
+                settings=self._settings,
+                metrics=self._metrics,
+            )
         if leg is None:
             return [self.generate(r, i) for r, i in zip(requests, infos, strict=True)]
         return [
             ForkedChoice(self.generate(r, i, (leg, index)), leg)
             for index, (r, i) in enumerate(zip(requests, infos, strict=True))
         ]
-
-    def _forked_leg(
-        self, requests: list[GenerationRequest], infos: list[RunInfo]
-    ) -> ForkedLeg | None:
-        """The shared first leg of ``requests`` (one prompt's choices), or ``None`` when they
-        cannot fork: each then runs alone (planning again: a planning error is answered
-        there)."""
-        base = requests[0]
-        prompt = PromptInfo(
-            base.prompt_token_ids,
-            context_tokens=len(base.prompt_token_ids) + base.sampling.max_tokens,
-            lora_name=base.lora_name,
-        )
-        try:
-            plan = self._scheduler.plan(base.model, prompt)
-        except RouterError:
-            plan = None
-        if plan is None or not can_fork(plan):
-            self._metrics.choices.labels(path="per_choice").inc()
-            return None
-        self._metrics.choices.labels(path="forked").inc()
-        self._metrics.queue_time.observe(time.perf_counter() - base.arrival_s)
-        sampled = replace(base, sampling=replace(base.sampling, n=len(requests)))
-        return ForkedLeg(
-            plan,
-            base,
-            len(requests),
-            lambda: self._prefill(sampled, plan, prompt, infos[0]),
-            pool=self._pool,
-            settings=self._settings,
-            metrics=self._metrics,
-            calls=self.calls,
-            info=infos[0],
-        )
 
     async def generate(
         self,
@@ -246,11 +320,7 @@ class Executor:
                 prompt_token_ids=progress.prompt(),
                 sampling=progress.sampling(),
             )
-        prompt = PromptInfo(
-            leg_request.prompt_token_ids,
-            context_tokens=len(leg_request.prompt_token_ids) + leg_request.sampling.max_tokens,
-            lora_name=leg_request.lora_name,
-        )
+        prompt = leg_request.prompt_info()
         if forked is not None:
             plan = forked[0].plan
         else:
@@ -265,7 +335,7 @@ class Executor:
         if moving is not None:
             info.migrations += 1
             self._metrics.migrations.labels(reason=moving).inc()
-        progress.decode_on(plan.decode.record.engine_kind)
+        progress.engine_kind = plan.decode.record.engine_kind
         if not continuing and forked is None:
             self._metrics.queue_time.observe(time.perf_counter() - request.arrival_s)
         info.decode_engine = plan.decode.engine_id
@@ -276,7 +346,7 @@ class Executor:
                 result, prefill_slot = await forked[0].prefilled()
                 info.prefill_engine = prefill_slot.engine_id
             elif plan.prefill is not None:
-                result, prefill_slot = await self._prefill(leg_request, plan, prompt, info)
+                result, prefill_slot = await self.calls.prefill(leg_request, plan, prompt, info)
             if result is None:
                 info.prefill_engine = None
                 if not continuing:
@@ -300,7 +370,8 @@ class Executor:
             if not continuing:
                 if forked is None:
                     self._metrics.execution_path_by(str(info.path)).inc()
-                    self.calls.observe_ttft(request, info)
+                    ttft_s = time.perf_counter() - request.arrival_s
+                    self._metrics.ttft_by(str(info.path)).observe(ttft_s)
                 info.cached_tokens = result.usage.cached_tokens
                 info.cache_write_tokens = result.usage.cache_write_tokens
             if first.finish_reason is not None or result.kv_handle is None:
@@ -362,59 +433,6 @@ class Executor:
             if producer_blamed or is_migratable(exc):
                 raise LegFailed(exc, slot, None) from exc
             raise
-
-    async def _prefill(
-        self, request: GenerationRequest, plan: Plan, prompt: PromptInfo, info: RunInfo
-    ) -> tuple[PrefillResult | None, EngineSlot]:
-        """The first successful prefill and its engine, or ``(None, last engine)`` for a local
-        fallback after every attempt failed (counted). Raises when retrying cannot help."""
-        assert plan.prefill is not None
-        slot = plan.prefill
-        tried = {slot.engine_id}
-        attempt = 1
-        while True:
-            info.prefill_engine = slot.engine_id
-            try:
-                result, elapsed = await self.calls.prefill(slot, request, info)
-            except RouterError as error:
-                if not (isinstance(error, EngineRequestFailed) and error.retryable):
-                    raise
-                following = (
-                    self._scheduler.next_prefill(plan.decode, prompt, tried)
-                    if attempt < self._settings.max_prefill_attempts
-                    else None
-                )
-                if following is None:
-                    if not self._settings.local_fallback:
-                        raise
-                    logger.warning(
-                        "request %s: prefill failed on %s (%s) with no engine left to retry; "
-                        "running it locally on %s",
-                        request.request_id,
-                        slot.engine_id,
-                        error.code,
-                        plan.decode.engine_id,
-                    )
-                    self._metrics.fallbacks.labels(reason="prefill_failed").inc()
-                    return None, slot
-                logger.warning(
-                    "request %s: prefill failed on %s (%s); retrying on %s",
-                    request.request_id,
-                    slot.engine_id,
-                    error.code,
-                    following.engine_id,
-                )
-                self._metrics.prefill_retries.labels(
-                    phase=prefill_phase(error), reason=error.code
-                ).inc()
-                slot = following
-                tried.add(slot.engine_id)
-                attempt += 1
-                continue
-            if info.path is None:
-                info.path = "retried" if attempt > 1 else "disaggregated"
-                self._metrics.ttft_phase_by("prefill").observe(elapsed)
-            return result, slot
 
     def observe_end(
         self,

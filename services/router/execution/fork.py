@@ -1,12 +1,13 @@
 """``n > 1`` from one prefill and one KV transfer: the first leg of a prompt's choices, forked.
 
 :meth:`Executor.runs <services.router.execution.executor.Executor.runs>` plans a prompt of
-several choices once; when the plan is disaggregated and both engines fork (:func:`can_fork`:
-the reference engine), every choice runs as its own request whose *first leg* is one
-:class:`ForkedLeg` shared by all of them: one Prefill with ``sampling.n = n`` (the engine
-samples every choice's first token, choice ``i`` as a request seeded with ``seed + i`` would,
-vLLM's rule), with the executor's prefill failover (another prefill engine, then the local
-fallback, where each choice decodes locally), then one Decode whose ``forks`` name the choices
+several choices once (:func:`forked_leg`); when the plan is disaggregated and both engines fork
+(:func:`can_fork`: the reference engine), every choice runs as its own request whose *first
+leg* is one :class:`ForkedLeg` shared by all of them: one Prefill with ``sampling.n = n`` (the
+engine samples every choice's first token, choice ``i`` as a request seeded with ``seed + i``
+would, vLLM's rule), with every request's prefill failover (:meth:`EngineCalls.prefill
+<services.router.execution.engine_calls.EngineCalls.prefill>`: another prefill engine, then the
+local fallback, where each choice decodes locally), then one Decode whose ``forks`` name the choices
 the first token did not end: the decode engine pulls the KV once and forks one sequence per
 choice. Otherwise every choice runs as its own request from the start (its own prefill and
 transfer). vLLM engines take that path: vLLM's ``n > 1`` fans a request out into ``n`` engine
@@ -30,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from services.engines.requests import DecodeRequest, FinishReason, Fork, PrefillResult
 from services.router.config import RouterSettings
@@ -45,8 +47,9 @@ from services.router.execution.migration import (
     is_migratable,
 )
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.policies import PromptInfo
 from services.router.scheduling.pool import EnginePool, EngineSlot
-from services.router.scheduling.scheduler import Plan
+from services.router.scheduling.scheduler import Plan, Scheduler
 
 FORKING_KINDS = frozenset({"reference"})
 """Engine kinds whose prefill samples ``n`` first tokens and whose decode forks."""
@@ -64,6 +67,43 @@ def can_fork(plan: Plan) -> bool:
     )
 
 
+def forked_leg(
+    requests: list[GenerationRequest],
+    infos: list[RunInfo],
+    scheduler: Scheduler,
+    calls: EngineCalls,
+    *,
+    pool: EnginePool,
+    settings: RouterSettings,
+    metrics: RouterMetrics,
+) -> ForkedLeg | None:
+    """The shared first leg of ``requests`` (one prompt's choices), or ``None`` when they
+    cannot fork: each then runs alone (planning again: a planning error is answered there).
+    Which path ran is counted."""
+    base = requests[0]
+    prompt = base.prompt_info()
+    try:
+        plan = scheduler.plan(base.model, prompt)
+    except RouterError:
+        plan = None
+    if plan is None or not can_fork(plan):
+        metrics.choices.labels(path="per_choice").inc()
+        return None
+    metrics.choices.labels(path="forked").inc()
+    metrics.queue_time.observe(time.perf_counter() - base.arrival_s)
+    return ForkedLeg(
+        plan,
+        base,
+        len(requests),
+        prompt,
+        pool=pool,
+        settings=settings,
+        metrics=metrics,
+        calls=calls,
+        info=infos[0],
+    )
+
+
 class ForkedLeg:
     """The first leg of ``n`` choices (see the module docstring). The run starts with the first
     :meth:`prefilled` and is cancelled once every choice's stream is closed
@@ -74,7 +114,7 @@ class ForkedLeg:
         plan: Plan,
         request: GenerationRequest,
         n: int,
-        prefill: Callable[[], Awaitable[Prefilled]],
+        prompt: PromptInfo,
         *,
         pool: EnginePool,
         settings: RouterSettings,
@@ -82,13 +122,13 @@ class ForkedLeg:
         calls: EngineCalls,
         info: RunInfo,
     ) -> None:
-        """``request``: choice 0 (the Decode's; the forks offset its seed); ``prefill``: the
-        executor's Prefill of it with ``n`` choices, with failover; ``info``: the run that counts
-        the shared calls' engine time."""
+        """``request``: choice 0 (the Decode's; the forks offset its seed), prefilled with
+        ``n`` choices (:meth:`EngineCalls.prefill`, with its failover); ``prompt``: as placed;
+        ``info``: the run that counts the shared calls' engine time."""
         self.plan = plan
         self._request = request
         self._n = n
-        self._prefill = prefill
+        self._prompt = prompt
         self._pool = pool
         self._settings = settings
         self._metrics = metrics
@@ -144,7 +184,8 @@ class ForkedLeg:
 
     async def _run(self) -> None:
         try:
-            result, slot = await self._prefill()
+            sampled = replace(self._request, sampling=replace(self._request.sampling, n=self._n))
+            result, slot = await self._calls.prefill(sampled, self.plan, self._prompt, self._info)
             if result is not None:
                 self._check(result, slot)
         except asyncio.CancelledError:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from services.engines.lora import LoRAAdapter
 from services.engines.requests import FinishReason, SamplingParams, TokenLogprobs
 from services.engines.trace_context import TraceContext
+from services.router.scheduling.policies import PromptInfo
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,14 @@ class GenerationRequest:
     """The LoRA adapter the request runs with on every engine (prefill, decode, each leg);
     ``None``: the base model ``model``."""
 
-    @property
-    def lora_name(self) -> str | None:
-        return None if self.lora is None else self.lora.name
+    def prompt_info(self) -> PromptInfo:
+        """The request as placement reads it (a fresh one per leg: its block hashes are
+        cached)."""
+        return PromptInfo(
+            self.prompt_token_ids,
+            context_tokens=len(self.prompt_token_ids) + self.sampling.max_tokens,
+            lora_name=None if self.lora is None else self.lora.name,
+        )
 
 
 @dataclass(frozen=True)

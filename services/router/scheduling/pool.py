@@ -181,7 +181,15 @@ class EnginePool:
 
     def reserve(self, slot: EngineSlot) -> Reservation:
         """Count a request in flight on ``slot`` for the duration of a ``with`` block."""
-        return Reservation(self, slot)
+        return Reservation(self, slot, call=False)
+
+    def call(self, slot: EngineSlot) -> Reservation:
+        """:meth:`reserve` ``slot`` for one call on the engine, which feeds its circuit breaker
+        too: the call starts on entering (the first after the back-off is the half-open probe)
+        and succeeds on leaving the ``with`` block without an error; a failure through the
+        engine's fault is reported to :meth:`call_failed` (an error's code says whether it is
+        one)."""
+        return Reservation(self, slot, call=True)
 
     def _released(self, slot: EngineSlot) -> None:
         slot.inflight -= 1
@@ -189,8 +197,9 @@ class EnginePool:
             self._close_later(slot.connector)
 
     # -- health feedback (services.router.scheduling.health) --------------------------------
-    # A call starts and succeeds on the slot's breaker itself (``slot.health.begin_call()``,
-    # ``.success()``); a failure comes here, where the pool's own state changes with it.
+    # A call starts and succeeds on the slot's breaker itself (a reserved call, :meth:`call`;
+    # a Decode stream's leg: ``slot.health.begin_call()``, ``.success()``); a failure comes
+    # here, where the pool's own state changes with it.
 
     def call_failed(self, slot: EngineSlot) -> None:
         """A call failed through the engine's fault: the router stops choosing it at once (a
@@ -423,17 +432,24 @@ class EnginePool:
 class Reservation:
     """A request in flight on an engine slot (:meth:`EnginePool.reserve`): ``inflight`` counts
     it from ``__enter__`` to ``__exit__``, and a retired slot's connector closes when its last
-    reservation ends. A class, not a ``contextlib`` generator: two per request."""
+    reservation ends. With ``call`` (:meth:`EnginePool.call`), one call on the engine as its
+    circuit breaker sees it: begun on entering, a success on leaving without an exception. A
+    class, not a ``contextlib`` generator: two per request."""
 
-    __slots__ = ("_pool", "_slot")
+    __slots__ = ("_call", "_pool", "_slot")
 
-    def __init__(self, pool: EnginePool, slot: EngineSlot) -> None:
+    def __init__(self, pool: EnginePool, slot: EngineSlot, *, call: bool) -> None:
         self._pool = pool
         self._slot = slot
+        self._call = call
 
     def __enter__(self) -> EngineSlot:
+        if self._call:
+            self._slot.health.begin_call()
         self._slot.inflight += 1
         return self._slot
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         self._pool._released(self._slot)
+        if self._call and exc_type is None:
+            self._slot.health.success()
