@@ -2,9 +2,10 @@
 
 What the model is (layers, KV heads, head size, KV dtype, vocabulary, context), how its KV is
 paged (tokens per block) and how the engine cuts it (PP x TP, the PP layer partition). An
-engine's description, a synthetic engine's claim, vLLM's KV geometry and a profile's model are
-built from one :class:`ModelShape`; the control plane's records keep these fields flat on the
-wire (``services.control_plane.wire``). Pure code: no I/O, no third-party imports.
+engine's description, its control-plane spec and record, a synthetic engine's claim, vLLM's KV
+geometry and a profile's model embed one :class:`ModelShape` (a record the part it carries,
+written flat on the wire: ``services.control_plane.wire.RECORD_SHAPE_FIELDS``). Pure code: no
+I/O, no third-party imports.
 """
 
 from __future__ import annotations
