@@ -61,20 +61,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """How ``make test`` shares the machine between its pytest workers (pytest-xdist,
     ``--dist loadgroup``): every module is one unit of work, so a module-scoped stack starts once
     (a module that shares a session stack with others names that group with its own
-    ``xdist_group`` mark), and modules run heaviest kind first, so the longest units do not start
+    ``xdist_group`` mark), and units run heaviest kind first, so the longest units do not start
     last: those that start vLLM engines (``vllm`` mark), then the other slow ones, then the rest;
-    the order inside a kind and inside a module is the file's. Serially (plain ``pytest``) only
-    the module order changes."""
-    module_kind: dict[str, int] = {}
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
+    the order inside a kind is the files', a group's modules together where its first one is.
+    Serially (plain ``pytest``) only the module order changes."""
+    group_kind: dict[str, int] = {}
+    group_first: dict[str, int] = {}
+    for index, item in enumerate(items):
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+        group = xdist_group_of(item)
         kind = 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2
-        module_kind[module] = min(kind, module_kind.get(module, kind))
-    # Stable, and by module: a module's items stay together (its fixtures start once).
-    items.sort(key=lambda item: module_kind[item.nodeid.split("::", 1)[0]])
+        group_kind[group] = min(kind, group_kind.get(group, kind))
+        group_first.setdefault(group, index)
+    # Stable, and by group: a module's (a group's) items stay together, so its fixtures start
+    # once and a shared stack stops after its group's last item (tests/e2e/conftest.py).
+    items.sort(
+        key=lambda item: (group_kind[xdist_group_of(item)], group_first[xdist_group_of(item)])
+    )
     _select_for_this_machine(config, items)
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The item's unit of work (its ``xdist_group``: its module's path unless it names one)."""
+    marker = item.get_closest_marker("xdist_group")
+    assert marker is not None, f"{item.nodeid} has no xdist_group (collection adds one)"
+    # Read as pytest-xdist reads it (``xdist.remote``): the first argument, else ``name``.
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
 
 
 def _select_for_this_machine(config: pytest.Config, items: list[pytest.Item]) -> None:

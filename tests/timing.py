@@ -9,10 +9,11 @@ runs beside: each phase of an item (set-up, call, tear-down) carries, in its rep
 ``user_properties``, the CPU seconds its test process and every process it started and
 reaped used since the last phase ended (``getrusage`` of ``RUSAGE_SELF`` and
 ``RUSAGE_CHILDREN``: a process counts once reaped, with the descendants it reaped; one that
-outlives its parent unreaped counts nowhere). A worker's last tear-down also stops the
-session-scoped stacks (``tests/e2e/conftest.py``), whose processes served several modules: its
-CPU (with that of the last module's own fixtures, which end there too) is shown on a line of
-its own, not charged to the module that happened to run last."""
+outlives its parent unreaped counts nowhere). The tear-down that stops the shared stacks
+(``tests/e2e/conftest.py``: after their group's last item, :func:`shared_stacks_stop_here`) and
+a worker's last tear-down (what is left of the session-scoped fixtures) end processes that
+served several modules: their CPU (with that of the module's own fixtures, which end there too)
+is shown on a line of its own, not charged to the module that happened to run last."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     _last_item[0] = nextitem is None  # this tear-down ends the session's fixtures too
+
+
+def shared_stacks_stop_here() -> None:
+    """Called in a tear-down that stops processes several modules shared: its CPU goes on
+    the session line, as a worker's last tear-down's does."""
+    _last_item[0] = True
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -112,8 +119,8 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
             write(f"  {seconds:8.1f}s  {_module_cpu_s.get(module, 0.0):8.1f}s CPU  {module}")
     if _session_cpu_s[0]:
         write(
-            f"  {'':9s}  {_session_cpu_s[0]:8.1f}s CPU  (each worker's last tear-down: the "
-            "session-scoped stacks and its last module's, reaped there)"
+            f"  {'':9s}  {_session_cpu_s[0]:8.1f}s CPU  (each worker's last tear-down and the "
+            "one that stops the shared stacks: what they end and their module's, reaped there)"
         )
     if elapsed > BUDGET_S:
         write(

@@ -1,8 +1,11 @@
 """Reference-engine stacks shared by the end-to-end modules that only read from them (issue 34):
-each starts once per pytest process, on first use, and stops at its end.
+each starts once per pytest process, on first use, and stops after the last item of those
+modules (:func:`pytest_runtest_teardown`), not at the process's end: idle, they would cost about
+a tenth of a core for the rest of the run (15 processes, each rank polling its NIXL agent).
 
 A module that uses one marks itself ``pytest.mark.xdist_group(SHARED_REFERENCE)``, so ``make
-test``'s workers run every such module in the same process (one start). A module that kills,
+test``'s workers run every such module in the same process (one start), one after the other
+(``tests/conftest.py`` keeps a group's items together, serially too). A module that kills,
 stops or faults processes (``destructive``) starts a stack of its own instead.
 """
 
@@ -14,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
+from tests.conftest import xdist_group_of
 from tests.e2e.up_system import UpSystem
+from tests.timing import shared_stacks_stop_here
 
 SHARED_REFERENCE = "shared-reference-stacks"
 """The ``xdist_group`` of the modules that use these stacks."""
@@ -34,12 +39,40 @@ OTHER_MODEL_SPEC = TinyModelSpec(
 model's engines (another compatibility hash), and its context is shorter."""
 
 
+_shared: list[UpSystem] = []
+"""The shared stacks this process started."""
+_group_ended = [False]
+"""Whether :data:`SHARED_REFERENCE`'s last item ran (and the shared stacks stopped)."""
+
+
 def started(work_dir: Path, model_dir: Path, *args: str, env: dict[str, str]) -> Iterator[UpSystem]:
-    """``pdserve up`` of ``model_dir`` with ``args``, READY; stopped cleanly (exit status 0)."""
+    """``pdserve up`` of ``model_dir`` with ``args``, READY; stopped cleanly (exit status 0)
+    after the group's last item, or at the process's end (``stop`` is idempotent)."""
     up = UpSystem(work_dir, "--model", str(model_dir), *args, env=env, scrub_env=True)
+    _shared.append(up)
     try:
         yield up.wait_ready()
     finally:
+        assert up.stop() == 0, up.output()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A shared stack is not asked for after its group ended (the items of a group run one
+    after the other: see the module docstring); fails loudly rather than hand out a stopped
+    stack."""
+    if _group_ended[0] and xdist_group_of(item) == SHARED_REFERENCE:
+        pytest.fail(f"{item.nodeid}: the shared stacks stopped after their group's last item")
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last item of :data:`SHARED_REFERENCE`, stop the shared stacks."""
+    if xdist_group_of(item) != SHARED_REFERENCE:
+        return
+    if nextitem is not None and xdist_group_of(nextitem) == SHARED_REFERENCE:
+        return
+    _group_ended[0] = True
+    shared_stacks_stop_here()
+    for up in _shared:
         assert up.stop() == 0, up.output()
 
 
