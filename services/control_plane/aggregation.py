@@ -93,6 +93,7 @@ def rank_field(pp_rank: int, tp_rank: int) -> str:
 
 def check_record(engine: EngineRecord, record: HandshakeRecord) -> list[Problem]:
     """Per-record checks against its engine (shared by publisher and readers)."""
+    shape = engine.shape
     rank = (record.pp_rank, record.tp_rank)
     problems: list[Problem] = []
 
@@ -105,20 +106,18 @@ def check_record(engine: EngineRecord, record: HandshakeRecord) -> list[Problem]
             f"record of {record.engine_id}@{record.generation} under "
             f"{engine.engine_id}@{engine.generation}",
         )
-    if not (
-        0 <= record.pp_rank < engine.shape.pp_size and 0 <= record.tp_rank < engine.shape.tp_size
-    ):
-        bad("rank_out_of_grid", f"outside the {engine.shape.pp_size} x {engine.shape.tp_size} grid")
+    if not (0 <= record.pp_rank < shape.pp_size and 0 <= record.tp_rank < shape.tp_size):
+        bad("rank_out_of_grid", f"outside the {shape.pp_size} x {shape.tp_size} grid")
     if record.pp_rank > 0 and not engine.pp_aware:
         bad("not_pp_aware", "engine is not PP-aware but published pp_rank > 0")
     if record.compat_hash != engine.compat_hash:
         bad("hash_mismatch", f"compat hash {record.compat_hash} != engine's {engine.compat_hash}")
-    if record.block_size != engine.shape.block_size:
-        bad("block_size_mismatch", f"block size {record.block_size} != {engine.shape.block_size}")
-    if record.layers.stop > engine.shape.num_layers or not record.layers:
-        bad("layer_gap", f"layers {record.layers} outside [0,{engine.shape.num_layers})")
-    if record.kv_heads.stop > engine.shape.num_kv_heads or not record.kv_heads:
-        bad("head_coverage", f"KV heads {record.kv_heads} outside [0,{engine.shape.num_kv_heads})")
+    if record.block_size != shape.block_size:
+        bad("block_size_mismatch", f"block size {record.block_size} != {shape.block_size}")
+    if record.layers.stop > shape.num_layers or not record.layers:
+        bad("layer_gap", f"layers {record.layers} outside [0,{shape.num_layers})")
+    if record.kv_heads.stop > shape.num_kv_heads or not record.kv_heads:
+        bad("head_coverage", f"KV heads {record.kv_heads} outside [0,{shape.num_kv_heads})")
     problems.extend(Problem("geometry", m, rank) for m in geometry_errors(record))
     return problems
 
@@ -203,6 +202,7 @@ def _extent_errors(record: HandshakeRecord) -> list[str]:
 
 def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:
     """Judge one engine generation from its raw handshake hash (field ``"pp:tp"`` -> value)."""
+    shape = engine.shape
     problems: list[Problem] = []
     records: dict[RankKey, HandshakeRecord] = {}
     for name, value in sorted(raw.items()):
@@ -234,8 +234,8 @@ def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:
 
     missing = [
         (pp, tp)
-        for pp in range(engine.shape.pp_size)
-        for tp in range(engine.shape.tp_size)
+        for pp in range(shape.pp_size)
+        for tp in range(shape.tp_size)
         if (pp, tp) not in records
     ]
     if missing:
@@ -249,10 +249,10 @@ def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:
     if problems:
         return Aggregation(EngineState.INVALID, tuple(problems), records)
     layout = EngineLayout(
-        num_layers=engine.shape.num_layers,
-        num_kv_heads=engine.shape.num_kv_heads,
-        pp_size=engine.shape.pp_size,
-        tp_size=engine.shape.tp_size,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        pp_size=shape.pp_size,
+        tp_size=shape.tp_size,
         shards={key: WorkerShard(r.layers, r.kv_heads) for key, r in records.items()},
     )
     topology = EngineTopology(engine, records, layout)
@@ -262,6 +262,7 @@ def aggregate(engine: EngineRecord, raw: Mapping[str, bytes]) -> Aggregation:
 def _consistency_problems(
     engine: EngineRecord, records: Mapping[RankKey, HandshakeRecord]
 ) -> list[Problem]:
+    shape = engine.shape
     problems: list[Problem] = []
     first = records[(0, 0)]
     for key, record in records.items():
@@ -274,9 +275,9 @@ def _consistency_problems(
                 Problem("contradictory", "dtype, head size or layout differs from rank (0, 0)", key)
             )
     expected_start = 0
-    for pp in range(engine.shape.pp_size):
+    for pp in range(shape.pp_size):
         stage = records[(pp, 0)].layers
-        for tp in range(engine.shape.tp_size):
+        for tp in range(shape.tp_size):
             if records[(pp, tp)].layers != stage:
                 problems.append(
                     Problem(
@@ -297,21 +298,20 @@ def _consistency_problems(
             )
         expected_start = stage.stop
         problems.extend(
-            _head_problems(
-                engine, pp, [records[(pp, tp)].kv_heads for tp in range(engine.shape.tp_size)]
-            )
+            _head_problems(engine, pp, [records[(pp, tp)].kv_heads for tp in range(shape.tp_size)])
         )
-    if expected_start != engine.shape.num_layers:
+    if expected_start != shape.num_layers:
         problems.append(
             Problem(
                 "layer_gap",
-                f"layers [{expected_start},{engine.shape.num_layers}) owned by no stage",
+                f"layers [{expected_start},{shape.num_layers}) owned by no stage",
             )
         )
     return problems
 
 
 def _head_problems(engine: EngineRecord, pp: int, ranges: list[Range]) -> list[Problem]:
+    shape = engine.shape
     holders: dict[Range, int] = {}
     for heads in ranges:
         holders[heads] = holders.get(heads, 0) + 1
@@ -322,15 +322,15 @@ def _head_problems(engine: EngineRecord, pp: int, ranges: list[Range]) -> list[P
                 Problem(
                     "head_coverage",
                     f"stage {pp}: KV-head ranges {sorted(str(r) for r in holders)} do not tile "
-                    f"[0,{engine.shape.num_kv_heads})",
+                    f"[0,{shape.num_kv_heads})",
                 )
             ]
         position = heads.stop
-    if position != engine.shape.num_kv_heads:
+    if position != shape.num_kv_heads:
         return [
             Problem(
                 "head_coverage",
-                f"stage {pp}: heads [{position},{engine.shape.num_kv_heads}) are held by no rank",
+                f"stage {pp}: heads [{position},{shape.num_kv_heads}) are held by no rank",
             )
         ]
     if len(set(holders.values())) != 1:

@@ -86,16 +86,13 @@ class RedisControlPlane(ControlPlane):
 
     async def register(self, spec: EngineSpec) -> EngineRecord:
         validate_identifier(spec.engine_id)
-        if (
-            spec.shape.pp_size < 1
-            or spec.shape.tp_size < 1
-            or spec.shape.num_layers < spec.shape.pp_size
-        ):
-            raise ValueError(f"invalid layout PP={spec.shape.pp_size} TP={spec.shape.tp_size}")
-        if spec.shape.pp_size > 1 and not spec.pp_aware:
+        shape = spec.shape
+        if shape.pp_size < 1 or shape.tp_size < 1 or shape.num_layers < shape.pp_size:
+            raise ValueError(f"invalid layout PP={shape.pp_size} TP={shape.tp_size}")
+        if shape.pp_size > 1 and not spec.pp_aware:
             raise PipelineParallelUnsupported(
                 f"engine {spec.engine_id} declares itself not PP-aware but asks for "
-                f"PP={spec.shape.pp_size}"
+                f"PP={shape.pp_size}"
             )
         counter = self.keys.generation_counter(spec.engine_id)
         now = _now_ms()
