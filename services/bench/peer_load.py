@@ -316,6 +316,13 @@ def figures(outcomes: Sequence[Outcome], window_s: float, slo: Slo) -> dict[str,
         "window_s": round(window_s, 3),
         "ttft_ms": percentiles_ms([o.ttft_s for o in done if o.ttft_s is not None]),
         "itl_ms": percentiles_ms(itls),
+        # pdserve streams the prefill's first token at once, so its first gap holds the KV
+        # handoff, which the peer's TTFT holds (vllm-router streams the decode server's tokens
+        # only): the second token and the gaps after it compare the same thing on both.
+        "second_token_ms": percentiles_ms(
+            [o.ttft_s + o.itls_s[0] for o in done if o.ttft_s is not None and o.itls_s]
+        ),
+        "later_itl_ms": percentiles_ms([gap for o in done for gap in o.itls_s[1:]]),
         "e2e_ms": percentiles_ms([o.e2e_s for o in done if o.e2e_s is not None]),
         "throughput_rps": round(len(done) / window_s, 3) if window_s > 0 else None,
         "output_tokens_per_s": round(tokens / window_s, 2) if window_s > 0 else None,

@@ -159,6 +159,9 @@ COMPARED = (
     "ttft_ms.p99",
     "itl_ms.p50",
     "itl_ms.p99",
+    "second_token_ms.p50",
+    "second_token_ms.p99",
+    "later_itl_ms.p99",
     "e2e_ms.p50",
     "e2e_ms.p99",
     "goodput_rps",
@@ -202,8 +205,8 @@ def table(stacks: Mapping[str, Mapping[str, Any]], agreement: Mapping[str, Any])
     """The figures as text lines: one row per stack and phase, then each stack's memory, KV
     transfers and output agreement."""
     head = (
-        "stack", "phase", "done", "ttft p50", "ttft p99", "itl p50", "itl p99", "e2e p50",
-        "e2e p99", "req/s", "goodput", "cpu ms/req",
+        "stack", "phase", "done", "ttft p50", "ttft p99", "itl p50", "itl p99", "2nd p50",
+        "2nd p99", "itl>2 p99", "e2e p50", "e2e p99", "req/s", "goodput", "cpu ms/req",
     )  # fmt: skip
     rows: list[tuple[str, ...]] = [head]
     notes: list[str] = []
@@ -215,7 +218,11 @@ def table(stacks: Mapping[str, Mapping[str, Any]], agreement: Mapping[str, Any])
             rows.append(
                 (
                     name, phase, f"{f['completed']}/{f['requests']}",
-                    *(_cell(f[k][p]) for k in _LATENCIES for p in ("p50", "p99")),
+                    *(_cell(f[k][p]) for k in _LATENCIES[:2] for p in ("p50", "p99")),
+                    _cell(f.get("second_token_ms", {}).get("p50")),
+                    _cell(f.get("second_token_ms", {}).get("p99")),
+                    _cell(f.get("later_itl_ms", {}).get("p99")),
+                    *(_cell(f["e2e_ms"][p]) for p in ("p50", "p99")),
                     _cell(f["throughput_rps"]), _cell(f["goodput_rps"]),
                     _cell(f["cpu_ms_per_request"]),
                 )

@@ -194,6 +194,9 @@ def test_figures_count_goodput_at_the_slos_and_latency_percentiles() -> None:
     assert phase["window_s"] == pytest.approx(0.91)
     assert phase["goodput_rps"] == pytest.approx(1 / 0.91, rel=1e-2)
     assert phase["ttft_ms"]["p50"] == 100.0 and phase["ttft_ms"]["p99"] == 900.0
+    # The second token (TTFT and the first gap, the KV handoff in pdserve), the gaps after it.
+    assert phase["second_token_ms"]["p50"] == 600.0 and phase["second_token_ms"]["count"] == 3
+    assert phase["later_itl_ms"] == {"p50": 10.0, "p90": 10.0, "p99": 10.0, "count": 1}
     assert phase["slo_attainment"] == 0.25
 
 
