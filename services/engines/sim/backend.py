@@ -188,11 +188,6 @@ class SimBackend(SyntheticEngine):
             )
         return self._kv_events
 
-    @property
-    def kv_event_publisher(self) -> KVEventPublisher | None:
-        """The bound publisher (``None``: events off or :meth:`describe` not called yet)."""
-        return self._kv_events
-
     def _publish_events(self) -> None:
         """One batch of the cache's changes since the last (none when nothing changed)."""
         if self.prefix_cache is None:
