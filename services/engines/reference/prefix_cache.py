@@ -1,7 +1,8 @@
 """The reference engine's prefix cache: full prompt blocks reused across requests.
 
 A block is keyed by the chained hash of the tokens up to its end (block ``i``'s key covers
-tokens ``0 .. (i + 1) * block_size``), so a hit on block ``i`` implies the whole prefix matches.
+tokens ``0 .. (i + 1) * block_size``: :mod:`services.kv_events.keys`, the router's keys), so a
+hit on block ``i`` implies the whole prefix matches.
 Only full blocks of a prompt are cached, once the prompt's KV has been computed (or pulled): a
 cached block is never written again (a request writes its new tokens after its prompt, into
 its own blocks). The cache holds one reference on every cached block (in the scheduler's
@@ -33,17 +34,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.kv_events.keys import block_keys as prefix_keys
 from services.kv_transfer.allocator import BlockAllocator
 
 
 def block_keys(tokens: Sequence[int], block_size: int, limit: int) -> list[int]:
-    """Chained keys of the full blocks among ``tokens[:limit]``."""
-    keys: list[int] = []
-    key = 0
-    for start in range(0, limit - block_size + 1, block_size):
-        key = hash((key, tuple(tokens[start : start + block_size])))
-        keys.append(key)
-    return keys
+    """Chained keys of the full blocks among ``tokens[:limit]``: pdserve's block keys
+    (:func:`services.kv_events.keys.block_keys`, rooted at 0, one model)."""
+    return prefix_keys(tokens[:limit], block_size, 0)
 
 
 class PrefixCache:
