@@ -20,6 +20,7 @@ from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
 from services.control_plane.wire import EngineRole
+from services.lifetime import end_process
 
 logger = logging.getLogger("pdserve")
 
@@ -130,10 +131,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _make_synthetic_checkpoint(args: argparse.Namespace) -> int:
     """Print the checkpoint's folder and the model name to serve it as (``pdserve router
     --tokenizer DIR --served-model-name NAME``)."""
@@ -148,3 +145,12 @@ def _make_synthetic_checkpoint(args: argparse.Namespace) -> int:
     )
     print(f"{path} {model.name}")
     return 0
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    if exit_code == 0:
+        # Done, and everything released (an engine host's clean stop ends there already): the
+        # interpreter's finalization would only free memory (services/lifetime/process_exit.py).
+        end_process(exit_code)
+    sys.exit(exit_code)
