@@ -1,18 +1,22 @@
-"""Reference-engine stacks shared by the end-to-end modules that only read from them (issue 34):
-each starts once per pytest process, on first use, and stops after the last item of those
-modules (:func:`pytest_runtest_teardown`), not at the process's end: idle, they would cost about
-a tenth of a core for the rest of the run (15 processes, each rank polling its NIXL agent).
+"""Reference-engine stacks shared by end-to-end modules (issue 34): each starts once per pytest
+process, on first use, and stops after the last item of the modules that share it
+(:func:`stop_after_group`), not at the process's end: idle, the PD stack would cost about a
+tenth of a core for the rest of the run (15 processes, each rank polling its NIXL agent).
 
-A module that uses one marks itself ``pytest.mark.xdist_group(SHARED_REFERENCE)``, so ``make
+A module that uses one marks itself with the stack's ``pytest.mark.xdist_group``, so ``make
 test``'s workers run every such module in the same process (one start), one after the other
-(``tests/conftest.py`` keeps a group's items together, serially too). A module that kills,
-stops or faults processes (``destructive``) starts a stack of its own instead.
+(``tests/conftest.py`` keeps a group's items together, serially too). The modules that only
+read share :data:`SHARED_REFERENCE`'s stacks; a module that kills, stops or faults processes
+(``destructive``) starts a stack of its own, except the failover and restart scenarios, which
+restore the whole stack before each one (:data:`FAULT_STACK`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -21,8 +25,14 @@ from tests.conftest import xdist_group_of
 from tests.e2e.up_system import UpSystem
 from tests.timing import shared_stacks_stop_here
 
+if TYPE_CHECKING:
+    from tests.e2e.test_failover_reference import Stack
+
 SHARED_REFERENCE = "shared-reference-stacks"
 """The ``xdist_group`` of the modules that use these stacks."""
+FAULT_STACK = "reference-fault-stack"
+"""The ``xdist_group`` of ``test_failover_reference`` and ``test_restart_reference``, which
+share :func:`shared_stack` (destructive, but each scenario starts from the whole stack)."""
 MODEL = "tiny-model"
 OTHER_MODEL = "tiny-qwen"
 """The shared PD stack's second base model (:func:`other_model_dir`)."""
@@ -39,41 +49,50 @@ OTHER_MODEL_SPEC = TinyModelSpec(
 model's engines (another compatibility hash), and its context is shorter."""
 
 
-_shared: list[UpSystem] = []
-"""The shared stacks this process started."""
-_group_ended = [False]
-"""Whether :data:`SHARED_REFERENCE`'s last item ran (and the shared stacks stopped)."""
+_stops: dict[str, list[Callable[[], None]]] = defaultdict(list)
+"""Per ``xdist_group``: how to stop the stacks started for it in this process."""
+_ended: set[str] = set()
+"""The groups whose last item ran (and whose stacks stopped)."""
+
+
+def stop_after_group(group: str, stop: Callable[[], None]) -> None:
+    """Call ``stop`` after the last item of ``group`` (its items run one after the other:
+    ``tests/conftest.py``), not when this process ends. ``stop`` must be idempotent: the
+    fixture's own tear-down calls it again at the end."""
+    _stops[group].append(stop)
 
 
 def started(work_dir: Path, model_dir: Path, *args: str, env: dict[str, str]) -> Iterator[UpSystem]:
     """``pdserve up`` of ``model_dir`` with ``args``, READY; stopped cleanly (exit status 0)
-    after the group's last item, or at the process's end (``stop`` is idempotent)."""
+    after the last item of :data:`SHARED_REFERENCE`."""
     up = UpSystem(work_dir, "--model", str(model_dir), *args, env=env, scrub_env=True)
-    _shared.append(up)
+
+    def stop() -> None:
+        assert up.stop() == 0, up.output()
+
+    stop_after_group(SHARED_REFERENCE, stop)
     try:
         yield up.wait_ready()
     finally:
-        assert up.stop() == 0, up.output()
+        stop()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A shared stack is not asked for after its group ended (the items of a group run one
-    after the other: see the module docstring); fails loudly rather than hand out a stopped
-    stack."""
-    if _group_ended[0] and xdist_group_of(item) == SHARED_REFERENCE:
-        pytest.fail(f"{item.nodeid}: the shared stacks stopped after their group's last item")
+    """A group's stacks are not asked for after the group ended (see
+    :func:`stop_after_group`); fails loudly rather than hand out a stopped stack."""
+    if xdist_group_of(item) in _ended:
+        pytest.fail(f"{item.nodeid}: its group's stacks stopped after the group's last item")
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After the last item of :data:`SHARED_REFERENCE`, stop the shared stacks."""
-    if xdist_group_of(item) != SHARED_REFERENCE:
+    """After the last item of a group that started stacks here, stop them."""
+    group = xdist_group_of(item)
+    if group not in _stops or (nextitem is not None and xdist_group_of(nextitem) == group):
         return
-    if nextitem is not None and xdist_group_of(nextitem) == SHARED_REFERENCE:
-        return
-    _group_ended[0] = True
+    _ended.add(group)
     shared_stacks_stop_here()
-    for up in _shared:
-        assert up.stop() == 0, up.output()
+    for stop in _stops.pop(group):
+        stop()
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +144,28 @@ def reference_colocated(
     yield from started(
         tmp_path_factory.mktemp("shared-reference-colocated"), tiny_model_dir, "--colocated", env={}
     )
+
+
+@pytest.fixture(scope="session")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The failover and restart scenarios' stack (:data:`FAULT_STACK`): two prefill and two
+    decode engines of the tiny checkpoint, a killed one restarted half a second later, with the
+    fault-free run's texts. Each scenario waits for it whole first
+    (``test_failover_reference.stack``), so they pass in any order; stopped after the group's
+    last item."""
+    from tests.e2e.test_failover_reference import started_stack  # noqa: PLC0415 - its helpers
+
+    stacks = started_stack(
+        tmp_path_factory, "up-failover", "--prefill-replicas", "2", "--decode-replicas", "2",
+        "--restart-backoff-s", "0.5",
+    )  # fmt: skip
+    stack = next(stacks)
+
+    def stop() -> None:
+        stack.up.stop()
+
+    stop_after_group(FAULT_STACK, stop)
+    try:
+        yield stack
+    finally:
+        stacks.close()  # stops it, if the group's end has not

@@ -7,7 +7,9 @@ forked from one prefill and one transfer, each choice continuing alone when its 
 unbroken run's text.
 
 Each scenario starts from the whole stack, whatever ran before it (:func:`whole`: ``pdserve up``
-restarts an engine a scenario killed, and the scenario waits for it), so they pass in any order:
+restarts an engine a scenario killed, and the scenario waits for it), so they pass in any order,
+and ``test_restart_reference``'s scenarios share the stack (``shared_stack``,
+tests/e2e/conftest.py):
 
 0. a fault-free run gives the reference texts (the stack's first run, made when it started) again;
 1. decode-0's rank stopped (SIGSTOP) past the router's idle bound mid-stream: its requests move
@@ -40,10 +42,16 @@ import openai
 import pytest
 
 from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.conftest import FAULT_STACK
 from tests.e2e.faults.probes import load_of, metric, rank_pids
 from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.destructive,
+    pytest.mark.slow,
+    pytest.mark.xdist_group(FAULT_STACK),
+]
 
 MODEL = "tiny-model"
 REQUEST_BOUND_S = 120.0
@@ -260,18 +268,11 @@ def started_stack(
         up.stop()
 
 
-@pytest.fixture(scope="module")
-def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Two prefill and two decode engines; a killed one is restarted half a second later."""
-    yield from started_stack(
-        tmp_path_factory, "up-failover", "--prefill-replicas", "2", "--decode-replicas", "2",
-        "--restart-backoff-s", "0.5",
-    )  # fmt: skip
-
-
 @pytest.fixture
 async def stack(shared_stack: Stack) -> Stack:
-    """The shared stack, whole (see :func:`whole`)."""
+    """The stack this module shares with ``test_restart_reference`` (``shared_stack``,
+    tests/e2e/conftest.py: two prefill and two decode engines, a killed one restarted half a
+    second later), whole (see :func:`whole`)."""
     await whole(shared_stack)
     return shared_stack
 

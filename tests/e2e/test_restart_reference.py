@@ -26,12 +26,14 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from services.serving.ready import pdserve_argv
 from tests.e2e import test_failover_reference as failover
+from tests.e2e.conftest import FAULT_STACK
 from tests.e2e.faults.probes import metric
 from tests.e2e.test_failover_reference import (
     ENGINES,
@@ -47,12 +49,17 @@ from tests.e2e.test_failover_reference import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.destructive, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.destructive,
+    pytest.mark.slow,
+    pytest.mark.xdist_group(FAULT_STACK),
+]
 
 
-# The stack of test_failover_reference, a private one for this module (module scope): two prefill
-# and two decode engines, a killed one restarted; ``stack`` waits until it is whole.
-shared_stack = failover.shared_stack
+# The stack this module shares with test_failover_reference (``shared_stack``,
+# tests/e2e/conftest.py): two prefill and two decode engines, a killed one restarted; ``stack``
+# waits until it is whole.
 stack = failover.stack
 
 
@@ -98,9 +105,19 @@ def served(stack: Stack, engine: str) -> float:
     return metric(url, "pdserve_engine_requests_total", rpc=rpc, outcome="ok")
 
 
+@dataclass
+class Replaced:
+    load: Load
+    output: str
+    """What ``pdserve up`` printed from the kill on (the stack is shared: earlier scenarios'
+    restarts are in its output before that)."""
+    restart: int
+    """The engine's restart count once it came back."""
+
+
 async def replaced_under_load(
     stack: Stack, engine: str, kill: Callable[[], int], *, mid_stream: bool = False
-) -> Load:
+) -> Replaced:
     """Kill the pid ``kill`` returns (a process of ``engine``) under load, once ``engine`` is
     chosen again (``mid_stream``: once a stream on it has chunks); wait until ``engine`` runs
     again at a new generation and served its role's calls; nothing lost."""
@@ -113,6 +130,7 @@ async def replaced_under_load(
         await wait_for(lambda: stack.closed(engine), f"{engine} chosen")
         if mid_stream:
             await streaming_on(load, engine)
+        printed = len(stack.up.output())
         os.kill(kill(), signal.SIGKILL)
         await wait_long(lambda: restarted(stack, engine, restarts + 1), f"{engine} restarted")
         after = stack.engine(engine)
@@ -124,7 +142,7 @@ async def replaced_under_load(
     entry = status_of(stack, engine)
     assert (entry["state"], entry["generation"]) == ("ready", after["generation"])
     await pools_full(stack, *ENGINES)
-    return load
+    return Replaced(load, stack.up.output()[printed:], restarts + 1)
 
 
 async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> None:
@@ -132,24 +150,27 @@ async def test_0_a_fault_free_run_gives_the_reference_texts(stack: Stack) -> Non
 
 
 async def test_1_a_killed_prefill_host_is_restarted_with_a_new_generation(stack: Stack) -> None:
-    await replaced_under_load(stack, "prefill-0", lambda: int(stack.engine("prefill-0")["pid"]))
-    assert "prefill-0 restarted (restart 1" in stack.up.output()
+    replaced = await replaced_under_load(
+        stack, "prefill-0", lambda: int(stack.engine("prefill-0")["pid"])
+    )
+    assert f"prefill-0 restarted (restart {replaced.restart}," in replaced.output
 
 
 async def test_2_a_killed_prefill_rank_ends_its_host_which_is_restarted(stack: Stack) -> None:
-    await replaced_under_load(stack, "prefill-1", lambda: stack.rank("prefill-1"))
-    output = stack.up.output()
-    assert "prefill-1 exited with status 1" in output  # the host noticed its rank and stopped
-    assert "prefill-1 restarted (restart 1" in output
+    replaced = await replaced_under_load(stack, "prefill-1", lambda: stack.rank("prefill-1"))
+    # The host noticed its rank and stopped.
+    assert "prefill-1 exited with status 1" in replaced.output
+    assert f"prefill-1 restarted (restart {replaced.restart}," in replaced.output
 
 
 async def test_3_a_killed_decode_host_mid_stream_migrates_and_is_restarted(stack: Stack) -> None:
     """decode-0's host dies with streams on it: they continue on decode-1 (migrated, counted),
     none fails; decode-0 comes back at a new generation and decodes again."""
     migrations = stack.router("pdserve_router_migrations_total")
-    load = await replaced_under_load(
+    replaced = await replaced_under_load(
         stack, "decode-0", lambda: int(stack.engine("decode-0")["pid"]), mid_stream=True
     )
-    assert [o for o in load.outcomes if o.decode_engine == "decode-0"], "none on decode-0"
+    on_it = [o for o in replaced.load.outcomes if o.decode_engine == "decode-0"]
+    assert on_it, "none on decode-0"
     assert stack.router("pdserve_router_migrations_total") > migrations
-    assert "decode-0 restarted (restart 1" in stack.up.output()
+    assert f"decode-0 restarted (restart {replaced.restart}," in replaced.output
