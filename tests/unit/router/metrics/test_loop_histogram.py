@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from services.router.metrics import LoopHistogram, RouterMetrics
+from services.router.metrics import RouterMetrics
+from services.router.metrics.kinds import LoopHistogram
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.01, 1, 2.5, 60)
 
