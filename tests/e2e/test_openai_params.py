@@ -246,9 +246,14 @@ def test_n_forks_from_one_prefill_and_one_kv_transfer(
         _texts(client, stream, n=3, temperature=0, **common)  # as vLLM's server
     pulls = _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count")
     forked = pd.metric("pdserve_router_choices_total", path="forked")
+    paths = pd.metric("pdserve_router_execution_path_total", path="forked")
+    ttfts = pd.metric("pdserve_router_ttft_seconds_count", path="forked")
     seeded = _texts(client, stream, n=3, temperature=1.0, seed=11, **common)
     assert _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count") == pulls + 1
     assert pd.metric("pdserve_router_choices_total", path="forked") == forked + 1
+    # Each choice counted and its first token timed, as a single request's (docs/metrics.md).
+    assert pd.metric("pdserve_router_execution_path_total", path="forked") == paths + 3
+    assert pd.metric("pdserve_router_ttft_seconds_count", path="forked") == ttfts + 3
     assert _texts(client, stream, n=3, temperature=1.0, seed=11, **common) == seeded
     assert len(set(seeded)) > 1
     # Choice i samples as a request seeded with seed + i (vLLM's rule, and the per-choice path).

@@ -368,10 +368,10 @@ class Executor:
                     result.prompt_logprobs,
                 )
             if not continuing:
-                if forked is None:
-                    self._metrics.execution_path_by(str(info.path)).inc()
-                    ttft_s = time.perf_counter() - request.arrival_s
-                    self._metrics.ttft_by(str(info.path)).observe(ttft_s)
+                # Per choice, forked or not: vLLM's TTFT observes each of a request's n.
+                self._metrics.execution_path_by(str(info.path)).inc()
+                ttft_s = time.perf_counter() - request.arrival_s
+                self._metrics.ttft_by(str(info.path)).observe(ttft_s)
                 info.cached_tokens = result.usage.cached_tokens
                 info.cache_write_tokens = result.usage.cache_write_tokens
             if first.finish_reason is not None or result.kv_handle is None:

@@ -60,8 +60,9 @@ class RouterMetrics(Metrics):
         self.execution_path = Counter(
             "pdserve_router_execution_path_total",
             "Requests by how they ran: disaggregated (prefill then decode engine), local "
-            "(the decode engine prefilled itself) or retried (disaggregated after a failed "
-            "prefill attempt).",
+            "(the decode engine prefilled itself), retried (disaggregated after a failed "
+            "prefill attempt) or forked (one prefill and one KV transfer for every choice of "
+            "the prompt, forked on the decode engine); a request with n > 1 counts each choice.",
             ["path"],
             registry=r,
         )
@@ -130,7 +131,8 @@ class RouterMetrics(Metrics):
         )
         self.ttft = self._loop_histogram(
             "pdserve_router_ttft_seconds",
-            "Request arrival to its first token, by execution path.",
+            "Request arrival to its first token, by execution path (each choice of a request "
+            "with n > 1).",
             _LATENCY_BUCKETS,
             ["path"],
         )

@@ -89,6 +89,19 @@ async def test_n_choices_stream_from_one_forked_decode(factory: FakeFactory) -> 
     assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
 
 
+async def test_each_forked_choice_counts_its_path_and_first_token(factory: FakeFactory) -> None:
+    """As a single request's, once per choice (vLLM's TTFT observes each of a request's n);
+    the prompt is counted once in ``pdserve_router_choices_total``."""
+    rt = pair(factory)
+    reply = await completion(rt, n=3, max_tokens=4)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-pdserve-execution-path"] == "forked"
+    assert sample(rt, "pdserve_router_execution_path_total", path="forked") == 3
+    assert sample(rt, "pdserve_router_ttft_seconds_count", path="forked") == 3
+    assert sample(rt, "pdserve_router_execution_path_total", path="disaggregated") == 0
+    assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
+
+
 async def test_a_pair_that_cannot_fork_runs_a_request_per_choice(factory: FakeFactory) -> None:
     rt = pair(factory, kind="vllm")
     reply = await completion(rt, n=3, max_tokens=4)
