@@ -3,15 +3,19 @@
 A component's metrics are a class whose families live in one ``CollectorRegistry``: the one it
 is given (a process shares one; tests pass a fresh one) or its own. :class:`Metrics` holds that
 registry and declares families into it, so a family is its name, help, labels and buckets and
-nothing else. Names follow ``pdserve_<component>_<what>_<unit>`` (docs/metrics.md is the
-contract). No import from the rest of ``services``.
+nothing else; a family of a component's own kind (a ``Collector`` read at scrape time, a
+lock-free histogram) goes into the same registry through :meth:`Metrics.collector`. Names
+follow ``pdserve_<component>_<what>_<unit>`` (docs/metrics.md is the contract).
+No import from the rest of ``services``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_S = (
     0.0005,
@@ -31,6 +35,8 @@ LATENCY_BUCKETS_S = (
     30.0,
 )
 """Seconds, half a millisecond to 30 s: a KV read, a request's phase."""
+
+C = TypeVar("C", bound=Collector)
 
 
 class Metrics:
@@ -54,6 +60,11 @@ class Metrics:
         buckets: Sequence[float],
     ) -> Histogram:
         return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def collector(self, collector: C) -> C:
+        """Register ``collector``, a family of the component's own kind, and return it."""
+        self.registry.register(collector)
+        return collector
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's value in this registry (0 when never set): for tests and benchmarks."""

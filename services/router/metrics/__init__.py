@@ -1,7 +1,8 @@
 """Prometheus metrics of the router (docs/metrics.md, "Router", is the contract).
 
 Created per instance with an injectable ``CollectorRegistry``: tests pass a fresh one. The
-families are declared here; the kinds of metric the request path and the scrape read
+families are declared here, on :class:`services.metrics.Metrics` as every component's are
+(its own kinds through ``collector``); the kinds of metric the request path and the scrape read
 (:class:`~services.router.metrics.kinds.LoopHistogram` and the rest) are
 :mod:`services.router.metrics.kinds`'.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from services.metrics import LATENCY_BUCKETS_S, Metrics
 from services.router.metrics.kinds import Children, CircuitGauge, InflightGauge, LoopHistogram
@@ -50,121 +51,111 @@ class RouterMetrics(Metrics):
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         super().__init__(registry)
-        r = self.registry
-        self.requests = Counter(
+        self.requests = self.counter(
             "pdserve_router_requests_total",
             "Requests answered, by endpoint and outcome (ok or the error code).",
             ["endpoint", "outcome"],
-            registry=r,
         )
-        self.execution_path = Counter(
+        self.execution_path = self.counter(
             "pdserve_router_execution_path_total",
             "Requests by how they ran: disaggregated (prefill then decode engine), local "
             "(the decode engine prefilled itself), retried (disaggregated after a failed "
             "prefill attempt) or forked (one prefill and one KV transfer for every choice of "
             "the prompt, forked on the decode engine); a request with n > 1 counts each choice.",
             ["path"],
-            registry=r,
         )
-        self.choices = Counter(
+        self.choices = self.counter(
             "pdserve_router_choices_total",
             "Prompts with several choices (n > 1), by how their choices ran: forked (one "
             "prefill and one KV transfer, forked on the decode engine) or per_choice (a "
             "request per choice: an engine that cannot fork, or local execution).",
             ["path"],
-            registry=r,
         )
-        self.fallbacks = Counter(
+        self.fallbacks = self.counter(
             "pdserve_router_fallbacks_total",
             "Requests that ran differently from the plan, by reason (no_prefill_engine, "
             "prefill_circuit_open, prefill_failed, kv_handoff_failed: the decode engine could "
             "not get the KV of any prefill engine left).",
             ["reason"],
-            registry=r,
         )
         # Exported at 0 from the start: the first fallback is then an increase that rate(),
         # increase() and the PdserveRouterFallbacks alert see (a series born at 1 is not).
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason=reason)
-        self.ignored_fields = Counter(
+        self.ignored_fields = self.counter(
             "pdserve_router_ignored_fields_total",
             "Request fields the router ignored because vLLM's server does not know them "
             f"either, by field (the first {IGNORED_FIELD_LABELS} names seen; later ones as "
             "other).",
             ["field"],
-            registry=r,
         )
         self._ignored_names: set[str] = set()
-        self.trace_context_dropped = Counter(
+        self.trace_context_dropped = self.counter(
             "pdserve_router_trace_context_dropped_total",
             "W3C trace context headers of requests that were not valid and were not sent on "
             "to the engines, by header (traceparent: the request went on without a trace "
             "context; tracestate: without its tracestate).",
             ["header"],
-            registry=r,
         )
         for header in TRACE_HEADERS:
             self.trace_context_dropped.labels(header=header)
-        self.prefill_retries = Counter(
+        self.prefill_retries = self.counter(
             "pdserve_router_prefill_retries_total",
             "Prefill attempts that failed and were retried on another engine, by phase "
             "(connect, prefill: the Prefill call; kv_wait: the producer was gone before the "
             "decode engine pulled; kv_pull: the pull itself failed) and reason (the error code).",
             ["phase", "reason"],
-            registry=r,
         )
-        self.engine_timeouts = Counter(
+        self.engine_timeouts = self.counter(
             "pdserve_router_engine_timeouts_total",
             "Engine calls the router stopped waiting for, by call (prefill, decode) and bound: "
             "deadline (the whole call outlived prefill_timeout_s or decode_timeout_s) or idle "
             "(no decode delta within decode_idle_timeout_s).",
             ["call", "bound"],
-            registry=r,
         )
-        self.aborts = Counter(
+        self.aborts = self.counter(
             "pdserve_router_aborts_total",
             "Abort calls the router sent for a timed-out or orphaned request, by engine role "
             "and outcome: found, unknown (the engine no longer had it) or failed (the engine "
             "did not answer; its own cancellation or KV lease cleans up).",
             ["role", "outcome"],
-            registry=r,
         )
         self.ttft = self._loop_histogram(
             "pdserve_router_ttft_seconds",
             "Request arrival to its first token, by execution path (each choice of a request "
             "with n > 1).",
-            _LATENCY_BUCKETS,
             ["path"],
+            buckets=_LATENCY_BUCKETS,
         )
         self.ttft_phase = self._loop_histogram(
             "pdserve_router_ttft_phase_seconds",
             "Parts of a disaggregated request's first tokens: prefill (the Prefill call), "
             "handoff (KV transfer reported by the decode engine), first_decode_token (the "
             "rest of the wait for the decode engine's first token).",
-            _LATENCY_BUCKETS,
             ["phase"],
+            buckets=_LATENCY_BUCKETS,
         )
         self.itl = self._loop_histogram(
             "pdserve_router_itl_seconds",
             "Time between two token deltas of one streamed request (a non-streamed one's "
             "decode answers in one message: no gaps).",
-            _LATENCY_BUCKETS,
+            buckets=_LATENCY_BUCKETS,
         )
         self.e2e = self._loop_histogram(
             "pdserve_router_e2e_latency_seconds",
             "Request arrival to its last byte, by endpoint.",
-            _LATENCY_BUCKETS,
             ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
         )
         self.queue_time = self._loop_histogram(
             "pdserve_router_queue_time_seconds",
             "Request arrival to its first engine call (parsing, tokenizing, scheduling).",
-            _LATENCY_BUCKETS,
+            buckets=_LATENCY_BUCKETS,
         )
         self.overhead = self._loop_histogram(
             "pdserve_router_overhead_seconds",
             "Router time of a request excluding the time spent waiting on engine calls.",
-            _OVERHEAD_BUCKETS,
+            buckets=_OVERHEAD_BUCKETS,
         )
         # Per request, so ``_sum`` over ``_count`` is an interval's mean length (the planner's
         # input and output lengths) and ``_sum`` alone the token rate.
@@ -172,194 +163,170 @@ class RouterMetrics(Metrics):
             "pdserve_router_request_prompt_tokens",
             "Prompt tokens of each request that reached an engine (every prompt of a batch, "
             "once per prompt).",
-            _TOKEN_BUCKETS,
+            buckets=_TOKEN_BUCKETS,
         )
         self.generation_tokens = self._loop_histogram(
             "pdserve_router_request_generation_tokens",
             "Tokens generated for each request that reached an engine (every choice; a "
             "request that failed mid-stream counts what it had generated).",
-            _TOKEN_BUCKETS,
+            buckets=_TOKEN_BUCKETS,
         )
         # Per served base model: the ``model`` label is a name the router serves (its front
         # ends), never a request's text; a name no model serves is answered (404) by the
         # first model's front end and counted under it.
-        self.model_requests = Counter(
+        self.model_requests = self.counter(
             "pdserve_router_model_requests_total",
             "Generation requests answered, by served base model and outcome (as "
             "pdserve_router_requests_total).",
             ["model", "outcome"],
-            registry=r,
         )
-        self.model_prompt_tokens = Counter(
+        self.model_prompt_tokens = self.counter(
             "pdserve_router_model_prompt_tokens_total",
             "Prompt tokens of the requests that reached an engine, by served base model.",
             ["model"],
-            registry=r,
         )
-        self.model_generation_tokens = Counter(
+        self.model_generation_tokens = self.counter(
             "pdserve_router_model_generation_tokens_total",
             "Tokens generated, by served base model.",
             ["model"],
-            registry=r,
         )
         self.model_e2e = self._loop_histogram(
             "pdserve_router_model_e2e_latency_seconds",
             "Generation request arrival to its last byte, by served base model.",
-            _LATENCY_BUCKETS,
             ["model"],
+            buckets=_LATENCY_BUCKETS,
         )
-        self.engine_inflight = InflightGauge()
-        r.register(self.engine_inflight)
-        self.engine_load = Gauge(
+        self.engine_inflight = self.collector(InflightGauge())
+        self.engine_load = self.gauge(
             "pdserve_router_engine_load",
             "Load each engine last reported through the control plane.",
             ["engine", "role", "kind"],
-            registry=r,
         )
-        self.ready_engines = Gauge(
+        self.ready_engines = self.gauge(
             "pdserve_router_ready_engines",
             "READY engines the router can use, by role.",
             ["role"],
-            registry=r,
         )
-        self.migrations = Counter(
+        self.migrations = self.counter(
             "pdserve_router_migrations_total",
             "Requests whose decode continued on another engine pair after tokens had gone "
             "out (prompt plus the tokens so far re-prefilled), by reason (the decode error "
             "code).",
             ["reason"],
-            registry=r,
         )
-        self.circuit_trips = Counter(
+        self.circuit_trips = self.counter(
             "pdserve_router_circuit_trips_total",
             "Circuit breakers opened: an engine's call failed through the engine's fault and "
             "the router stopped choosing it, by engine and role.",
             ["engine", "role"],
-            registry=r,
         )
-        self.circuit_state = CircuitGauge()
-        r.register(self.circuit_state)
-        self.control_plane_unreachable = Gauge(
+        self.circuit_state = self.collector(CircuitGauge())
+        self.control_plane_unreachable = self.gauge(
             "pdserve_router_control_plane_unreachable_seconds",
             "Seconds since this router last followed the control plane (0 while it does): how "
             "stale its view of the engines may be; it serves from that view meanwhile.",
-            registry=r,
         )
-        self.holdovers = Counter(
+        self.holdovers = self.counter(
             "pdserve_router_engine_holdovers_total",
             "Engines kept after a control-plane outage although Redis, back, no longer listed "
             "them READY (held), and how each hold ended: confirmed (Redis listed the same "
             "generation READY again), replaced (its new generation READY), failed (a call "
             "failed), expired (not READY again within the holdover).",
             ["outcome"],
-            registry=r,
         )
         for outcome in HOLDOVER_OUTCOMES:
             self.holdovers.labels(outcome=outcome)
-        self.engine_grpc_client = Gauge(
+        self.engine_grpc_client = self.gauge(
             "pdserve_router_engine_grpc_client",
             "The gRPC client of the router's engine calls: 1 for the one in use (h2: "
             "pdserve's own; grpcio: grpc.aio).",
             ["client"],
-            registry=r,
         )
-        self.engine_protocol_errors = Counter(
+        self.engine_protocol_errors = self.counter(
             "pdserve_router_engine_protocol_errors_total",
             "Breaches of HTTP/2 or gRPC's framing by engines, met by the router's h2 gRPC "
             "client, by kind (each closed the connection or failed its call).",
             ["error"],
-            registry=r,
         )
-        self.engine_call_retries = Counter(
+        self.engine_call_retries = self.counter(
             "pdserve_router_engine_call_retries_total",
             "Engine calls the router's h2 gRPC client sent a second time, on a fresh "
             "connection, because the engine never processed the first (reason: "
             "refused_stream, goaway).",
             ["reason"],
-            registry=r,
         )
-        self.placement_decisions = Counter(
+        self.placement_decisions = self.counter(
             "pdserve_router_placement_decisions_total",
             "Engine choices, by pool (prefill, decode, local) and reason: what decided it "
             "(docs/router.md, Placement).",
             ["pool", "reason"],
-            registry=r,
         )
-        self.lora_loads = Counter(
+        self.lora_loads = self.counter(
             "pdserve_router_lora_loads_total",
             "LoRA adapter loads onto engines, by pool (prefill, decode, local; api: "
             "/v1/load_lora_adapter or --lora-modules, one per engine) and outcome (ok, "
             "failed); a request placed on an engine that does not hold its adapter counts "
             "one (the engine loads it first: docs/router.md, LoRA adapters).",
             ["pool", "outcome"],
-            registry=r,
         )
-        self.lora_evictions = Counter(
+        self.lora_evictions = self.counter(
             "pdserve_router_lora_evictions_total",
             "LoRA adapters an engine stopped holding without an unload through the router "
             "(its LRU made room for another), by engine role.",
             ["role"],
-            registry=r,
         )
         self.cached_tokens = self._loop_histogram(
             "pdserve_router_cached_tokens",
             "Prompt tokens the chosen engine holds per request, by pool, as the router's "
             "cache view (KV events or its own routing history) says at placement.",
-            _CACHED_TOKEN_BUCKETS,
             ["pool"],
+            buckets=_CACHED_TOKEN_BUCKETS,
         )
         self.kv_blocks_moved = self._loop_histogram(
             "pdserve_router_kv_blocks_moved",
             "Prompt blocks a disaggregated request's decode engine lacks at placement (the "
             "blocks its KV transfer moves; times the engine's block bytes for bytes).",
-            _BLOCK_BUCKETS,
+            buckets=_BLOCK_BUCKETS,
         )
         self.kv_bytes_moved = self._loop_histogram(
             "pdserve_router_kv_bytes_moved",
             "KV bytes a disaggregated request's transfer moves, as placed: the blocks its "
             "decode engine lacks times the engine's block bytes (engines that publish them).",
-            _KV_BYTE_BUCKETS,
+            buckets=_KV_BYTE_BUCKETS,
         )
-        self.kv_events_received = Counter(
+        self.kv_events_received = self.counter(
             "pdserve_router_kv_events_received_total",
             "KV-event batches applied to the router's index (every engine together).",
-            registry=r,
         )
-        self.kv_events_dropped = Counter(
+        self.kv_events_dropped = self.counter(
             "pdserve_router_kv_events_dropped_total",
             "KV-event messages or events not applied, by reason.",
             ["reason"],
-            registry=r,
         )
-        self.kv_parents_adopted = Counter(
+        self.kv_parents_adopted = self.counter(
             "pdserve_router_kv_parents_adopted_total",
             "Stored blocks whose parent the KV-event index had never seen (cached before this "
             "router subscribed), found in a prompt this router sent the engine.",
-            registry=r,
         )
-        self.kv_events_stale = Counter(
+        self.kv_events_stale = self.counter(
             "pdserve_router_kv_events_stale_total",
             "Engines whose KV-event stream became incomplete (placed by load only until it "
             "resumes), by reason.",
             ["reason"],
-            registry=r,
         )
-        self.kv_events_stale_engines = Gauge(
+        self.kv_events_stale_engines = self.gauge(
             "pdserve_router_kv_events_stale_engines",
             "Engines publishing KV events whose stream is incomplete now.",
-            registry=r,
         )
-        self.kv_index_blocks = Gauge(
+        self.kv_index_blocks = self.gauge(
             "pdserve_router_kv_index_blocks",
             "Blocks in the router's KV-event index, every engine together.",
-            registry=r,
         )
-        self.kv_index_evictions = Counter(
+        self.kv_index_evictions = self.counter(
             "pdserve_router_kv_index_evictions_total",
             "Index entries forgotten to stay within a bound (engine: max_blocks_per_engine; "
             "total: max_blocks_total).",
             ["bound"],
-            registry=r,
         )
         # The request path's children (see Children).
         self.requests_by = Children(self.requests)
@@ -411,9 +378,10 @@ class RouterMetrics(Metrics):
         self,
         name: str,
         documentation: str,
+        labels: Sequence[str] = (),
+        *,
         buckets: Sequence[float],
-        labelnames: Sequence[str] = (),
     ) -> LoopHistogram:
-        histogram = LoopHistogram(name, documentation, buckets, labelnames)
-        self.registry.register(histogram)
-        return histogram
+        """A histogram the request path observes (see :class:`LoopHistogram`), declared as
+        :meth:`~services.metrics.Metrics.histogram` declares ``prometheus_client``'s."""
+        return self.collector(LoopHistogram(name, documentation, buckets, labels))
