@@ -81,7 +81,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """A group's stacks are not asked for after the group ended (see
     :func:`stop_after_group`); fails loudly rather than hand out a stopped stack."""
     if xdist_group_of(item) in _ended:
-        pytest.fail(f"{item.nodeid}: its group's stacks stopped after the group's last item")
+        pytest.fail(
+            f"{item.nodeid}: its group's stacks stopped after the group's last item (a group's "
+            "items run one after the other serially and with --dist loadgroup, as make test "
+            "runs; not with another --dist)"
+        )
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
