@@ -620,6 +620,9 @@ class TestPushPrefillPP2:
         # engine exports none of its own, and the dashboards' sums count each push once.
         assert engine_metric(system, "decode-0", count) == 0
         assert engine_metric(system, "decode-0", "pdserve_kv_transfer_bytes_total") == 0
+        # The decode reports each request's handoff (Decode's arrival to the WRITE's
+        # notification seen), so the router's handoff phase is no longer all zeros.
+        assert system.metric("pdserve_router_ttft_phase_seconds_sum", phase="handoff") > 0
 
     def test_streamed_chat_and_concurrent_requests(
         self,
@@ -830,6 +833,8 @@ class TestPullPP1:
             own = engine_metric(system, engine, count, consumer_engine=engine)
             assert own == engine_metric(system, engine, count)
             assert engine_metric(system, engine, "pdserve_kv_transfer_failures_total") == 0
+        # The decodes report each request's handoff (Decode's arrival to its READ done).
+        assert system.metric("pdserve_router_ttft_phase_seconds_sum", phase="handoff") > 0
 
     def test_every_workers_threads_run_on_its_engines_cores(self, system: UpSystem) -> None:
         """vLLM's NIXL worker pins the thread that runs the forward pass to the machine's last

@@ -31,7 +31,7 @@ from services.engines.vllm.layouts import (
     VllmLayout,
     parse_layer_partition,
 )
-from services.engines.vllm.transfer_metrics import release_stat_key
+from services.engines.vllm.transfer_metrics import KV_IN_PLACE_KEY, release_stat_key
 from services.topology import ModelShape
 
 if TYPE_CHECKING:
@@ -133,24 +133,29 @@ class ControlPlaneClient:
 
 
 _RELEASE_KEYS = tuple(release_stat_key(reason) for reason in RELEASE_REASONS)
+_PDSERVE_KEYS = (*_RELEASE_KEYS, KV_IN_PLACE_KEY)
 
 
 class PdserveNixlStats(NixlKVConnectorStats):
     """vLLM's NIXL transfer stats plus pdserve's releases (a request's producer blocks freed at
     once because no consumer will read them), one list per reason like vLLM's failure counts,
-    so they travel the same way: workers and the scheduler -> EngineCore's aggregate -> the
-    engine service's stat loggers (:mod:`~services.engines.vllm.transfer_metrics`)."""
+    and a consumer's KV-in-place stamps (:data:`KV_IN_PLACE_KEY`), so they travel the same way:
+    workers and the scheduler -> EngineCore's aggregate -> the engine service's stat loggers
+    (:mod:`~services.engines.vllm.transfer_metrics`)."""
 
     def reset(self) -> None:
         super().reset()
-        for key in _RELEASE_KEYS:
+        for key in _PDSERVE_KEYS:
             self.data[key] = []
 
     def record_release(self, reason: str) -> None:
         self.data[release_stat_key(reason)].append(1)
 
+    def record_kv_in_place(self, request_id: str, at: float) -> None:
+        self.data[KV_IN_PLACE_KEY].append([request_id, at])
+
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(key) for key in _RELEASE_KEYS)
+        return super().is_empty() and not any(self.data.get(key) for key in _PDSERVE_KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         # Tolerates either side lacking pdserve's keys (vLLM's own class, an older peer).

@@ -6,6 +6,7 @@ clipped to the producer's. Imports vLLM: loaded by :mod:`._connector_impl`."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -157,7 +158,25 @@ class ReceiveNothingOnFullHit:
         return count, load_async
 
 
-class PushScheduler(ReceiveNothingOnFullHit, SchedulerHandshake, NixlPushConnectorScheduler):
+class StampKVInPlace:
+    """Consumer-side mixin: when vLLM's workers report a request's KV received (push: the
+    producer's WRITE notification seen on every rank; pull: every rank's READ done), the wall
+    clock then goes into pdserve's stats (:meth:`PdserveNixlStats.record_kv_in_place`); vLLM
+    collects them in the same step, before the request can be scheduled, so the decode
+    backend holds the stamp before the request's first token (:mod:`.transfer_metrics`)."""
+
+    pdserve_stats: PdserveNixlStats
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        at = time.time()
+        for request_id in connector_output.finished_recving or ():
+            self.pdserve_stats.record_kv_in_place(request_id, at)
+        super().update_connector_output(connector_output)  # type: ignore[misc]
+
+
+class PushScheduler(
+    StampKVInPlace, ReceiveNothingOnFullHit, SchedulerHandshake, NixlPushConnectorScheduler
+):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM's push registration without the consumer's blocks past the producer's
         (:func:`~services.engines.vllm.contracts.clip_to_producer`): otherwise a prompt that
@@ -206,7 +225,9 @@ class PushScheduler(ReceiveNothingOnFullHit, SchedulerHandshake, NixlPushConnect
         )
 
 
-class PullScheduler(ReceiveNothingOnFullHit, SchedulerHandshake, NixlPullConnectorScheduler):
+class PullScheduler(
+    StampKVInPlace, ReceiveNothingOnFullHit, SchedulerHandshake, NixlPullConnectorScheduler
+):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM's pending read without the consumer's blocks past the producer's (see
         :class:`PushScheduler`; here ``_apply_prefix_caching`` asserts and the worker dies).

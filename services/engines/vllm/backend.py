@@ -71,7 +71,7 @@ from services.engines.vllm.request_mapping import (
     encode_handle,
     prefill_sampling,
 )
-from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.engines.vllm.transfer_metrics import VllmTransferExporter, handoff_s
 from services.engines.vllm.version_guard import (
     ENGINE_INSTANCE_ATTRIBUTES,
     ENGINE_SYMBOLS,
@@ -420,6 +420,7 @@ class VllmBackend(EngineBackend):
         )
         produced = 1 if request.kv_handle is not None else 0
         first = True
+        arrived = time.time()  # the handoff: from here to the KV in place (.transfer_metrics)
         async for output in self._generate(
             request.request_id, prompt, kwargs, request.trace, request.lora
         ):
@@ -431,6 +432,7 @@ class VllmBackend(EngineBackend):
                 prompt_logprobs=kwargs["prompt_logprobs"],
                 produced=produced,
                 first=first,
+                kv_transfer_s=handoff_s(self.transfers, request, arrived) if first else None,
             )
             first = False
 

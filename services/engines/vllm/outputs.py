@@ -100,10 +100,12 @@ def token_delta(
     prompt_logprobs: int | None,
     produced: int,
     first: bool,
+    kv_transfer_s: float | None = None,
 ) -> TokenDelta:
     """One decode output of vLLM as a :class:`TokenDelta`: ``prompt`` is what vLLM was given
     (with the producer's first token), ``prompt_logprobs`` how many it was asked for, ``produced``
-    the output tokens so far (this output's included), ``first`` whether it is the first output.
+    the output tokens so far (this output's included), ``first`` whether it is the first output,
+    ``kv_transfer_s`` the handoff the first delta reports (the router's handoff phase).
 
     Raises :class:`KVTransferFailed` when vLLM ended the request before its first token with a
     KV handle: loading the KV failed (kv_load_failure_policy=fail). Raised before any delta, so
@@ -123,6 +125,7 @@ def token_delta(
         finish_reason=reason,
         error=error_message(request) if reason is FinishReason.ERROR else None,
         usage=_usage(len(request.prompt_token_ids), produced, output) if reason else None,
+        kv_transfer_s=kv_transfer_s,
         cached_tokens=(
             int(output.num_cached_tokens or 0) if first and request.kv_handle is None else None
         ),

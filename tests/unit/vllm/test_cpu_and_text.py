@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from services.engines.reference.tiny_model import make_tiny_model
+from services.engines.requests import DecodeRequest, KVHandle, SamplingParams
 from services.engines.vllm.contracts import clip_to_producer
 from services.engines.vllm.detokenizer import PrimedDecodeStream
 from services.engines.vllm.platform import (
@@ -21,7 +22,11 @@ from services.engines.vllm.platform import (
     omp_threads_per_rank,
     shared_cpu_bindings,
 )
-from services.engines.vllm.transfer_metrics import VllmTransferExporter
+from services.engines.vllm.transfer_metrics import (
+    KV_IN_PLACE_KEY,
+    VllmTransferExporter,
+    handoff_s,
+)
 from services.kv_transfer.metrics import KVTransferMetrics
 
 
@@ -138,6 +143,22 @@ def test_vllm_stats_become_pdserve_transfer_series() -> None:
         KVTransferMetrics(CollectorRegistry()), "decode-0", producer=False
     )
     assert consumer._pair()["consumer_engine"] == "decode-0"
+
+
+def test_a_decodes_handoff_runs_from_its_arrival_to_its_kv_in_place_stamp() -> None:
+    registry = CollectorRegistry()
+    exporter = VllmTransferExporter(KVTransferMetrics(registry), "decode-0", producer=False)
+    # vLLM's own ids: the caller's plus "-" and 8 random characters; msgpack sends lists.
+    exporter.record({KV_IN_PLACE_KEY: [["chatcmpl-a-1-0a1b2c3d", 100.25], ["b-9f8e7d6c", 7.0]]})
+    handle = KVHandle("prefill-0", 1, "chatcmpl-a-1", (0,), 8, 2e9)
+    received = DecodeRequest("chatcmpl-a-1", (1, 2), SamplingParams(max_tokens=2), handle)
+    assert handoff_s(exporter, received, arrived=100.0) == pytest.approx(0.25)
+    assert handoff_s(exporter, received, arrived=100.0) is None  # once: no stale stamp later
+    local = DecodeRequest("b", (1, 2), SamplingParams(max_tokens=2))
+    assert handoff_s(exporter, local, arrived=1.0) is None  # no KV handle: no handoff
+    assert exporter.take_in_place("b") == 7.0
+    assert handoff_s(None, received, arrived=1.0) is None  # the engine not started
+    assert exporter.transfers == 0  # a stamp is no transfer
 
 
 def test_eager_on_a_cpu_with_pp_keeps_the_warm_up_that_allocates_stage_buffers() -> None:
