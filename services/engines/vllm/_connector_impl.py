@@ -70,6 +70,9 @@ from services.engines.vllm._vllm_process import CPU_IDLE_STEP_S, IS_CPU, worker_
 
 logger = logging.getLogger(__name__)
 
+NEW_WORK_FIELDS = ("reqs_to_recv", "reqs_to_send", "push_registrations", "push_finished_blocks")
+"""The fields of vLLM's ``NixlConnectorMetadata`` that hand a worker new transfer work."""
+
 
 class _PdserveConnectorBase(NixlBaseConnector):
     """Builds the role's scheduler or worker after checking the layout and runner rule."""
@@ -124,11 +127,19 @@ class _PdserveConnectorBase(NixlBaseConnector):
         logger.info("pdserve connector %s active: %s", self.engine_id, layout.describe())
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """vLLM's metadata; on CPUs, a step that computes nothing pauses first
-        (:func:`calm_idle_polling`)."""
-        if IS_CPU and scheduler_output.total_num_scheduled_tokens == 0:
+        """vLLM's metadata; on CPUs, a step that computes nothing and hands the workers no new
+        transfer work pauses first (:func:`calm_idle_polling`). A step that ships work (a
+        consumer's push registration or READs, a producer's finished blocks or lease) goes at
+        once: paused, each hop of a handoff waited a pause more (docs/benchmarks.md,
+        2026-11-28, issue 51's push handoff parts)."""
+        metadata = super().build_connector_meta(scheduler_output)
+        if (
+            IS_CPU
+            and scheduler_output.total_num_scheduled_tokens == 0
+            and not any(getattr(metadata, field, None) for field in NEW_WORK_FIELDS)
+        ):
             time.sleep(CPU_IDLE_STEP_S)
-        return super().build_connector_meta(scheduler_output)
+        return metadata
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """vLLM's results with each id passed once per worker and direction (see contracts)."""
