@@ -144,12 +144,12 @@ class _PdserveConnectorBase(NixlBaseConnector):
         2026-11-28, issue 51's push handoff parts); a longer wait (a lease no consumer reads)
         goes back to :data:`CPU_IDLE_STEP_S`."""
         metadata = super().build_connector_meta(scheduler_output)
-        if not IS_CPU or scheduler_output.total_num_scheduled_tokens:
+        if not IS_CPU:
             return metadata
         now = time.monotonic()
         if any(getattr(metadata, field, None) for field in NEW_WORK_FIELDS):
-            self._handoff_until = now + CPU_HANDOFF_WINDOW_S
-        else:
+            self._handoff_until = now + CPU_HANDOFF_WINDOW_S  # also when this step computes
+        elif not scheduler_output.total_num_scheduled_tokens:
             handoff = now < self._handoff_until
             time.sleep(CPU_HANDOFF_STEP_S if handoff else CPU_IDLE_STEP_S)
         return metadata
