@@ -6,7 +6,9 @@ that is about a second of CPU spent freeing memory the kernel takes back anyway,
 seconds of wall time on a loaded machine, at every stop. :func:`end_process` does everything a
 normal exit does that anyone can observe, then leaves with ``os._exit``:
 
-1. waits for the non-daemon threads, as the interpreter's shutdown does;
+1. runs :mod:`threading`'s shutdown, as the interpreter's does: the callbacks registered there
+   first (an executor that was never shut down tells its idle workers to leave, which a plain
+   join of them would wait on forever), then a join of every non-daemon thread;
 2. runs the ``atexit`` handlers (``logging.shutdown`` flushes and closes every log handler,
    :mod:`multiprocessing` joins its non-daemon children and terminates its daemonic ones,
    ``weakref.finalize`` callbacks marked to run at exit run);
@@ -30,10 +32,7 @@ from typing import NoReturn
 def end_process(code: int) -> NoReturn:
     """End this process with exit status ``code`` as a normal exit would, less the
     interpreter's finalization (see the module docstring). Never returns."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         # A stream already closed (or replaced by None) has nothing left to flush.

@@ -111,13 +111,14 @@ def test_a_stop_that_overruns_its_bound_is_killed() -> None:
 
 
 def test_end_process_exits_as_python_would_less_the_finalization(tmp_path: Path) -> None:
-    # What a normal exit does that anyone sees: a non-daemon thread finishes, atexit handlers
+    # What a normal exit does that anyone sees: a non-daemon thread finishes, an executor never
+    # shut down lets its idle worker go (a plain join of it would wait forever), atexit handlers
     # run (logging.shutdown flushes a buffering handler), stdout in a pipe is flushed. What it
     # skips: a module global's __del__ (the interpreter's module teardown).
     log = tmp_path / "buffered.log"
     script = textwrap.dedent(
         f"""
-        import atexit, logging, logging.handlers, sys, threading, time
+        import atexit, concurrent.futures, logging, logging.handlers, sys, threading, time
         from services.lifetime import end_process
 
         class Finalized:
@@ -132,6 +133,8 @@ def test_end_process_exits_as_python_would_less_the_finalization(tmp_path: Path)
         logging.getLogger().warning("logged before the exit")
         atexit.register(print, "atexit ran")
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+        idle = concurrent.futures.ThreadPoolExecutor(1)
+        idle.submit(print, "executor ran").result()
         sys.stdout.write("unflushed")
         end_process(3)
         """
@@ -144,7 +147,7 @@ def test_end_process_exits_as_python_would_less_the_finalization(tmp_path: Path)
         check=False,
     )
     assert done.returncode == 3, done.stderr
-    assert done.stdout.splitlines() == ["unflushedthread done", "atexit ran"]
+    assert done.stdout.splitlines() == ["executor ran", "unflushedthread done", "atexit ran"]
     assert log.read_text() == "logged before the exit\n"
 
 
