@@ -12,8 +12,8 @@ more ranks than nodes ("Not enough allowed NUMA nodes"), so a PP=2 engine cannot
 one-node machine, and every engine on the machine would pick the same cores.
 :func:`cpu_thread_binding` derives an explicit binding from the engine's world size and the
 cores this process may use instead; an operator's own ``VLLM_CPU_OMP_THREADS_BIND`` wins.
-:func:`rank_binding_kept` keeps a worker's threads on its rank's cores once vLLM's NIXL worker
-moved them. Pure code: no vLLM import.
+:func:`rank_binding_kept` puts a worker's forward-pass thread back on its rank's cores once
+vLLM's NIXL worker moved it. Pure code: no vLLM import.
 """
 
 from __future__ import annotations
@@ -137,51 +137,25 @@ def cpu_environment(world_size: int, environ: Mapping[str, str] | None = None) -
     return result
 
 
-def confine_threads(cores: frozenset[int]) -> int:
-    """Bind every thread of this process that may run outside ``cores`` to ``cores`` (a thread
-    bound to some of them keeps its own, narrower binding: an OpenMP thread on one core);
-    returns how many moved. A thread that ends meanwhile is skipped."""
-    moved = 0
-    for name in os.listdir("/proc/self/task"):
-        tid = int(name)
-        try:
-            if os.sched_getaffinity(tid) <= cores:
-                continue
-            os.sched_setaffinity(tid, cores)
-        except ProcessLookupError:
-            continue
-        moved += 1
-    return moved
-
-
 @contextlib.contextmanager
 def rank_binding_kept(local_rank: int, environ: Mapping[str, str] | None = None) -> Iterator[None]:
     """Around code that may re-bind the calling thread (vLLM 0.32.0's NIXL worker on CPUs pins
     it, the worker's main thread that runs the forward pass, to the last core of each NUMA
-    node, "reserve different cores for start_load_kv()"): afterwards every thread of this
-    worker process runs on the cores of rank ``local_rank`` of the binding
-    (``VLLM_CPU_OMP_THREADS_BIND`` in ``environ``, this process's by default), and under
-    vLLM's own modes (``auto``, ``nobind``) the calling thread gets back the cores it had.
+    node, "reserve different cores for start_load_kv()"): afterwards that thread runs on the
+    cores of rank ``local_rank`` of the binding (``VLLM_CPU_OMP_THREADS_BIND`` in ``environ``,
+    this process's by default), and under vLLM's own modes (``auto``, ``nobind``) on the cores
+    it had before.
 
     The pin put every engine's forward pass on the machine's last core whatever its binding:
     on two cores the prefill (bound to core 0) and the decode (core 1) computed on core 1
-    together. Confining the whole process also binds what a forked worker never was: vLLM
-    binds OpenMP threads through the environment of a worker it spawns, which the OpenMP
-    runtime the engine host already loaded does not read again."""
+    together. Only that thread moves: confining every thread of the worker to the rank's cores
+    (tried first) put the worker's polling threads on the forward pass's core and made
+    ``tests/e2e/test_vllm_pd.py`` 2.8x slower (docs/benchmarks.md, 2026-11-28)."""
     before = os.sched_getaffinity(0)
     yield
     environ = os.environ if environ is None else environ
     ranks = rank_cpus(environ.get(THREADS_BIND_ENV, ""))
-    if ranks is None:
-        if os.sched_getaffinity(0) != before:
-            os.sched_setaffinity(0, before)
-            logger.info("worker rank %d: main thread back on cores %s", local_rank, sorted(before))
-        return
-    cores = ranks[local_rank]
-    moved = confine_threads(cores)
-    logger.info(
-        "worker rank %d: %d threads moved onto the rank's cores %s",
-        local_rank,
-        moved,
-        sorted(cores),
-    )
+    cores = before if ranks is None else ranks[local_rank]
+    if os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
+        logger.info("worker rank %d: forward-pass thread on cores %s", local_rank, sorted(cores))
