@@ -28,7 +28,7 @@ from services.control_plane.wire import EngineRole, validate_identifier
 from services.decode.service import DecodeService
 from services.engines.errors import EngineError
 from services.engines.registry import ENGINES, EngineOptions, create_backend
-from services.lifetime import end_process, end_stop_within
+from services.lifetime import end_process, end_stop_within, freeze_startup_heap
 from services.prefill.service import PrefillService
 from services.serving.host.config import EngineServiceSettings
 from services.serving.host.engine_host import EngineHost
@@ -266,7 +266,12 @@ def run(args: argparse.Namespace, tool: ToolSettings, role: EngineRole) -> int:
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)
         return 2
     host = EngineHost(
-        settings, backend, engine_id=engine_id, service=ROLE_SERVICES[role], registry=registry
+        settings,
+        backend,
+        engine_id=engine_id,
+        service=ROLE_SERVICES[role],
+        registry=registry,
+        on_ready=freeze_startup_heap,
     )
     code = asyncio.run(_serve(host))
     if code == 0:

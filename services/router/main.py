@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -29,6 +28,7 @@ from services.engines.vllm.version_guard import (
     FRONTEND_SYMBOLS,
     check_vllm,
 )
+from services.lifetime import freeze_startup_heap
 from services.router.config import RouterSettings
 from services.router.frontend.http_protocol import CoalescingHttpToolsProtocol
 from services.router.frontend.ops import ops
@@ -48,12 +48,6 @@ METRICS_READ_TIMEOUT_S = 10.0
 PARENT_POLL_S = 1.0
 """How often a worker checks that its supervisor is alive."""
 
-GC_THRESHOLDS = (20_000, 20, 20)
-"""The collector's thresholds once the router serves (Python's are (700, 10, 10)): a request
-allocates a few hundred container objects, so the default ran a young collection every other
-request and a full pass (about 90k objects alive after start-up, ~60 ms) often enough to show
-in p99."""
-
 
 def run(
     settings: RouterSettings,
@@ -67,15 +61,6 @@ def run(
     registers its completion-queue socket with whatever loop runs."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(settings, ready=ready, parent_pid=parent_pid))
-
-
-def freeze_startup_objects() -> None:
-    """Move everything alive after start-up (modules, app, settings, channels) to the
-    permanent generation, which collections skip, and raise the thresholds (see
-    :data:`GC_THRESHOLDS`). Cyclic garbage made while serving is still collected."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def create_app(
@@ -254,7 +239,7 @@ async def serve(
             payload["metrics_url"] = f"http://{host}:{metrics_port}/metrics"
         if parent_pid is not None:
             watch = asyncio.create_task(_exit_without(parent_pid, server))
-        freeze_startup_objects()
+        freeze_startup_heap()
         if ready is not None:
             ready(payload)
         else:

@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import socket
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TextIO, TypeVar, runtime_checkable
 
 import grpc
@@ -105,7 +105,11 @@ class EngineHost:
         service: RoleService,
         registry: CollectorRegistry | None = None,
         ready_output: TextIO | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
+        """``on_ready`` runs once the engine is READY, right before the ready line: the process
+        entry point freezes its start-up heap there
+        (:func:`services.lifetime.freeze_startup_heap`)."""
         self.settings = settings
         self.backend = backend
         self.engine_id = engine_id
@@ -132,6 +136,7 @@ class EngineHost:
         self._producer_follower: asyncio.Task[None] | None = None
         """Consumer engines: keeps the producer views' watcher (their cached view)."""
         self._ready_output = ready_output if ready_output is not None else sys.stdout
+        self._on_ready = on_ready
         self._fatal: asyncio.Future[HostError | EngineFailed] | None = None
         self._server: grpc.aio.Server | None = None
         # grpc_health ships no stubs for its asyncio servicer (``health.aio``).
@@ -195,6 +200,8 @@ class EngineHost:
             state.admitting = True
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self.endpoints = ServingEndpoints(self.engine_id, generation, endpoint, metrics_url)
+            if self._on_ready is not None:
+                self._on_ready()
             print(self.endpoints.ready_line(), file=self._ready_output, flush=True)
             stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
             try:

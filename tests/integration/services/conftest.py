@@ -27,6 +27,8 @@ class RunningHost:
     stop: asyncio.Event
     task: asyncio.Task[int]
     endpoints: ServingEndpoints
+    ready_output_at_ready: list[str]
+    """What the host had written to its ready output each time its ``on_ready`` ran."""
 
     async def exit_code(self, timeout_s: float = 30.0) -> int:
         return await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
@@ -55,13 +57,16 @@ async def hosted(
 ) -> AsyncIterator[RunningHost]:
     """Run an :class:`EngineHost` until the block ends (then a clean stop, exit code 0 or
     whatever a test already made it return)."""
+    ready_output = io.StringIO()
+    ready_output_at_ready: list[str] = []
     host = EngineHost(
         settings,
         backend,
         engine_id=engine_id,
         service=ROLE_SERVICES[role],
         registry=CollectorRegistry(),
-        ready_output=io.StringIO(),
+        ready_output=ready_output,
+        on_ready=lambda: ready_output_at_ready.append(ready_output.getvalue()),
     )
     stop = asyncio.Event()
     task = asyncio.create_task(host.run(stop))
@@ -71,7 +76,7 @@ async def hosted(
             raise AssertionError(f"host {engine_id} exited with {task.result()} before READY")
         assert asyncio.get_running_loop().time() < deadline, f"{engine_id} not READY in time"
         await asyncio.sleep(0.02)
-    running = RunningHost(host, stop, task, host.endpoints)
+    running = RunningHost(host, stop, task, host.endpoints, ready_output_at_ready)
     try:
         yield running
     finally:

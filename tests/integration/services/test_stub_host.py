@@ -70,6 +70,8 @@ async def test_prefill_then_decode_round_trip_with_health_load_and_metrics(
         hosted(settings, StubBackend(), engine_id="prefill-a", role=EngineRole.PREFILL) as pre,
         hosted(settings, StubBackend(), engine_id="decode-a", role=EngineRole.DECODE) as dec,
     ):
+        # The entry point's hook (the heap freeze) ran once each, when READY, before the line.
+        assert pre.ready_output_at_ready == dec.ready_output_at_ready == [""]
         pool = GrpcAioClientPool()
         prefill, decode = pool.get(pre.endpoints.grpc), pool.get(dec.endpoints.grpc)
         assert pool.get(pre.endpoints.grpc) is prefill

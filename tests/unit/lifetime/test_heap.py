@@ -1,0 +1,48 @@
+"""The serving process's collector policy: start-up's objects frozen, later cycles collected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from services.lifetime import SERVING_GC_THRESHOLDS
+
+
+def test_freeze_startup_heap_skips_what_start_up_left_and_still_collects_later_cycles() -> None:
+    # In its own process: freezing is for the whole interpreter (never pytest's).
+    script = textwrap.dedent(
+        """
+        import gc, json, weakref
+        from services.lifetime import freeze_startup_heap
+
+        class Node:
+            pass
+
+        def cycle():
+            node = Node()
+            node.self = node
+            return node
+
+        kept = [cycle() for _ in range(100)]
+        freeze_startup_heap()
+        frozen = gc.get_freeze_count()
+        after = cycle()
+        gone = weakref.ref(after)
+        del after
+        gc.collect()
+        print(json.dumps({
+            "frozen": frozen,
+            "later_cycle_collected": gone() is None,
+            "thresholds": list(gc.get_threshold()),
+        }))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    report = json.loads(result.stdout)
+    assert report["frozen"] > 100  # at least the kept cycles, and the modules
+    assert report["later_cycle_collected"] is True
+    assert report["thresholds"] == list(SERVING_GC_THRESHOLDS)
