@@ -20,9 +20,12 @@ from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
 from services.control_plane.wire import EngineRole
-from services.lifetime import end_process
+from services.lifetime import defer_collection_until_serving, end_process
 
 logger = logging.getLogger("pdserve")
+
+SERVING_COMMANDS = ("router", EngineRole.PREFILL.value, EngineRole.DECODE.value)
+"""The commands whose process serves until stopped (their start defers the collector)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return main_make_tiny_model(args.rest)
     if args.command == "make-synthetic-checkpoint":
         return _make_synthetic_checkpoint(args)
+    if args.command in SERVING_COMMANDS:
+        defer_collection_until_serving()  # freeze_startup_heap once it serves
     try:
         settings = resolve(args)
     except ValueError as exc:

@@ -8,7 +8,11 @@ serves freezes what its start-up left alive (:mod:`~services.lifetime.heap`). No
 the rest of ``services``: Redis, Prometheus, engine ranks, vLLM's engine core and
 ``pdserve up``'s children all use it."""
 
-from services.lifetime.heap import SERVING_GC_THRESHOLDS, freeze_startup_heap
+from services.lifetime.heap import (
+    SERVING_GC_THRESHOLDS,
+    defer_collection_until_serving,
+    freeze_startup_heap,
+)
 from services.lifetime.parent_death import (
     WATCH_PARENT_ENV,
     end_stop_within,
@@ -23,6 +27,7 @@ __all__ = [
     "WATCH_PARENT_ENV",
     "PortTaken",
     "check_free",
+    "defer_collection_until_serving",
     "end_process",
     "end_stop_within",
     "exit_with_parent",

@@ -1,5 +1,6 @@
-"""The collector's policy once a long-running process serves: what start-up left alive is
-frozen, and young collections run less often.
+"""The collector's policy in a process that serves (the router, an engine host): no automatic
+collection while it starts, what start-up left alive frozen once it serves, and young
+collections less often from then on.
 
 A pdserve process that serves (the router, an engine host) imports vLLM, torch and transformers:
 an engine host holds about 630k objects after start-up, and one full collection over them took
@@ -9,11 +10,21 @@ turn's TTFT of 370 ms and a first decode gap of 552 ms, and a probe of the colle
 process of a push stack found a 405 ms full pass in the serving decode host
 (docs/benchmarks.md, 2026-11-28, issue 51). vLLM's own API server and engine core freeze their
 start-up heap the same way (``vllm.utils.gc_utils.freeze_gc_heap``).
+
+While such a process starts, its imports alone ran ten full collections, 2-2.8 s of CPU in
+the router and in each vLLM engine host, and every vLLM process forked from a host paid two or
+three more over the heap it inherited (0.4 s each): about 11 s of CPU in all to start a 1 + 1
+vLLM stack, for a few hundred cyclic objects freed. So, as Python's documentation of
+``gc.freeze`` advises for a parent that forks: collection is off while the process starts,
+everything alive is frozen right before each fork, and a forked child collects again at once
+(vLLM's engine core and workers, the reference engine's ranks: they never reach this module's
+serving call).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 
 SERVING_GC_THRESHOLDS = (20_000, 20, 20)
 """The collector's thresholds once a process serves (Python's are (700, 10, 10)): a request
@@ -21,12 +32,22 @@ allocates a few hundred container objects, so the default ran a young collection
 request."""
 
 
+def defer_collection_until_serving() -> None:
+    """At the start of a process that will call :func:`freeze_startup_heap` once it serves:
+    no automatic collection until then, and each child it forks gets a frozen heap and collects
+    (explicit ``gc.collect()`` calls still run)."""
+    gc.disable()
+    os.register_at_fork(before=gc.freeze, after_in_child=gc.enable)
+
+
 def freeze_startup_heap() -> None:
     """Move everything alive after start-up (modules, the app, the engine's client, channels)
     to the permanent generation, which collections skip, and set
     :data:`SERVING_GC_THRESHOLDS`. Cyclic garbage made while serving is still collected. Call it
     once, when the process is about to serve, from its entry point (not from code a test runs
-    in its own process)."""
+    in its own process); it turns collection back on after
+    :func:`defer_collection_until_serving`."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVING_GC_THRESHOLDS)
+    gc.enable()

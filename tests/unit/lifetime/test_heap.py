@@ -46,3 +46,32 @@ def test_freeze_startup_heap_skips_what_start_up_left_and_still_collects_later_c
     assert report["frozen"] > 100  # at least the kept cycles, and the modules
     assert report["later_cycle_collected"] is True
     assert report["thresholds"] == list(SERVING_GC_THRESHOLDS)
+
+
+def test_a_serving_process_collects_nothing_while_it_starts_and_its_forks_collect() -> None:
+    script = textwrap.dedent(
+        """
+        import gc, json, os
+        from services.lifetime import defer_collection_until_serving, freeze_startup_heap
+
+        defer_collection_until_serving()
+        starting = gc.isenabled()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a forked rank: collects, over what it did not inherit frozen
+            os.write(write, json.dumps([gc.isenabled(), gc.get_freeze_count()]).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = json.loads(os.read(read, 1000))
+        freeze_startup_heap()
+        print(json.dumps({"starting": starting, "child": child, "serving": gc.isenabled()}))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    report = json.loads(result.stdout)
+    assert report["starting"] is False
+    child_enabled, child_frozen = report["child"]
+    assert child_enabled is True and child_frozen > 1000  # the parent's modules, frozen
+    assert report["serving"] is True
