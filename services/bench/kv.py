@@ -45,6 +45,7 @@ from services.control_plane.wire import (
     compute_compat_hash,
     decode,
     encode,
+    record_shape,
 )
 from services.kv_transfer.allocator import block_array
 from services.kv_transfer.block_pool import KVBlockPool, KVPoolSpec
@@ -91,24 +92,24 @@ class _Geometry:
             role=role,
             model="bench",
             compat_hash=self.compat_hash(),
-            shape=ModelShape(
-                num_layers=self.layers, num_kv_heads=self.kv_heads, block_size=self.block_size
-            ),
+            shape=record_shape(self.shape()),
             endpoint="localhost:0",
             pp_aware=True,
             lease_ttl_ms=60_000,
             registered_at_ms=0,
         )
 
-    def compat_hash(self) -> str:
-        return compute_compat_hash(
-            model="bench",
-            dtype=self.dtype,
-            head_size=self.head_size,
+    def shape(self) -> ModelShape:
+        return ModelShape(
             num_layers=self.layers,
             num_kv_heads=self.kv_heads,
-            kv_layout="HND",
+            head_size=self.head_size,
+            dtype=self.dtype,
+            block_size=self.block_size,
         )
+
+    def compat_hash(self) -> str:
+        return compute_compat_hash(self.shape(), model="bench", kv_layout="HND")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from services.control_plane.wire import (
     EngineRole,
     HandshakeRecord,
     compute_compat_hash,
+    record_shape,
 )
 from services.topology import EngineLayout, ModelShape
 
@@ -34,25 +35,21 @@ def synthetic_spec(
     pp_aware: bool = True,
 ) -> EngineSpec:
     """An :class:`EngineSpec` whose compat hash matches :func:`synthetic_records`."""
+    shape = ModelShape(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        block_size=block_size,
+        pp_size=pp_size,
+        tp_size=tp_size,
+    )
     return EngineSpec(
         engine_id=engine_id,
         role=role,
         model=SYNTHETIC_MODEL,
-        compat_hash=compute_compat_hash(
-            model=SYNTHETIC_MODEL,
-            dtype=dtype,
-            head_size=head_size,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            kv_layout="HND",
-        ),
-        shape=ModelShape(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            pp_size=pp_size,
-            tp_size=tp_size,
-        ),
+        compat_hash=compute_compat_hash(shape, model=SYNTHETIC_MODEL, kv_layout="HND"),
+        shape=record_shape(shape),
         endpoint=f"127.0.0.1:0/{engine_id}",
         pp_aware=pp_aware,
     )

@@ -293,30 +293,29 @@ _KINDS: dict[type[Any], str] = {
 T = TypeVar("T")
 
 
+_HASHED_SHAPE_FIELDS = ("dtype", "head_size", "num_layers", "num_kv_heads")
+"""The :class:`ModelShape` fields the compat hash covers, in the order it hashes them."""
+
+
 def compute_compat_hash(
-    *,
-    model: str,
-    dtype: str,
-    head_size: int,
-    num_layers: int,
-    num_kv_heads: int,
-    kv_layout: str,
-    engine_kind: str = "reference",
+    shape: ModelShape, *, model: str, kv_layout: str, engine_kind: str = "reference"
 ) -> str:
     """The compatibility hash: equal on two engines iff their KV can be moved between them.
 
-    Covers exactly the fields that must match across a transfer (model, KV dtype, head size,
-    layer and KV-head counts, layout, protocol version, engine kind). Block size is checked
-    separately so a mismatch gets its own message.
+    Covers exactly the fields that must match across a transfer: model, the shape's KV dtype,
+    head size, layer and KV-head counts, layout, protocol version, engine kind. The shape's other
+    fields are not covered (block size is checked separately so a mismatch gets its own message;
+    the PP x TP cut may differ). Raises ``ValueError`` when a covered field of ``shape`` is
+    unknown (an engine record's shape, for one, carries neither dtype nor head size).
     """
+    unknown = [name for name in _HASHED_SHAPE_FIELDS if not getattr(shape, name)]
+    if unknown:
+        raise ValueError(f"compat hash of a shape whose {', '.join(unknown)} is unknown: {shape}")
     fields = (
         f"pdserve-kv/{PROTOCOL_VERSION}",
         engine_kind,
         model,
-        dtype,
-        str(head_size),
-        str(num_layers),
-        str(num_kv_heads),
+        *(str(getattr(shape, name)) for name in _HASHED_SHAPE_FIELDS),
         kv_layout,
     )
     return hashlib.sha256("\x1f".join(fields).encode()).hexdigest()[:32]

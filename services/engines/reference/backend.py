@@ -123,13 +123,22 @@ class ReferenceBackend(EngineBackend):
             raise CheckpointError(str(exc)) from exc
         # The tokenizer's ids include config.json's and generation_config.json's eos_token_id.
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        self.compat_hash = compute_compat_hash(
-            model=options.served_model_name(),
+        config = self.config
+        self.shape = ModelShape(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_size=config.head_dim,
             dtype=options.dtype,
-            head_size=self.config.head_dim,
-            num_layers=self.config.num_hidden_layers,
-            num_kv_heads=self.config.num_key_value_heads,
-            kv_layout=KV_LAYOUT,
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_position_embeddings,
+            block_size=options.block_size,
+            pp_size=options.pp_size,
+            tp_size=options.tp_size,
+            layer_partition=options.layer_partition,
+        )
+        """The model's shape as this engine runs it (described; its compat hash's fields)."""
+        self.compat_hash = compute_compat_hash(
+            self.shape, model=options.served_model_name(), kv_layout=KV_LAYOUT
         )
         self.relay = RankMetricsRelay()
         self._registry = registry
@@ -142,28 +151,15 @@ class ReferenceBackend(EngineBackend):
     # -- the seam ------------------------------------------------------------------------------
 
     def describe(self) -> BackendDescription:
-        config = self.config
         publisher = self._kv_event_publisher()
-        shape = ModelShape(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            head_size=config.head_dim,
-            dtype=self.options.dtype,
-            vocab_size=config.vocab_size,
-            max_model_len=config.max_position_embeddings,
-            block_size=self.options.block_size,
-            pp_size=self.options.pp_size,
-            tp_size=self.options.tp_size,
-            layer_partition=self.options.layer_partition,
-        )
         return BackendDescription(
             model=self.options.served_model_name(),
             compat_hash=self.compat_hash,
-            shape=shape,
+            shape=self.shape,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             kv_events_endpoint=publisher.endpoints.events if publisher else "",
             kv_events_replay_endpoint=publisher.endpoints.replay if publisher else "",
-            kv_block_bytes=kv_block_bytes(shape),
+            kv_block_bytes=kv_block_bytes(self.shape),
         )
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:

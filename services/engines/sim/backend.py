@@ -125,27 +125,21 @@ class SimBackend(SyntheticEngine):
         profile = self.options.profile
         block_size = self.options.block_size or profile.kv_cache.block_size
         num_blocks = self.options.num_kv_blocks or profile.kv_cache.num_blocks
-        model = profile.model
+        shape = dataclasses.replace(
+            profile.model.shape,
+            block_size=block_size,
+            pp_size=self.options.pp_size,
+            tp_size=self.options.tp_size,
+            layer_partition=self.options.layer_partition,
+        )
         super().__init__(
             SyntheticClaim(
                 engine_kind=SIM_KIND,
                 model=profile.served_model,
                 compat_hash=compute_compat_hash(
-                    model=profile.served_model,
-                    dtype=model.dtype,
-                    head_size=model.head_size,
-                    num_layers=model.num_layers,
-                    num_kv_heads=model.num_kv_heads,
-                    kv_layout="HND",
-                    engine_kind=SIM_KIND,
+                    shape, model=profile.served_model, kv_layout="HND", engine_kind=SIM_KIND
                 ),
-                shape=dataclasses.replace(
-                    model.shape,
-                    block_size=block_size,
-                    pp_size=self.options.pp_size,
-                    tp_size=self.options.tp_size,
-                    layer_partition=self.options.layer_partition,
-                ),
+                shape=shape,
                 num_kv_blocks=num_blocks,
                 kv_lease_s=self.options.kv_lease_s,
                 kv_block_bytes=profile.kv_bytes_per_token * block_size,

@@ -177,13 +177,7 @@ def describe_model(options: VllmEngineOptions) -> BackendDescription:
     return BackendDescription(
         model=model,
         compat_hash=compute_compat_hash(
-            model=model,
-            dtype=dtype,
-            head_size=head_size,
-            num_layers=layers,
-            num_kv_heads=kv_heads,
-            kv_layout=KV_LAYOUT_HNC,
-            engine_kind="vllm",
+            shape, model=model, kv_layout=KV_LAYOUT_HNC, engine_kind="vllm"
         ),
         shape=shape,
         eos_token_ids=eos_ids,

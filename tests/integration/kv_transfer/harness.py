@@ -34,6 +34,7 @@ from services.control_plane.wire import (
     compute_compat_hash,
     decode,
     encode,
+    record_shape,
 )
 from services.kv_transfer.block_pool import KVBlockPool, KVPoolSpec
 from services.kv_transfer.consumer import KVConsumer
@@ -71,16 +72,20 @@ class EngineSpec:
     def ranks(self) -> list[tuple[int, int]]:
         return [(p, t) for p in range(self.pp) for t in range(self.tp)]
 
+    def shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=DTYPE,
+            block_size=self.block_size,
+            pp_size=self.pp,
+            tp_size=self.tp,
+        )
+
 
 def compat_hash(spec: EngineSpec) -> str:
-    return compute_compat_hash(
-        model="test-model",
-        dtype=DTYPE,
-        head_size=spec.head_size,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        kv_layout="HND",
-    )
+    return compute_compat_hash(spec.shape(), model="test-model", kv_layout="HND")
 
 
 def engine_record_bytes(spec: EngineSpec) -> bytes:
@@ -90,13 +95,7 @@ def engine_record_bytes(spec: EngineSpec) -> bytes:
         role=EngineRole(spec.role),
         model="test-model",
         compat_hash=compat_hash(spec),
-        shape=ModelShape(
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            block_size=spec.block_size,
-            pp_size=spec.pp,
-            tp_size=spec.tp,
-        ),
+        shape=record_shape(spec.shape()),
         endpoint="localhost:0",
         pp_aware=True,
         lease_ttl_ms=10_000,

@@ -218,21 +218,43 @@ def test_corrupting_any_byte_of_a_record_never_crashes_the_reader(
     assert isinstance(decoded, HandshakeRecord)
 
 
-def test_compat_hash_changes_with_each_field_that_must_match() -> None:
-    base = dict(
-        model="m", dtype="bfloat16", head_size=128, num_layers=32, num_kv_heads=8, kv_layout="HND"
+_HASHED = ModelShape(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
+
+
+def test_compat_hash_of_a_known_shape_is_pinned() -> None:
+    """The hash is on the wire (engine records, handshake records): these values were computed
+    before the hash took a ModelShape, and must never change within a protocol version."""
+    assert compute_compat_hash(_HASHED, model="m", kv_layout="HND") == (
+        "fee6eb2075430697eb42422eeb1e650b"
     )
-    reference = compute_compat_hash(**base)  # type: ignore[arg-type]
+    assert compute_compat_hash(_HASHED, model="m", kv_layout="HND", engine_kind="vllm") == (
+        "4d393db654fb6e8b1ac1f773b4e7580c"
+    )
+
+
+def test_compat_hash_changes_with_each_field_that_must_match() -> None:
+    reference = compute_compat_hash(_HASHED, model="m", kv_layout="HND")
     for name, other in [
-        ("model", "m2"),
         ("dtype", "float16"),
         ("head_size", 64),
         ("num_layers", 16),
         ("num_kv_heads", 4),
-        ("kv_layout", "NHD"),
     ]:
-        assert compute_compat_hash(**{**base, name: other}) != reference, name  # type: ignore[arg-type]
-    assert compute_compat_hash(**base) == reference  # type: ignore[arg-type]
+        changed = replace(_HASHED, **{name: other})
+        assert compute_compat_hash(changed, model="m", kv_layout="HND") != reference, name
+    assert compute_compat_hash(_HASHED, model="m2", kv_layout="HND") != reference
+    assert compute_compat_hash(_HASHED, model="m", kv_layout="NHD") != reference
+    assert compute_compat_hash(_HASHED, model="m", kv_layout="HND", engine_kind="x") != reference
+    # The cut, the block size, the context and the vocabulary are not covered.
+    cut = replace(_HASHED, pp_size=2, tp_size=2, block_size=16, max_model_len=8, vocab_size=9)
+    assert compute_compat_hash(cut, model="m", kv_layout="HND") == reference
+
+
+@pytest.mark.parametrize("unknown", ["dtype", "head_size", "num_layers", "num_kv_heads"])
+def test_compat_hash_refuses_a_shape_that_does_not_know_a_covered_field(unknown: str) -> None:
+    blank = "" if unknown == "dtype" else 0
+    with pytest.raises(ValueError, match=unknown):
+        compute_compat_hash(replace(_HASHED, **{unknown: blank}), model="m", kv_layout="HND")
 
 
 @pytest.mark.parametrize("bad", ["", "a:b", "a b", "-lead", "x" * 129, "a\nb", "é"])
