@@ -170,7 +170,7 @@ class EngineHost:
             on_engine_failed=self._fail,
         )
         if isinstance(self.backend, ExportsMetrics):
-            self.registry.register(self.backend.metrics_collector())
+            self.metrics.collector(self.backend.metrics_collector())
         if self.role.consumes_kv:
             self._producer_follower = asyncio.create_task(
                 self._follow_producers(), name="pdserve-producer-views"
