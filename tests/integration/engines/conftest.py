@@ -26,13 +26,13 @@ from services.control_plane.local_redis import LocalRedisServer
 from services.control_plane.wire import EngineRole
 from services.engines.reference.backend import ReferenceBackend
 from services.engines.reference.batch import SequenceChunk
-from services.engines.reference.local_group import LocalShardGroup
 from services.engines.reference.options import ReferenceEngineOptions
 from services.engines.reference.sampling import make_generator, sample_token, token_generator
 from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.requests import DecodeRequest, SamplingParams, TokenDelta
 from services.topology import EngineLayout
 from tests.forked_engines import registered_forking
+from tests.local_shard_group import LocalShardGroup
 
 BLOCK_SIZE = 4
 READY_TIMEOUT_S = 60.0

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from services.engines.reference.batch import SequenceChunk
-from services.engines.reference.local_group import LocalShardGroup
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from services.topology import EngineLayout
+from tests.local_shard_group import LocalShardGroup
 
 # Every checkpoint here is local; transformers must never reach the network. Set at import,
 # before test modules import transformers (huggingface_hub reads it once, at its import).

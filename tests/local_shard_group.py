@@ -1,10 +1,11 @@
-"""Every shard of a PP x TP layout in one process.
+"""Every shard of a reference-engine PP x TP layout in one process, for tests.
 
 A deployed reference engine runs each ``(pp_rank, tp_rank)`` in its own process with
 torch.distributed. This module runs the same shards in one process instead: PP stages one after
 the other, the TP ranks of a stage on threads whose all-reduce is an in-memory sum. It exists so
-tests (and tools) can check that any layout computes what the unsharded model computes, with the
-very code the workers run.
+tests can check that any layout computes what the unsharded model computes, with the very code
+the workers run (the reference engine's tests in tests/unit/engines and tests/integration/engines
+use it; nothing in ``services`` does).
 """
 
 from __future__ import annotations
