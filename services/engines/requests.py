@@ -198,16 +198,23 @@ def validate_lora(adapter: LoRAAdapter, limits: RequestLimits) -> LoRAAdapter:
     return adapter
 
 
-def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
-    """The prompt as a tuple; :class:`InvalidRequest` when it is empty, leaves no room to
-    generate within ``limits.max_model_len``, or holds an id outside the vocabulary."""
+def validate_prompt_length(token_ids: Sequence[int], max_model_len: int) -> None:
+    """:class:`InvalidRequest` when the prompt is empty or leaves no room to generate within
+    ``max_model_len``: :func:`validate_prompt`'s own checks, for an engine's intake too."""
     if not token_ids:
         raise InvalidRequest("token_ids must not be empty")
-    if len(token_ids) >= limits.max_model_len:
+    if len(token_ids) >= max_model_len:
         raise InvalidRequest(
             f"prompt of {len(token_ids)} tokens leaves no room to generate within the "
-            f"engine's context of {limits.max_model_len} tokens"
+            f"engine's context of {max_model_len} tokens"
         )
+
+
+def validate_prompt(token_ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
+    """The prompt as a tuple; :class:`InvalidRequest` when it is empty, leaves no room to
+    generate within ``limits.max_model_len`` (:func:`validate_prompt_length`), or holds an id
+    outside the vocabulary."""
+    validate_prompt_length(token_ids, limits.max_model_len)
     bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")

@@ -25,6 +25,7 @@ from services.engines.requests import (
     SamplingParams,
     TokenDelta,
     TokenLogprobs,
+    validate_prompt_length,
 )
 from services.topology.ranges import RankKey
 
@@ -99,13 +100,7 @@ class SchedulerLimits:
     ) -> None:
         """:class:`InvalidRequest` for a request of ``kind`` that these limits cannot run or
         that lacks what its kind needs (the scheduler's intake)."""
-        if not prompt:
-            raise InvalidRequest("prompt_token_ids must not be empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt of {len(prompt)} tokens leaves no room in the context of "
-                f"{self.max_model_len}"
-            )
+        validate_prompt_length(prompt, self.max_model_len)
         if kind == "remote" and (handle is None or first_token_id is None):
             raise InvalidRequest("a remote decode needs a kv_handle and a first_token_id")
         if forks and (kind != "remote" or forks[0].first_token_id != first_token_id):

@@ -18,9 +18,11 @@ from services.engines.requests import (
     Fork,
     KVHandle,
     PrefillResult,
+    RequestLimits,
     SamplingParams,
     TokenDelta,
     Usage,
+    validate_prompt,
 )
 from services.tokenization.tokenizer import ByteTokenizer
 
@@ -118,6 +120,18 @@ def test_queue_bound_overloads_and_oversized_requests_are_invalid() -> None:
         make(num_blocks=8).submit(
             "big", "generate", [1] * 40, SamplingParams(max_tokens=9), ListSink()
         )
+
+
+@pytest.mark.parametrize("prompt", [[], [1] * 64], ids=["empty", "no-room"])
+def test_intake_refuses_a_prompt_in_validate_prompts_words(prompt: list[int]) -> None:
+    """One spelling of each prompt error: the intake's is the host's (validate_prompt)."""
+    scheduler = make(max_model_len=64)
+    with pytest.raises(InvalidRequest) as expected:
+        validate_prompt(prompt, RequestLimits(vocab_size=VOCAB, max_model_len=64))
+    with pytest.raises(InvalidRequest) as refused:
+        scheduler.submit("a", "generate", prompt, SamplingParams(), ListSink())
+    assert str(refused.value) == str(expected.value)
+    assert scheduler.in_flight == 0 and scheduler.queue_depth == 0
 
 
 def test_prefill_holds_blocks_until_every_rank_ends_its_lease() -> None:
