@@ -7,6 +7,7 @@ Runtime (start at ``backend``):
 - ``engine``: the host thread driving the scheduler and the ranks;
 - ``scheduler``: admission, continuous batching, sampling, KV hand-off (pure bookkeeping);
 - ``request_state``: a request's state in the scheduler, the planned step, block arithmetic;
+- ``kv_blocks``: ``KVBlocks``, which blocks a request holds (allocator, prefix cache);
 - ``outputs``: ``TokenRules`` (next token, finish rules) and the results a sequence returns;
 - ``kv_handoff``: the held handle, the pull command, a failed pull's error, a lease's outcome;
 - ``sampling``: seeded sampling and incremental detokenization with stop strings;

@@ -269,7 +269,7 @@ class EngineLoop:
             pending.done.set_result(None)
 
     def _publish_kv_events(self) -> None:
-        cache = self.scheduler.prefix_cache
+        cache = self.scheduler.blocks.prefix_cache
         if self._kv_events is None or cache is None:
             return
         events = cache.take_events()
@@ -278,7 +278,7 @@ class EngineLoop:
 
     def _update_snapshot(self) -> None:
         s = self.scheduler
-        cache = s.prefix_cache
+        cache = s.blocks.prefix_cache
         cached: tuple[int, ...] | None = None
         if cache is not None:
             if cache.version != self._cache_version:  # rebuilt only when the cache changed
@@ -289,7 +289,7 @@ class EngineLoop:
             queue_depth=s.queue_depth,
             running=s.running_count,
             in_flight=s.in_flight,
-            free_blocks=s.free_blocks(),
+            free_blocks=s.blocks.free_count(),
             total_blocks=s.limits.num_blocks,
             cached_blocks=cached,
         )

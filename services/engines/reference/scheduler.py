@@ -1,9 +1,11 @@
 """The reference engine's scheduler: admission, continuous batching, finishing, KV hand-off.
 
 Pure bookkeeping with no processes: the engine loop (:mod:`~services.engines.reference.engine`)
-feeds it requests and rank events and runs the steps it plans. It owns the engine-wide block
-allocator, so block ids are the same on every rank (as in vLLM); the commands for the ranks
-(hold, release, pull, cancel) go to :attr:`Scheduler.outbox`, which the loop sends to every rank.
+feeds it requests and rank events and runs the steps it plans. It owns the engine's
+:class:`~services.engines.reference.kv_blocks.KVBlocks` (the block allocator, engine-wide so that
+block ids are the same on every rank as in vLLM, and the prefix cache), which picks each
+request's blocks; the commands for the ranks (hold, release, pull, cancel) go to
+:attr:`Scheduler.outbox`, which the loop sends to every rank.
 
 Per step (:meth:`Scheduler.schedule`): waiting requests are admitted in arrival order while
 ``max_running`` allows and their worst-case blocks are free (no preemption: a request, once
@@ -32,7 +34,8 @@ prefix cache serves hits the same way). Every fork's blocks are reserved when th
 admitted (no preemption), and the forks' deltas carry their choice.
 
 Its parts: the request state and block arithmetic in
-:mod:`~services.engines.reference.request_state`, sampling and finishing a token in
+:mod:`~services.engines.reference.request_state`, a request's blocks in
+:mod:`~services.engines.reference.kv_blocks`, sampling and finishing a token in
 :mod:`~services.engines.reference.outputs`, the KV hand-off messages in
 :mod:`~services.engines.reference.kv_handoff`.
 """
@@ -53,6 +56,7 @@ from services.engines.errors import (
     RequestAborted,
 )
 from services.engines.reference.batch import SequenceChunk
+from services.engines.reference.kv_blocks import KVBlocks
 from services.engines.reference.kv_handoff import (
     held_handle,
     lease_outcome,
@@ -75,7 +79,6 @@ from services.engines.reference.outputs import (
     prefill_result,
     token_delta,
 )
-from services.engines.reference.prefix_cache import PrefixCache
 from services.engines.reference.request_state import (
     ABORTED,
     EngineRequest,
@@ -97,7 +100,6 @@ from services.engines.requests import (
     SamplingParams,
     TokenLogprobs,
 )
-from services.kv_transfer.allocator import BlockAllocator
 from services.tokenization.tokenizer import Tokenizer
 from services.topology.ranges import RankKey
 
@@ -124,12 +126,7 @@ class Scheduler:
         self.engine_id = engine_id
         self.generation = generation
         self.limits = limits
-        self.allocator = BlockAllocator(limits.num_blocks)
-        self.prefix_cache = (
-            PrefixCache(self.allocator, limits.block_size, record_events=record_kv_events)
-            if limits.prefix_caching
-            else None
-        )
+        self.blocks = KVBlocks(limits, record_events=record_kv_events)
         self.outbox: list[HostCommand] = []
         """Commands for every rank, in order; the engine loop sends and clears them."""
         self.deliveries: list[tuple[RequestSink, SinkItem]] = []
@@ -240,44 +237,12 @@ class Scheduler:
             budget -= take
         return PlannedStep(tuple(entries)) if entries else None
 
-    def free_blocks(self) -> int:
-        """Blocks an admission may use (evictable prefix-cache blocks included)."""
-        cache = self.prefix_cache
-        return self.allocator.free_count if cache is None else cache.free_count()
-
     def _admit(self) -> None:
-        cache = self.prefix_cache
         while self._waiting and self.running_count < self.limits.max_running:
             request = self._waiting[0]
-            single = self.limits.blocks_needed(request.kind, len(request.prompt), request.sampling)
-            needed = self.limits.blocks_total(
-                request.kind, request.prompt, request.sampling, len(request.forks) + 1
-            )
-            cached: list[int] = []
-            if cache is not None and request.sampling.prompt_logprobs is None:
-                # A remote request's KV for every prompt token may be cached (its first token
-                # is computed here anyway): only the blocks past the hit are pulled.
-                cached = cache.match(
-                    (*request.prompt, request.first_token_id)
-                    if request.kind == "remote" and request.first_token_id is not None
-                    else request.prompt
-                )
-            if needed - len(cached) > self.free_blocks():
-                if cached:
-                    self.allocator.free(cached)
+            if not self.blocks.reserve(request):
                 return  # head of line waits for blocks
             self._waiting.popleft()
-            fresh = (
-                cache.allocate(needed - len(cached))
-                if cache is not None
-                else list(self.allocator.allocate(needed))
-            )
-            request.block_ids = [*cached, *fresh]
-            request.block_ids, request.reserved = (
-                request.block_ids[:single],
-                request.block_ids[single:],
-            )
-            request.num_computed = request.cached_tokens = len(cached) * self.limits.block_size
             request.admitted_at = self._clock()
             if request.kind == "remote":
                 self._start_pull(request)
@@ -301,11 +266,8 @@ class Scheduler:
                 add_prompt_logprobs(request, entry.chunk.num_cached, rows)
             request.num_computed += length
             if request.pending_tokens == 0:
-                if not request.output and self.prefix_cache is not None:
-                    self.prefix_cache.insert(request.prompt, request.block_ids)
-                    # vLLM's count: the prompt's full blocks, less those found cached.
-                    full = len(request.prompt) // self.limits.block_size * self.limits.block_size
-                    request.cache_write_tokens = max(0, full - request.cached_tokens)
+                if not request.output:
+                    self.blocks.prompt_computed(request)
                 token, logprobs, more = self._rules.next_token(request, rows[-1])
                 self._on_token(request, token, logprobs, more)
 
@@ -380,12 +342,7 @@ class Scheduler:
         self._release_blocks(request)
 
     def _release_blocks(self, request: EngineRequest) -> None:
-        if request.block_ids:
-            self.allocator.free(request.block_ids)
-            request.block_ids = []
-        if request.reserved:
-            self.allocator.free(request.reserved)
-            request.reserved = []
+        self.blocks.release(request)
         self._requests.pop(request.request_id, None)
         root = request.parent or request.request_id
         family = self._families.get(root)
@@ -428,8 +385,7 @@ class Scheduler:
         request.kv_transfer_s = self._clock() - request.pull_started_at
         request.num_computed = len(request.prompt)
         request.output = [request.first_token_id]
-        if self.prefix_cache is not None:  # the pulled blocks hold the prompt's KV
-            self.prefix_cache.insert(request.prompt, request.block_ids)
+        self.blocks.prompt_pulled(request)
         request.phase = Phase.RUNNING
         self._running.append(request)
         forks = [self._fork(request, fork) for fork in request.forks]
@@ -442,15 +398,10 @@ class Scheduler:
     def _fork(self, request: EngineRequest, fork: Fork) -> EngineRequest:
         """Start fork ``fork`` of a pulled request: the prompt's full blocks shared, the rest
         of its blocks from the request's reservation (see the module docstring)."""
-        full = len(request.prompt) // self.limits.block_size
-        own = self.limits.blocks_needed("remote", len(request.prompt), request.sampling) - full
-        shared = request.block_ids[:full]
-        self.allocator.incref(shared)
-        blocks, request.reserved = request.reserved[:own], request.reserved[own:]
+        blocks, computed = self.blocks.fork(request)
         sampling = request.sampling.for_choice(fork.choice - request.choice)
         text = self._rules.output_text(sampling, (fork.first_token_id,))
-        computed = full * self.limits.block_size
-        child = forked(request, fork, sampling, text, [*shared, *blocks], computed)
+        child = forked(request, fork, sampling, text, blocks, computed)
         self._requests[child.request_id] = child
         self._running.append(child)
         return child

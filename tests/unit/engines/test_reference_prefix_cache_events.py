@@ -93,7 +93,7 @@ def test_the_scheduler_records_a_requests_prompt_blocks_once_they_are_computed()
     sink = ListSink()
     scheduler.submit("a", "generate", prompt, SamplingParams(max_tokens=2), sink)
     run_to_end(scheduler, sink)
-    assert scheduler.prefix_cache is not None
-    events = scheduler.prefix_cache.take_events()
+    assert scheduler.blocks.prefix_cache is not None
+    events = scheduler.blocks.prefix_cache.take_events()
     assert [type(e) for e in events] == [BlockStored]
     assert events[0].token_ids == tuple(prompt[:8])  # type: ignore[union-attr]

@@ -93,7 +93,7 @@ def test_chunked_prefill_then_decode_and_blocks_come_back() -> None:
     deltas = [item for item in sink.items if isinstance(item, TokenDelta)]
     assert [d.token_ids for d in deltas] == [(65,), (65,), (65,)]
     assert deltas[-1].finish_reason is FinishReason.LENGTH
-    assert scheduler.allocator.free_count == 16 and scheduler.in_flight == 0
+    assert scheduler.blocks.allocator.free_count == 16 and scheduler.in_flight == 0
 
 
 def test_a_new_request_joins_the_running_batch_next_step() -> None:
@@ -145,9 +145,9 @@ def test_prefill_holds_blocks_until_every_rank_ends_its_lease() -> None:
     assert scheduler.outbox == [HoldKV("p", (0, 1), 5.0)]
     assert scheduler.abort("p") and scheduler.outbox[-1] == ReleaseKV("p")
     scheduler.on_lease_ended(LeaseEnded((0, 0), "p", "aborted"))
-    assert scheduler.allocator.free_count == 14  # one rank still reads
+    assert scheduler.blocks.allocator.free_count == 14  # one rank still reads
     scheduler.on_lease_ended(LeaseEnded((1, 0), "p", "aborted"))
-    assert scheduler.allocator.free_count == 16 and scheduler.in_flight == 0
+    assert scheduler.blocks.allocator.free_count == 16 and scheduler.in_flight == 0
 
 
 def run_to_end(scheduler: Scheduler, sink: ListSink) -> TokenDelta:
@@ -163,10 +163,10 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     scheduler.submit("a", "generate", prompt, SamplingParams(max_tokens=2), first)
     # Its two full blocks were computed and cached: 8 tokens written (vLLM's count).
     assert run_to_end(scheduler, first).usage == Usage(10, 2, 0, 8)
-    cache = scheduler.prefix_cache
+    cache = scheduler.blocks.prefix_cache
     assert cache is not None and cache.num_cached == 2
     # Cached blocks nobody uses count as free.
-    assert scheduler.free_blocks() == 16 and scheduler.allocator.free_count == 14
+    assert scheduler.blocks.free_count() == 16 and scheduler.blocks.allocator.free_count == 14
     # A local request's first delta says what it found cached (streamed front ends answer
     # with it from their first chunk), once; the first request found nothing.
     assert [d.cached_tokens for d in first.items if isinstance(d, TokenDelta)] == [0, None]
@@ -187,7 +187,7 @@ def test_prefix_cache_reuses_full_prompt_blocks_and_evicts_lru() -> None:
     big = ListSink()
     scheduler.submit("d", "generate", list(range(100, 160)), SamplingParams(max_tokens=4), big)
     assert run_to_end(scheduler, big).finish_reason is FinishReason.LENGTH
-    assert scheduler.in_flight == 0 and scheduler.free_blocks() == 16
+    assert scheduler.in_flight == 0 and scheduler.blocks.free_count() == 16
 
 
 # -- n > 1: forks from one prefill and one pull ---------------------------------------------
@@ -252,7 +252,7 @@ def test_forked_remote_decode_pulls_once_and_shares_the_prompts_full_blocks() ->
     for rank in RANKS:
         scheduler.on_pull_done(PullDone(rank, "d", ok=True))
     shared = parent_blocks[0]
-    assert scheduler.allocator.refcount(shared) == 3  # the parent's and two forks'
+    assert scheduler.blocks.allocator.refcount(shared) == 3  # the parent's and two forks'
     step = scheduler.schedule()
     assert step is not None
     # The parent continues after its first token; each fork recomputes the partial block.
@@ -267,7 +267,7 @@ def test_forked_remote_decode_pulls_once_and_shares_the_prompts_full_blocks() ->
     finished = [d for d in deltas if d.finish_reason is not None]
     assert sorted(d.choice for d in finished) == [0, 2, 5]
     assert all(d.usage is not None and d.usage.completion_tokens == 3 for d in finished)
-    assert scheduler.allocator.free_count == 16
+    assert scheduler.blocks.allocator.free_count == 16
 
 
 def test_aborting_a_forked_request_aborts_every_fork() -> None:
@@ -292,4 +292,4 @@ def test_aborting_a_forked_request_aborts_every_fork() -> None:
     aborted = [d for d in sink.items if isinstance(d, TokenDelta) and d.finish_reason]
     assert sorted(d.choice for d in aborted) == [0, 1]
     assert all(d.finish_reason is FinishReason.ABORT for d in aborted)
-    assert scheduler.in_flight == 0 and scheduler.allocator.free_count == 16
+    assert scheduler.in_flight == 0 and scheduler.blocks.allocator.free_count == 16
