@@ -1,4 +1,9 @@
-"""A session-wide pool of spawned worker processes (each imports torch and NIXL once)."""
+"""A session-wide pool of spawned worker processes (each imports torch and NIXL once).
+
+The modules that use it name :data:`WORKER_POOL` as their ``xdist_group``, so ``make test``'s
+workers (``--dist loadgroup``) run them all in one process and spawn the pool once, not once
+in each worker that happens to draw one of them (six processes importing torch and NIXL: about
+a dozen seconds of CPU)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import pytest
 from tests.integration.kv_transfer.harness import WorkerProcess, spawn_workers
 
 POOL_SIZE = 6
+WORKER_POOL = "kv-transfer-worker-pool"
+"""The ``xdist_group`` of the modules that use :func:`worker_pool`."""
 
 
 @pytest.fixture(scope="session")

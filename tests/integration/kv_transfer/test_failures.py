@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from tests.integration.kv_transfer.conftest import WORKER_POOL
 from tests.integration.kv_transfer.harness import (
     EngineSpec,
     WorkerError,
@@ -15,7 +16,7 @@ from tests.integration.kv_transfer.harness import (
     spawn_workers,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group(WORKER_POOL)]
 
 PRODUCER = EngineSpec("prefill-x", 1, num_layers=2, num_kv_heads=2, pp=1, tp=1)
 CONSUMER = EngineSpec("decode-x", 1, num_layers=2, num_kv_heads=2, pp=1, tp=1, role="decode")

@@ -27,10 +27,11 @@ from services.kv_transfer.nixl_transport import NixlTransport
 from services.kv_transfer.peer_sync import PeerSync
 from services.kv_transfer.protocol import WorkerIdentity
 from services.topology import ModelShape
+from tests.integration.kv_transfer.conftest import WORKER_POOL
 from tests.integration.kv_transfer.harness import DTYPE, WorkerProcess, compat_hash
 from tests.integration.kv_transfer.harness import EngineSpec as HarnessSpec
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group(WORKER_POOL)]
 
 LAYERS, HEADS = 4, 2
 

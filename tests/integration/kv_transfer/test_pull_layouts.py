@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.kv_transfer.planning import notification_plan
+from tests.integration.kv_transfer.conftest import WORKER_POOL
 from tests.integration.kv_transfer.harness import (
     EngineSpec,
     WorkerProcess,
@@ -12,7 +13,7 @@ from tests.integration.kv_transfer.harness import (
     rank_field,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group(WORKER_POOL)]
 
 
 def run_pulls(
