@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class Call(Stream):
-    """One call: a :class:`~services.serving.h2grpc.protocol.Stream` (``messages``, then
+    """One call: a :class:`~services.serving.h2grpc.protocol.Stream` (``unread`` messages, then
     ``code``, ``details`` and ``metadata``) with a waiter. :meth:`wait` returns when a message
     arrived (streaming calls) or the call ended. ``deadline`` (its timer) is the connection's;
     ``retried``: this call is the second try of one the server never processed (the channel's).
@@ -40,7 +40,7 @@ class Call(Stream):
 
     async def wait(self) -> None:
         """Until a message arrives (streaming calls) or the call ends."""
-        if self.code is not None or (self.streaming and self.messages):
+        if self.code is not None or (self.streaming and self.unread):
             return
         self._waiter = self._connection.loop.create_future()
         try:
@@ -49,11 +49,9 @@ class Call(Stream):
             self._waiter = None
 
     def take(self) -> bytes:
-        """The next message (there is one): read, so the server may send more."""
-        message = self.messages.popleft()
-        if self.streaming:
-            self._connection.consumed(self, len(message))
-        return message
+        """The next message (``unread`` says there is one): read, so the server may send
+        more."""
+        return self._connection.take(self)
 
     def failure(self) -> CallFailed:
         assert self.code is not None and self.code is not grpc.StatusCode.OK

@@ -142,12 +142,12 @@ class H2GrpcChannel:
             if call.code is grpc.StatusCode.OK:
                 break
             call = await self._again(call, path, request, deadline, fields)
-        if len(call.messages) != 1:
+        if call.unread != 1:
             raise CallFailed(
                 grpc.StatusCode.INTERNAL,
-                f"a unary answer from {self.target} had {len(call.messages)} messages",
+                f"a unary answer from {self.target} had {call.unread} messages",
             )
-        return call.messages[0]
+        return call.take()
 
     async def server_stream(
         self,
@@ -165,7 +165,7 @@ class H2GrpcChannel:
         call = await self._start(path, request, deadline, fields, streaming=True)
         try:
             while True:
-                while call.messages:
+                while call.unread:
                     yield call.take()
                 if call.code is not None:
                     if call.code is grpc.StatusCode.OK:

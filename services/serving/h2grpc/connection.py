@@ -295,11 +295,12 @@ class H2Connection(asyncio.Protocol):
         if call.code is None:
             self._handle(self.protocol.reset(call, code, details))
 
-    def consumed(self, call: Call, size: int) -> None:
-        """The call's consumer took a message of ``size`` bytes (its window may open)."""
-        self.protocol.consumed(call, size)
+    def take(self, call: Call) -> bytes:
+        """The call's next message, taken by its consumer (its window may open)."""
+        message = self.protocol.take(call)
         if self.protocol.has_data_to_send:
             self._schedule_flush()
+        return message
 
     def _deadline_passed(self, call: Call) -> None:
         call.deadline = None

@@ -68,7 +68,7 @@ class Violation:
     """The client's SETTINGS were not acknowledged in time (RFC 9113 §6.5.3)."""
     FLOOD = "flood"
     """PINGs or SETTINGS past what the client queues answers for while the server does not read
-    them, or unread messages of a few bytes past what a stream may hold (ENHANCE_YOUR_CALM)."""
+    them, or frames in a row that carry nothing past what the client takes (ENHANCE_YOUR_CALM)."""
     HANDSHAKE_TIMEOUT = "handshake_timeout"
     """No SETTINGS from the server (its HTTP/2 preface) within the channel's handshake bound."""
     INTERNAL = "internal"

@@ -6,7 +6,7 @@ the rules a server must keep there; it calls this layer's hooks with a stream's 
 headers, DATA and trailers, and when it ended a stream (why, as a
 :class:`~services.serving.h2grpc.http2_base.StreamEnd`). Above: the asyncio layer,
 :mod:`~services.serving.h2grpc.connection`, which starts calls (:meth:`ClientProtocol.open`),
-takes their messages (:meth:`ClientProtocol.consumed`), resets them
+takes their messages (:meth:`ClientProtocol.take`), resets them
 (:meth:`ClientProtocol.reset`) and wakes their readers on :class:`StreamChanged`. What never
 crosses: this layer writes no frame but through the connection's methods and keeps no window
 (it reads a stream's ``credit`` only to skip a call that would send nothing); the connection
@@ -19,24 +19,28 @@ length-prefixed message; the response's ``:status`` and content-type; its messag
 DATA frames; its trailers (``grpc-status``, ``grpc-message``, metadata); and each HTTP/2 outcome
 as the status gRPC gives it (a RST_STREAM, GOAWAY, a breach, the connection's loss).
 
-Backpressure: a streaming call's window is given back as its consumer reads (:meth:`consumed`),
-not as bytes arrive: a call whose consumer stopped reading (a slow HTTP client) holds at most
+Backpressure: a streaming call's window is given back as its consumer reads (:meth:`take`), not
+as bytes arrive: a call whose consumer stopped reading (a slow HTTP client) holds at most
 :data:`~services.serving.h2grpc.http2_base.STREAM_WINDOW` of complete messages plus the window still
 open to the server and one partial message (:attr:`Stream.held_bytes`); then the server can send
 nothing more on that stream and waits. A unary call's answer is one message: its window is given
 back as it arrives, and a second message fails the call.
 
-What a server may send within the grammar is bounded too (issue 46): each unread message is
-charged its size plus :data:`MESSAGE_COST` (its Python object), so empty or tiny messages stop the
-window being given back, and a streaming call whose unread messages cost over
-:data:`MAX_QUEUED_COST` fails RESOURCE_EXHAUSTED (RST_STREAM ENHANCE_YOUR_CALM); any message
-appended wakes the reader, an empty one too. ``:status`` must be 3 ASCII digits and
-``grpc-status`` ASCII digits (``str.isdigit`` takes "²", on which ``int`` raised inside the
-receive path and closed the connection): else the call fails INTERNAL naming the value, as
-grpc-go does; a number gRPC does not define is UNKNOWN, named. A 200 whose content-type is not
-``application/grpc`` (an HTML page from a proxy) fails UNKNOWN naming it, as grpc-go does. A
-compressed message fails its call INTERNAL naming the encoding (the client asks for identity), a
-message over ``max_message_bytes`` RESOURCE_EXHAUSTED. Each breach comes out as a
+Unread messages are held as they came, as the bytes on the wire (:class:`Stream`'s ``ready``
+and ``wire``), and a message is cut out when the consumer takes it: what a stopped reader holds
+is what the window let in, whatever the messages' size. (Held as a ``bytes`` object each, a
+message cost its size plus about 56 bytes, so a window of empty or tiny messages cost over 10
+times itself in memory; issue 46 charged that and failed a call past 8 MiB, which a server
+within its window reached with messages of 0-2 bytes.) Any message appended wakes the reader,
+an empty one too.
+
+What a server may send within the grammar is bounded too (issue 46). ``:status`` must be 3
+ASCII digits and ``grpc-status`` ASCII digits (``str.isdigit`` takes "²", on which ``int``
+raised inside the receive path and closed the connection): else the call fails INTERNAL naming
+the value, as grpc-go does; a number gRPC does not define is UNKNOWN, named. A 200 whose
+content-type is not ``application/grpc`` (an HTML page from a proxy) fails UNKNOWN naming it, as
+grpc-go does. A compressed message fails its call INTERNAL naming the encoding (the client asks
+for identity), a message over ``max_message_bytes`` RESOURCE_EXHAUSTED. Each breach comes out as a
 :class:`~services.serving.h2grpc.http2_events.Breach` event.
 """
 
@@ -44,7 +48,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import collections
 import struct
 
 import grpc
@@ -58,18 +61,10 @@ from services.serving.h2grpc.http2_base import CREDIT_BATCH, STREAM_WINDOW, H2St
 from services.serving.h2grpc.http2_events import Breach, Event
 
 _QUEUE_LOW = STREAM_WINDOW // 2
-"""A stream's window is opened again only while its unread messages are at most this."""
-MESSAGE_COST = 56
-"""What a received message costs the client beyond its bytes, and is charged against its stream
-(:attr:`Stream.queued_bytes`): the ``bytes`` object's header (33 bytes, allocated in steps of 16)
-and its slot in the stream's deque; more than the 5-byte prefix that carried it. Without it an
-empty message (a default protobuf) was free, so the window was given back while the queue grew
-without bound, and a 2-byte one cost 27 times what was counted."""
-MAX_QUEUED_COST = 8 * STREAM_WINDOW
-"""What a streaming call's unread messages may cost (:attr:`Stream.queued_bytes`). The window is
-counted in bytes on the wire, so a window of messages of 0 to 2 bytes costs up to 10 times
-itself in memory: past this bound (reached by such messages only) the call fails
-RESOURCE_EXHAUSTED and its stream is reset ENHANCE_YOUR_CALM."""
+"""A stream's window is opened again only while its unread messages are at most this (bytes)."""
+_PREFIX = struct.Struct(">BL").unpack_from
+_LENGTH = struct.Struct(">L").unpack_from
+_PREFIX_BYTES = grpc_wire.MESSAGE_PREFIX_BYTES
 _STATUS_OF_END = {
     StreamEnd.GOAWAY: grpc.StatusCode.UNAVAILABLE,
     StreamEnd.CONNECTION: grpc.StatusCode.UNAVAILABLE,
@@ -84,45 +79,50 @@ _STATUS_OF_END = {
 class Stream(H2Stream):
     """One call's stream: what the server sent so far, then its status.
 
-    ``messages`` fills as messages arrive; ``code`` is ``None`` while the call is open and its
-    status once it ended (OK included), with ``details`` and trailing ``metadata``;
-    ``unprocessed`` (HTTP/2's) says whether it may be sent again. The other fields are the
-    protocol's: ``buffer`` (a message's bytes so far), ``encoding`` (the response's
-    ``grpc-encoding``) and ``queued_bytes`` (complete messages not yet consumed, each charged
-    its size plus :data:`MESSAGE_COST`); the stream's own are
+    ``unread`` counts the complete messages not yet taken (:meth:`ClientProtocol.take` cuts
+    the next one out); ``code`` is ``None`` while the call is open and its status once it
+    ended (OK included), with ``details`` and trailing ``metadata``; ``unprocessed`` (HTTP/2's)
+    says whether it may be sent again. The other fields are the protocol's, the bytes received
+    as they came (messages with their 5-byte prefixes) in two parts: ``ready`` (complete
+    messages the reader takes from, up to ``read_to`` taken) and ``wire`` (what came since:
+    complete messages up to ``complete_to``, then a partial one), which becomes ``ready`` when
+    the reader took all of that (so a frame's bytes are not copied when the reader keeps up,
+    and each message of a backlog is cut from ``bytes``); ``encoding`` (the response's
+    ``grpc-encoding``); the stream's own are
     :class:`~services.serving.h2grpc.http2_base.H2Stream`'s.
     """
 
     __slots__ = (
-        "buffer",
         "code",
+        "complete_to",
         "details",
         "encoding",
-        "messages",
         "metadata",
-        "queued_bytes",
+        "read_to",
+        "ready",
         "streaming",
+        "unread",
+        "wire",
     )
 
     def __init__(self, *, streaming: bool) -> None:
         H2Stream.__init__(self)  # not super(): 0.1 us less a call on Python 3.11
         self.streaming = streaming
-        self.messages: collections.deque[bytes] = collections.deque()
+        self.unread = 0
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.metadata: Metadata = ()
-        self.buffer: bytes | bytearray = b""
+        self.ready = b""
+        self.wire: bytes | bytearray = b""
+        self.read_to = self.complete_to = 0
         self.encoding = ""
-        self.queued_bytes = 0
 
     @property
     def held_bytes(self) -> int:
-        """The bytes the client holds for this call: messages not yet read (each with
-        :data:`MESSAGE_COST`), a partial message, and request bytes not yet sent."""
-        held = len(self.buffer) + super().held_bytes
-        if self.streaming:
-            return held + self.queued_bytes
-        return held + sum(len(message) + MESSAGE_COST for message in self.messages)
+        """The bytes the client holds for this call: received (complete messages and a
+        partial one, as they came; taken ones until the rest of their ``ready`` part is), and
+        request bytes not yet sent."""
+        return len(self.ready) + len(self.wire) + super().held_bytes
 
 
 class StreamChanged(Event):
@@ -171,15 +171,33 @@ class ClientProtocol(H2ClientConnection[Stream]):
             block += metadata
         self._start_stream(stream, block, grpc_wire.message(payload))
 
-    def consumed(self, stream: Stream, size: int) -> None:
-        """The consumer took a message of ``size`` bytes from ``stream``: its window may open."""
-        stream.queued_bytes -= size + MESSAGE_COST
+    def take(self, stream: Stream) -> bytes:
+        """The next message of ``stream`` (the caller saw ``stream.unread``), cut from what it
+        holds: read, so a streaming call's window may open."""
+        ready, read_to = stream.ready, stream.read_to
+        if not ready:  # all taken: what came since is next
+            wire = stream.wire
+            if stream.complete_to == len(wire) and isinstance(wire, bytes):
+                ready = stream.ready = wire  # the frame as it came (the reader keeps up)
+                stream.wire = b""
+                stream.complete_to = 0
+            else:
+                ready = _make_ready(stream)
+        start = read_to + _PREFIX_BYTES
+        end = start + _LENGTH(ready, read_to + 1)[0]
+        if end == len(ready):  # all taken: let it go
+            stream.ready, stream.read_to = b"", 0
+        else:
+            stream.read_to = end
+        stream.unread -= 1
         if (
             stream.credit >= CREDIT_BATCH
-            and stream.queued_bytes <= _QUEUE_LOW
+            and stream.streaming
+            and len(ready) - end + stream.complete_to <= _QUEUE_LOW
             and stream.code is None
         ):
             self._open_window(stream)
+        return ready[start:end]
 
     def reset(
         self,
@@ -219,19 +237,25 @@ class ClientProtocol(H2ClientConnection[Stream]):
         self._finish(stream, code, details)
 
     def _data_received(self, stream: Stream, data: bytes, ended: bool) -> None:
-        # A message over several frames gathers in a bytearray; whole ones are cut from the frame.
-        buffer: bytes | bytearray = stream.buffer
-        if buffer:
-            buffer += data
+        # The frame's bytes join what came since the reader's ready part (the frame itself when
+        # nothing did: no copy); complete messages are counted here, cut when taken.
+        wire = stream.wire
+        if wire:
+            if isinstance(wire, bytes):
+                wire = bytearray(wire)
+            wire += data
         else:
-            buffer = data
-        position, size_now, queued, appended = 0, len(buffer), 0, 0
-        while size_now - position >= grpc_wire.MESSAGE_PREFIX_BYTES:
-            compressed, size = struct.unpack_from(">BL", buffer, position)
+            wire = data
+        stream.wire = wire
+        position, size_now, appended = stream.complete_to, len(wire), 0
+        while size_now - position >= _PREFIX_BYTES:
+            compressed, size = _PREFIX(wire, position)
             if compressed:
                 self._events.append(Breach(Violation.COMPRESSED_MESSAGE))
-                self._reset(
+                self._refuse_message(
                     stream,
+                    position,
+                    appended,
                     grpc.StatusCode.INTERNAL,
                     f"compressed gRPC messages are not supported ({self.target} sent one, "
                     f"grpc-encoding {stream.encoding or '(none)'}, to a client that accepts "
@@ -239,61 +263,62 @@ class ClientProtocol(H2ClientConnection[Stream]):
                 )
                 return
             if size > self._max_message_bytes:
-                self._reset(
+                self._refuse_message(
                     stream,
+                    position,
+                    appended,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"received message larger than max ({size} vs. {self._max_message_bytes})",
                 )
                 return
-            end = position + grpc_wire.MESSAGE_PREFIX_BYTES + size
+            end = position + _PREFIX_BYTES + size
             if end > size_now:
                 break
-            if not stream.streaming and stream.messages:
-                self._reset(
+            if not stream.streaming and (appended or stream.unread):
+                self._refuse_message(
                     stream,
+                    position,
+                    appended,
                     grpc.StatusCode.INTERNAL,
                     f"a unary answer from {self.target} had 2 messages",
                 )
                 return
-            stream.messages.append(bytes(buffer[position + grpc_wire.MESSAGE_PREFIX_BYTES : end]))
-            queued += size
             appended += 1
             position = end
-        if position == size_now:
-            stream.buffer = b""
-        elif position or not isinstance(buffer, bytearray):
-            stream.buffer = bytearray(buffer[position:])
-        else:
-            stream.buffer = buffer
+        stream.complete_to = position
+        stream.unread += appended
         if ended:
             self._finish(
                 stream, grpc.StatusCode.INTERNAL, "the server ended the stream without trailers"
             )
             return
         # Bytes read are given back at once but for complete messages of a streaming call,
-        # which count as read when the consumer takes them (consumed).
+        # which count as read when the consumer takes them (take).
         if stream.streaming:
             if appended:  # an empty message too wakes the reader
-                stream.queued_bytes += queued + appended * MESSAGE_COST
-                if stream.queued_bytes > MAX_QUEUED_COST:
-                    self._events.append(Breach(Violation.FLOOD))
-                    count, held = len(stream.messages), stream.queued_bytes
-                    stream.messages.clear()  # the call failed: what it held goes now
-                    stream.queued_bytes = 0
-                    self._reset(
-                        stream,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{self.target} sent {count} messages the reader has not taken, costing "
-                        f"{held} bytes held, over the "
-                        f"{MAX_QUEUED_COST} bound (messages of a few bytes each)",
-                        ErrorCode.ENHANCE_YOUR_CALM,
-                    )
-                    return
                 self._events.append(StreamChanged(stream))
-            if stream.credit >= CREDIT_BATCH and stream.queued_bytes <= _QUEUE_LOW:
+            if (
+                stream.credit >= CREDIT_BATCH
+                and position + len(stream.ready) - stream.read_to <= _QUEUE_LOW
+            ):
                 self._open_window(stream)
         elif stream.credit >= CREDIT_BATCH:
             self._open_window(stream)
+
+    def _refuse_message(
+        self,
+        stream: Stream,
+        position: int,
+        appended: int,
+        code: grpc.StatusCode,
+        details: str,
+    ) -> None:
+        """End ``stream`` on a message it may not take, at ``position`` of its ``wire``: the
+        ``appended`` complete messages before it stay readable, the rest goes."""
+        stream.wire = stream.wire[:position]
+        stream.complete_to = position
+        stream.unread += appended
+        self._reset(stream, code, details)
 
     def _response_received(self, stream: Stream, fields: Fields, ended: bool) -> None:
         status = content_type = ""
@@ -399,9 +424,27 @@ class ClientProtocol(H2ClientConnection[Stream]):
             code, details = grpc.StatusCode.UNKNOWN, "the server's trailers carry no grpc-status"
         elif code is grpc.StatusCode.UNKNOWN and status != "2" and not details:
             details = f"{self.target} sent grpc-status {status}, which gRPC does not define"
-        elif code is grpc.StatusCode.OK and stream.buffer:
+        elif code is grpc.StatusCode.OK and len(stream.wire) > stream.complete_to:
             code, details = grpc.StatusCode.INTERNAL, "the stream ended inside a message"
         self._finish(stream, code, details, tuple(metadata))
+
+
+def _make_ready(stream: Stream) -> bytes:
+    """``stream``'s complete messages that came since its ``ready`` part (all taken), copied
+    out as the new ``ready`` (the reader fell behind, or a message crossed frames)."""
+    wire, complete_to = stream.wire, stream.complete_to
+    if complete_to == len(wire):
+        ready = bytes(wire)
+        stream.wire = b""
+    else:
+        ready = bytes(wire[:complete_to])
+        if isinstance(wire, bytes):
+            stream.wire = wire[complete_to:]
+        else:
+            del wire[:complete_to]  # CPython moves the bytearray's start: the rest stays put
+    stream.ready = ready
+    stream.complete_to = 0
+    return ready
 
 
 def _number(value: str, digits: int) -> int | None:

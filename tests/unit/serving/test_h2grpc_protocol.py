@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import hpack
+import pytest
 
 from services.serving.h2grpc import frames, grpc_wire
 from services.serving.h2grpc.errors import ProtocolError, Violation
@@ -103,6 +104,14 @@ class Server:
         self.window += window_updates(self.protocol.data_to_send()).get(1, 0)
 
 
+def read_all(protocol: ClientProtocol, stream: Stream) -> list[bytes]:
+    """Every complete message ``stream`` holds, taken as the call's reader takes them."""
+    taken = []
+    while stream.unread:
+        taken.append(protocol.take(stream))
+    return taken
+
+
 def streaming_call(protocol: ClientProtocol) -> Stream:
     stream = Stream(streaming=True)
     protocol.open(stream, PATH, b"go", timeout_s=30)
@@ -139,12 +148,40 @@ def test_reading_opens_the_streams_window_again() -> None:
     for _ in range(5):  # fill, read all, fill again...
         server.send_while_allowed()
         assert server.window < server.per_frame
-        while stream.messages:
-            protocol.consumed(stream, len(stream.messages.popleft()))
+        while stream.unread:
+            protocol.take(stream)
             server.take_updates()
         assert server.window >= STREAM_WINDOW * 3 // 4  # all but the last batch given back
     assert stream.code is None
     assert server.sent > 5 * STREAM_WINDOW
+
+
+@pytest.mark.parametrize("frame_sizes", [(1, 40), (2_000, 6_000)])
+def test_messages_come_out_whole_and_in_order_however_frames_cut_them(
+    frame_sizes: tuple[int, int],
+) -> None:
+    """Messages of 0 to 300 bytes, their bytes cut into frames of ``frame_sizes`` (a message
+    across frames, several in one), the reader taking one after some frames and the rest at
+    the end: each comes out whole, as ``bytes``, in order, and the stream then holds nothing."""
+    protocol = settled()
+    stream = streaming_call(protocol)
+    payloads = [bytes([i % 251]) * (i * 37 % 301) for i in range(300)]
+    wire = b"".join(grpc_wire.message(payload) for payload in payloads)
+    low, high = frame_sizes
+    taken: list[bytes] = []
+    offset = step = 0
+    while offset < len(wire):
+        size = low + step * 7919 % (high - low + 1)
+        protocol.receive(frames.frame(FrameType.DATA, 0, 1, wire[offset : offset + size]))
+        protocol.data_to_send()
+        offset += size
+        step += 1
+        if step % 3 and stream.unread:
+            taken.append(protocol.take(stream))
+    taken += read_all(protocol, stream)
+    assert taken == payloads
+    assert all(type(message) is bytes for message in taken)
+    assert stream.held_bytes == 0 and stream.code is None
 
 
 def test_a_unary_answer_gives_its_window_back_as_it_arrives_and_has_one_message() -> None:
@@ -158,7 +195,7 @@ def test_a_unary_answer_gives_its_window_back_as_it_arrives_and_has_one_message(
         chunk = big[offset : offset + frames.DEFAULT_MAX_FRAME]
         protocol.receive(frames.frame(FrameType.DATA, 0, 1, chunk))
         protocol.data_to_send()
-    assert stream.code is None and len(stream.messages) == 1
+    assert stream.code is None and stream.unread == 1
     protocol.receive(messages(1, 1, 10)[0])
     assert stream.code is grpc.StatusCode.INTERNAL
     assert "had 2 messages" in stream.details
