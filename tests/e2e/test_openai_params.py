@@ -248,12 +248,25 @@ def test_n_forks_from_one_prefill_and_one_kv_transfer(
     forked = pd.metric("pdserve_router_choices_total", path="forked")
     paths = pd.metric("pdserve_router_execution_path_total", path="forked")
     ttfts = pd.metric("pdserve_router_ttft_seconds_count", path="forked")
+    phase = "pdserve_router_ttft_phase_seconds_count"
+    handoffs = pd.metric(phase, phase="handoff")
+    first_decodes = pd.metric(phase, phase="first_decode_token")
+    gaps = pd.metric("pdserve_router_itl_seconds_count")
     seeded = _texts(client, stream, n=3, temperature=1.0, seed=11, **common)
     assert _engines_metric(pd, "decode", "pdserve_engine_kv_pull_seconds_count") == pulls + 1
     assert pd.metric("pdserve_router_choices_total", path="forked") == forked + 1
     # Each choice counted and its first token timed, as a single request's (docs/metrics.md).
     assert pd.metric("pdserve_router_execution_path_total", path="forked") == paths + 3
     assert pd.metric("pdserve_router_ttft_seconds_count", path="forked") == ttfts + 3
+    # One KV transfer; streamed, each choice's first decode token and gaps (11 decode tokens
+    # each, one delta or more a gap), as a single run's; not streamed, neither.
+    assert pd.metric(phase, phase="handoff") == handoffs + 1
+    assert pd.metric(phase, phase="first_decode_token") == first_decodes + (3 if stream else 0)
+    gapped = pd.metric("pdserve_router_itl_seconds_count") - gaps
+    if stream:
+        assert 3 <= gapped <= 3 * 11
+    else:
+        assert gapped == 0
     assert _texts(client, stream, n=3, temperature=1.0, seed=11, **common) == seeded
     assert len(set(seeded)) > 1
     # Choice i samples as a request seeded with seed + i (vLLM's rule, and the per-choice path).

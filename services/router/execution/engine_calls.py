@@ -361,12 +361,24 @@ class EngineCalls:
         if prefilled is None:  # a local run's first token
             self._metrics.ttft_by(str(info.path)).observe(time.perf_counter() - request.arrival_s)
             return
-        handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
-        self._metrics.ttft_phase_by("handoff").observe(handoff)
-        if whole:
-            return
-        self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff, 0.0))
-        # The prefill's token went out first; the gap to the decode's first is an ITL.
+        handoff_s = self.observe_handoff(delta)
+        if not whole:
+            self.observe_first_decode_token(waited_s, handoff_s)
+
+    def observe_handoff(self, delta: TokenDelta) -> float:
+        """The KV handoff a decode's first delta reports (``kv_transfer_s``, 0 when absent):
+        observed as the ``handoff`` TTFT phase, once per transfer (a forked prompt's choices
+        share one). Returns it."""
+        handoff_s = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
+        self._metrics.ttft_phase_by("handoff").observe(handoff_s)
+        return handoff_s
+
+    def observe_first_decode_token(self, waited_s: float, handoff_s: float) -> None:
+        """A streamed decode's first token after the prefill's, ``waited_s`` after its Decode
+        call began: the wait less the handoff is the ``first_decode_token`` TTFT phase, and the
+        whole wait an ITL (the prefill's token went out first). Once per sequence: a single
+        run's, each forked choice's (its first delta on the shared Decode)."""
+        self._metrics.ttft_phase_by("first_decode_token").observe(max(waited_s - handoff_s, 0.0))
         self._metrics.itl.observe(waited_s)
 
     def abort_later(self, slot: EngineSlot, request: GenerationRequest) -> None:

@@ -25,6 +25,13 @@ messages (a timeout is ``engine_timeout``, counted in ``pdserve_router_engine_ti
 and answered with an Abort of the request on that engine); the engine's breaker is fed once per
 call, and a Decode that never sent a delta releases the KV the prefill engine holds (one Abort
 there), as the executor's does.
+
+Metrics: each choice records what a single run of it would: its TTFT and path (the executor),
+and on a streamed request its ``first_decode_token`` TTFT phase (its first delta on the shared
+Decode, less the handoff) and an ITL for every gap, the first from the Decode call's start, as
+:meth:`EngineCalls.decode <services.router.execution.engine_calls.EngineCalls.decode>` times a
+single stream. The shared calls' phases, ``prefill`` and ``handoff``, are observed once per
+prompt: one Prefill call, one KV transfer.
 """
 
 from __future__ import annotations
@@ -251,6 +258,10 @@ class ForkedLeg:
         slot.health.begin_call()
         stream = slot.connector.decode(decode_request, timeout_s=whole_s + BACKSTOP_GRACE_S)
         first = True
+        handoff_s = 0.0
+        # Each choice's last delta, timed as a single streamed run times its own: its first
+        # decode token and every gap (a non-streamed request's answer has neither).
+        last_delta: dict[int, float] | None = {} if request.stream else None
         try:
             while self._unfinished:
                 left_s = started + whole_s - time.perf_counter()
@@ -268,12 +279,12 @@ class ForkedLeg:
                 except TimeoutError as exc:
                     raise self._calls.decode_timed_out(request, slot, bound, first) from exc
                 finally:
-                    self._info.engine_wait_s += time.perf_counter() - waited
+                    arrived = time.perf_counter()
+                    self._info.engine_wait_s += arrived - waited
                 if first:
                     first = False
                     slot.health.success()
-                    handoff = delta.kv_transfer_s if delta.kv_transfer_s is not None else 0.0
-                    self._metrics.ttft_phase_by("handoff").observe(handoff)
+                    handoff_s = self._calls.observe_handoff(delta)
                 if delta.finish_reason is FinishReason.ERROR:
                     raise EngineRequestFailed(
                         f"decode engine {slot.engine_id} failed the request: "
@@ -286,6 +297,8 @@ class ForkedLeg:
                         "which is not running",
                         code="protocol_mismatch",
                     )
+                if last_delta is not None:
+                    self._observe_gap(last_delta, delta.choice, arrived, started, handoff_s)
                 if delta.finish_reason is not None:
                     self._unfinished.discard(delta.choice)
                 self._queues[delta.choice].put_nowait(
@@ -302,6 +315,24 @@ class ForkedLeg:
             if first:
                 # The decode engine never started: release the KV the producer holds.
                 self._calls.abort_later(producer, request)
+
+    def _observe_gap(
+        self,
+        last_delta: dict[int, float],
+        choice: int,
+        arrived: float,
+        started: float,
+        handoff_s: float,
+    ) -> None:
+        """A delta of ``choice`` came at ``arrived``: its first decode token (the Decode call
+        began at ``started``) or an ITL since its previous delta, as a single run observes
+        them."""
+        previous = last_delta.get(choice)
+        if previous is None:
+            self._calls.observe_first_decode_token(arrived - started, handoff_s)
+        else:
+            self._metrics.itl.observe(arrived - previous)
+        last_delta[choice] = arrived
 
 
 class ForkedChoice:

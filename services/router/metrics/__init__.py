@@ -131,14 +131,16 @@ class RouterMetrics(Metrics):
             "pdserve_router_ttft_phase_seconds",
             "Parts of a disaggregated request's first tokens: prefill (the Prefill call), "
             "handoff (KV transfer reported by the decode engine), first_decode_token (the "
-            "rest of the wait for the decode engine's first token).",
+            "rest of the wait for the decode engine's first token; streamed requests only). "
+            "A prompt with n > 1 forked from one prefill observes prefill and handoff once "
+            "and first_decode_token once per choice.",
             ["phase"],
             buckets=_LATENCY_BUCKETS,
         )
         self.itl = self._loop_histogram(
             "pdserve_router_itl_seconds",
             "Time between two token deltas of one streamed request (a non-streamed one's "
-            "decode answers in one message: no gaps).",
+            "decode answers in one message: no gaps); with n > 1, each choice's own gaps.",
             buckets=_LATENCY_BUCKETS,
         )
         self.e2e = self._loop_histogram(

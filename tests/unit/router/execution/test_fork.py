@@ -102,6 +102,45 @@ async def test_each_forked_choice_counts_its_path_and_first_token(factory: FakeF
     assert sample(rt, "pdserve_router_choices_total", path="forked") == 1
 
 
+def phases(rt: RouterRuntime) -> dict[str, float]:
+    """How many of each TTFT phase, and of ITL gaps, ``rt`` observed."""
+    counted = {
+        phase: sample(rt, "pdserve_router_ttft_phase_seconds_count", phase=phase)
+        for phase in ("prefill", "handoff", "first_decode_token")
+    }
+    counted["itl"] = sample(rt, "pdserve_router_itl_seconds_count")
+    return counted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_forked_choice_times_the_phases_a_single_run_does(stream: bool) -> None:
+    """A single run of 4 tokens (the prefill's, then 3 decode deltas) observes one prefill,
+    one handoff and, streamed, one first decode token and 3 ITL gaps (the first from the
+    Decode call's start); not streamed, its answer comes whole: neither. Forked, each of the 3
+    choices observes its own first decode token and gaps, and the prompt its one Prefill call
+    and one KV transfer (docs/metrics.md)."""
+    single = pair(FakeFactory())
+    reply = await completion(single, max_tokens=4, stream=stream)
+    assert reply.status_code == 200, reply.text
+    decoded = 1 if stream else 0
+    assert phases(single) == {
+        "prefill": 1,
+        "handoff": 1,
+        "first_decode_token": decoded,
+        "itl": 3 * decoded,
+    }
+    forked = pair(FakeFactory())
+    reply = await completion(forked, n=3, max_tokens=4, stream=stream)
+    assert reply.status_code == 200, reply.text
+    assert sample(forked, "pdserve_router_choices_total", path="forked") == 1
+    assert phases(forked) == {
+        "prefill": 1,
+        "handoff": 1,
+        "first_decode_token": 3 * decoded,
+        "itl": 3 * 3 * decoded,
+    }
+
+
 async def test_a_pair_that_cannot_fork_runs_a_request_per_choice(factory: FakeFactory) -> None:
     rt = pair(factory, kind="vllm")
     reply = await completion(rt, n=3, max_tokens=4)
