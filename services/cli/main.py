@@ -20,7 +20,7 @@ from services.cli import router as router_cli
 from services.cli.settings import add_control_plane_flags, resolve
 from services.control_plane import ControlPlaneError
 from services.control_plane.wire import EngineRole
-from services.lifetime import defer_collection_until_serving, end_process
+from services.lifetime import collection_deferred_until_serving, end_process
 
 logger = logging.getLogger("pdserve")
 
@@ -105,7 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "make-synthetic-checkpoint":
         return _make_synthetic_checkpoint(args)
     if args.command in SERVING_COMMANDS:
-        defer_collection_until_serving()  # freeze_startup_heap once it serves
+        with collection_deferred_until_serving():  # freeze_startup_heap once it serves
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         settings = resolve(args)
     except ValueError as exc:

@@ -10,7 +10,7 @@ the rest of ``services``: Redis, Prometheus, engine ranks, vLLM's engine core an
 
 from services.lifetime.heap import (
     SERVING_GC_THRESHOLDS,
-    defer_collection_until_serving,
+    collection_deferred_until_serving,
     freeze_startup_heap,
 )
 from services.lifetime.parent_death import (
@@ -27,7 +27,7 @@ __all__ = [
     "WATCH_PARENT_ENV",
     "PortTaken",
     "check_free",
-    "defer_collection_until_serving",
+    "collection_deferred_until_serving",
     "end_process",
     "end_stop_within",
     "exit_with_parent",

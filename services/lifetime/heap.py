@@ -23,8 +23,10 @@ serving call).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 
 SERVING_GC_THRESHOLDS = (20_000, 20, 20)
 """The collector's thresholds once a process serves (Python's are (700, 10, 10)): a request
@@ -32,12 +34,40 @@ allocates a few hundred container objects, so the default ran a young collection
 request."""
 
 
-def defer_collection_until_serving() -> None:
-    """At the start of a process that will call :func:`freeze_startup_heap` once it serves:
-    no automatic collection until then, and each child it forks gets a frozen heap and collects
-    (explicit ``gc.collect()`` calls still run)."""
+_starting = False
+"""Whether this process is in :func:`collection_deferred_until_serving` and not yet serving."""
+_fork_hooks_registered = False
+
+
+def _freeze_before_fork() -> None:
+    if _starting:
+        gc.freeze()
+
+
+def _collect_in_child() -> None:
+    if _starting:  # the child (a rank, vLLM's engine core or worker) never calls the freeze
+        gc.enable()
+
+
+@contextlib.contextmanager
+def collection_deferred_until_serving() -> Iterator[None]:
+    """Around the whole run of a process that calls :func:`freeze_startup_heap` once it
+    serves: no automatic collection until then (explicit ``gc.collect()`` calls still run), and
+    each child forked meanwhile gets a frozen heap and collects. On the way out the collector is
+    as it was (a test calling the entry point in its own process keeps its collector)."""
+    global _starting, _fork_hooks_registered  # noqa: PLW0603 - one interpreter, one state
+    if not _fork_hooks_registered:  # fork hooks cannot be removed: registered once, gated
+        os.register_at_fork(before=_freeze_before_fork, after_in_child=_collect_in_child)
+        _fork_hooks_registered = True
+    was_enabled = gc.isenabled()
+    _starting = True
     gc.disable()
-    os.register_at_fork(before=gc.freeze, after_in_child=gc.enable)
+    try:
+        yield
+    finally:
+        _starting = False
+        if was_enabled:
+            gc.enable()
 
 
 def freeze_startup_heap() -> None:
@@ -45,8 +75,9 @@ def freeze_startup_heap() -> None:
     to the permanent generation, which collections skip, and set
     :data:`SERVING_GC_THRESHOLDS`. Cyclic garbage made while serving is still collected. Call it
     once, when the process is about to serve, from its entry point (not from code a test runs
-    in its own process); it turns collection back on after
-    :func:`defer_collection_until_serving`."""
+    in its own process); it ends :func:`collection_deferred_until_serving`'s deferral."""
+    global _starting  # noqa: PLW0603
+    _starting = False
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVING_GC_THRESHOLDS)

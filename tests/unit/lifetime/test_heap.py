@@ -52,19 +52,30 @@ def test_a_serving_process_collects_nothing_while_it_starts_and_its_forks_collec
     script = textwrap.dedent(
         """
         import gc, json, os
-        from services.lifetime import defer_collection_until_serving, freeze_startup_heap
+        from services.lifetime import collection_deferred_until_serving, freeze_startup_heap
 
-        defer_collection_until_serving()
-        starting = gc.isenabled()
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # a forked rank: collects, over what it did not inherit frozen
-            os.write(write, json.dumps([gc.isenabled(), gc.get_freeze_count()]).encode())
-            os._exit(0)
-        os.waitpid(pid, 0)
-        child = json.loads(os.read(read, 1000))
-        freeze_startup_heap()
-        print(json.dumps({"starting": starting, "child": child, "serving": gc.isenabled()}))
+        def forked():  # a rank: does it collect, over a frozen heap?
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.write(write, json.dumps([gc.isenabled(), gc.get_freeze_count()]).encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+            return json.loads(os.read(read, 1000))
+
+        with collection_deferred_until_serving():
+            starting = gc.isenabled()
+            child = forked()
+            freeze_startup_heap()
+            serving = gc.isenabled()
+        gc.unfreeze()
+        with collection_deferred_until_serving():
+            pass  # an entry point that returned before serving (a test's bad flags)
+        after = gc.isenabled()
+        print(json.dumps({
+            "starting": starting, "child": child, "serving": serving, "after": after,
+            "fork_after": forked(),
+        }))
         """
     )
     result = subprocess.run(
@@ -75,3 +86,6 @@ def test_a_serving_process_collects_nothing_while_it_starts_and_its_forks_collec
     child_enabled, child_frozen = report["child"]
     assert child_enabled is True and child_frozen > 1000  # the parent's modules, frozen
     assert report["serving"] is True
+    # Returned without serving: the collector is back, and a later fork is left as it is.
+    assert report["after"] is True
+    assert report["fork_after"] == [True, 0]
