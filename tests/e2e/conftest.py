@@ -13,13 +13,21 @@ restore the whole stack before each one (:data:`FAULT_STACK`).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
+from services.control_plane.local_redis import free_port
+from services.engines.reference.tiny_lora import make_tiny_lora
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
 from tests.conftest import xdist_group_of
 from tests.e2e.up_system import UpSystem
@@ -33,6 +41,9 @@ SHARED_REFERENCE = "shared-reference-stacks"
 FAULT_STACK = "reference-fault-stack"
 """The ``xdist_group`` of ``test_failover_reference`` and ``test_restart_reference``, which
 share :func:`shared_stack` (destructive, but each scenario starts from the whole stack)."""
+VLLM_SERVER = "vllm-server"
+"""The ``xdist_group`` of ``test_vllm_frontend_parity`` and ``test_vllm_pd``, which share
+:func:`vllm_server`."""
 MODEL = "tiny-model"
 OTHER_MODEL = "tiny-qwen"
 """The shared PD stack's second base model (:func:`other_model_dir`)."""
@@ -173,3 +184,85 @@ def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
     finally:
         stacks.close()  # stops it, if the group's end has not
+
+
+VLLM_SERVER_FLAGS = (
+    "--tool-call-parser=hermes",
+    "--enable-auto-tool-choice",
+    "--trust-request-chat-template",
+    "--max-model-len=512",
+)
+"""The front-end flags of :func:`vllm_server`, which ``test_vllm_frontend_parity``'s pdserve
+stack is given too."""
+VLLM_SERVER_ADAPTER = "sql"
+"""The adapter :func:`vllm_server` serves from its start (``--lora-modules``)."""
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+"""Adapters loaded and unloaded at run time (vLLM's server and pdserve's router alike)."""
+VLLM_SERVER_START_S = 900.0
+
+
+class VllmServer:
+    """vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``) of the tiny
+    checkpoint, started by :func:`vllm_server`; :meth:`url` waits until it answers."""
+
+    def __init__(self, model_dir: Path, adapter_dir: Path, log: Path) -> None:
+        self.model_dir = model_dir
+        self.adapter_dir = adapter_dir
+        self.log = log
+        self.port = free_port()
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--dtype", "float32", "--enforce-eager", "--port", str(self.port),
+            "--host", "127.0.0.1", "--block-size", "32", "--served-model-name", MODEL,
+            *VLLM_SERVER_FLAGS,
+            "--enable-lora", "--lora-modules", f"{VLLM_SERVER_ADAPTER}={adapter_dir}",
+        ]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **LORA_ENV}
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self._healthy = False
+
+    def url(self) -> str:
+        """Its base URL, once ``/health`` answers 200 (fails with its log if it exits first or
+        takes longer than :data:`VLLM_SERVER_START_S`)."""
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + VLLM_SERVER_START_S
+        while not self._healthy:
+            assert self.process.poll() is None, self.log.read_text()[-4000:]
+            assert time.monotonic() < deadline, self.log.read_text()[-4000:]
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
+                self._healthy = httpx.get(f"{url}/health", timeout=5).status_code == 200
+            if not self._healthy:
+                time.sleep(0.5)
+        return url
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[VllmServer]:
+    """vLLM's own server of :func:`tiny_model_dir` (:data:`VLLM_SERVER_FLAGS`, the random
+    adapter :data:`VLLM_SERVER_ADAPTER` from the start, adapters loaded at run time), started
+    (not waited for: :meth:`VllmServer.url` waits) on first use and stopped after the last item
+    of :data:`VLLM_SERVER`: ``test_vllm_frontend_parity`` compares pdserve with it, and
+    ``test_vllm_pd`` takes its colocated reference from it (greedy, penalized and seeded
+    outputs equal to a colocated ``pdserve up --engine vllm``'s, 21 of 21, measured on
+    2026-11-28), instead of starting a colocated stack of its own."""
+    root = tmp_path_factory.mktemp("vllm-server")
+    adapter = make_tiny_lora(root / VLLM_SERVER_ADAPTER, tiny_model_dir, seed=1)
+    server = VllmServer(tiny_model_dir, adapter, root / "server.log")
+    stop_after_group(VLLM_SERVER, server.stop)
+    try:
+        yield server
+    finally:
+        server.stop()

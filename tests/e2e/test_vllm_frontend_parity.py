@@ -16,10 +16,6 @@ unloads, bad folders and unknown names answer alike
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,24 +26,21 @@ import pydantic
 import pytest
 
 from services.bench.sse import json_events
-from services.control_plane.local_redis import free_port
 from services.engines.reference.tiny_lora import make_tiny_lora
-from services.engines.reference.tiny_model import make_tiny_model
+from tests.e2e.conftest import LORA_ENV, MODEL, VLLM_SERVER, VLLM_SERVER_FLAGS, VllmServer
+from tests.e2e.conftest import VLLM_SERVER_ADAPTER as ADAPTER
 from tests.e2e.up_system import UpSystem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.xdist_group(VLLM_SERVER),  # its vLLM server is test_vllm_pd's reference too
+]
 
-MODEL = "tiny-model"
-FRONTEND_FLAGS = (
-    "--tool-call-parser=hermes",
-    "--enable-auto-tool-choice",
-    "--trust-request-chat-template",
-    "--max-model-len=512",
-)
+FRONTEND_FLAGS = VLLM_SERVER_FLAGS
 START_TIMEOUT_S = 900.0
-ADAPTER = "sql"
-"""The adapter both servers load at start (``--lora-modules``)."""
-LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 PROMPT = "The quick brown fox jumps over the lazy dog while prefill reads the prompt"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOOLS = [
@@ -242,19 +235,15 @@ timing, see :func:`streamed`); the config hash in ``system_fingerprint``; ``root
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("parity-model") / MODEL)
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[str, Path]:
-    """Random adapters of the tiny checkpoint (PEFT layout): ``sql`` (served from the start),
-    ``chat`` (loaded at run time), ``big`` (rank 32, above the default max_lora_rank 16) and
-    ``empty`` (a folder with no adapter in it)."""
+def adapters(tmp_path_factory: pytest.TempPathFactory, vllm_server: VllmServer) -> dict[str, Path]:
+    """Random adapters of the tiny checkpoint (PEFT layout): ``sql`` (served from the start,
+    the vLLM server's), ``chat`` (loaded at run time), ``big`` (rank 32, above the default
+    max_lora_rank 16) and ``empty`` (a folder with no adapter in it)."""
     root = tmp_path_factory.mktemp("adapters")
     (root / "empty").mkdir()
+    model_dir = vllm_server.model_dir
     return {
-        ADAPTER: make_tiny_lora(root / ADAPTER, model_dir, seed=1),
+        ADAPTER: vllm_server.adapter_dir,
         "chat": make_tiny_lora(root / "chat", model_dir, seed=2),
         "big": make_tiny_lora(root / "big", model_dir, rank=32, seed=3),
         "empty": root / "empty",
@@ -263,22 +252,15 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[
 
 @pytest.fixture(scope="module")
 def servers(
-    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, adapters: dict[str, Path]
+    tmp_path_factory: pytest.TempPathFactory,
+    vllm_server: VllmServer,
+    adapters: dict[str, Path],
 ) -> Iterator[tuple[str, str]]:
-    """vLLM's own server and ``pdserve up --engine vllm``, started together, both serving
+    """vLLM's own server (tests/e2e/conftest.py: started on first use, kept for
+    ``test_vllm_pd``) and ``pdserve up --engine vllm``, starting together, both serving
     :data:`ADAPTER` and taking adapters at run time."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    model_dir = vllm_server.model_dir
     lora = f"{ADAPTER}={adapters[ADAPTER]}"
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--dtype", "float32", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
-        "--block-size", "32", "--served-model-name", MODEL, *FRONTEND_FLAGS,
-        "--enable-lora", "--lora-modules", lora,
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **LORA_ENV}
-    with log.open("wb") as out:
-        vllm = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     pd = UpSystem(
         tmp_path_factory.mktemp("parity-pd"),
         "--engine", "vllm", "--model", str(model_dir), "--dtype", "float32",
@@ -290,26 +272,10 @@ def servers(
         scrub_env=True,
     )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert vllm.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        url = vllm_server.url()
         pd.wait_ready(START_TIMEOUT_S)
         yield url, pd.url
     finally:
-        vllm.terminate()
-        try:
-            vllm.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            vllm.kill()
-            vllm.wait()
         assert pd.stop() == 0, pd.output()
 
 

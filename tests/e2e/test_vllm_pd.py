@@ -2,8 +2,10 @@
 pdserve's connector, compared with colocated vLLM on the same checkpoint.
 
 Each layout starts once per test class (a vLLM stack takes one to three minutes on two cores):
-prefill PP=2 -> decode PP=1 in push mode (the default), PP=1 -> PP=1 in pull mode, and one
-colocated engine whose greedy outputs are the reference. Prompts sit just under, at and just
+prefill PP=2 -> decode PP=1 in push mode (the default), PP=1 -> PP=1 in pull mode. The
+reference is colocated vLLM: vLLM's own OpenAI server of the checkpoint, which
+``test_vllm_frontend_parity`` compares pdserve with too (tests/e2e/conftest.py's
+``vllm_server``, shared by the two modules' xdist group). Prompts sit just under, at and just
 over multiples of the 32-token block (the decode request carries one token more than the
 prefill holds), and span several blocks. float32 throughout: bf16 near-ties differ between
 batch shapes, which is not what these tests are about.
@@ -29,9 +31,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.control_plane.local_redis import LocalRedisServer
-from services.engines.reference.tiny_model import make_tiny_model
 from services.engines.vllm.platform import THREADS_BIND_ENV, rank_cpus
 from services.serving.ready import pdserve_argv
+from tests.e2e.conftest import VLLM_SERVER, VllmServer
 from tests.e2e.faults.probes import load_of
 from tests.e2e.test_failover_reference import (
     Load,
@@ -63,7 +65,13 @@ from tests.e2e.vllm_handoff import (
     token_prompt,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.xdist_group(VLLM_SERVER),  # its reference: the vLLM server of the parity module
+]
 
 BLOCK_SIZE = 32
 MAX_TOKENS = 12
@@ -80,8 +88,9 @@ WORDS = (
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-model")
+def model_dir(vllm_server: VllmServer) -> Path:
+    """The tiny checkpoint the reference server serves (tests/e2e/conftest.py)."""
+    return vllm_server.model_dir
 
 
 def prompt_of_length(tokenizer: Tokenizer, length: int, offset: int) -> str:
@@ -233,18 +242,20 @@ def seeded(
     usage = completion.usage
     assert usage is not None
     choice = completion.choices[0]
-    path = raw.headers["x-pdserve-execution-path"]
+    path = raw.headers.get("x-pdserve-execution-path", "none (not pdserve)")
     return choice.text, choice.finish_reason, usage.completion_tokens, path
 
 
 @pytest.fixture(scope="module")
 def colocated(
-    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, prompts: list[str]
+    vllm_server: VllmServer, prompts: list[str]
 ) -> dict[str, tuple[str, str | None, int]]:
-    """Greedy outputs of one colocated vLLM engine (the reference); the engine is stopped."""
-    system = start(tmp_path_factory.mktemp("vllm-colocated"), model_dir, "--colocated")
-    try:
-        client = client_of(system)
+    """The reference outputs (greedy, penalized, seeded) of colocated vLLM: vLLM's own server
+    of the checkpoint. Equal to those of a colocated ``pdserve up --engine vllm`` of it (21 of
+    21, docs/benchmarks.md, 2026-11-28), which the module started for them before."""
+    with openai.OpenAI(
+        base_url=f"{vllm_server.url()}/v1", api_key="unused", timeout=120, max_retries=0
+    ) as client:
         outputs = {prompt: greedy(client, prompt) for prompt in prompts}
         for prompt in PENALIZED_PROMPTS:
             for repetition in (1.0, 1.3):
@@ -254,8 +265,6 @@ def colocated(
                 text, finish, tokens, _path = seeded(client, prompt, seed, top_p, top_k)
                 outputs[seeded_key(prompt, seed, top_p, top_k)] = (text, finish, tokens)
         return outputs
-    finally:
-        stop(system)
 
 
 def engine_metric(system: UpSystem, engine: str, name: str, **labels: str) -> float:
@@ -566,7 +575,7 @@ class TestPushPrefillPP2:
         model_dir: Path,
         colocated: dict[str, tuple[str, str | None, int]],
     ) -> Iterator[UpSystem]:
-        """Started after the colocated reference ran and stopped (one vLLM stack at a time)."""
+        """Started after the reference outputs were taken (the reference server then idles)."""
         work_dir = tmp_path_factory.mktemp("vllm-push")
         # Ended by SIGKILL of pdserve up: nothing of it may outlive it (issue 35).
         yield from pd_stack(
@@ -806,7 +815,7 @@ class TestPullPP1:
         model_dir: Path,
         colocated: dict[str, tuple[str, str | None, int]],
     ) -> Iterator[UpSystem]:
-        """Started after the colocated reference ran and stopped (one vLLM stack at a time)."""
+        """Started after the reference outputs were taken (the reference server then idles)."""
         pull = "--engine-arg=--transfer-mode=pull"
         yield from pd_stack(
             tmp_path_factory.mktemp("vllm-pull"),
