@@ -8,16 +8,18 @@ re-reads, no polling per request); unit tests feed :meth:`EnginePool.update` dir
 An engine that stops being READY (new generation, lease expired, deregistered, INVALID) leaves
 the pool at once; its connector is closed when the last request using it ends.
 
-Control-plane outages (docs/router.md, "Through a control-plane outage"): while the
-watcher cannot reach Redis, the pool keeps its last view (the engines serve on; the router's own
-calls and circuit breakers say whether they answer). When Redis is back and a re-read (the one
-after the reconnect, or a periodic one within ``holdover_s`` of it: a lease that ran out because
-the heartbeats had not reached Redis yet, as after a Sentinel failover) no longer lists an engine
-READY (Redis restarted empty, or from an old snapshot, and the engine has not registered again
-yet), the engine is *held*: kept for choosing while its breaker stays closed,
-until its new generation is READY (which replaces it), until a call on it fails (it leaves at
-once), or for at most ``holdover_s``. Counted in ``pdserve_router_engine_holdovers_total``;
-``pdserve_router_control_plane_unreachable_seconds`` says how stale the view is.
+Control-plane outages (docs/router.md, "Through a control-plane outage"): while the watcher cannot
+reach Redis, the pool keeps its last view (the engines serve on; the router's own calls and circuit
+breakers say whether they answer). When Redis is back and a re-read (the one after the reconnect, or
+a periodic one within ``holdover_s`` of it: a lease that ran out because the heartbeats had not
+reached Redis yet, as after a Sentinel failover) no longer lists an engine READY (Redis restarted
+empty, or from an old snapshot, and the engine has not registered again yet), or within
+``holdover_s`` of the reconnect the engine registers again at a new generation (its heartbeat found
+its lease gone before any re-read did), the engine is *held*: kept for choosing while its breaker
+stays closed, until its new generation is READY (which replaces it), until a call on it fails (it
+leaves at once), or for at most ``holdover_s``. Counted in
+``pdserve_router_engine_holdovers_total``; ``pdserve_router_control_plane_unreachable_seconds`` says
+how stale the view is.
 """
 
 from __future__ import annotations
@@ -298,8 +300,17 @@ class EnginePool:
                 return True
             self._release_held(slot, "expired")
             return False
+        # Within the holdover of a reconnect, a periodic re-read that misses the engine (its
+        # lease ran out before its heartbeat reached Redis again) and the event of its
+        # re-registration (the heartbeat found the lease gone first: a newer generation, not
+        # READY yet) are the outage's doing; a deregistration event is not.
+        reregistering = (
+            view is not None
+            and view.record is not None
+            and view.record.generation != slot.record.generation
+        )
         after_outage = resync == "reconnect" or (
-            resync is not None
+            (resync is not None or reregistering)
             and self._reconnected_at is not None
             and self._clock() - self._reconnected_at <= self._holdover_s
         )

@@ -119,6 +119,32 @@ def test_a_lease_running_out_just_after_the_outage_is_held_too():
     assert rt.pool.get("p") is None
 
 
+def test_a_re_registration_just_after_the_outage_is_held_until_its_generation_is_ready():
+    """After a Sentinel failover the re-read still lists the engines; the decode engine's
+    heartbeat then finds its lease gone before any re-read does, and registers again: its new
+    generation's event (PENDING) holds the old one, which serves until the new one is READY.
+    Later, or without an outage, a new generation replaces the old one at once."""
+    clock = Clock()
+    rt = ready_pair(clock)
+    rt.pool.update("d", view("d", DECODE), resync="reconnect")  # listed: nothing held
+    clock.now += 1
+    rt.pool.update("d", view("d", DECODE, generation=2, state=EngineState.PENDING))
+    assert rt.pool.held() == ["d"] and generations(rt) == {"d": 1, "p": 1}
+    assert rt.scheduler.ready()
+    rt.pool.update("d", view("d", DECODE, generation=2))
+    assert rt.pool.held() == [] and generations(rt) == {"d": 2, "p": 1}
+    assert holdovers(rt, "replaced") == 1
+    rt.pool.update("p", None)  # an event (deregistered) within the holdover: Redis's word
+    assert rt.pool.get("p") is None
+    for since_reconnect in (HOLDOVER_S + 1, None):
+        rt = ready_pair(clock)
+        if since_reconnect is not None:
+            rt.pool.update("d", view("d", DECODE), resync="reconnect")
+            clock.now += since_reconnect
+        rt.pool.update("d", view("d", DECODE, generation=2, state=EngineState.PENDING))
+        assert rt.pool.get("d") is None and not rt.scheduler.ready()
+
+
 def test_redis_listing_the_same_generation_again_ends_the_hold():
     """A Sentinel replica promoted with the registrations: nothing to replace."""
     clock = Clock()
