@@ -36,6 +36,7 @@ import zmq.asyncio
 from services.kv_events.events import EventBatch
 from services.kv_events.subscriber import EventSubscriber
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.closing import BackgroundCloses
 from services.router.scheduling.kv_index import KVIndex
 from services.router.scheduling.pool import EngineSlot
 
@@ -154,7 +155,7 @@ class KVEventFeed:
         self._sinks: dict[EngineSlot, _SlotSink] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._subscribers: dict[EngineSlot, EventSubscriber] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = BackgroundCloses("a departed engine's KV-event subscriber")
         self._context: zmq.asyncio.Context | None = None
 
     def joined(self, slot: EngineSlot) -> None:
@@ -190,9 +191,7 @@ class KVEventFeed:
         self._sinks.pop(slot, None)
         subscriber = self._subscribers.pop(slot, None)
         if subscriber is not None:
-            task = asyncio.get_running_loop().create_task(subscriber.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._closing.start(subscriber.close())
         self.export()
 
     def subscriber(self, slot: EngineSlot) -> EventSubscriber | None:
@@ -233,8 +232,7 @@ class KVEventFeed:
         self._subscribers.clear()
         for subscriber in subscribers:
             await subscriber.close()
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._closing.wait()
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None

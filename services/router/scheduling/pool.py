@@ -35,6 +35,7 @@ from typing import Protocol
 from services.control_plane.base import AbstractEngineWatcher, ControlPlane, EngineView
 from services.control_plane.wire import EngineId, EngineLoad, EngineRecord, EngineRole
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.closing import BackgroundCloses
 from services.router.scheduling.connector import ConnectorFactory
 from services.router.scheduling.health import CircuitBreaker, CircuitState
 from services.serving.client.connector import EngineConnector
@@ -124,7 +125,7 @@ class EnginePool:
         """:meth:`slots`' answers; cleared whenever ``_slots`` changes."""
         self._registered_models: dict[EngineId, str] = {}
         self._synced = asyncio.Event()
-        self._closers: set[asyncio.Task[None]] = set()
+        self._closers = BackgroundCloses("a departed engine's connector")
         self._listeners: list[PoolListener] = []
         metrics.engine_inflight.read_from(self._inflight_samples)
         metrics.circuit_state.read_from(
@@ -377,12 +378,7 @@ class EnginePool:
             self._metrics.ready_engines.labels(role=role.value).set(count)
 
     def _close_later(self, connector: EngineConnector) -> None:
-        try:
-            task = asyncio.get_running_loop().create_task(connector.close())
-        except RuntimeError:  # no loop (unit tests feeding update() synchronously)
-            return
-        self._closers.add(task)
-        task.add_done_callback(self._closers.discard)
+        self._closers.start(connector.close())
 
     async def follow(self, control_plane: ControlPlane) -> None:
         """Apply every change the control plane's watcher reports, until cancelled.
@@ -436,8 +432,7 @@ class EnginePool:
         for slot in slots:
             with contextlib.suppress(Exception):
                 await slot.connector.close()
-        if self._closers:
-            await asyncio.gather(*self._closers, return_exceptions=True)
+        await self._closers.wait()
 
 
 class Reservation:
