@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -29,6 +28,7 @@ import pytest
 from services.control_plane.local_redis import free_port
 from services.engines.reference.tiny_lora import make_tiny_lora
 from services.engines.reference.tiny_model import TinyModelSpec, make_tiny_model
+from services.supervision import DetachedProcess
 from tests.conftest import xdist_group_of
 from tests.e2e.up_system import UpSystem
 from tests.timing import shared_stacks_stop_here
@@ -218,8 +218,9 @@ class VllmServer:
             "--enable-lora", "--lora-modules", f"{VLLM_SERVER_ADAPTER}={adapter_dir}",
         ]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **LORA_ENV}
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # Its own process group, ended with this process: a stop past its bound kills the
+        # server's engine core too.
+        self.process = DetachedProcess(argv, log, env)
         self._healthy = False
 
     def url(self) -> str:
@@ -237,14 +238,7 @@ class VllmServer:
         return url
 
     def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.process.stop(timeout_s=60)
 
 
 @pytest.fixture(scope="session")
